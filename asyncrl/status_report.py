@@ -1,0 +1,87 @@
+"""The trainer's `GET /status` document: one model shared by the trainer (writer), the status
+endpoint (server), the operator's status mirror and `asyncrl run`'s progress line (readers)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TrainerPhase = Literal["Starting", "Waiting", "Training", "Publishing", "Succeeded", "Failed", "Stopped"]
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StalenessReport(_Report):
+    mean: float = 0.0
+    """Mean version lag of the tokens trained in the last step."""
+    max: int = 0
+    """Largest version lag seen in the last step."""
+    limit: int = 0
+    """eta: groups older than this are dropped."""
+    dropped: int = 0
+    """Groups dropped as too stale since the job started."""
+    histogram: dict[str, int] = Field(default_factory=dict)
+    """Version lag (as a string key) -> tokens trained at that lag, cumulative."""
+
+
+class ImportanceWeightReport(_Report):
+    max: float = 1.0
+    min: float = 1.0
+    mean: float = 1.0
+
+
+class EngineReport(_Report):
+    url: str
+    weight_version: int | None = None
+    ready: bool = False
+
+
+class StepRecord(_Report):
+    """One line of metrics.jsonl and one point of the dashboard's charts."""
+
+    step: int
+    policy_version: int
+    reward_mean: float
+    staleness_mean: float
+    staleness_max: int
+    loss: float = 0.0
+    clip_fraction: float = 0.0
+    tokens: int = 0
+    step_seconds: float = 0.0
+    proximal_seconds: float = 0.0
+    weight_sync_seconds: float = 0.0
+    time: float = 0.0
+    """Unix time the step finished."""
+
+
+class TrainerReport(_Report):
+    """What the trainer publishes about itself at `GET /status`."""
+
+    job: str = ""
+    phase: TrainerPhase = "Starting"
+    message: str = ""
+    step: int = 0
+    policy_version: int = 0
+    max_steps: int = 0
+    groups_trained: int = 0
+    tokens_trained: int = 0
+    tokens_per_second: float = 0.0
+    reward_mean: float | None = None
+    """Mean reward of the last step's batch."""
+    reward_history: list[float] = Field(default_factory=list)
+    """Per-step mean reward, oldest first."""
+    staleness: StalenessReport = Field(default_factory=StalenessReport)
+    clip_fraction: float = 0.0
+    importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
+    proximal_seconds: float = 0.0
+    step_seconds: float = 0.0
+    weight_sync_seconds: float = 0.0
+    last_checkpoint: str | None = None
+    rollout: list[EngineReport] = Field(default_factory=list)
+    history: list[StepRecord] = Field(default_factory=list)
+    """Recent steps (bounded), for the dashboard's charts."""
+    started_at: float = 0.0
+    updated_at: float = 0.0
