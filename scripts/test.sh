@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Run the whole test suite on a fresh machine: sets up what it needs, then runs pytest.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k transport`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --tests
+export PATH="$PWD/.tools/bin:$PATH"
+# Convert the embedded model once, before tests that load it run.
+.venv/bin/python -c "from asyncrl.models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+set +e
+.venv/bin/python -m pytest -ra "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then
+  echo "test.sh: pytest collected no tests: that is a failure here" >&2
+  exit 1
+fi
+exit "$rc"

@@ -1,0 +1,35 @@
+"""Packaging: the repo's operator/ never shadows the stdlib `operator`; the CLI lists every command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from asyncrl.cli import COMMANDS, build_parser
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_stdlib_operator_and_asyncrl_operator_both_import_from_the_repo_root():
+    code = ("import operator, asyncrl.operator as op; "
+            "assert operator.itemgetter(1)([0, 7]) == 7, operator.__file__; "
+            "assert operator.__file__ != op.__file__; print(operator.__file__, op.__file__)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    stdlib_path, ours = res.stdout.split()
+    assert Path(ours).parent == REPO / "operator"
+    assert Path(stdlib_path).parent != REPO / "operator"
+
+
+def test_help_lists_every_command_with_its_purpose():
+    text = build_parser().format_help()
+    for name, _, purpose in COMMANDS:
+        assert name in text and purpose in text, name
+
+
+def test_every_command_has_help(capsys):
+    parser = build_parser()
+    for name, _, _ in COMMANDS:
+        sub = parser._subparsers._group_actions[0].choices[name]
+        assert sub.format_help().startswith("usage: asyncrl " + name)

@@ -1,0 +1,73 @@
+"""The spec models: defaults make a minimal job valid, rules hold, round trips keep meaning."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from asyncrl.loader import load_jobs_text
+from asyncrl.spec import AsyncRLJob, AsyncRLJobSpec, parse_quantity
+
+MINIMAL = """
+apiVersion: asyncrl.dev/v1alpha1
+kind: AsyncRLJob
+metadata: {name: tiny}
+spec:
+  model: {path: Qwen/Qwen2.5-0.5B-Instruct}
+"""
+
+
+def test_minimal_job_is_valid_with_sane_defaults():
+    (job,) = load_jobs_text(MINIMAL)
+    s = job.spec
+    assert s.algorithm.loss == "decoupled" and s.algorithm.proximal == "loglinear"
+    assert s.algorithm.loglinear_on_policy == "current"
+    assert s.staleness.max_head_offpolicyness == 4
+    assert s.rollout.engine == "sglang" and s.redis.mode == "managed" and s.redis.managed.append_only
+    assert s.max_concurrent_groups() == s.algorithm.batch_size * 5
+
+
+def test_wire_form_round_trips_with_camel_case():
+    (job,) = load_jobs_text(MINIMAL)
+    wire = job.to_wire()
+    assert "maxHeadOffpolicyness" in wire["spec"]["staleness"]
+    assert wire["spec"]["algorithm"]["optimizer"]["gradClip"] == 1.0
+    assert AsyncRLJob.model_validate(wire) == job
+
+
+def test_snake_case_is_accepted_in_python():
+    spec = AsyncRLJobSpec(model={"path": "m"}, staleness={"max_head_offpolicyness": 0})
+    assert spec.staleness.max_head_offpolicyness == 0
+
+
+def test_assignment_is_revalidated():
+    spec = AsyncRLJobSpec(model={"path": "m"})
+    with pytest.raises(ValidationError):
+        spec.rollout.replicas = -3
+
+
+@pytest.mark.parametrize("q,ok", [("500m", True), ("2", True), ("16Gi", True), ("1.5G", True),
+                                  ("16GB", False), ("lots", False), ("", False)])
+def test_quantities_follow_kubernetes_syntax(q, ok):
+    if ok:
+        assert parse_quantity(q) > 0
+    else:
+        with pytest.raises(ValueError):
+            parse_quantity(q)
+
+
+def test_eta_zero_is_synchronous_and_allowed():
+    spec = AsyncRLJobSpec(model={"path": "m"}, staleness={"maxHeadOffpolicyness": 0})
+    assert spec.max_concurrent_groups() == spec.algorithm.batch_size
+
+
+def test_dr_grpo_allows_a_group_of_one():
+    spec = AsyncRLJobSpec(model={"path": "m"}, algorithm={"advantageEstimator": "dr_grpo", "groupSize": 1})
+    assert spec.algorithm.group_size == 1
+
+
+def test_status_accepts_fields_from_newer_operators():
+    (job,) = load_jobs_text(MINIMAL)
+    data = job.to_wire() | {"status": {"phase": "Running", "futureField": 1, "statusURL": "http://x"}}
+    parsed = AsyncRLJob.model_validate(data)
+    assert parsed.status.phase == "Running" and parsed.status.status_url == "http://x"

@@ -1,0 +1,182 @@
+"""Prometheus figures of the trainer, derived from its TrainerReport.
+
+The report is the single source of truth (the trainer writes it, `/status` serves it), so the
+metrics are refreshed from it at scrape time instead of being updated from inside the training
+loop: nothing can drift between `/status` and `/metrics`. Everything lives in a dedicated
+CollectorRegistry so several apps (tests, an embedded server) never clash in the global registry.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from asyncrl.status_report import StepRecord, TrainerReport
+
+PREFIX = "asyncrl_trainer"
+PHASES = ["Starting", "Waiting", "Training", "Publishing", "Succeeded", "Failed", "Stopped"]
+STEP_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, math.inf)
+SYNC_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, math.inf)
+
+
+class _StalenessHistogram(Collector):
+    """Exposes the report's cumulative lag -> token-count table as a Prometheus histogram.
+
+    prometheus_client's Histogram observes one value at a time; a step trains thousands of tokens,
+    so the (already cumulative) table from the report is rendered directly as buckets instead.
+    """
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._limit = 0
+
+    def set(self, histogram: dict[str, int], limit: int) -> None:
+        counts: dict[int, int] = {}
+        for key, value in histogram.items():
+            try:
+                counts[int(key)] = counts.get(int(key), 0) + int(value)
+            except ValueError:
+                continue  # a malformed key never breaks the scrape
+        self._counts = counts
+        self._limit = max(0, int(limit))
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic buckets: let the registry call collect() lazily
+
+    def collect(self) -> Iterator[Metric]:
+        counts = dict(self._counts)
+        top = max([self._limit, *counts.keys()]) if counts else self._limit
+        buckets: list[tuple[str, float]] = []
+        running = 0
+        for lag in range(0, top + 1):
+            running += counts.get(lag, 0)
+            buckets.append((str(float(lag)), running))
+        buckets.append(("+Inf", sum(counts.values())))
+        total = sum(lag * n for lag, n in counts.items())
+        yield HistogramMetricFamily(
+            f"{PREFIX}_token_staleness",
+            "Tokens trained by version lag (policy version minus the version that generated them).",
+            buckets=buckets,
+            sum_value=total,
+        )
+
+
+class TrainerMetrics:
+    """All trainer metrics in one registry; `update(report)` makes them match the report."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._lock = threading.Lock()
+        self._last_step_seen = -1
+        self._groups_seen = 0
+        self._tokens_seen = 0
+        self._dropped_seen = 0
+
+        self.info = Info(f"{PREFIX}_job", "The job this trainer runs.", registry=r)
+        self.phase = Enum(f"{PREFIX}_phase", "Trainer phase.", states=PHASES, registry=r)
+        self.step = Gauge(f"{PREFIX}_step", "Optimizer steps done.", registry=r)
+        self.max_steps = Gauge(f"{PREFIX}_max_steps", "Steps the job will run (0: unbounded).", registry=r)
+        self.policy_version = Gauge(f"{PREFIX}_policy_version", "Version of the latest published weights.", registry=r)
+        self.groups = Counter(f"{PREFIX}_groups_trained", "Trajectory groups trained.", registry=r)
+        self.tokens = Counter(f"{PREFIX}_tokens_trained", "Response tokens trained.", registry=r)
+        self.tokens_per_second = Gauge(f"{PREFIX}_tokens_per_second", "Trained tokens per second (recent).", registry=r)
+        self.reward = Gauge(f"{PREFIX}_reward_mean", "Mean reward of the last step's batch (NaN before the first).", registry=r)
+        self.loss = Gauge(f"{PREFIX}_loss", "Policy loss of the last step.", registry=r)
+        self.staleness_mean = Gauge(f"{PREFIX}_staleness_mean", "Mean version lag of the last step's tokens.", registry=r)
+        self.staleness_max = Gauge(f"{PREFIX}_staleness_max", "Largest version lag in the last step.", registry=r)
+        self.staleness_limit = Gauge(f"{PREFIX}_staleness_limit", "eta: groups older than this are dropped.", registry=r)
+        self.dropped = Counter(f"{PREFIX}_stale_groups_dropped", "Groups dropped as too stale.", registry=r)
+        self.staleness_histogram = _StalenessHistogram()
+        r.register(self.staleness_histogram)
+        self.clip_fraction = Gauge(f"{PREFIX}_clip_fraction", "Fraction of tokens clipped in the last step.", registry=r)
+        self.importance_weight = Gauge(
+            f"{PREFIX}_importance_weight", "Importance weights of the last step.", ["stat"], registry=r
+        )
+        self.proximal_seconds = Gauge(f"{PREFIX}_proximal_seconds", "Proximal logprob time of the last step.", registry=r)
+        self.step_seconds = Gauge(f"{PREFIX}_step_seconds", "Wall time of the last step.", registry=r)
+        self.weight_sync_seconds = Gauge(f"{PREFIX}_weight_sync_seconds", "Weight publish+sync time of the last step.", registry=r)
+        self.step_duration = Histogram(
+            f"{PREFIX}_step_duration_seconds", "Wall time per step.", buckets=STEP_SECONDS_BUCKETS, registry=r
+        )
+        self.proximal_duration = Histogram(
+            f"{PREFIX}_proximal_duration_seconds", "Proximal logprob time per step.", buckets=STEP_SECONDS_BUCKETS, registry=r
+        )
+        self.weight_sync_duration = Histogram(
+            f"{PREFIX}_weight_sync_duration_seconds", "Weight sync time per step.", buckets=SYNC_SECONDS_BUCKETS, registry=r
+        )
+        self.engine_version = Gauge(
+            f"{PREFIX}_engine_weight_version", "Weight version each rollout engine serves (-1: unknown).", ["engine"], registry=r
+        )
+        self.engine_ready = Gauge(f"{PREFIX}_engine_ready", "1 when the rollout engine is ready.", ["engine"], registry=r)
+        self.engine_lag = Gauge(
+            f"{PREFIX}_engine_version_lag", "Policy version minus the engine's weight version.", ["engine"], registry=r
+        )
+        self.updated = Gauge(f"{PREFIX}_report_updated_timestamp_seconds", "When the trainer last updated its report.", registry=r)
+
+    def update(self, report: TrainerReport) -> None:
+        """Bring every metric in line with `report` (idempotent; call before each scrape)."""
+        with self._lock:
+            self.info.info({"job": report.job})
+            self.phase.state(report.phase)
+            self.step.set(report.step)
+            self.max_steps.set(report.max_steps)
+            self.policy_version.set(report.policy_version)
+            self._groups_seen = _advance(self.groups, self._groups_seen, report.groups_trained)
+            self._tokens_seen = _advance(self.tokens, self._tokens_seen, report.tokens_trained)
+            self._dropped_seen = _advance(self.dropped, self._dropped_seen, report.staleness.dropped)
+            self.tokens_per_second.set(report.tokens_per_second)
+            self.reward.set(math.nan if report.reward_mean is None else report.reward_mean)
+            self.staleness_mean.set(report.staleness.mean)
+            self.staleness_max.set(report.staleness.max)
+            self.staleness_limit.set(report.staleness.limit)
+            self.staleness_histogram.set(report.staleness.histogram, report.staleness.limit)
+            self.clip_fraction.set(report.clip_fraction)
+            for stat in ("max", "min", "mean"):
+                self.importance_weight.labels(stat=stat).set(getattr(report.importance_weight, stat))
+            self.proximal_seconds.set(report.proximal_seconds)
+            self.step_seconds.set(report.step_seconds)
+            self.weight_sync_seconds.set(report.weight_sync_seconds)
+            if report.history:
+                self.loss.set(report.history[-1].loss)
+            for record in report.history:
+                self._observe_step(record)
+            self._set_engines(report)
+            self.updated.set(report.updated_at)
+
+    def observe_step(self, record: StepRecord) -> None:
+        """Record one finished step's durations (steps already seen are ignored)."""
+        with self._lock:
+            self._observe_step(record)
+
+    def _observe_step(self, record: StepRecord) -> None:
+        if record.step <= self._last_step_seen:
+            return
+        self._last_step_seen = record.step
+        self.step_duration.observe(record.step_seconds)
+        self.proximal_duration.observe(record.proximal_seconds)
+        self.weight_sync_duration.observe(record.weight_sync_seconds)
+
+    def _set_engines(self, report: TrainerReport) -> None:
+        # Engines come and go (scale-down, restart with a new URL): drop series of vanished ones.
+        for gauge in (self.engine_version, self.engine_ready, self.engine_lag):
+            gauge.clear()
+        for engine in report.rollout:
+            version = -1 if engine.weight_version is None else engine.weight_version
+            self.engine_version.labels(engine=engine.url).set(version)
+            self.engine_ready.labels(engine=engine.url).set(1 if engine.ready else 0)
+            if engine.weight_version is not None:
+                self.engine_lag.labels(engine=engine.url).set(report.policy_version - engine.weight_version)
+
+
+def _advance(counter: Counter, seen: int, total: int) -> int:
+    """Counters only go up: add what the report's cumulative total gained since the last scrape."""
+    if total > seen:
+        counter.inc(total - seen)
+        return total
+    return seen
