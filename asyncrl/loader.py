@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob
 
@@ -62,10 +64,28 @@ def _nearest_line(lines: dict[tuple[str, ...], int], path: tuple[str, ...]) -> i
     return None
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The wire names allowed in the object at `loc` (walking the models by alias)."""
+    model: Any = AsyncRLJob
+    for part in loc:
+        fields = {(f.alias or n): f for n, f in getattr(model, "model_fields", {}).items()}
+        if part not in fields:
+            return []
+        annotation = fields[part].annotation
+        candidates = [annotation, *typing.get_args(annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return [(f.alias or n) for n, f in model.model_fields.items()]
+
+
 def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        return "unknown field (check the spelling; see docs/spec-reference.md for the allowed fields)"
+        allowed = _fields_at(tuple(err["loc"][:-1]))
+        close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"unknown field; {hint}allowed: {', '.join(allowed)}" if allowed else "unknown field"
     if err["type"] == "missing":
         return "required field is missing"
     return msg.removeprefix("Value error, ")

@@ -87,3 +87,8 @@ def test_console_script_runs_and_mixed_files_exit_1():
     assert res.returncode == 1
     assert "ok: local-arithmetic" in res.stdout
     assert "Traceback" not in res.stderr and res.stderr.startswith("error: ")
+
+
+def test_typo_suggests_the_intended_field(capsys):
+    main(["validate", str(REPO / "tests/data/invalid/typo-top-level-key.yaml")])
+    assert "did you mean 'trainer'?" in capsys.readouterr().err
