@@ -79,15 +79,25 @@ class LocalRedis:
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 raise RedisServerError(f"redis server exited with {self.process.returncode}: {err}{tail}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n" if not self.password else f"AUTH {self.password}\r\nPING\r\n".encode())
-                    if b"PONG" in s.recv(64) + (s.recv(64) if self.password else b""):
-                        return self
+                if self._answers_ping():
+                    return self
             except OSError:
                 pass
             time.sleep(0.02)
         self.stop()
         raise RedisServerError(f"redis server on port {self.port} did not answer within {timeout}s")
+
+    def _answers_ping(self) -> bool:
+        """True once the server replies PONG (AUTH and PING replies may come in one or two reads)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            s.sendall((f"AUTH {self.password}\r\n" if self.password else "").encode() + b"PING\r\n")
+            received = b""
+            while b"PONG" not in received:
+                chunk = s.recv(256)
+                if not chunk or b"-" in chunk[:1]:
+                    return False
+                received += chunk
+            return True
 
     def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
         """Stop the server: SIGTERM (clean, flushes AOF) or SIGKILL (a crash)."""

@@ -24,3 +24,33 @@ def redis_server(tmp_path: Path):
 @pytest.fixture
 def redis_url(redis_server: LocalRedis) -> str:
     return redis_server.url
+
+
+# --- transport (issue 4) fixtures -------------------------------------------------------------
+
+@pytest.fixture
+async def transport_redis(redis_url: str):
+    """A retrying asyncio client (asyncrl.transport.connection.connect) on the test's server."""
+    from asyncrl.transport.connection import connect
+
+    client = await connect(redis_url, timeout=10)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def make_trajectory_group():
+    """Factory for small valid TrajectoryGroups: make(gid, n_samples=2, n_tokens=4, version=0)."""
+    import numpy as np
+
+    from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+
+    def make(gid: str, n_samples: int = 2, n_tokens: int = 4, version: int = 0, job: str = "job") -> TrajectoryGroup:
+        samples = [TrajectorySample(i, np.arange(n_tokens, dtype=np.int32) + i,
+                                    np.full(n_tokens, -0.5, dtype=np.float32),
+                                    np.full(n_tokens, version, dtype=np.int32), float(i), "stop")
+                   for i in range(n_samples)]
+        return TrajectoryGroup(job, gid, f"prompt-{gid}", np.arange(3, dtype=np.int32), samples,
+                               "engine-0", 1.0, 0.0)
+
+    return make

@@ -10,3 +10,10 @@ def test_local_redis_serves_streams_and_survives_restart_with_aof(redis_server):
     redis_server.start()
     r = redis.Redis.from_url(redis_server.url)
     assert r.xlen("s") == 2
+
+
+def test_local_redis_with_password(tmp_path):
+    from asyncrl.local_redis import LocalRedis
+
+    with LocalRedis(tmp_path / "r", password="s3cret") as server:
+        assert redis.Redis.from_url(server.url).ping()

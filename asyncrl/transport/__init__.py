@@ -1,0 +1,19 @@
+"""Trajectory transport on Redis Streams, the weight-version channel and global admission.
+
+See docs/transport.md. Submodules: wire (format), names (keys), connection, streams, versions,
+admission.
+"""
+
+from .admission import Admission, AdmissionSnapshot, admission_capacity, is_too_stale
+from .connection import RedisUnavailableError, connect
+from .names import StreamNames
+from .streams import Delivery, TrajectoryConsumer, TrajectoryProducer
+from .versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
+from .wire import SCHEMA_VERSION, TrajectoryGroup, TrajectorySample, WireFormatError, decode_group, encode_group
+
+__all__ = [
+    "Admission", "AdmissionSnapshot", "admission_capacity", "is_too_stale", "RedisUnavailableError",
+    "connect", "StreamNames", "Delivery", "TrajectoryConsumer", "TrajectoryProducer", "EngineInfo",
+    "EngineRegistry", "VersionChannel", "VersionEvent", "SCHEMA_VERSION", "TrajectoryGroup",
+    "TrajectorySample", "WireFormatError", "decode_group", "encode_group",
+]

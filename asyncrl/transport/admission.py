@@ -1,0 +1,198 @@
+"""Global staleness admission (AReaL's capacity rule, in prompt-group units), shared by all pods.
+
+A rollout group may start iff
+
+    min(max_concurrent - running, (eta + version + 1) * B - (accepted + running)) > 0
+
+where `version` is the trainer's policy version, `B` the train batch size in groups, `running`
+the live leases of all pods and `accepted` the groups produced for training so far. Each check
+and its lease grant happen in one Lua script, so N pods together never exceed the bound; there
+are no per-pod counters.
+
+Accounting (all in the job's `admission` hash and `admission-leases` sorted set):
+- `try_acquire` adds a lease (expiry in server time); expired leases are removed by every script
+  before counting, so a crashed pod's slot comes back after `lease_seconds` (`renew` extends).
+- `release(accepted=True)` moves the lease to `accepted` atomically (running -1, accepted +1):
+  call it after the group was published. `release(accepted=False)` frees the slot (aborted or
+  failed group). A repeated release of the same lease (a retry after a lost reply) is a no-op; a
+  release after the lease expired still counts the published group as accepted.
+- `accepted` is cumulative: the trainer consumes B groups per step and bumps `version` by 1
+  (`set_version`), which admits B more. When the trainer drops n groups as too stale they were
+  accepted but never trained, so `record_dropped(n)` subtracts them from `accepted`; otherwise
+  producers would be short of n slots forever and the trainer could wait for a batch that the
+  bound never lets anyone produce.
+- eta = 0 is synchronous RL: only B groups per version can be produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from .names import StreamNames
+from .wire import TrajectoryGroup
+
+RELEASED_RETENTION_MS = 3_600_000
+"""How long released lease ids are remembered, to make a retried release a no-op."""
+
+# Common prologue: server time in ms, drop expired leases and old released-lease records.
+_PROLOGUE = """
+local state, leases, released = KEYS[1], KEYS[2], KEYS[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+redis.call('ZREMRANGEBYSCORE', released, '-inf', now - %d)
+local version = tonumber(redis.call('HGET', state, 'version') or '0')
+local accepted = tonumber(redis.call('HGET', state, 'accepted') or '0')
+""" % RELEASED_RETENTION_MS
+
+# ARGV: lease_id, max_concurrent, eta, batch_size, lease_ms -> {granted, version, accepted, running}
+_ACQUIRE_LUA = _PROLOGUE + """
+local lease, max_concurrent, eta, b, lease_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+    tonumber(ARGV[4]), tonumber(ARGV[5])
+if redis.call('ZSCORE', leases, lease) then  -- retry of a call that already succeeded
+  redis.call('ZADD', leases, 'XX', now + lease_ms, lease)
+  return {1, version, accepted, redis.call('ZCARD', leases)}
+end
+local running = redis.call('ZCARD', leases)
+local capacity = math.min(max_concurrent - running, (eta + version + 1) * b - (accepted + running))
+if capacity > 0 then
+  redis.call('ZADD', leases, now + lease_ms, lease)
+  return {1, version, accepted, running + 1}
+end
+return {0, version, accepted, running}
+"""
+
+# ARGV: lease_id, accepted (1|0) -> 1 lease was live, 0 it had expired, 2 already released
+_RELEASE_LUA = _PROLOGUE + """
+local lease = ARGV[1]
+if redis.call('ZSCORE', released, lease) then return 2 end
+local live = redis.call('ZREM', leases, lease)
+redis.call('ZADD', released, now, lease)
+if ARGV[2] == '1' then redis.call('HINCRBY', state, 'accepted', 1) end
+return live
+"""
+
+# ARGV: lease_id, lease_ms -> 1 renewed, 0 expired or unknown
+_RENEW_LUA = _PROLOGUE + """
+if redis.call('ZSCORE', leases, ARGV[1]) then
+  redis.call('ZADD', leases, 'XX', now + tonumber(ARGV[2]), ARGV[1])
+  return 1
+end
+return 0
+"""
+
+# ARGV: n -> accepted after the change (never below 0)
+_DROPPED_LUA = _PROLOGUE + """
+local n = tonumber(ARGV[1])
+local new = math.max(accepted - n, 0)
+redis.call('HSET', state, 'accepted', new)
+redis.call('HINCRBY', state, 'dropped', n)
+return new
+"""
+
+# -> {version, accepted, running, dropped}
+_SNAPSHOT_LUA = _PROLOGUE + """
+return {version, accepted, redis.call('ZCARD', leases),
+        tonumber(redis.call('HGET', state, 'dropped') or '0')}
+"""
+
+
+def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int, eta: int,
+                       max_concurrent: int) -> int:
+    """How many more groups may start now (the rule above; <= 0 means none)."""
+    return min(max_concurrent - running, (eta + version + 1) * batch_size - (accepted + running))
+
+
+@dataclass
+class AdmissionSnapshot:
+    """Admission state as seen at one instant (capacity clamped at 0)."""
+
+    version: int
+    accepted: int
+    running: int
+    capacity: int
+    dropped: int = 0
+
+
+class Admission:
+    """One pod's handle on its job's global admission state."""
+
+    def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int, eta: int,
+                 max_concurrent: int, lease_seconds: float = 120) -> None:
+        if batch_size < 1 or eta < 0 or max_concurrent < 1 or lease_seconds <= 0:
+            raise ValueError(f"invalid admission settings: batch_size={batch_size}, eta={eta}, "
+                             f"max_concurrent={max_concurrent}, lease_seconds={lease_seconds}")
+        self.redis = redis
+        self.names = names
+        self.batch_size = batch_size
+        self.eta = eta
+        self.max_concurrent = max_concurrent
+        self.lease_ms = max(int(lease_seconds * 1000), 1)
+        self._keys = [names.admission, names.admission_leases, names.admission_released]
+        self._acquire = redis.register_script(_ACQUIRE_LUA)
+        self._release = redis.register_script(_RELEASE_LUA)
+        self._renew = redis.register_script(_RENEW_LUA)
+        self._dropped = redis.register_script(_DROPPED_LUA)
+        self._snapshot = redis.register_script(_SNAPSHOT_LUA)
+
+    async def try_acquire(self, holder: str) -> str | None:
+        """A lease id if a group may start now, else None. Safe to retry (idempotent)."""
+        lease_id = f"{holder}/{uuid.uuid4().hex}"
+        granted, *_ = await self._acquire(
+            keys=self._keys,
+            args=[lease_id, self.max_concurrent, self.eta, self.batch_size, self.lease_ms])
+        return lease_id if int(granted) == 1 else None
+
+    async def acquire(self, holder: str, poll_s: float = 0.05, timeout: float | None = None) -> str:
+        """Block until a group may start; raises TimeoutError after `timeout` s (None: forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease = await self.try_acquire(holder)
+            if lease is not None:
+                return lease
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"no admission for {holder} within {timeout}s")
+            await asyncio.sleep(poll_s)
+
+    async def renew(self, lease_id: str) -> bool:
+        """Extend a live lease by `lease_seconds` from now; False if it had already expired."""
+        return int(await self._renew(keys=self._keys, args=[lease_id, self.lease_ms])) == 1
+
+    async def release(self, lease_id: str, *, accepted: bool) -> bool:
+        """End a lease; `accepted=True` after the group was published. False if it had expired."""
+        code = int(await self._release(keys=self._keys, args=[lease_id, "1" if accepted else "0"]))
+        return code != 0
+
+    async def set_version(self, v: int) -> None:
+        """Trainer: the policy version is now `v` (admits B more groups per increment)."""
+        await self.redis.hset(self.names.admission, "version", int(v))
+
+    async def record_dropped(self, n: int) -> int:
+        """Trainer: `n` accepted groups were dropped as too stale; give their capacity back."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        if n == 0:
+            return (await self.snapshot()).accepted
+        return int(await self._dropped(keys=self._keys, args=[n]))
+
+    async def snapshot(self) -> AdmissionSnapshot:
+        """Current version, accepted, running (expired leases excluded) and free capacity."""
+        version, accepted, running, dropped = (int(x) for x in await self._snapshot(keys=self._keys, args=[]))
+        cap = admission_capacity(version, accepted, running, batch_size=self.batch_size, eta=self.eta,
+                                 max_concurrent=self.max_concurrent)
+        return AdmissionSnapshot(version=version, accepted=accepted, running=running,
+                                 capacity=max(cap, 0), dropped=dropped)
+
+
+def is_too_stale(group: TrajectoryGroup, current_version: int, eta: int) -> bool:
+    """Trainer side: drop a group when current_version - (its oldest token version) > eta.
+
+    A group without generated tokens has no staleness and is never too stale.
+    """
+    oldest = group.oldest_version()
+    return oldest >= 0 and current_version - oldest > eta

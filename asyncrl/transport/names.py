@@ -1,0 +1,54 @@
+"""The one place that names a job's Redis keys.
+
+Every key of a job carries the same Redis Cluster hash tag `{<job>}`, so all of them live in one
+slot and a Lua script or MULTI may touch several of them (publish + admission, ack + trained set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "asyncrl"
+CONSUMER_GROUP = "trainers"
+
+
+@dataclass(frozen=True)
+class StreamNames:
+    """Key names of one job. Build with `StreamNames.for_job(job)`."""
+
+    job: str
+    trajectories: str
+    """Stream of encoded TrajectoryGroups (field `data`, plus `gid` for inspection)."""
+    consumer_group: str
+    """The one consumer group of trainers on `trajectories`."""
+    dead_letter: str
+    """Stream of entries that failed to decode: source id, error text, raw payload."""
+    versions: str
+    """Stream of VersionEvents (new weights published)."""
+    engines: str
+    """Hash engine_id -> JSON EngineInfo (registry of inference engines)."""
+    trained: str
+    """Set of group ids whose training step was committed (dedupe of duplicate deliveries)."""
+    admission: str
+    """Hash with the admission state: `version`, `accepted`, `dropped`."""
+    admission_leases: str
+    """Sorted set lease_id -> expiry (server time, ms) of running groups."""
+    admission_released: str
+    """Sorted set lease_id -> release time (ms): makes a retried release a no-op."""
+
+    @classmethod
+    def for_job(cls, job: str) -> "StreamNames":
+        """Names for `job` (a Kubernetes-style name; braces would break the hash tag)."""
+        if not job or any(c in job for c in "{}") or any(c.isspace() for c in job):
+            raise ValueError(f"invalid job name for Redis keys: {job!r}")
+        base = f"{PREFIX}:{{{job}}}"
+        return cls(job=job, trajectories=f"{base}:trajectories", consumer_group=CONSUMER_GROUP,
+                   dead_letter=f"{base}:dead-letter", versions=f"{base}:versions",
+                   engines=f"{base}:engines", trained=f"{base}:trained",
+                   admission=f"{base}:admission", admission_leases=f"{base}:admission-leases",
+                   admission_released=f"{base}:admission-released")
+
+    def all_keys(self) -> list[str]:
+        """Every key of the job (for cleanup when the job is deleted, and for tests)."""
+        return [self.trajectories, self.dead_letter, self.versions, self.engines, self.trained,
+                self.admission, self.admission_leases, self.admission_released]

@@ -1,0 +1,320 @@
+"""Trajectory stream: producers XADD whole groups; the trainer reads, trains, then acks.
+
+Guarantees (with one consumer group per stream, `names.consumer_group`):
+- nothing unacked is lost: entries stay in the group's pending list until `ack`, a restarted
+  consumer with the same name re-reads its own pending entries first, and `reclaim` takes over
+  entries a dead consumer left idle (XAUTOCLAIM);
+- nothing is trained twice: `ack` adds the group ids to the job's `trained` set in the same
+  atomic script that XACKs and deletes the entries, and `read`/`reclaim` skip (and ack) any copy
+  whose group id is already trained, already in flight in this consumer, or repeated within the
+  same read (a producer that retried a publish after a lost reply leaves two copies);
+- memory stays bounded: acked entries are XDEL'd and the stream is XTRIM'd by MINID up to the
+  oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries);
+- a payload that does not decode goes to the dead-letter stream with the error text and the raw
+  bytes, and is acked, instead of crashing the trainer.
+
+Limitation: with two live consumers, an entry reclaimed from a consumer that is slow rather than
+dead is held by both until one acks. Pick `min_idle_ms` well above the longest training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from .names import StreamNames
+from .wire import TrajectoryGroup, WireFormatError, decode_group, encode_group
+
+DATA_FIELD = b"data"
+GID_FIELD = b"gid"
+
+# Shared Lua helper: compare two stream ids "ms-seq" numerically (ms fits a double exactly).
+_ID_LT = """
+local function split(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function id_lt(a, b)
+  local am, as = split(a)
+  local bm, bs = split(b)
+  if am ~= bm then return am < bm end
+  return as < bs
+end
+"""
+
+# KEYS: stream, trained. ARGV: group, then (entry_id, group_id) pairs.
+# Marks the group ids trained, acks and deletes the entries, then trims everything below
+# min(oldest still-pending id, newest acked id): such entries were delivered (ids are delivered
+# in order) and are not pending, so they are acked. Returns the group ids that were already trained.
+_ACK_LUA = _ID_LT + """
+local stream, trained, group = KEYS[1], KEYS[2], ARGV[1]
+local already = {}
+local newest = nil
+for i = 2, #ARGV, 2 do
+  local id, gid = ARGV[i], ARGV[i + 1]
+  if redis.call('SADD', trained, gid) == 0 then table.insert(already, gid) end
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+  if newest == nil or id_lt(newest, id) then newest = id end
+end
+if newest ~= nil then
+  local summary = redis.call('XPENDING', stream, group)
+  local minid = newest
+  if tonumber(summary[1]) > 0 and id_lt(summary[2], minid) then minid = summary[2] end
+  redis.call('XTRIM', stream, 'MINID', minid)
+end
+return already
+"""
+
+# KEYS: stream. ARGV: group, entry ids. Ack and delete entries we skip (duplicates, deleted).
+_DISCARD_LUA = """
+for i = 2, #ARGV do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+end
+return #ARGV - 1
+"""
+
+# KEYS: stream, dead_letter. ARGV: group, entry_id, error, payload, consumer, time.
+_DEAD_LETTER_LUA = """
+local id = redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'error', ARGV[3],
+                      'payload', ARGV[4], 'consumer', ARGV[5], 'time', ARGV[6])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return id
+"""
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
+@dataclass
+class Delivery:
+    """One decoded group handed to the trainer; pass it back to `ack` once the step is committed."""
+
+    entry_id: str
+    group: TrajectoryGroup
+
+
+@dataclass
+class ConsumerStats:
+    """Counters of one consumer object (for metrics; tests check behaviour from Redis, not these)."""
+
+    delivered: int = 0
+    reclaimed: int = 0
+    duplicates_skipped: int = 0
+    dead_lettered: int = 0
+    acked: int = 0
+    acked_already_trained: int = 0
+
+
+class TrajectoryProducer:
+    """Publishes whole groups, one XADD each (atomic: a reader sees all samples or none)."""
+
+    def __init__(self, redis: aioredis.Redis, names: StreamNames) -> None:
+        self.redis = redis
+        self.names = names
+
+    async def publish(self, group: TrajectoryGroup) -> str:
+        """Encode and XADD `group`; stamps `published_at` when it is 0. Returns the entry id.
+
+        Retrying after a connection error may add a second copy; consumers train it once.
+        """
+        if not group.published_at:
+            group = dataclasses.replace(group, published_at=time.time())
+        payload = encode_group(group)
+        entry_id = await self.redis.xadd(self.names.trajectories,
+                                         {GID_FIELD: group.group_id.encode(), DATA_FIELD: payload})
+        return _s(entry_id)
+
+
+class TrajectoryConsumer:
+    """A trainer's reader with a stable `consumer` name (the pod name) in the job's group."""
+
+    def __init__(self, redis: aioredis.Redis, names: StreamNames, consumer: str) -> None:
+        if not consumer:
+            raise ValueError("consumer name must be non-empty and stable across restarts")
+        self.redis = redis
+        self.names = names
+        self.consumer = consumer
+        self.stats = ConsumerStats()
+        self._group_ready = False
+        self._pending_cursor: str | None = "0"  # own pending entries first, then new ones
+        self._inflight: dict[str, str] = {}  # group id -> entry id, delivered and not yet acked
+        self._ack = redis.register_script(_ACK_LUA)
+        self._discard = redis.register_script(_DISCARD_LUA)
+        self._dead = redis.register_script(_DEAD_LETTER_LUA)
+
+    async def ensure_group(self) -> None:
+        """Create the consumer group (and the stream) if missing; idempotent.
+
+        Starts at id 0 so groups published before the first trainer started are consumed.
+        """
+        try:
+            await self.redis.xgroup_create(self.names.trajectories, self.names.consumer_group,
+                                           id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    async def read(self, count: int, block_ms: int) -> list[Delivery]:
+        """Up to `count` groups: this consumer's pending entries first (after a restart), then new.
+
+        Blocks up to `block_ms` only when reading new entries. May return fewer than `count`
+        (or none) when entries were dead-lettered or skipped as duplicates.
+        """
+        if count <= 0:
+            raise ValueError("count must be positive")
+        if not self._group_ready:
+            await self.ensure_group()
+        if self._pending_cursor is not None:
+            entries = await self._xreadgroup(self._pending_cursor, count, None)
+            if entries:
+                self._pending_cursor = _s(entries[-1][0])
+                return await self._settle(entries)
+            self._pending_cursor = None
+        entries = await self._xreadgroup(">", count, block_ms if block_ms > 0 else None)
+        return await self._settle(entries)
+
+    async def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Delivery]:
+        """Take over entries idle for `min_idle_ms` in any consumer's pending list (XAUTOCLAIM)."""
+        if not self._group_ready:
+            await self.ensure_group()
+        claimed: list = []
+        start = "0-0"
+        while len(claimed) < count:
+            reply = await self.redis.xautoclaim(self.names.trajectories, self.names.consumer_group,
+                                                self.consumer, min_idle_ms, start,
+                                                count=count - len(claimed))
+            claimed.extend(reply[1])
+            start = _s(reply[0])
+            if start == "0-0":
+                break
+        deliveries = await self._settle(claimed)
+        self.stats.reclaimed += len(deliveries)
+        return deliveries
+
+    async def ack(self, deliveries: Iterable[Delivery]) -> list[str]:
+        """Commit: mark the groups trained, XACK and delete their entries (one atomic script).
+
+        Call only after the step that used them is committed. Returns group ids that another
+        consumer had already marked trained (normally empty; non-empty means a double train).
+        """
+        args: list[str] = [self.names.consumer_group]
+        for d in deliveries:
+            args += [d.entry_id, d.group.group_id]
+        if len(args) == 1:
+            return []
+        already = await self._ack(keys=[self.names.trajectories, self.names.trained], args=args)
+        for i in range(1, len(args), 2):
+            if self._inflight.get(args[i + 1]) == args[i]:
+                del self._inflight[args[i + 1]]
+        self.stats.acked += (len(args) - 1) // 2
+        self.stats.acked_already_trained += len(already)
+        return [_s(g) for g in already]
+
+    async def pending_count(self) -> int:
+        """Entries delivered to any consumer of the group and not yet acked."""
+        summary = await self.redis.xpending(self.names.trajectories, self.names.consumer_group)
+        return int(summary["pending"])
+
+    # ------------------------------------------------------------------------------- internals
+
+    async def _xreadgroup(self, entry_id: str, count: int, block: int | None) -> list:
+        for attempt in (0, 1):
+            try:
+                reply = await self.redis.xreadgroup(self.names.consumer_group, self.consumer,
+                                                    {self.names.trajectories: entry_id},
+                                                    count=count, block=block)
+                break
+            except ResponseError as exc:
+                # The group vanished (Redis lost its data or someone deleted the stream).
+                if "NOGROUP" not in str(exc) or attempt:
+                    raise
+                await self.ensure_group()
+        if not reply:
+            return []
+        if isinstance(reply, dict):  # RESP3
+            return next(iter(reply.values()))[0] if reply else []
+        return reply[0][1]
+
+    async def _settle(self, entries: list) -> list[Delivery]:
+        """Decode entries; dead-letter bad ones, skip duplicates; return the rest."""
+        decoded: list[tuple[str, TrajectoryGroup]] = []
+        discard: list[str] = []
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if not fields:  # deleted while pending (e.g. acked by a consumer we took it from)
+                discard.append(entry_id)
+                continue
+            payload = fields.get(DATA_FIELD)
+            if payload is None:
+                await self._dead_letter(entry_id, "entry has no 'data' field; fields: "
+                                        + ", ".join(sorted(_s(k) for k in fields)), b"")
+                continue
+            try:
+                decoded.append((entry_id, decode_group(payload)))
+            except WireFormatError as exc:
+                await self._dead_letter(entry_id, str(exc), payload)
+        deliveries: list[Delivery] = []
+        if decoded:
+            gids = [g.group_id for _, g in decoded]
+            trained = await self.redis.smismember(self.names.trained, gids)
+            seen: set[str] = set()
+            for (entry_id, group), is_trained in zip(decoded, trained):
+                gid = group.group_id
+                holding = self._inflight.get(gid)
+                if holding == entry_id:
+                    # our own in-flight entry handed to us again (e.g. reclaimed from ourselves):
+                    # the trainer already has it; keep it pending, do not deliver twice
+                    self.stats.duplicates_skipped += 1
+                    continue
+                if is_trained or holding is not None or gid in seen:
+                    discard.append(entry_id)
+                    self.stats.duplicates_skipped += 1
+                    continue
+                seen.add(gid)
+                self._inflight[gid] = entry_id
+                deliveries.append(Delivery(entry_id, group))
+        if discard:
+            await self._discard(keys=[self.names.trajectories],
+                                args=[self.names.consumer_group, *discard])
+        self.stats.delivered += len(deliveries)
+        return deliveries
+
+    async def _dead_letter(self, entry_id: str, error: str, payload: bytes) -> None:
+        await self._dead(keys=[self.names.trajectories, self.names.dead_letter],
+                         args=[self.names.consumer_group, entry_id, error, payload, self.consumer,
+                               repr(time.time())])
+        self.stats.dead_lettered += 1
+
+
+@dataclass
+class DeadLetter:
+    """One dead-letter entry (for inspection tools and tests)."""
+
+    entry_id: str
+    source_id: str
+    error: str
+    payload: bytes
+    consumer: str
+    time: float
+    fields: dict[str, bytes] = field(default_factory=dict, repr=False)
+
+
+async def read_dead_letters(redis: aioredis.Redis, names: StreamNames, count: int = 100) -> list[DeadLetter]:
+    """The oldest `count` dead-letter entries of a job."""
+    out = []
+    for raw_id, f in await redis.xrange(names.dead_letter, count=count):
+        out.append(DeadLetter(entry_id=_s(raw_id), source_id=_s(f.get(b"source_id", b"")),
+                              error=_s(f.get(b"error", b"")), payload=f.get(b"payload", b""),
+                              consumer=_s(f.get(b"consumer", b"")),
+                              time=float(f.get(b"time", b"0") or 0), fields=f))
+    return out

@@ -1,0 +1,227 @@
+"""Global staleness admission against a real Redis server, including 3 producer processes."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.transport.admission import Admission, admission_capacity, is_too_stale
+from asyncrl.transport.names import StreamNames
+from asyncrl.transport.streams import TrajectoryConsumer
+
+REPO = Path(__file__).resolve().parent.parent
+NAMES = StreamNames.for_job("job")
+
+
+async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.01):
+    """Poll an async predicate until it returns a truthy value (no fixed sleeps as sync)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+def test_capacity_rule():
+    # AReaL: min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))
+    assert admission_capacity(0, 0, 0, batch_size=4, eta=2, max_concurrent=100) == 12
+    assert admission_capacity(1, 10, 2, batch_size=4, eta=2, max_concurrent=100) == 4
+    assert admission_capacity(0, 0, 3, batch_size=4, eta=2, max_concurrent=3) == 0
+
+
+async def test_eta_zero_is_synchronous(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=2, eta=0, max_concurrent=10)
+    a, b = await adm.try_acquire("pod-a"), await adm.try_acquire("pod-b")
+    assert a and b
+    assert await adm.try_acquire("pod-a") is None  # B groups of version 0 are running
+    assert await adm.release(a, accepted=True) and await adm.release(b, accepted=True)
+    assert await adm.try_acquire("pod-a") is None  # nothing more until the trainer steps
+    snap = await adm.snapshot()
+    assert (snap.version, snap.accepted, snap.running, snap.capacity) == (0, 2, 0, 0)
+    await adm.set_version(1)
+    c = await adm.try_acquire("pod-a")
+    d = await adm.try_acquire("pod-b")
+    assert c and d and await adm.try_acquire("pod-c") is None
+    await adm.release(c, accepted=False)  # an aborted group frees its slot
+    assert await adm.try_acquire("pod-c")
+
+
+async def test_max_concurrent_limits_running(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=100, eta=4, max_concurrent=2)
+    leases = [await adm.try_acquire(f"p{i}") for i in range(3)]
+    assert leases[0] and leases[1] and leases[2] is None
+    await adm.release(leases[0], accepted=True)
+    assert await adm.try_acquire("p3")
+
+
+async def test_expired_leases_are_released(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=4, eta=0, max_concurrent=1, lease_seconds=0.2)
+    crashed = await adm.try_acquire("crashed-pod")
+    assert crashed and await adm.try_acquire("pod-b") is None
+    # nobody releases `crashed`: its slot comes back when the lease expires
+    lease_b = await wait_for(lambda: adm.try_acquire("pod-b"))
+    snap = await adm.snapshot()
+    assert snap.running == 1 and snap.accepted == 0
+    assert await adm.renew(crashed) is False
+    assert await adm.release(crashed, accepted=False) is False
+    assert (await adm.snapshot()).running == 1  # releasing the dead lease did not free pod-b's
+    assert await adm.release(lease_b, accepted=True)
+
+
+async def test_renew_extends_the_lease(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=4, eta=0, max_concurrent=4, lease_seconds=60)
+    lease = await adm.try_acquire("pod")
+    before = await transport_redis.zscore(NAMES.admission_leases, lease)
+    await wait_for(lambda: _renewed_later(adm, lease, before))  # server clock moved: expiry moved
+    assert await adm.release(lease, accepted=False)
+
+
+async def _renewed_later(adm: Admission, lease: str, before: float) -> bool:
+    assert await adm.renew(lease)
+    return await adm.redis.zscore(adm.names.admission_leases, lease) > before
+
+
+async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=2, eta=0, max_concurrent=10)
+    a = await adm.try_acquire("p")
+    b = await adm.try_acquire("p")
+    assert await adm.release(a, accepted=True)
+    assert await adm.release(a, accepted=True)  # a retry after a lost reply: no double count
+    await adm.release(b, accepted=True)
+    assert (await adm.snapshot()).accepted == 2 and await adm.try_acquire("p") is None
+    # the trainer dropped one of them as too stale: one more group may be produced
+    assert await adm.record_dropped(1) == 1
+    snap = await adm.snapshot()
+    assert snap.capacity == 1 and snap.dropped == 1
+    assert await adm.try_acquire("p") and await adm.try_acquire("p") is None
+
+
+def test_is_too_stale_uses_the_oldest_token(make_trajectory_group):
+    g = make_trajectory_group("g", version=5)
+    g.samples[1].versions[0] = 3  # one token from an older policy (partial rollout)
+    assert g.oldest_version() == 3
+    assert is_too_stale(g, current_version=5, eta=1)  # 5 - 3 = 2 > 1
+    assert not is_too_stale(g, current_version=5, eta=2)
+    assert is_too_stale(g, current_version=6, eta=2)
+    empty = make_trajectory_group("e", n_tokens=0)
+    assert not is_too_stale(empty, current_version=100, eta=0)
+
+
+PRODUCER_SCRIPT = r"""
+import asyncio, random, sys
+import numpy as np
+from asyncrl.transport.admission import Admission
+from asyncrl.transport.connection import connect
+from asyncrl.transport.names import StreamNames
+from asyncrl.transport.streams import TrajectoryProducer
+from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+
+async def main(url, holder, events, stop):
+    r = await connect(url)
+    names = StreamNames.for_job("job")
+    adm = Admission(r, names, batch_size=4, eta=2, max_concurrent=6)
+    producer = TrajectoryProducer(r, names)
+    rng = random.Random(holder)
+    n = 0
+    while not await r.exists(stop):
+        lease = await adm.try_acquire(holder)
+        if lease is None:
+            await asyncio.sleep(0.002)
+            continue
+        # recorded after the grant and before the release: the record never overstates
+        await r.xadd(events, {"type": "acquire", "lease": lease})
+        version = (await adm.snapshot()).version
+        await asyncio.sleep(rng.uniform(0, 0.005))  # "generation"
+        accepted = rng.random() < 0.8
+        if accepted:
+            n += 1
+            s = TrajectorySample(0, np.arange(4, dtype=np.int32), np.zeros(4, np.float32),
+                                 np.full(4, version, np.int32), 1.0, "stop")
+            await producer.publish(TrajectoryGroup("job", f"{holder}-{n}", "p", np.arange(2, dtype=np.int32),
+                                                   [s], holder, 0.0, 0.0))
+        await r.xadd(events, {"type": "release", "lease": lease, "accepted": int(accepted)})
+        await adm.release(lease, accepted=accepted)
+    await r.aclose()
+
+asyncio.run(main(*sys.argv[1:5]))
+"""
+
+
+def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: int) -> dict[int, int]:
+    """Replay the append-only record; assert the bound at every entry. Returns peak per version."""
+    version, accepted, dropped, running = 0, 0, 0, set()
+    peaks: dict[int, int] = {0: 0}
+    for _, f in events:
+        kind = f[b"type"]
+        if kind == b"acquire":
+            running.add(f[b"lease"])
+        elif kind == b"release":
+            running.discard(f[b"lease"])
+            accepted += int(f[b"accepted"])
+        elif kind == b"version":
+            version = int(f[b"v"])
+            peaks.setdefault(version, 0)
+        elif kind == b"dropped":
+            dropped += int(f[b"n"])
+        total = accepted - dropped + len(running)
+        bound = (eta + version + 1) * batch_size
+        assert total <= bound, f"accepted+running {total} > {bound} at version {version}"
+        assert len(running) <= max_concurrent
+        peaks[version] = max(peaks[version], total)
+    return peaks
+
+
+@pytest.mark.slow
+async def test_three_producer_processes_never_exceed_the_bound(transport_redis, redis_url):
+    eta, batch, versions = 2, 4, 6
+    r = transport_redis
+    events, stop = "test:{job}:events", "test:{job}:stop"
+    adm = Admission(r, NAMES, batch_size=batch, eta=eta, max_concurrent=6)
+    consumer = TrajectoryConsumer(r, NAMES, "trainer")
+    procs = [subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, redis_url, f"pod{i}", events, stop],
+                              cwd=REPO / "tests", stderr=subprocess.PIPE) for i in range(3)]
+    try:
+        for v in range(versions):
+            # let the producers saturate: full bound reached and every lease settled
+            async def saturated():
+                snap = await adm.snapshot()
+                return snap.capacity == 0 and snap.running == 0
+            await wait_for(saturated, timeout=60)
+            for p in procs:
+                assert p.poll() is None, p.stderr.read().decode()
+            need, batch_groups = batch, []
+            if v == 2:  # drop one group as too stale; record first, then give capacity back
+                [victim] = await consumer.read(1, 1000)
+                await r.xadd(events, {"type": "dropped", "n": 1})
+                await adm.record_dropped(1)
+                await consumer.ack([victim])
+                await wait_for(saturated, timeout=60)
+            while need:
+                got = await consumer.read(need, 1000)
+                batch_groups += got
+                need -= len(got)
+            await consumer.ack(batch_groups)
+            # record the new version before it takes effect: the record never understates the bound
+            await r.xadd(events, {"type": "version", "v": v + 1})
+            await adm.set_version(v + 1)
+        await r.set(stop, 1)
+        for p in procs:
+            assert p.wait(30) == 0, p.stderr.read().decode()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stderr.close()
+    peaks = check_records(await r.xrange(events), eta=eta, batch_size=batch, max_concurrent=6)
+    # not vacuous: the producers filled the bound at every version the trainer saw saturated
+    for v in range(versions):
+        assert peaks[v] == (eta + v + 1) * batch

@@ -1,0 +1,121 @@
+"""Connection handling: clear errors at start, passwords, TLS (rediss://), riding out restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from asyncrl.local_redis import LocalRedis, free_port
+from asyncrl.transport.connection import RedisUnavailableError, connect, parse_endpoint
+
+
+async def test_unreachable_redis_names_host_port_and_what_was_tried():
+    port = free_port()  # nothing listens there
+    with pytest.raises(RedisUnavailableError) as err:
+        await connect(f"redis://:hunter2@127.0.0.1:{port}/0", timeout=0.5)
+    message = str(err.value)
+    assert f"127.0.0.1:{port}" in message and "tried" in message and "TLS off" in message
+    assert "password set" in message and "hunter2" not in message  # never leak the secret
+
+
+def test_parse_endpoint():
+    e = parse_endpoint("rediss://user:pw@redis.ns.svc:6380/2")
+    assert (e.host, e.port, e.db, e.tls, e.has_password) == ("redis.ns.svc", 6380, 2, True, True)
+    assert parse_endpoint("redis://localhost").port == 6379
+    with pytest.raises(ValueError):
+        parse_endpoint("http://localhost:6379")
+
+
+def start_with_password(data_dir: Path, password: str) -> LocalRedis:
+    """LocalRedis(password=...).start() hangs in its readiness probe (AUTH and PING replies can
+    arrive in one recv), so set the password with CONFIG SET once the server is up."""
+    import redis
+
+    server = LocalRedis(data_dir).start()
+    with redis.Redis(port=server.port) as plain:
+        plain.config_set("requirepass", password)
+    server.password = password
+    return server
+
+
+async def test_password_is_used_and_wrong_password_fails_fast(tmp_path: Path):
+    server = start_with_password(tmp_path / "redis", "s3cret")
+    try:
+        client = await connect(server.url)
+        assert await client.ping()
+        await client.aclose()
+        for url in (server.url.replace("s3cret", "wrong"), server.url.replace(":s3cret@", "")):
+            with pytest.raises(RedisUnavailableError, match="credentials") as err:
+                await connect(url, timeout=30)
+            assert "wrong" not in str(err.value).replace("wrong password", "")
+    finally:
+        server.stop()
+
+
+async def test_commands_retry_across_a_redis_restart(redis_server):
+    client = await connect(redis_server.url)
+    await client.set("k", "v1")
+    redis_server.stop(kill=True)
+    redis_server.start()
+    await client.set("k", "v2")  # same client: reconnects with backoff
+    assert await client.get("k") == b"v2"
+    await client.aclose()
+
+
+def _self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+async def _tls_proxy(cert: Path, key: Path, target_port: int) -> asyncio.AbstractServer:
+    """TLS terminator in front of the plain server (the bundled Valkey is built without TLS)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
+
+
+@pytest.mark.skipif(subprocess.run(["which", "openssl"], capture_output=True).returncode != 0,
+                    reason="needs the openssl command to make a certificate")
+async def test_rediss_tls_with_password(tmp_path: Path):
+    cert, key = _self_signed_cert(tmp_path)
+    server = start_with_password(tmp_path / "redis", "s3cret")
+    proxy = await _tls_proxy(cert, key, server.port)
+    port = proxy.sockets[0].getsockname()[1]
+    try:
+        url = f"rediss://:s3cret@127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+        client = await connect(url)
+        await client.set("over-tls", "yes")
+        assert await client.get("over-tls") == b"yes"
+        await client.aclose()
+        # TLS spoken to a plain-text port: a clear error, not a hang
+        with pytest.raises(RedisUnavailableError, match="TLS on"):
+            await connect(f"rediss://:s3cret@127.0.0.1:{server.port}/0?ssl_ca_certs={cert}", timeout=0.5)
+        # an untrusted certificate is refused
+        with pytest.raises(RedisUnavailableError, match="CERTIFICATE|certificate"):
+            await connect(f"rediss://:s3cret@127.0.0.1:{port}/0", timeout=0.5)
+    finally:
+        proxy.close()
+        await proxy.wait_closed()
+        server.stop()
