@@ -75,7 +75,9 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         for name, prop in out["properties"].items():
             # Default nested objects to {} so the API server applies their inner defaults; CEL rules
             # then see fully defaulted objects, exactly as pydantic does.
-            if name not in required and prop.get("type") == "object" and "properties" in prop:
+            # Objects with required fields of their own (e.g. redis.external) stay absent instead.
+            if (name not in required and prop.get("type") == "object" and "properties" in prop
+                    and not prop.get("required")):
                 prop.setdefault("default", {})
     return out
 

@@ -1,1 +1,436 @@
-X=1
+"""Pure desired-state builders: a validated AsyncRLJob in, the Kubernetes objects it needs out.
+
+No I/O and no clock here, so `asyncrl render`, the operator and the golden tests all see exactly the
+same objects. Every child is named by asyncrl.operator.names, carries the job's labels and a
+controller ownerReference to the job, and runs as non-root under the `restricted` Pod Security
+profile. The apply layer (asyncrl.operator.kube) decides create vs. patch; this module only says
+what should exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from asyncrl import __version__
+from asyncrl import runtime as R
+from asyncrl.operator import names as N
+from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
+
+Obj = dict[str, Any]
+
+DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
+DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"
+
+CONFIG_DIR = "/etc/asyncrl"
+CONFIG_FILE = f"{CONFIG_DIR}/job.yaml"
+SHARED_DIR = "/shared"
+ENGINE_PORT = 30000
+RDZV_PORT = 29500
+REDIS_PORT = 6379
+GPU_RESOURCE = "nvidia.com/gpu"
+RUN_AS_USER = 1000
+REDIS_UID = 999  # the `redis` user of the official redis images
+
+# Spec fields whose change needs no pod restart (scaling and lifecycle knobs).
+_LIVE_FIELDS = (("rollout", "replicas"), ("trainer", "replicas"), ("suspend",),
+                ("startupDeadlineSeconds",), ("ttlSecondsAfterFinished",))
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the builders need beyond the spec: the owner's identity and the operator's defaults."""
+
+    owner_uid: str
+    namespace: str
+    redis_password: str = ""
+    """Only used to fill the managed-Redis Secret when it is first created (never patched)."""
+    trainer_image: str = DEFAULT_TRAINER_IMAGE
+    rollout_image: str = DEFAULT_ROLLOUT_IMAGE
+    stopped: bool = False
+    """Scale rollout and trainer to zero (the job is suspended or finished)."""
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def stable_hash(obj: Any) -> str:
+    """Hash of a JSON-able value, independent of key order."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def owner_reference(job: AsyncRLJob, uid: str) -> Obj:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": job.metadata.name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(job: AsyncRLJob, ctx: BuildContext, name: str, component: str) -> Obj:
+    labels = {**N.job_labels(job.metadata.name), N.LABEL_COMPONENT: component}
+    return {"name": name, "namespace": ctx.namespace, "labels": labels,
+            "ownerReferences": [owner_reference(job, ctx.owner_uid)]}
+
+
+def _resources(res: Resources, gpus: int = 0) -> Obj:
+    requests: dict[str, str] = {}
+    limits: dict[str, Any] = {}
+    if res.cpu:
+        requests["cpu"] = limits["cpu"] = res.cpu
+    if res.memory:
+        requests["memory"] = limits["memory"] = res.memory
+    if res.ephemeral_storage:
+        requests["ephemeral-storage"] = res.ephemeral_storage
+    if gpus > 0:
+        limits[GPU_RESOURCE] = str(gpus)
+    out: Obj = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _container_security(read_only_root: bool) -> Obj:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": read_only_root, "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _pod_security(uid: int) -> Obj:
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _redis_url_env(job: AsyncRLJob) -> Obj:
+    r = job.spec.redis
+    if r.mode == "external" and r.external is not None:
+        ref = {"name": r.external.url_secret.name, "key": r.external.url_secret.key}
+    else:
+        ref = {"name": N.redis_secret(job.metadata.name), "key": "url"}
+    return {"name": R.ENV_REDIS_URL, "valueFrom": {"secretKeyRef": ref}}
+
+
+def _common_env(job: AsyncRLJob) -> list[Obj]:
+    """The asyncrl.runtime variables every rollout and trainer process reads."""
+    return [
+        _redis_url_env(job),
+        {"name": R.ENV_WEIGHTS_DIR, "value": f"{SHARED_DIR}/weights"},
+        {"name": R.ENV_CHECKPOINT_DIR, "value": f"{SHARED_DIR}/checkpoints"},
+        {"name": R.ENV_RUN_DIR, "value": f"{SHARED_DIR}/runs"},
+        {"name": R.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"},
+    ]
+
+
+def _shared_claim(job: AsyncRLJob) -> str:
+    return job.spec.storage.claim_name or N.shared_pvc(job.metadata.name)
+
+
+def _pod_volumes(job: AsyncRLJob) -> list[Obj]:
+    return [
+        {"name": "config", "configMap": {"name": N.config_map(job.metadata.name)}},
+        {"name": "shared", "persistentVolumeClaim": {"claimName": _shared_claim(job)}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+
+
+_MOUNTS = [
+    {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    {"name": "shared", "mountPath": SHARED_DIR},
+    {"name": "tmp", "mountPath": "/tmp"},
+]
+_DSHM = {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def job_document(job: AsyncRLJob) -> Obj:
+    """The job file the pods read: the validated spec with every default filled in."""
+    meta: Obj = {"name": job.metadata.name}
+    if job.metadata.namespace:
+        meta["namespace"] = job.metadata.namespace
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": meta, "spec": job.spec.to_wire()}
+
+
+def config_hash(job: AsyncRLJob) -> str:
+    """Hash of the spec minus the live fields: pods restart when (and only when) it changes."""
+    spec = job.spec.to_wire()
+    for path in _LIVE_FIELDS:
+        node = spec
+        for key in path[:-1]:
+            node = node.get(key, {})
+        node.pop(path[-1], None)
+    return stable_hash(spec)
+
+
+# ----------------------------------------------------------------------------------- objects
+
+
+def config_map(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    text = yaml.safe_dump(job_document(job), sort_keys=False)
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(job, ctx, N.config_map(job.metadata.name), "config"),
+            "data": {"job.yaml": text}}
+
+
+def redis_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    host = f"{N.redis(name)}.{ctx.namespace}.svc"
+    password = ctx.redis_password
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(job, ctx, N.redis_secret(name), "redis"),
+            "stringData": {"password": password, "url": f"redis://:{password}@{host}:{REDIS_PORT}/0"}}
+
+
+def redis_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(job, ctx, N.redis(name), "redis"),
+            "spec": {"selector": N.selector_labels(name, "redis"),
+                     "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
+
+
+def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    m = job.spec.redis.managed
+    persistence = (["--appendonly", "yes", "--appendfsync", "everysec"] if m.append_only
+                   else ["--appendonly", "no", "--save", ""])
+    selector = N.selector_labels(name, "redis")
+    claim: Obj = {"metadata": {"name": "data", "labels": {**N.job_labels(name), N.LABEL_COMPONENT: "redis"}},
+                  "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": m.storage}}}}
+    if m.storage_class_name:
+        claim["spec"]["storageClassName"] = m.storage_class_name
+    password_env = {"name": "REDIS_PASSWORD",
+                    "valueFrom": {"secretKeyRef": {"name": N.redis_secret(name), "key": "password"}}}
+    container = {
+        "name": "redis",
+        "image": m.image,
+        "command": ["redis-server"],
+        "args": ["--port", str(REDIS_PORT), "--dir", "/data", *persistence, "--requirepass", "$(REDIS_PASSWORD)"],
+        "env": [password_env, {"name": "REDISCLI_AUTH", "valueFrom": password_env["valueFrom"]}],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15, "failureThreshold": 4},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "securityContext": _container_security(read_only_root=True),
+    }
+    resources = _resources(m.resources)
+    if resources:
+        container["resources"] = resources
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(job, ctx, N.redis(name), "redis"),
+        "spec": {
+            "replicas": 1,
+            "serviceName": N.redis(name),
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**N.job_labels(name), **selector}},
+                "spec": {"securityContext": _pod_security(REDIS_UID), "automountServiceAccountToken": False,
+                         "containers": [container]},
+            },
+            "volumeClaimTemplates": [claim],
+        },
+    }
+
+
+def redis_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(job, ctx, N.redis_network_policy(name), "redis"),
+            "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "redis")},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: name}}}],
+                                  "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}}
+
+
+def shared_pvc(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    s = job.spec.storage
+    spec: Obj = {"accessModes": [s.access_mode], "resources": {"requests": {"storage": s.size}}}
+    if s.storage_class_name:
+        spec["storageClassName"] = s.storage_class_name
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(job, ctx, N.shared_pvc(job.metadata.name), "storage"), "spec": spec}
+
+
+def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The inference server of a rollout pod (SGLang, vLLM, or our in-process transformers server)."""
+    ro, model = job.spec.rollout, job.spec.model
+    tp = str(max(ro.gpus_per_replica, 1))
+    port = str(ENGINE_PORT)
+    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"}]
+    image = ro.image
+    ready_path = "/ready"
+    if ro.engine == "sglang":
+        command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "0.0.0.0",
+                   "--port", port, "--tp-size", tp, "--dtype", model.dtype]
+        if model.tokenizer:
+            command += ["--tokenizer-path", model.tokenizer]
+        command += list(ro.engine_args)
+    elif ro.engine == "vllm":
+        command = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", model.path,
+                   "--host", "0.0.0.0", "--port", port, "--tensor-parallel-size", tp, "--dtype", model.dtype]
+        if model.tokenizer:
+            command += ["--tokenizer", model.tokenizer]
+        command += list(ro.engine_args)
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # /pause, /resume, /collective_rpc
+        ready_path = "/health"
+    else:  # hf: the asyncrl image serves the SGLang-native surface itself
+        command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--port", port]
+        image = ro.worker_image or ctx.rollout_image
+    container: Obj = {
+        "name": "engine",
+        "image": image,
+        "command": command,
+        "env": env,
+        "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        # Model download and load can take many minutes: the startup probe holds liveness off.
+        "startupProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 10, "failureThreshold": 180},
+        # /health generates a token and fails while paused for a weight update; /ready does not.
+        "readinessProbe": {"httpGet": {"path": ready_path, "port": "engine"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3},
+        "livenessProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 20, "failureThreshold": 6},
+        "volumeMounts": [*_MOUNTS, _DSHM],
+        "securityContext": _container_security(read_only_root=False),
+    }
+    resources = _resources(ro.resources, ro.gpus_per_replica)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The rollout worker: admission, generation through the engine, reward, publishing."""
+    ro = job.spec.rollout
+    env = [*_common_env(job), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"}]
+    return {
+        "name": "worker",
+        "image": ro.worker_image or ctx.rollout_image,
+        "command": ["asyncrl", "rollout", "--config", CONFIG_FILE],
+        "env": env,
+        "volumeMounts": list(_MOUNTS),
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": _container_security(read_only_root=True),
+    }
+
+
+def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    ro = job.spec.rollout
+    selector = N.selector_labels(name, "rollout")
+    replicas = 0 if ctx.stopped else ro.replicas
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(job, ctx, N.rollout(name), "rollout"),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            # GPUs are the constraint: replace pods one at a time instead of surging.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": {**N.job_labels(name), **selector},
+                             "annotations": {N.ANNOTATION_CONFIG_HASH: config_hash(job)}},
+                "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
+                         "terminationGracePeriodSeconds": 60,
+                         "containers": [engine_container(job, ctx), worker_container(job, ctx)],
+                         "volumes": _pod_volumes(job)},
+            },
+        },
+    }
+
+
+def trainer_command(job: AsyncRLJob, namespace: str) -> list[str]:
+    """torchrun over all trainer pods; rendezvous at pod 0 through the headless Service."""
+    t = job.spec.trainer
+    nproc = str(max(t.gpus_per_replica, 1))
+    entry = ["-m", "asyncrl.cli", "trainer", "--config", CONFIG_FILE]
+    if t.replicas <= 1:
+        return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", *entry]
+    sts = N.trainer(job.metadata.name)
+    endpoint = f"{sts}-0.{sts}.{namespace}.svc:{RDZV_PORT}"
+    return ["torchrun", f"--nnodes={t.replicas}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job.metadata.name}", *entry]
+
+
+def trainer_headless_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(job, ctx, N.trainer(name), "trainer"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": N.selector_labels(name, "trainer"),
+                     "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}]}}
+
+
+def status_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """Points at trainer pod 0 (global rank 0), the process that serves /status."""
+    name = job.metadata.name
+    port = job.spec.trainer.status_port
+    selector = {**N.selector_labels(name, "trainer"),
+                "statefulset.kubernetes.io/pod-name": f"{N.trainer(name)}-0"}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(job, ctx, N.status_service(name), "status"),
+            "spec": {"selector": selector,
+                     "ports": [{"name": "http", "port": port, "targetPort": "status", "protocol": "TCP"}]}}
+
+
+def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    t = job.spec.trainer
+    selector = N.selector_labels(name, "trainer")
+    replicas = 0 if ctx.stopped else t.replicas
+    container: Obj = {
+        "name": "trainer",
+        "image": t.image or ctx.trainer_image,
+        "command": trainer_command(job, ctx.namespace),
+        "env": _common_env(job),
+        "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
+                  {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+        "volumeMounts": [*_MOUNTS, _DSHM],
+        "securityContext": _container_security(read_only_root=False),
+    }
+    resources = _resources(t.resources, t.gpus_per_replica)
+    if resources:
+        container["resources"] = resources
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(job, ctx, N.trainer(name), "trainer"),
+        "spec": {
+            "replicas": replicas,
+            "serviceName": N.trainer(name),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**N.job_labels(name), **selector},
+                             "annotations": {N.ANNOTATION_CONFIG_HASH: config_hash(job)}},
+                "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
+                         "terminationGracePeriodSeconds": 120,
+                         "containers": [container], "volumes": _pod_volumes(job)},
+            },
+        },
+    }
+
+
+def build_children(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
+    """Every child of the job, in the order they should be applied (dependencies first)."""
+    out = [config_map(job, ctx)]
+    if job.spec.redis.mode == "managed":
+        out += [redis_secret(job, ctx), redis_service(job, ctx), redis_statefulset(job, ctx),
+                redis_network_policy(job, ctx)]
+    if job.spec.storage.claim_name is None:
+        out.append(shared_pvc(job, ctx))
+    out += [trainer_headless_service(job, ctx), status_service(job, ctx), trainer_statefulset(job, ctx),
+            rollout_deployment(job, ctx)]
+    return out
+
+
+def rollout_selector(job_name: str) -> str:
+    """The label selector of the rollout pods, published in status for the scale subresource."""
+    return N.selector_string(N.selector_labels(job_name, "rollout"))
+
+
+def status_url(job_name: str, namespace: str, port: int) -> str:
+    """In-cluster URL of the trainer's status endpoint."""
+    return f"http://{N.status_service(job_name)}.{namespace}.svc:{port}"

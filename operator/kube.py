@@ -1,0 +1,243 @@
+"""The operator's only door to the API server: a small generic REST client plus idempotent apply.
+
+Every call is checked against PERMISSIONS, the single table the Helm chart's ClusterRole is
+compared with (tests/test_helm_chart.py), so the RBAC is exactly what the code uses. The
+`kubernetes` client does authentication (in-cluster token or KUBECONFIG); calls run in a thread so
+kopf's event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.operator import names as N
+from asyncrl.operator.builders import stable_hash
+from asyncrl.spec import GROUP, PLURAL, VERSION
+
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One RBAC rule: API group, resource (with /subresource), verbs."""
+
+    group: str
+    resource: str
+    verbs: tuple[str, ...]
+
+
+# Everything the operator does, kopf's own calls included (watching jobs, patching their
+# status and kopf's progress annotations, posting Events). Compared 1:1 with the chart's ClusterRole.
+PERMISSIONS: tuple[Rule, ...] = (
+    Rule(GROUP, PLURAL, ("list", "watch", "patch", "delete")),
+    Rule(GROUP, f"{PLURAL}/status", ("patch",)),
+    Rule("", "events", ("create",)),
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),  # kopf: resource discovery
+    Rule("", "configmaps", ("get", "create", "patch")),
+    Rule("", "secrets", ("get", "create")),
+    Rule("", "services", ("get", "create", "patch")),
+    Rule("", "persistentvolumeclaims", ("get", "create")),
+    Rule("", "pods", ("list",)),
+    Rule("apps", "deployments", ("get", "create", "patch")),
+    Rule("apps", "statefulsets", ("get", "create", "patch")),
+    Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch")),
+)
+
+# kind -> (group, version, plural)
+KINDS: dict[str, tuple[str, str, str]] = {
+    "ConfigMap": ("", "v1", "configmaps"),
+    "Secret": ("", "v1", "secrets"),
+    "Service": ("", "v1", "services"),
+    "PersistentVolumeClaim": ("", "v1", "persistentvolumeclaims"),
+    "Pod": ("", "v1", "pods"),
+    "Deployment": ("apps", "v1", "deployments"),
+    "StatefulSet": ("apps", "v1", "statefulsets"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+    "AsyncRLJob": (GROUP, VERSION, PLURAL),
+}
+
+# How each kind is updated once it exists. None = create-only (a Secret's generated password, a
+# PVC's immutable spec). Otherwise the top-level paths that a merge patch may carry; StatefulSets
+# accept changes only to a few spec fields.
+PATCHABLE: dict[str, tuple[str, ...] | None] = {
+    "Secret": None,
+    "PersistentVolumeClaim": None,
+    "ConfigMap": ("data",),
+    "Service": ("spec",),
+    "NetworkPolicy": ("spec",),
+    "Deployment": ("spec",),
+    "StatefulSet": ("spec.replicas", "spec.template", "spec.updateStrategy"),
+}
+
+
+class NotPermitted(RuntimeError):
+    """A call the PERMISSIONS table does not declare: add it there and to the chart, or do not make it."""
+
+
+class ApiError(RuntimeError):
+    """An API call failed; `status` is the HTTP code."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+def allowed(group: str, resource: str, verb: str) -> bool:
+    return any(r.group == group and r.resource == resource and verb in r.verbs for r in PERMISSIONS)
+
+
+def _path(group: str, version: str, plural: str, namespace: str | None, name: str | None = None,
+          subresource: str | None = None) -> str:
+    base = f"/api/{version}" if group == "" else f"/apis/{group}/{version}"
+    if namespace:
+        base += f"/namespaces/{namespace}"
+    base += f"/{plural}"
+    if name:
+        base += f"/{name}"
+    if subresource:
+        base += f"/{subresource}"
+    return base
+
+
+def load_config() -> None:
+    """In-cluster service account first, then KUBECONFIG / ~/.kube/config."""
+    import kubernetes
+
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+class Kube:
+    """Generic async CRUD over the Kubernetes REST API (JSON in, JSON out)."""
+
+    def __init__(self, api_client: Any = None):
+        import kubernetes
+
+        self._api = api_client or kubernetes.client.ApiClient()
+
+    async def _call(self, verb: str, method: str, group: str, version: str, plural: str,
+                    namespace: str | None, name: str | None = None, *, subresource: str | None = None,
+                    body: Any = None, query: list[tuple[str, str]] | None = None,
+                    content_type: str = "application/json") -> Any:
+        resource = f"{plural}/{subresource}" if subresource else plural
+        if not allowed(group, resource, verb):
+            raise NotPermitted(f"{verb} {group or 'core'}/{resource} is not in asyncrl.operator.kube.PERMISSIONS")
+        path = _path(group, version, plural, namespace, name, subresource)
+
+        def call() -> Any:
+            from kubernetes.client.exceptions import ApiException
+
+            headers = {"Accept": "application/json", "Content-Type": content_type}
+            try:
+                m, url, hdrs, payload, post = self._api.param_serialize(
+                    method=method, resource_path=path, query_params=query or [], header_params=headers,
+                    body=body, auth_settings=["BearerToken"])
+                resp = self._api.call_api(m, url, header_params=hdrs, body=payload, post_params=post,
+                                          _request_timeout=60)
+                data = resp.read()
+            except ApiException as exc:
+                raise ApiError(exc.status or 0, f"{method} {path}: {exc.reason}: {str(exc.body or '')[:300]}") from None
+            if resp.status >= 400:
+                raise ApiError(resp.status, f"{method} {path}: {data[:300].decode(errors='replace')}")
+            return json.loads(data) if data else {}
+
+        return await asyncio.to_thread(call)
+
+    async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        g, v, p = KINDS[kind]
+        try:
+            return await self._call("get", "GET", g, v, p, namespace, name)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def create(self, obj: Obj) -> Obj:
+        g, v, p = KINDS[obj["kind"]]
+        return await self._call("create", "POST", g, v, p, obj["metadata"]["namespace"], body=obj)
+
+    async def patch(self, kind: str, namespace: str, name: str, body: Obj, *, subresource: str | None = None) -> Obj:
+        g, v, p = KINDS[kind]
+        return await self._call("patch", "PATCH", g, v, p, namespace, name, subresource=subresource, body=body,
+                                content_type="application/merge-patch+json")
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        g, v, p = KINDS[kind]
+        try:
+            await self._call("delete", "DELETE", g, v, p, namespace, name,
+                             body={"propagationPolicy": "Background"})
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+
+    async def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        g, v, p = KINDS[kind]
+        result = await self._call("list", "GET", g, v, p, namespace, query=[("labelSelector", label_selector)])
+        return list((result or {}).get("items") or [])
+
+
+# ----------------------------------------------------------------------------------- apply
+
+
+def stamp(obj: Obj) -> Obj:
+    """A copy of `obj` carrying the hash of its desired state, so unchanged objects are not patched."""
+    out = copy.deepcopy(obj)
+    out["metadata"].setdefault("annotations", {})[N.ANNOTATION_DESIRED_HASH] = stable_hash(obj)
+    return out
+
+
+def _select(obj: Obj, paths: tuple[str, ...]) -> Obj:
+    out: Obj = {}
+    for path in paths:
+        keys = path.split(".")
+        src: Any = obj
+        for k in keys:
+            src = src.get(k) if isinstance(src, dict) else None
+        if src is None:
+            continue
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = src
+    return out
+
+
+def patch_body(desired: Obj) -> Obj | None:
+    """The merge patch that moves an existing object to `desired` (None: the kind is create-only)."""
+    paths = PATCHABLE[desired["kind"]]
+    if paths is None:
+        return None
+    meta = desired["metadata"]
+    body = _select(desired, paths)
+    body["metadata"] = {"labels": meta.get("labels", {}), "annotations": meta.get("annotations", {}),
+                        "ownerReferences": meta.get("ownerReferences", [])}
+    return body
+
+
+async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
+    """Create `obj` or bring the existing object to it; returns (action, object). Safe to repeat."""
+    desired = stamp(obj)
+    kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+    existing = await kube.get(kind, ns, name)
+    if existing is None:
+        try:
+            return "created", await kube.create(desired)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            existing = await kube.get(kind, ns, name)  # created by a previous, interrupted attempt
+            if existing is None:
+                raise
+    current = (existing.get("metadata", {}).get("annotations") or {}).get(N.ANNOTATION_DESIRED_HASH)
+    if current == desired["metadata"]["annotations"][N.ANNOTATION_DESIRED_HASH]:
+        return "unchanged", existing
+    body = patch_body(desired)
+    if body is None:
+        return "unchanged", existing
+    return "patched", await kube.patch(kind, ns, name, body)

@@ -1,0 +1,48 @@
+"""Run the Kubernetes operator that reconciles AsyncRLJobs into rollout, trainer, Redis and
+Services, and mirrors the trainer's progress into each job's status (kopf, one replica)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from asyncrl.operator.config import OperatorConfig
+
+    d = OperatorConfig.from_env()
+    parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                        help="watch only this namespace (repeatable); default: all namespaces")
+    parser.add_argument("--interval", type=float, default=d.interval,
+                        help="seconds between status passes (readiness, /status mirror, deadlines, TTL)")
+    parser.add_argument("--trainer-image", default=d.trainer_image, help="default trainer image")
+    parser.add_argument("--rollout-image", default=d.rollout_image, help="default rollout worker image")
+    parser.add_argument("--status-url-template", default=d.status_url_template,
+                        help="how to reach a job's status endpoint ({name} {namespace} {service} {port})")
+    parser.add_argument("--liveness-port", type=int, default=8080, help="kopf liveness endpoint /healthz (0 = off)")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0 = off)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def main(args: argparse.Namespace) -> int:
+    from asyncrl.operator.config import OperatorConfig
+
+    cfg = OperatorConfig(interval=args.interval, trainer_image=args.trainer_image, rollout_image=args.rollout_image,
+                         status_url_template=args.status_url_template)
+    os.environ.update(cfg.to_env())  # read by the handlers module at import (kopf decorators)
+
+    import kopf
+
+    from asyncrl.operator import handlers, kube, metrics  # noqa: F401  (registers the handlers)
+
+    kube.load_config()
+    metrics.serve(args.metrics_port)
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0

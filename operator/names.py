@@ -1,0 +1,101 @@
+"""Deterministic names and labels of a job's children (no generateName: retries must find them).
+
+Kubernetes limits differ by kind: Services are DNS-1035 labels (63), a StatefulSet's name plus its
+controller-revision hash must fit a 63-character label value (52), and a Deployment's pods add a
+template hash and a random suffix (47 keeps pod names within 63). Long job names are truncated and
+a short hash of the full job name keeps distinct jobs distinct.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from asyncrl.spec import GROUP
+
+MAX_NAME = 63
+MAX_STATEFULSET = 52
+MAX_DEPLOYMENT = 47
+HASH_LEN = 6
+
+LABEL_JOB = f"{GROUP}/job"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+MANAGED_BY = "asyncrl-operator"
+
+ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-hash"
+ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+
+
+def short_hash(text: str, length: int = HASH_LEN) -> str:
+    """A stable lowercase hex digest prefix (not security relevant)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def child_name(job: str, suffix: str, max_len: int = MAX_NAME) -> str:
+    """`<job>-<suffix>`, or `<job prefix>-<hash>-<suffix>` when that would exceed `max_len`."""
+    full = f"{job}-{suffix}"
+    if len(full) <= max_len:
+        return full
+    keep = max_len - len(suffix) - HASH_LEN - 2
+    if keep < 1:
+        raise ValueError(f"suffix {suffix!r} leaves no room for the job name within {max_len} characters")
+    prefix = job[:keep].rstrip("-")
+    return f"{prefix}-{short_hash(job)}-{suffix}"
+
+
+def config_map(job: str) -> str:
+    return child_name(job, "config")
+
+
+def redis(job: str) -> str:
+    """The managed Redis StatefulSet and its Service share this name."""
+    return child_name(job, "redis", MAX_STATEFULSET)
+
+
+def redis_secret(job: str) -> str:
+    return child_name(job, "redis-auth")
+
+
+def redis_network_policy(job: str) -> str:
+    return child_name(job, "redis")
+
+
+def rollout(job: str) -> str:
+    return child_name(job, "rollout", MAX_DEPLOYMENT)
+
+
+def trainer(job: str) -> str:
+    """The trainer StatefulSet and its headless Service share this name."""
+    return child_name(job, "trainer", MAX_STATEFULSET)
+
+
+def status_service(job: str) -> str:
+    return child_name(job, "status")
+
+
+def shared_pvc(job: str) -> str:
+    return child_name(job, "shared")
+
+
+def job_labels(job: str) -> dict[str, str]:
+    """Labels every child carries (selectors use the subset returned by `selector_labels`)."""
+    return {
+        LABEL_NAME: "asyncrl",
+        LABEL_INSTANCE: job,
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: "asyncrl",
+        LABEL_JOB: job,
+    }
+
+
+def selector_labels(job: str, component: str) -> dict[str, str]:
+    """The immutable selector of one component's pods."""
+    return {LABEL_JOB: job, LABEL_COMPONENT: component}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    """`k=v,k2=v2` for label selectors in URLs and in the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

@@ -1,0 +1,199 @@
+"""Properties of the pure builders that must hold for every job, plus kubernetes-validate on each child."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from asyncrl.cli import COMMANDS
+from asyncrl.loader import parse_job
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+from asyncrl.runtime import ENV_ENGINE_URL, ENV_POD_NAME, ENV_REDIS_URL, ENV_WEIGHTS_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def example(name: str = "job", **spec) -> dict:
+    doc = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    for dotted, value in spec.items():
+        node = doc["spec"]
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
+VARIANTS = {
+    "cluster": example(),
+    "local": example("local"),
+    "vllm-multinode": example(**{"rollout.engine": "vllm", "trainer.replicas": 3, "trainer.gpusPerReplica": 4}),
+    "external-redis-existing-claim": example(**{"redis": {"mode": "external",
+                                                           "external": {"urlSecret": {"name": "r", "key": "url"}}},
+                                                "storage.claimName": "shared-rwx"}),
+    "suspended": example(suspend=True),
+}
+
+
+def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dict]:
+    doc = copy.deepcopy(doc)
+    if name:
+        doc["metadata"]["name"] = name
+    job = parse_job(doc)
+    return B.build_children(job, B.BuildContext(owner_uid="uid-1", namespace="ns", redis_password="pw",
+                                                stopped=stopped or job.spec.suspend))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_children_owned_labelled_valid(variant):
+    objs = build(VARIANTS[variant])
+    job_name = VARIANTS[variant]["metadata"]["name"]
+    for obj in objs:
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [{"apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob",
+                                            "name": job_name, "uid": "uid-1", "controller": True,
+                                            "blockOwnerDeletion": True}]
+        assert meta["labels"][N.LABEL_JOB] == job_name and meta["labels"][N.LABEL_MANAGED_BY] == N.MANAGED_BY
+        assert meta["namespace"] == "ns"
+        for version in ("1.29.0", kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def pods(objs: list[dict]) -> list[dict]:
+    return [o["spec"]["template"]["spec"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pods_are_restricted_non_root(variant):
+    for pod in pods(build(VARIANTS[variant])):
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_long_job_names_fit_kubernetes_limits():
+    base = "a" * 60 + "-xyz"  # 64 > 63 is rejected by the spec; use the maximum, 63
+    for name in ("j" + "x" * 62, "b" * 40 + "-" + "c" * 22, "q"):
+        objs = build(VARIANTS["cluster"], name=name)
+        names = [o["metadata"]["name"] for o in objs]
+        for o in objs:
+            n = o["metadata"]["name"]
+            limit = {"StatefulSet": N.MAX_STATEFULSET, "Deployment": N.MAX_DEPLOYMENT}.get(o["kind"], N.MAX_NAME)
+            assert len(n) <= limit and DNS1035.match(n), (o["kind"], n)
+        assert len(set(zip(names, [o["kind"] for o in objs]))) == len(objs)
+    assert len(base) == 64
+    # Two long names that share a prefix still get different children.
+    a = N.rollout("x" * 50 + "-one")
+    b = N.rollout("x" * 50 + "-two")
+    assert a != b and len(a) <= N.MAX_DEPLOYMENT
+
+
+def test_gpus_land_in_limits():
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in build(VARIANTS["cluster"])}
+    engine = objs[("Deployment", "qwen25-gsm8k-rollout")]["spec"]["template"]["spec"]["containers"][0]
+    trainer = objs[("StatefulSet", "qwen25-gsm8k-trainer")]["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert "nvidia.com/gpu" not in engine["resources"].get("requests", {})
+    local = build(VARIANTS["local"])
+    for pod in pods(local):
+        for c in pod["containers"]:
+            assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {})
+
+
+def test_rollout_pod_engine_and_worker():
+    objs = build(VARIANTS["cluster"])
+    pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    engine, worker = pod["containers"]
+    assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    assert engine["command"][-2:] == ["--mem-fraction-static", "0.85"]
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "tcpSocket" in engine["livenessProbe"]
+    assert worker["command"] == ["asyncrl", "rollout", "--config", B.CONFIG_FILE]
+    env = {e["name"]: e for e in worker["env"]}
+    assert env[ENV_ENGINE_URL]["value"] == "http://127.0.0.1:30000"
+    assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "qwen25-gsm8k-redis-auth", "key": "url"}
+    assert env[ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env[ENV_WEIGHTS_DIR]["value"].startswith(B.SHARED_DIR)
+    hf = next(o for o in build(VARIANTS["local"]) if o["kind"] == "Deployment")
+    assert hf["spec"]["template"]["spec"]["containers"][0]["command"][:2] == ["asyncrl", "engine"]
+
+
+def test_commands_are_asyncrl_subcommands():
+    known = {name for name, _, _ in COMMANDS}
+    for variant in VARIANTS.values():
+        for pod in pods(build(variant)):
+            for c in pod["containers"]:
+                cmd = c["command"]
+                if cmd[0] == "asyncrl":
+                    assert cmd[1] in known
+                if cmd[0] == "torchrun":
+                    i = cmd.index("asyncrl.cli")
+                    assert cmd[i - 1] == "-m" and cmd[i + 1] in known
+
+
+def test_multinode_trainer_rendezvous():
+    objs = build(VARIANTS["vllm-multinode"])
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("trainer"))
+    cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert "--nnodes=3" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--rdzv-endpoint=qwen25-gsm8k-trainer-0.qwen25-gsm8k-trainer.ns.svc:29500" in cmd
+    headless = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "qwen25-gsm8k-trainer")
+    assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == "qwen25-gsm8k-trainer"
+
+
+def test_external_redis_and_existing_claim():
+    objs = build(VARIANTS["external-redis-existing-claim"])
+    kinds = [o["kind"] for o in objs]
+    assert "Secret" not in kinds and "NetworkPolicy" not in kinds and "PersistentVolumeClaim" not in kinds
+    assert [o for o in objs if o["kind"] == "StatefulSet"][0]["metadata"]["name"].endswith("trainer")
+    pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][1]["env"]}
+    assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
+    assert {"name": "shared", "persistentVolumeClaim": {"claimName": "shared-rwx"}} in pod["volumes"]
+
+
+def test_managed_redis_aof_and_network_policy():
+    objs = build(VARIANTS["cluster"])
+    redis = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("redis"))
+    args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--appendonly" in args and args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
+    netpol = next(o for o in objs if o["kind"] == "NetworkPolicy")
+    assert netpol["spec"]["podSelector"]["matchLabels"] == N.selector_labels("qwen25-gsm8k", "redis")
+    assert netpol["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}}]
+
+
+def test_suspend_scales_to_zero_and_keeps_redis():
+    objs = build(VARIANTS["suspended"])
+    replicas = {(o["kind"], o["metadata"]["name"]): o["spec"].get("replicas") for o in objs if "replicas" in o.get("spec", {})}
+    assert replicas[("Deployment", "qwen25-gsm8k-rollout")] == 0
+    assert replicas[("StatefulSet", "qwen25-gsm8k-trainer")] == 0
+    assert replicas[("StatefulSet", "qwen25-gsm8k-redis")] == 1
+
+
+def test_scaling_does_not_change_the_pod_template():
+    a = build(VARIANTS["cluster"])
+    b = build(example(**{"rollout.replicas": 9}))
+    deploy = lambda objs: next(o for o in objs if o["kind"] == "Deployment")  # noqa: E731
+    assert deploy(a)["spec"]["template"] == deploy(b)["spec"]["template"]
+    c = build(example(**{"algorithm.temperature": 0.7}))
+    assert deploy(a)["spec"]["template"] != deploy(c)["spec"]["template"], "config changes roll the pods"
+
+
+def test_config_map_holds_the_validated_job_with_defaults():
+    cm = build(VARIANTS["local"])[0]
+    doc = yaml.safe_load(cm["data"]["job.yaml"])
+    job = parse_job(doc)
+    assert job.spec.algorithm.clip_eps == 0.2  # a default, written out
+    assert doc["spec"]["algorithm"]["clipEps"] == 0.2

@@ -1,0 +1,183 @@
+"""The CRD as the API server would apply it: structural defaults, the openAPIV3Schema (jsonschema) and
+every CEL rule (cel-python), on the examples and on objects that break one rule each."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+from asyncrl.crd import build_crd
+from asyncrl.spec import CEL_RULES, IMMUTABLE_FIELDS
+
+REPO = Path(__file__).resolve().parent.parent
+SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def defaulted(schema: dict, obj: Any) -> Any:
+    """Structural defaulting, as the API server does before validation and CEL."""
+    if not isinstance(obj, dict) or "properties" not in schema:
+        return obj
+    out = dict(obj)
+    for name, prop in schema["properties"].items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+        if name in out:
+            out[name] = defaulted(prop, out[name])
+    return out
+
+
+def at(obj: dict, dotted: str) -> Any:
+    for key in dotted.split("."):
+        obj = obj[key]
+    return obj
+
+
+def schema_at(dotted: str) -> dict:
+    node = SCHEMA
+    for key in dotted.split("."):
+        node = node["properties"][key]
+    return node
+
+
+def cel_rules() -> list[tuple[str, str, str]]:
+    """Every (path, rule, message) attached to the schema, found by walking it (not from spec.py)."""
+    found: list[tuple[str, str, str]] = []
+
+    def walk(node: dict, path: str) -> None:
+        for v in node.get("x-kubernetes-validations", []):
+            found.append((path, v["rule"], v["message"]))
+        for name, prop in (node.get("properties") or {}).items():
+            walk(prop, f"{path}.{name}" if path else name)
+
+    walk(SCHEMA, "")
+    return found
+
+
+ENV = celpy.Environment()
+
+
+def evaluate(rule: str, new: Any, old: Any = None) -> bool:
+    activation = {"self": celpy.json_to_cel(new)}
+    if old is not None:
+        activation["oldSelf"] = celpy.json_to_cel(old)
+    return bool(ENV.program(ENV.compile(rule)).evaluate(activation))
+
+
+def violations(obj: dict, old: dict | None = None) -> list[str]:
+    """Messages of the rules `obj` breaks (transition rules only when `old` is given)."""
+    obj = defaulted(SCHEMA, obj)
+    old = defaulted(SCHEMA, old) if old is not None else None
+    out = []
+    for path, rule, message in cel_rules():
+        if "oldSelf" in rule and old is None:
+            continue
+        if not evaluate(rule, at(obj, path), at(old, path) if old is not None else None):
+            out.append(message)
+    return out
+
+
+# An optional object with required fields of its own (spec.redis.external) must not get a
+# `default: {}`: the API server would default it into every job and reject the job.
+
+
+def test_optional_objects_with_required_fields_have_no_default():
+    with_required = []
+
+    def walk(node: dict, path: str) -> None:
+        for name, prop in (node.get("properties") or {}).items():
+            if prop.get("required") and "default" in prop and prop["default"] == {}:
+                with_required.append(f"{path}.{name}")
+            walk(prop, f"{path}.{name}")
+
+    walk(SCHEMA, "")
+    assert with_required == []
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((REPO / "examples" / name).read_text())
+
+
+def test_rules_in_crd_are_the_spec_rules():
+    declared = {(p, r, m) for p, r, m in CEL_RULES} | {(p, "self == oldSelf", m) for p, m in IMMUTABLE_FIELDS}
+    assert set(cel_rules()) == declared
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_pass_schema_and_cel(path):
+    obj = load(path.name)
+    jsonschema.Draft4Validator(SCHEMA).validate(defaulted(SCHEMA, obj))
+    assert violations(obj) == []
+    assert violations(obj, old=obj) == [], "an unchanged object passes the transition rules"
+
+
+BREAKERS = {
+    "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},
+    "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
+    "advantageEstimator grpo and rloo need groupSize >= 2": {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
+    "clipEpsHigh must be >= clipEps": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
+    "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
+}
+
+
+def merged(base: dict, change: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in change.items():
+        out[k] = merged(out.get(k, {}), v) if isinstance(v, dict) else v
+    return out
+
+
+@pytest.mark.parametrize("message", sorted(BREAKERS))
+def test_each_rule_is_violated_by_some_object(message):
+    job = load("job.yaml")
+    bad = copy.deepcopy(job)
+    bad["spec"] = merged(job["spec"], BREAKERS[message])
+    assert violations(bad) == [message]
+
+
+def test_examples_pass_every_cel_rule():
+    """CEL alone, without schema defaulting."""
+    for path in EXAMPLES:
+        obj = load(path.name)
+        assert violations(obj) == [], path.name
+        assert violations(obj, old=obj) == [], path.name
+
+
+def test_every_rule_has_a_breaker():
+    assert set(BREAKERS) == {m for _, m, in [(r, m) for _, r, m in CEL_RULES]}
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("spec.model.path", "Qwen/Qwen2.5-7B-Instruct", "model is immutable: create a new job to train another model"),
+    ("spec.rollout.engine", "vllm", "rollout.engine is immutable"),
+    ("spec.algorithm.batchSize", 64, "algorithm.batchSize is immutable (admission counts in batches)"),
+    ("spec.algorithm.groupSize", 8, "algorithm.groupSize is immutable"),
+    ("spec.storage.size", "1Ti", "storage is immutable: weights and checkpoints live there"),
+])
+def test_updates_of_immutable_fields_are_rejected(path, value, message):
+    old = load("job.yaml")
+    new = copy.deepcopy(old)
+    node = new
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
+    assert message in violations(new, old=old)
+
+
+def test_mutable_update_is_accepted():
+    old = load("job.yaml")
+    new = merged(old, {"spec": {"rollout": {"replicas": 8}, "suspend": True}})
+    assert violations(new, old=old) == []
+
+
+def test_schema_rejects_bad_types():
+    bad = merged(load("job.yaml"), {"spec": {"rollout": {"replicas": -1}}})
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(SCHEMA).validate(defaulted(SCHEMA, bad))

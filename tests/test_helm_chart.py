@@ -1,0 +1,103 @@
+"""The Helm chart with a real helm binary: lint, template several value sets, validate every object."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from asyncrl.operator.kube import PERMISSIONS
+
+REPO = Path(__file__).resolve().parent.parent
+CHART = REPO / "charts" / "asyncrl"
+HELM = REPO / ".tools" / "bin" / "helm"
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+
+VALUE_SETS = {
+    "defaults": [],
+    "namespaced-debug": ["--set", "watchNamespaces={team-a,team-b}", "--set", "logLevel=debug",
+                         "--set-json", "statusInterval=2.5"],
+    "monitoring": ["--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.port=9400",
+                   "--set", "image.tag=v9", "--set", "serviceAccount.name=asyncrl-sa"],
+    "no-metrics-no-sa": ["--set", "metrics.enabled=false", "--set", "serviceAccount.create=false",
+                         "--set", "rbac.create=false", "--set", "nodeSelector.pool=cpu"],
+}
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    if not HELM.exists():
+        subprocess.run([str(REPO / "scripts" / "install-k8s-tools.sh")], check=True)
+    return HELM
+
+
+def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120)
+
+
+def template(helm: Path, *values: str) -> list[dict]:
+    res = run_helm(helm, "template", "asyncrl", str(CHART), "--namespace", "asyncrl-system", "--include-crds", *values)
+    assert res.returncode == 0, res.stderr
+    return [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+def test_lint_strict(helm):
+    res = run_helm(helm, "lint", "--strict", str(CHART))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_every_rendered_object_is_valid(helm, name):
+    objs = template(helm, *VALUE_SETS[name])
+    kinds = {o["kind"] for o in objs}
+    assert {"CustomResourceDefinition", "Deployment"} <= kinds
+    for obj in objs:
+        if obj["kind"] == "ServiceMonitor":  # a CRD of prometheus-operator: not in the schemas
+            assert obj["spec"]["endpoints"][0]["port"] == "metrics"
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    deploy = next(o for o in objs if o["kind"] == "Deployment")
+    assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"]["type"] == "Recreate"
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    if name == "namespaced-debug":
+        assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--verbose" in args
+    if name == "no-metrics-no-sa":
+        assert "--metrics-port=0" in args and not any(o["kind"] == "ClusterRole" for o in objs)
+
+
+def test_crd_in_chart_is_the_generated_crd():
+    assert (CHART / "crds" / "asyncrljob.yaml").read_text() == (REPO / "crds" / "asyncrljob.yaml").read_text()
+
+
+def test_cluster_role_is_exactly_the_operator_permissions(helm):
+    role = next(o for o in template(helm) if o["kind"] == "ClusterRole")
+    rendered = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                for v in rule["verbs"]}
+    declared = {(p.group, p.resource, v) for p in PERMISSIONS for v in p.verbs}
+    assert rendered == declared
+    assert not any("*" in x for t in rendered for x in t), "no wildcards"
+
+
+def test_notes_tell_the_next_command(helm):
+    res = run_helm(helm, "install", "asyncrl", str(CHART), "--dry-run=client", "--namespace", "ops")
+    assert res.returncode == 0, res.stderr
+    assert "kubectl apply -f examples/job.yaml" in res.stdout
+    assert "kubectl get asyncrljobs" in res.stdout
+
+
+@pytest.mark.parametrize("bad", [
+    ["--set", "image.pullPolicy=Sometimes"],
+    ["--set", "statusInterval=0"],
+    ["--set", "watchNamespaces={Not_A_Namespace}"],
+    ["--set", "metrics.port=70000"],
+    ["--set", "unknownKey=1"],
+    ["--set", "logLevel=trace"],
+])
+def test_bad_values_are_rejected_by_the_schema(helm, bad):
+    res = run_helm(helm, "template", "asyncrl", str(CHART), *bad)
+    assert res.returncode != 0
+    assert "values don't meet the specifications of the schema" in res.stderr or "schema" in res.stderr.lower()

@@ -1,0 +1,248 @@
+"""The real kopf operator (`asyncrl operator` subprocess) against the Kubernetes API emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+from pathlib import Path
+
+import kmock
+import pytest
+import yaml
+
+from asyncrl.loader import load_job
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+from asyncrl.operator.kube import allowed
+from asyncrl.spec import GROUP, PLURAL, VERSION
+from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+
+REPO = Path(__file__).resolve().parent.parent
+NS = "rl"
+pytestmark = pytest.mark.slow
+
+
+def job_doc(name: str = "qwen", **spec_changes) -> dict:
+    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["metadata"]["namespace"] = NS
+    doc["spec"].update(spec_changes)
+    return doc
+
+
+@pytest.fixture
+async def emu(tmp_path: Path):
+    async with KubeEmulator() as e, kmock.Server(e):
+        e.kubeconfig(tmp_path / "kubeconfig")
+        yield e
+
+
+@pytest.fixture
+async def operator(emu: KubeEmulator, tmp_path: Path):
+    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log").start()
+    yield op
+    await op.stop()
+    assert_rbac_covers(emu)
+
+
+def assert_rbac_covers(emu: KubeEmulator) -> None:
+    """Every request the operator made is in the PERMISSIONS table (which the chart's RBAC equals)."""
+    used = operator_requests(emu)
+    missing = sorted(u for u in used if not allowed(*u))
+    assert not missing, f"operator used verbs not declared in PERMISSIONS: {missing}"
+
+
+def operator_requests(emu: KubeEmulator) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) of the operator's requests (not the test's kmock client, not kubectl)."""
+    return {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
+
+
+def phase(emu: KubeEmulator, name: str = "qwen") -> str | None:
+    job = emu.get(PLURAL, NS, name)
+    return (job or {}).get("status", {}).get("phase")
+
+
+def expected_children(name: str = "qwen", **spec_changes) -> list[tuple[str, str]]:
+    from asyncrl.loader import parse_job
+
+    job = parse_job(job_doc(name, **spec_changes))
+    objs = B.build_children(job, B.BuildContext(owner_uid="x", namespace=NS))
+    plural = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
+              "Deployment": "deployments", "PersistentVolumeClaim": "persistentvolumeclaims",
+              "NetworkPolicy": "networkpolicies"}
+    return [(plural[o["kind"]], o["metadata"]["name"]) for o in objs]
+
+
+def children_exist(emu: KubeEmulator, name: str = "qwen"):
+    return all(emu.get(p, NS, n) for p, n in expected_children(name))
+
+
+async def create_job(emu: KubeEmulator, doc: dict) -> dict:
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
+        assert resp.status == 201, await resp.text()
+        return await resp.json()
+
+
+async def patch_job(emu: KubeEmulator, name: str, patch: dict, sub: str = "") -> dict:
+    url = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}" + (f"/{sub}" if sub else "")
+    async with emu.patch(url, json=patch, headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+
+async def make_ready(emu: KubeEmulator, name: str = "qwen", rollout: int = 4) -> None:
+    """Play kubelet + controllers: every workload reports its pods ready."""
+    await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(name),
+                           {"replicas": rollout, "readyReplicas": rollout})
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer(name), {"replicas": 1, "readyReplicas": 1})
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.redis(name), {"replicas": 1, "readyReplicas": 1})
+
+
+async def test_create_makes_owned_children_and_initializing(emu, operator, tmp_path):
+    job = await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="all children", log=operator.log)
+    for plural, name in expected_children():
+        child = emu.get(plural, NS, name)
+        refs = child["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "AsyncRLJob", "name": "qwen",
+                         "uid": job["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["labels"][N.LABEL_JOB] == "qwen"
+    await wait_for(lambda: phase(emu) == "Initializing", what="Initializing", log=operator.log)
+    status = emu.get(PLURAL, NS, "qwen")["status"]
+    assert status["observedGeneration"] == 1
+    assert [c["type"] for c in status["conditions"]] == [
+        "RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed"]
+    assert all(c["lastTransitionTime"] for c in status["conditions"])
+    assert status["rollout"]["selector"] == B.rollout_selector("qwen")
+    assert not emu.get(PLURAL, NS, "qwen")["metadata"].get("finalizers"), "no finalizer is needed"
+    # Events are posted after the status write.
+    await wait_for(lambda: any(e.get("reason") in ("Creating", "WaitingForPods") for e in emu.all("events", NS)),
+                   what="an Event for the phase change", log=operator.log)
+
+
+async def test_readiness_makes_running(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await make_ready(emu)
+    await wait_for(lambda: phase(emu) == "Running", what="Running", log=operator.log)
+    status = emu.get(PLURAL, NS, "qwen")["status"]
+    conds = {c["type"]: c["status"] for c in status["conditions"]}
+    assert conds["RolloutReady"] == conds["TrainerReady"] == conds["StreamReady"] == "True"
+    assert status["rollout"]["summary"] == "4/4"
+
+
+async def test_replicas_update_and_scale_subresource(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    deploy = lambda: emu.get("deployments", NS, N.rollout("qwen"))  # noqa: E731
+    template_hash = deploy()["spec"]["template"]["metadata"]["annotations"][N.ANNOTATION_CONFIG_HASH]
+    await patch_job(emu, "qwen", {"spec": {"rollout": {"replicas": 2}}})
+    await wait_for(lambda: deploy()["spec"]["replicas"] == 2, what="Deployment scaled to 2", log=operator.log)
+    await patch_job(emu, "qwen", {"spec": {"replicas": 3}}, sub="scale")
+    assert emu.get(PLURAL, NS, "qwen")["spec"]["rollout"]["replicas"] == 3
+    await wait_for(lambda: deploy()["spec"]["replicas"] == 3, what="Deployment scaled to 3", log=operator.log)
+    # Scaling is live: the pod template (and so every running pod) is untouched.
+    assert deploy()["spec"]["template"]["metadata"]["annotations"][N.ANNOTATION_CONFIG_HASH] == template_hash
+    await wait_for(lambda: emu.get(PLURAL, NS, "qwen").get("status", {}).get("observedGeneration") == 3,
+                   what="observedGeneration 3", log=operator.log)
+
+
+async def test_suspend_and_resume(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await make_ready(emu)
+    await wait_for(lambda: phase(emu) == "Running", what="Running", log=operator.log)
+    await patch_job(emu, "qwen", {"spec": {"suspend": True}})
+    await wait_for(lambda: phase(emu) == "Suspended", what="Suspended", log=operator.log)
+    assert emu.get("deployments", NS, N.rollout("qwen"))["spec"]["replicas"] == 0
+    assert emu.get("statefulsets", NS, N.trainer("qwen"))["spec"]["replicas"] == 0
+    assert emu.get("statefulsets", NS, N.redis("qwen"))["spec"]["replicas"] == 1, "Redis is kept"
+    assert emu.get("persistentvolumeclaims", NS, N.shared_pvc("qwen")), "the volume is kept"
+    await emu.patch_status("apps", "v1", "deployments", NS, N.rollout("qwen"), {"replicas": 0, "readyReplicas": 0})
+    await patch_job(emu, "qwen", {"spec": {"suspend": False}})
+    await wait_for(lambda: emu.get("deployments", NS, N.rollout("qwen"))["spec"]["replicas"] == 4,
+                   what="rollout back to 4", log=operator.log)
+    assert emu.get("statefulsets", NS, N.trainer("qwen"))["spec"]["replicas"] == 1
+    await wait_for(lambda: phase(emu) == "Initializing", what="Initializing after resume", log=operator.log)
+
+
+async def test_invalid_object_fails_with_message(emu, operator):
+    doc = job_doc()
+    doc["spec"]["algorithm"]["minibatches"] = 5  # batchSize 32 is not divisible by 5
+    await create_job(emu, doc)
+    await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
+    status = emu.get(PLURAL, NS, "qwen")["status"]
+    assert status["reason"] == "InvalidSpec"
+    assert "batchSize (32) must be divisible by minibatches (5)" in status["message"]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Failed"] == "True"
+    assert not emu.all("deployments", NS) and not emu.all("statefulsets", NS)
+    assert operator.alive, "an invalid object must not crash the operator"
+
+
+async def test_startup_deadline_reports_pod_reason_and_is_sticky(emu, operator):
+    await create_job(emu, job_doc(startupDeadlineSeconds=1))
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "qwen-rollout-abc", "namespace": NS,
+                        "labels": {N.LABEL_JOB: "qwen", N.LABEL_COMPONENT: "rollout"}},
+           "status": {"phase": "Pending", "containerStatuses": [
+               {"name": "engine", "ready": False,
+                "state": {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}}]}}
+    await emu.put_object("", "v1", "pods", pod)
+    await wait_for(lambda: phase(emu) == "Failed", what="Failed by deadline", log=operator.log)
+    status = emu.get(PLURAL, NS, "qwen")["status"]
+    assert status["reason"] == "StartupDeadlineExceeded"
+    assert "ImagePullBackOff" in status["message"] and "qwen-rollout-abc" in status["message"]
+    assert status.get("completionTime")
+    await wait_for(lambda: emu.get("deployments", NS, N.rollout("qwen"))["spec"]["replicas"] == 0,
+                   what="GPUs released", log=operator.log)
+    await make_ready(emu)  # terminal phases are sticky
+    generation_seen = len(emu.log)
+    await wait_for(lambda: len(emu.log) > generation_seen + 20, what="more status passes", log=operator.log)
+    assert phase(emu) == "Failed"
+
+
+async def test_restart_mid_reconcile_creates_no_duplicates(emu, tmp_path):
+    gate = asyncio.Event()
+    emu.gates[("create", "statefulsets")] = gate
+    log = tmp_path / "operator.log"
+    first = await OperatorProcess(tmp_path / "kubeconfig", log).start()
+    try:
+        await create_job(emu, job_doc())
+        await wait_for(lambda: any(r.verb == "create" and r.resource == "statefulsets" for r in emu.log),
+                       what="the operator blocked creating a StatefulSet", log=log)
+        await first.stop(kill=True)  # killed mid-reconcile, with a create in flight
+    finally:
+        await first.stop(kill=True)
+    gate.set()  # the API server finishes the orphaned request after the client died
+    del emu.gates[("create", "statefulsets")]
+    second = await OperatorProcess(tmp_path / "kubeconfig", log).start()
+    try:
+        await wait_for(lambda: children_exist(emu), what="all children after restart", log=log)
+        await wait_for(lambda: phase(emu) == "Initializing", what="Initializing", log=log)
+    finally:
+        await second.stop()
+    owned = [(plural, o["metadata"]["name"]) for plural in
+             ("configmaps", "secrets", "services", "statefulsets", "deployments", "persistentvolumeclaims",
+              "networkpolicies") for o in emu.all(plural, NS)]
+    assert sorted(owned) == sorted(expected_children()), "exactly the desired children, each once"
+    assert_rbac_covers(emu)
+
+
+async def test_delete_relies_on_owner_references(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    async with emu.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/qwen") as resp:
+        assert resp.status == 200
+    assert emu.get(PLURAL, NS, "qwen") is None, "no finalizer holds the job"
+    for plural, name in expected_children():
+        assert emu.get(plural, NS, name) is None, f"{plural}/{name} was not garbage-collected"
+    assert operator.alive
+
+
+async def test_ttl_after_finished_deletes_the_job(emu, operator):
+    await create_job(emu, job_doc(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0))
+    await wait_for(lambda: emu.get(PLURAL, NS, "qwen") is None, what="job deleted after TTL", log=operator.log)
+    assert any(r.verb == "delete" and r.resource == PLURAL for r in emu.log)
+    assert emu.get("deployments", NS, N.rollout("qwen")) is None, "children follow through ownerReferences"

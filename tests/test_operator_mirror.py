@@ -1,0 +1,49 @@
+"""The operator mirrors the trainer's /status (a real HTTP server) into the job's status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kmock
+import pytest
+
+from asyncrl.spec import PLURAL
+from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
+from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
+
+pytestmark = pytest.mark.slow
+
+
+async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
+    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(synthetic_report()) as trainer:
+        emu.kubeconfig(tmp_path / "kubeconfig")
+        op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
+                                   status_url_template=f"http://127.0.0.1:{trainer.port}").start()
+        try:
+            await create_job(emu, job_doc())
+            await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+            await make_ready(emu)
+            status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
+            await wait_for(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
+            s = status()
+            assert s["phase"] == "Running"
+            assert s["trainer"] == {"step": 42, "policyVersion": 42, "lastCheckpoint": "/shared/checkpoints/step-40"}
+            assert s["staleness"] == {"mean": 1.75, "max": 4, "limit": 4, "dropped": 3}
+            assert s["progress"] == {"percent": 10.5, "rewardMean": 0.625, "tokensPerSecond": 1234.5}
+            assert s["rollout"]["minWeightVersion"] == 41
+            assert s["statusURL"] == "http://qwen-status.rl.svc:8000"
+            conds = {c["type"]: c for c in s["conditions"]}
+            assert conds["WeightsSynced"]["status"] == "False" and conds["WeightsSynced"]["reason"] == "Lagging"
+
+            # The trainer finishes: the job succeeds, GPUs are released, Complete is True.
+            trainer.report = synthetic_report().model_copy(update={"phase": "Succeeded", "step": 400})
+            await wait_for(lambda: status().get("phase") == "Succeeded", what="Succeeded", log=op.log)
+            s = status()
+            assert s["reason"] == "TrainingComplete" and s["completionTime"]
+            assert {c["type"]: c["status"] for c in s["conditions"]}["Complete"] == "True"
+            assert s["progress"]["percent"] == 100.0
+            await wait_for(lambda: emu.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
+                           what="rollout scaled to zero after success", log=op.log)
+        finally:
+            await op.stop()
+        assert_rbac_covers(emu)
