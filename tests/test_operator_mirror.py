@@ -24,7 +24,9 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             await wait_for(lambda: children_exist(emu), what="children", log=op.log)
             await make_ready(emu)
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
-            await wait_for(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
+            # Readiness and the mirror arrive on separate passes: wait for both.
+            await wait_for(lambda: status().get("trainer", {}).get("step") == 42
+                           and status().get("phase") == "Running", what="mirrored step, Running", log=op.log)
             s = status()
             assert s["phase"] == "Running"
             assert s["trainer"] == {"step": 42, "policyVersion": 42, "lastCheckpoint": "/shared/checkpoints/step-40"}
