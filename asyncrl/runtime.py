@@ -17,6 +17,7 @@ ENV_WEIGHTS_DIR = "ASYNCRL_WEIGHTS_DIR"
 ENV_CHECKPOINT_DIR = "ASYNCRL_CHECKPOINT_DIR"
 ENV_RUN_DIR = "ASYNCRL_RUN_DIR"
 ENV_ENGINE_URL = "ASYNCRL_ENGINE_URL"
+ENV_ENGINE_ADVERTISE_URL = "ASYNCRL_ENGINE_ADVERTISE_URL"
 ENV_POD_NAME = "ASYNCRL_POD_NAME"
 ENV_ROLLOUT_INDEX = "ASYNCRL_ROLLOUT_INDEX"
 ENV_ROLLOUT_REPLICAS = "ASYNCRL_ROLLOUT_REPLICAS"
@@ -47,12 +48,14 @@ class Runtime:
     """Logs and metrics of this run."""
     engine_url: str = "http://127.0.0.1:30000"
     """The inference server this rollout worker drives (SGLang-native HTTP surface)."""
+    engine_advertise_url: str | None = None
+    """The engine URL other pods (the trainer) use, when it differs from `engine_url`."""
     pod_name: str = field(default_factory=socket.gethostname)
     """Stable identity: Redis consumer name, engine id."""
     rollout_index: int = 0
     """This rollout worker's shard index."""
-    rollout_replicas: int = 1
-    """Number of rollout shards."""
+    rollout_replicas: int = 0
+    """Number of fixed rollout shards; 0 (default) = all workers share one job-wide cursor."""
     status_token: str | None = None
     """Optional bearer token for the status endpoint."""
 
@@ -66,9 +69,10 @@ class Runtime:
             checkpoint_dir=Path(env.get(ENV_CHECKPOINT_DIR, base.checkpoint_dir)),
             run_dir=Path(env.get(ENV_RUN_DIR, base.run_dir)),
             engine_url=env.get(ENV_ENGINE_URL, base.engine_url),
+            engine_advertise_url=env.get(ENV_ENGINE_ADVERTISE_URL) or None,
             pod_name=env.get(ENV_POD_NAME) or base.pod_name,
             rollout_index=_env_int(ENV_ROLLOUT_INDEX, 0),
-            rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 1),
+            rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 0),
             status_token=env.get(ENV_STATUS_TOKEN) or None,
         )
 
@@ -84,6 +88,8 @@ class Runtime:
             ENV_ROLLOUT_INDEX: str(self.rollout_index),
             ENV_ROLLOUT_REPLICAS: str(self.rollout_replicas),
         }
+        if self.engine_advertise_url:
+            out[ENV_ENGINE_ADVERTISE_URL] = self.engine_advertise_url
         if self.status_token:
             out[ENV_STATUS_TOKEN] = self.status_token
         return out

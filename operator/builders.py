@@ -305,7 +305,10 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """The rollout worker: admission, generation through the engine, reward, publishing."""
     ro = job.spec.rollout
-    env = [*_common_env(job), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"}]
+    env = [*_common_env(job), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"},
+           {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           # the URL the trainer uses to pause/update/resume this pod's engine
+           {"name": R.ENV_ENGINE_ADVERTISE_URL, "value": f"http://$(POD_IP):{ENGINE_PORT}"}]
     return {
         "name": "worker",
         "image": ro.worker_image or ctx.rollout_image,

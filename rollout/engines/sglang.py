@@ -1,0 +1,131 @@
+"""Adapter for SGLang's native HTTP API, pinned to SGLang 0.5.10.post1.
+
+Why that version: it is the one AReaL (the async-RL reference) pins and our default rollout image
+(`lmsysorg/sglang:v0.5.10.post1-cu126`); it has `/pause_generation` with a `mode` (abort|retract),
+`weight_version` on `/update_weights_from_disk` and in every `/generate` meta_info, and the disk
+update path we use. Newer releases add `/ready` (0.5.20+) and change the NCCL update flow (0.5.21+);
+this adapter probes `/ready` first and falls back, so it also works against them.
+
+Wire layout (see tests/sglang_fake.py for the upstream files it follows):
+  POST /generate -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": ...},
+       "prompt_tokens", "completion_tokens", "weight_version": str,
+       "output_token_logprobs": [[logprob, token_id, null], ...]}}
+  errors -> HTTP 400 {"error": {"message"}} (or {"object": "error", "message", ...} for validation)
+
+Our in-process `hf` engine server (asyncrl.rollout.hf_server) speaks the same surface.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncrl.rollout.engines.base import (
+    EngineError,
+    GenerateResult,
+    HTTPEngine,
+    PauseMode,
+    SamplingParams,
+    parse_version,
+)
+
+PINNED_VERSION = "0.5.10.post1"
+
+
+class SGLangEngine(HTTPEngine):
+    """SGLang (or our hf server) behind the common Engine interface."""
+
+    def request_body(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": int(params.max_new_tokens),
+            "temperature": float(params.temperature),
+            "top_p": float(params.top_p),
+            "top_k": int(params.top_k),
+        }
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+        return {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling,
+            "return_logprob": True,
+            "stream": False,
+        }
+
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
+        body = await self._json("POST", "/generate", json=self.request_body(input_ids, params))
+        return self.parse_generate(body)
+
+    def parse_generate(self, body: Any) -> GenerateResult:
+        if isinstance(body, list):  # a batch answer; we always send one prompt
+            body = body[0]
+        try:
+            meta = body["meta_info"]
+            pairs = meta.get("output_token_logprobs") or []
+            logprobs = [float(p[0]) for p in pairs]
+            ids = [int(p[1]) for p in pairs]
+            reason = meta.get("finish_reason")
+        except (KeyError, TypeError, IndexError, ValueError) as exc:
+            raise EngineError(f"/generate answered an unexpected layout: {str(body)[:300]}", url=self.url) from exc
+        if not ids and body.get("output_ids"):
+            raise EngineError("/generate returned tokens without logprobs (return_logprob ignored?)", url=self.url)
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        if kind not in ("stop", "length", "abort"):
+            raise EngineError(f"/generate returned unknown finish_reason {reason!r}", url=self.url)
+        return GenerateResult(
+            output_ids=ids,
+            logprobs=logprobs,
+            finish_reason=kind,
+            weight_version=parse_version(meta.get("weight_version")),
+            meta={"finish_reason": reason, "id": meta.get("id")},
+        )
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self._request("POST", "/pause_generation", json={"mode": mode})
+
+    async def update_weights(self, path: str, version: int) -> None:
+        body = await self._json_lenient(
+            "/update_weights_from_disk",
+            {"model_path": str(path), "weight_version": str(version), "abort_all_requests": False},
+        )
+        if not body.get("success", False):
+            raise EngineError(f"update_weights_from_disk({path}) failed: {body.get('message')}", url=self.url,
+                              retryable=False)
+
+    async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
+        import httpx
+
+        try:
+            resp = await self._client.post(self.url + path, json=payload)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {path} failed: {type(exc).__name__}: {exc}", url=self.url) from exc
+        try:
+            body = resp.json()
+        except ValueError:
+            raise EngineError(f"POST {path} returned HTTP {resp.status_code}: {resp.text[:300]}", url=self.url,
+                              status=resp.status_code) from None
+        if resp.status_code >= 400 and "success" not in body:
+            raise EngineError(f"POST {path} returned HTTP {resp.status_code}: {body}", url=self.url,
+                              status=resp.status_code, retryable=resp.status_code >= 500)
+        return body
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", json={})
+
+    async def ready(self) -> bool:
+        try:
+            resp = await self._request("GET", "/ready", ok_404=True)
+            if resp is None:  # before 0.5.20: a non-generating probe (/health generates a token)
+                await self._request("GET", "/get_model_info")
+        except EngineError:
+            return False
+        return True
+
+    async def model_info(self) -> dict[str, Any]:
+        resp = await self._request("GET", "/model_info", ok_404=True)
+        if resp is None:
+            resp = await self._request("GET", "/get_model_info")
+        assert resp is not None
+        return resp.json()
+
+    async def weight_version(self) -> int | None:
+        return parse_version((await self.model_info()).get("weight_version"))

@@ -1,0 +1,208 @@
+"""Serve the in-process transformers engine over SGLang's native HTTP surface.
+
+`asyncrl engine --config JOB.yaml --port P` loads the job's model (fp32 on CPU by default) and
+answers the same requests as an SGLang 0.5.10.post1 server, so the rollout worker and the
+trainer's weight sync drive it with the `sglang` adapter, exactly as they would a GPU server:
+  POST /generate  /pause_generation {mode}  /continue_generation  /update_weights_from_disk
+  GET  /model_info (and /get_model_info)  /get_weight_version  /ready  /health  /stats
+Errors are HTTP 400 with {"error": {"message"}} (validation errors too, as SGLang does).
+"""
+
+
+import argparse
+import time
+from typing import Any
+
+DEFAULT_PORT = 30000
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="job file (YAML); its model.path and model.tokenizer are served")
+    parser.add_argument("--model", help="model path or id (overrides the job's model.path)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, the job's dtype on GPU)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    parser.add_argument("--weight-version", type=int, default=0, help="label of the initial weights")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    parser.add_argument("--log-level", default="warning")
+
+
+def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> Any:
+    """The FastAPI app over an HFEngine (tests drive it in-process or with uvicorn)."""
+    import asyncio
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from asyncrl.rollout.engines.base import SamplingParams
+    from asyncrl.rollout.hf_engine import WeightUpdateError
+
+    class SamplingIn(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        max_new_tokens: int = Field(default=128, ge=1)
+        temperature: float = Field(default=1.0, ge=0)
+        top_p: float = Field(default=1.0, gt=0, le=1)
+        top_k: int = -1
+        stop_token_ids: list[int] | None = None
+
+    class GenerateIn(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        input_ids: list[int] | None = None
+        text: str | None = None
+        sampling_params: SamplingIn = Field(default_factory=SamplingIn)
+        return_logprob: bool = False
+        stream: bool = False
+        rid: str | None = None
+
+    class PauseIn(BaseModel):
+        mode: str = "abort"
+
+    class UpdateIn(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        model_path: str
+        load_format: str | None = None
+        abort_all_requests: bool = False
+        weight_version: str | None = None
+
+    app = FastAPI(title="asyncrl hf engine (SGLang-native surface)")
+
+    def error(message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"error": {"message": message}}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"object": "error", "message": str(exc.errors()), "type": "Bad Request", "code": 400},
+                            status_code=400)
+
+    @app.post("/generate")
+    async def generate(body: GenerateIn) -> Any:
+        if body.stream:
+            return error("stream=true is not supported by the asyncrl hf engine")
+        ids = body.input_ids
+        if ids is None and body.text is not None and tokenizer is not None:
+            ids = tokenizer(body.text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            return error("input_ids (a non-empty list of token ids) is required")
+        sp = body.sampling_params
+        params = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                top_k=sp.top_k, stop_token_ids=tuple(sp.stop_token_ids or ()))
+        try:
+            fut = engine.submit(ids, params, rid=body.rid)
+        except ValueError as exc:
+            return error(str(exc))
+        result = await asyncio.wrap_future(fut)
+        meta = dict(result.meta)
+        meta.update({
+            "completion_tokens": len(result.output_ids),
+            "cached_tokens": 0,
+            "weight_version": str(result.weight_version),
+        })
+        if body.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
+        text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
+        return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseIn | None = None) -> Any:
+        mode = body.mode if body else "abort"
+        try:
+            await asyncio.to_thread(engine.pause, mode)
+        except ValueError as exc:
+            return error(str(exc))
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Any:
+        engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateIn) -> Any:
+        version = None
+        if body.weight_version is not None:
+            try:
+                version = int(str(body.weight_version).removeprefix("v"))
+            except ValueError:
+                return JSONResponse({"success": False, "message": f"weight_version {body.weight_version!r} is not an integer",
+                                     "num_paused_requests": 0}, status_code=400)
+        if body.abort_all_requests:
+            await asyncio.to_thread(engine.pause, "abort")
+        start = time.monotonic()
+        try:
+            await asyncio.to_thread(engine.update_weights, body.model_path, version)
+        except (WeightUpdateError, OSError) as exc:
+            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}",
+                                 "num_paused_requests": 0}, status_code=400)
+        finally:
+            if body.abort_all_requests:
+                engine.resume()
+        msg = f"Succeeded to update model weights in {time.monotonic() - start:.2f}s."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        return {"success": True, "message": msg, "num_paused_requests": 0}
+
+    def info() -> dict[str, Any]:
+        return {"model_path": engine.model_path, "tokenizer_path": model_name or engine.model_path,
+                "is_generation": True, "weight_version": str(engine.weight_version),
+                "preferred_sampling_params": None, "engine": "asyncrl-hf"}
+
+    app.get("/model_info")(info)
+    app.get("/get_model_info")(info)
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Any:
+        return {"weight_version": str(engine.weight_version)}
+
+    @app.get("/ready")
+    async def ready() -> Any:
+        return {"status": "ready"}
+
+    @app.get("/health")
+    async def health() -> Any:
+        if engine.paused:
+            return JSONResponse({"status": "paused"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats() -> Any:
+        return engine.stats()
+
+    return app
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollout.hf_engine import HFEngine
+
+    model_path, tokenizer_path, job_dtype = args.model, None, "float32"
+    if args.config:
+        from asyncrl.loader import load_job
+
+        job = load_job(args.config)
+        model_path = model_path or job.spec.model.path
+        tokenizer_path = job.spec.model.tokenizer
+        job_dtype = job.spec.model.dtype
+    if not model_path:
+        raise SystemExit("asyncrl engine: give --config JOB.yaml or --model PATH")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("float32" if device == "cpu" else job_dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = HFEngine(model_path, dtype=dtype, device=device, max_batch_size=args.max_batch_size,
+                      weight_version=args.weight_version, seed=args.seed)
+    tokenizer = load_tokenizer(model_path, tokenizer_path)
+    app = create_app(engine, tokenizer, model_name=model_path)
+    print(f"asyncrl engine: serving {model_path} ({dtype} on {device}) at http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.close()
+    return 0

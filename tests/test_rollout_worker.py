@@ -1,0 +1,227 @@
+"""The rollout worker against the fake SGLang server and a real Redis server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncrl.rollout.datasets import ArithmeticSource
+from asyncrl.rollout.engines import SamplingParams
+from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
+from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, cursor_key
+from asyncrl.transport.admission import Admission
+from asyncrl.transport.connection import connect
+from asyncrl.transport.names import StreamNames
+from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
+from asyncrl.transport.wire import decode_group
+from tests.sglang_fake import FakeSGLang, fake_logprob, fake_token
+
+JOB = "wtest"
+
+
+def render(question: str) -> list[int]:
+    return [ord(c) % 200 + 3 for c in question][:12]
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(map(str, ids))
+
+
+async def poll(cond, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await cond()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def env(redis_url):
+    redis = await connect(redis_url)
+    fake = FakeSGLang().start()
+    names = StreamNames.for_job(JOB)
+    yield redis, fake, names
+    fake.stop()
+    await redis.aclose()
+
+
+def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
+                index=0, replicas=1, max_retries=2, engine_id="pod-0"):
+    engine = SGLangEngine(fake.url)
+    cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
+                       sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
+                       max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
+                       max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
+    admission = Admission(redis, names, batch_size=batch, eta=eta, max_concurrent=max_concurrent, lease_seconds=30)
+    return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
+                         render=render, decode=decode, scorer=RewardScorer(exact_number_reward, 5.0),
+                         admission=admission, names=names)
+
+
+async def published(redis, names):
+    return [decode_group(fields[b"data"]) for _, fields in await redis.xrange(names.trajectories)]
+
+
+async def test_publishes_whole_scored_groups(env):
+    redis, fake, names = env
+    worker = make_worker(redis, fake, names, n=3, max_new=5, max_groups=3)
+    stats = await asyncio.wait_for(worker.run(), 60)
+    groups = await published(redis, names)
+    assert stats.groups_published == 3 and len(groups) == 3
+    assert sorted(g.prompt_id for g in groups) == [f"arith-0-1-{i}" for i in range(3)]
+    for g in groups:
+        prompt = list(g.prompt_ids)
+        assert len(g.samples) == 3 and g.engine_id == "pod-0" and g.job == JOB
+        for s in g.samples:
+            assert list(s.response_ids) == [fake_token(prompt, i) for i in range(5)]
+            assert list(s.versions) == [0] * 5 and s.finish_reason == "length"
+            assert s.reward in (0.0, 1.0)
+    snap = await worker.admission.snapshot()
+    assert snap.running == 0 and snap.accepted == 3
+    assert await redis.get(cursor_key(names, 0, 1)) == b"3"
+
+
+async def test_partial_rollout_across_a_weight_update(env):
+    """One trajectory whose versions change exactly at the resume point; tokens/logprobs concatenate."""
+    redis, fake, names = env
+    fake.state.token_delay = 0.02
+    worker = make_worker(redis, fake, names, n=1, max_new=40, max_groups=1)
+    run = asyncio.create_task(worker.run())
+
+    async def progressed():
+        return fake.state.tokens_generated >= 5
+
+    await poll(progressed, what="first tokens")
+    await VersionChannel(redis, names).publish(VersionEvent(version=1, weights_path="/weights/v1", time=time.time()))
+    await asyncio.wait_for(run, 60)
+    [group] = await published(redis, names)
+    [sample] = group.samples
+    prompt = list(group.prompt_ids)
+    ids, versions, lps = list(sample.response_ids), list(sample.versions), list(sample.behav_logprobs)
+    assert len(ids) == 40 and sample.finish_reason == "length"
+    k = versions.index(1)
+    assert 0 < k < 40 and versions == [0] * k + [1] * (40 - k)
+    assert ids[:k] == [fake_token(prompt, i) for i in range(k)]
+    assert ids[k:] == [fake_token(prompt + ids[:k], j) for j in range(40 - k)]
+    assert lps == pytest.approx([fake_logprob(i, "default") for i in range(k)] +
+                                [fake_logprob(j, "1") for j in range(40 - k)], abs=1e-6)
+    resend = fake.state.generate_calls[-1]
+    assert resend == {"input_ids": prompt + ids[:k], "max_new_tokens": 40 - k}
+    assert fake.state.pause_calls == ["abort"]
+    assert fake.state.update_calls[-1]["model_path"] == "/weights/v1"
+    assert worker.stats.interrupted == 1 and worker.stats.weight_updates == 1
+
+
+async def test_admission_blocks_the_worker_under_a_slow_trainer(env):
+    redis, fake, names = env
+    # B=1, eta=0: one group may be accepted per trainer version.
+    worker = make_worker(redis, fake, names, n=2, batch=1, eta=0, max_concurrent=4)
+    run = asyncio.create_task(worker.run())
+
+    async def count():
+        return len(await redis.xrange(names.trajectories))
+
+    await poll(lambda: _ge(count, 1), what="first group")
+    # The worker is now blocked in acquire: no capacity, nothing running, nothing buffered.
+    assert await worker.admission.try_acquire("probe") is None
+    snap = await worker.admission.snapshot()
+    assert (snap.accepted, snap.running, snap.capacity) == (1, 0, 0)
+    requests_before = fake.state.requests
+    await asyncio.sleep(0.3)  # an observation window, not a synchronisation
+    assert await count() == 1 and fake.state.requests == requests_before == 2
+    await worker.admission.set_version(1)  # the trainer finished a step
+    await poll(lambda: _ge(count, 2), what="second group")
+    worker.stop()
+    await asyncio.wait_for(run, 30)
+    assert await count() == 2
+
+
+async def _ge(fn, n):
+    return await fn() >= n
+
+
+async def test_engine_errors_are_retried_then_the_group_is_dropped(env):
+    redis, fake, names = env
+    fake.state.fail_next = 1
+    worker = make_worker(redis, fake, names, n=1, max_groups=1, max_retries=2)
+    stats = await asyncio.wait_for(worker.run(), 30)
+    assert stats.groups_published == 1 and stats.request_errors == 1
+
+    await redis.delete(*names.all_keys(), cursor_key(names, 0, 1))
+    fake.state.fail_next = 1000
+    worker = make_worker(redis, fake, names, n=2, max_groups=1, max_retries=2)
+    stats = await asyncio.wait_for(worker.run(), 30)
+    assert stats.groups_published == 0 and stats.groups_dropped == 1
+    assert 3 <= stats.request_errors <= 6  # each sample: 1 try + 2 retries (the other may be cut short)
+    snap = await worker.admission.snapshot()
+    assert snap.running == 0 and snap.accepted == 0
+    assert await redis.xlen(names.trajectories) == 0
+
+
+async def test_stop_releases_in_flight_groups_and_unregisters(env):
+    redis, fake, names = env
+    fake.state.token_delay = 0.05
+    worker = make_worker(redis, fake, names, n=2, max_new=500)
+    run = asyncio.create_task(worker.run())
+    registry = EngineRegistry(redis, names)
+
+    async def busy():
+        return fake.state.running >= 2 and len(await registry.list()) == 1
+
+    await poll(busy, what="requests in flight and the engine registered")
+    [info] = await registry.list()
+    assert info.engine_id == "pod-0" and info.url == fake.url and info.ready
+    assert (await worker.admission.snapshot()).running >= 1
+    worker.stop()
+    stats = await asyncio.wait_for(run, 30)
+    snap = await worker.admission.snapshot()
+    assert snap.running == 0 and snap.accepted == 0 and stats.groups_published == 0
+    assert await registry.list() == []
+    assert await redis.get(cursor_key(names, 0, 1)) == b"0"  # unfinished prompts are redone after restart
+    stopper = SGLangEngine(fake.url)  # end the fake's orphaned generations so it shuts down at once
+    await stopper.pause("abort")
+    await stopper.close()
+
+
+async def test_shards_are_disjoint_and_the_cursor_resumes(env):
+    redis, fake, names = env
+    w = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=1, replicas=2, engine_id="pod-1")
+    await asyncio.wait_for(w.run(), 30)
+    w = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=1, replicas=2, engine_id="pod-1")
+    await asyncio.wait_for(w.run(), 30)
+    w0 = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=0, replicas=2, engine_id="pod-0")
+    await asyncio.wait_for(w0.run(), 30)
+    by_engine: dict[str, list[str]] = {}
+    for g in await published(redis, names):
+        by_engine.setdefault(g.engine_id, []).append(g.prompt_id)
+    assert sorted(by_engine["pod-1"]) == [f"arith-0-1-{p}" for p in (1, 3, 5, 7)]
+    assert sorted(by_engine["pod-0"]) == [f"arith-0-1-{p}" for p in (0, 2)]
+
+
+async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_workers(env):
+    """rolloutReplicas 0 (a Kubernetes Deployment: no pod index): one job-wide atomic cursor."""
+    redis, fake, names = env
+    workers = [make_worker(redis, fake, names, n=1, max_new=2, max_groups=3, index=0, replicas=0,
+                           engine_id=f"pod-{i}", batch=8) for i in range(2)]
+    await asyncio.wait_for(asyncio.gather(*(w.run() for w in workers)), 30)
+    again = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, replicas=0, engine_id="pod-2", batch=8)
+    await asyncio.wait_for(again.run(), 30)  # a restarted pod continues after the others
+    prompts = [g.prompt_id for g in await published(redis, names)]
+    assert sorted(prompts) == sorted(f"arith-0-1-{p}" for p in range(8))
+    assert await redis.get(cursor_key(names, 0, 0)) == b"8"
+
+
+async def test_worker_skips_the_update_when_the_trainer_already_did_it(env):
+    redis, fake, names = env
+    fake.state.weight_version = "3"
+    await VersionChannel(redis, names).publish(VersionEvent(version=3, weights_path="/w/v3", time=time.time()))
+    worker = make_worker(redis, fake, names, n=1, max_new=3, max_groups=1)
+    await asyncio.wait_for(worker.run(), 30)
+    [group] = await published(redis, names)
+    assert list(group.samples[0].versions) == [3, 3, 3]
+    assert fake.state.update_calls == [] and fake.state.pause_calls == []
