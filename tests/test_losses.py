@@ -1,0 +1,578 @@
+"""policy_loss: every branch against numbers derived by hand from DESIGN.md section 5.
+
+Conventions: tensors are float64 so the hand arithmetic can be compared tightly; `r` is the
+ratio we want for a token, realised as `lp = lp_b + log(r)` with `lp_b = -1`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from asyncrl.spec import AlgorithmSpec
+from asyncrl.trainer.losses import (
+    LOG_RATIO_LIMIT,
+    STAT_KEYS,
+    LossConfig,
+    loglinear_proximal,
+    m2po_mask,
+    policy_loss,
+)
+
+E = math.e
+pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
+PPO = LossConfig(kind="ppo")
+
+
+def row(*values: float) -> torch.Tensor:
+    return torch.tensor([list(values)], dtype=torch.float64)
+
+
+def tokens_with_ratios(*ratios: float, base: float = -1.0):
+    """(lp with grad, lp_b) for one row whose per-token ratios pi/pi_b are `ratios`."""
+    lp_b = torch.full((1, len(ratios)), base, dtype=torch.float64)
+    lp = (lp_b + torch.log(row(*ratios))).requires_grad_(True)
+    return lp, lp_b
+
+
+def ones_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.ones(t.shape, dtype=torch.bool)
+
+
+# ------------------------------------------------------------------------------ coupled PPO
+
+
+def test_ppo_clip_positive_advantage():
+    # eps = 0.2, A = +1.  L = max(-A r, -A clip(r, 0.8, 1.2))
+    # r = 1.5: max(-1.5, -1.2) = -1.2  (clipped branch wins strictly)
+    # r = 1.1: max(-1.1, -1.1) = -1.1  (tie: not clipped)
+    # r = 0.5: max(-0.5, -0.8) = -0.5  (unclipped wins)
+    # token-mean = (-1.2 - 1.1 - 0.5) / 3 = -0.933333
+    lp, lp_b = tokens_with_ratios(1.5, 1.1, 0.5)
+    loss, stats = policy_loss(lp, lp_b, row(1, 1, 1), ones_like(lp), config=PPO)
+    assert float(loss) == pytest.approx(-2.8 / 3, rel=1e-12)
+    assert stats["clip_fraction"] == pytest.approx(1 / 3)
+    loss.backward()
+    # dL/dlp = -A r / N where unclipped; 0 where the clipped (constant) branch won
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, -1.1 / 3, -0.5 / 3], rel=1e-12)
+
+
+def test_ppo_clip_negative_advantage():
+    # A = -1: r = 1.5: max(1.5, 1.2) = 1.5 ; r = 1.1: 1.1 ; r = 0.5: max(0.5, 0.8) = 0.8 (clipped)
+    # token-mean = (1.5 + 1.1 + 0.8) / 3 = 1.133333
+    lp, lp_b = tokens_with_ratios(1.5, 1.1, 0.5)
+    loss, stats = policy_loss(lp, lp_b, row(-1, -1, -1), ones_like(lp), config=PPO)
+    assert float(loss) == pytest.approx(3.4 / 3, rel=1e-12)
+    assert stats["clip_fraction"] == pytest.approx(1 / 3)
+    assert stats["importance_weight_max"] == pytest.approx(1.5)
+    assert stats["importance_weight_min"] == pytest.approx(0.5)
+    assert stats["importance_weight_mean"] == pytest.approx(3.1 / 3)
+
+
+def test_clip_higher():
+    # eps_lo = 0.2, eps_hi = 0.28, A = +1: bounds [0.8, 1.28]
+    # r = 1.5 -> -1.28 (clipped) ; r = 1.25 -> -1.25 (inside; symmetric eps would clip at 1.2)
+    # r = 0.7 -> max(-0.7, -0.8) = -0.7 ; mean = (-1.28 - 1.25 - 0.7) / 3 = -1.076667
+    lp, lp_b = tokens_with_ratios(1.5, 1.25, 0.7)
+    cfg = LossConfig(kind="ppo", eps_clip_high=0.28)
+    loss, stats = policy_loss(lp, lp_b, row(1, 1, 1), ones_like(lp), config=cfg)
+    assert float(loss) == pytest.approx(-3.23 / 3, rel=1e-12)
+    assert stats["clip_fraction"] == pytest.approx(1 / 3)
+    sym, sym_stats = policy_loss(lp, lp_b, row(1, 1, 1), ones_like(lp), config=PPO)
+    assert float(sym) == pytest.approx((-1.2 - 1.2 - 0.7) / 3, rel=1e-12)
+    assert sym_stats["clip_fraction"] == pytest.approx(2 / 3)
+
+
+def test_dual_clip():
+    # c = 3. tokens (r, A): (5, -1), (2, -1), (0.5, -1), (5, +1)
+    # (5,-1): max(5, 1.2) = 5 -> min(5, 3*1) = 3  (dual-clipped; the eps-clip did not win)
+    # (2,-1): max(2, 1.2) = 2 < 3 -> 2
+    # (0.5,-1): max(0.5, 0.8) = 0.8 (eps-clipped)
+    # (5,+1): max(-5, -1.2) = -1.2 (eps-clipped; dual clip only applies to A < 0)
+    # mean = (3 + 2 + 0.8 - 1.2) / 4 = 1.15
+    lp, lp_b = tokens_with_ratios(5, 2, 0.5, 5)
+    cfg = LossConfig(kind="ppo", dual_clip=3.0)
+    loss, stats = policy_loss(lp, lp_b, row(-1, -1, -1, 1), ones_like(lp), config=cfg)
+    assert float(loss) == pytest.approx(1.15, rel=1e-12)
+    assert stats["dual_clip_fraction"] == pytest.approx(0.25)
+    assert stats["clip_fraction"] == pytest.approx(0.5)
+    loss.backward()
+    # only (2,-1) has a gradient: d(-A r)/dlp = r = 2, / 4 tokens = 0.5
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.5, 0.0, 0.0])
+
+
+# ------------------------------------------------------------------------------ aggregation
+
+
+def _aggregation_case():
+    # r = 1 everywhere, so the per-token loss is -A.  T = 5.
+    # row 0: A = 1, 2, 3 on 3 tokens -> -1, -2, -3 ; row 1: A = 4 on 1 token -> -4 ; row 2: empty
+    lp = torch.zeros(3, 5, dtype=torch.float64, requires_grad=True)
+    lp_b = torch.zeros(3, 5, dtype=torch.float64)
+    adv = torch.tensor([[1, 2, 3, 9, 9], [4, 9, 9, 9, 9], [9, 9, 9, 9, 9]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    return lp, lp_b, adv, mask
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        ("token-mean", -10 / 4),  # (-1 - 2 - 3 - 4) / 4 tokens
+        ("seq-mean-token-mean", -3.0),  # mean(-6/3, -4/1) over the 2 non-empty rows
+        ("seq-mean-token-sum-norm", -2.0),  # (-1 - 2 - 3 - 4) / T, T = 5 (not / rows)
+    ],
+)
+def test_aggregations(aggregation, expected):
+    lp, lp_b, adv, mask = _aggregation_case()
+    cfg = LossConfig(kind="ppo", aggregation=aggregation)
+    loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_denominator_makes_micro_batches_exact(aggregation):
+    lp, lp_b, adv, mask = _aggregation_case()
+    cfg = LossConfig(kind="ppo", aggregation=aggregation)
+    full, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
+    denom = {"token-mean": 4.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum-norm": 5.0}[aggregation]
+    parts = [policy_loss(lp[rows], lp_b[rows], adv[rows], mask[rows], config=cfg,
+                         loss_denominator=denom)[0] for rows in (slice(0, 1), slice(1, 3))]
+    assert float(sum(parts)) == pytest.approx(float(full), rel=1e-12)
+    # token-mean with an explicit global count: -10 / 8
+    if aggregation == "token-mean":
+        half, _ = policy_loss(lp, lp_b, adv, mask, config=cfg, loss_denominator=8.0)
+        assert float(half) == pytest.approx(-1.25)
+
+
+def test_advantages_may_be_per_sequence():
+    lp, lp_b = tokens_with_ratios(1.0, 1.0)
+    per_seq, _ = policy_loss(lp, lp_b, torch.tensor([2.0], dtype=torch.float64), ones_like(lp), config=PPO)
+    per_tok, _ = policy_loss(lp, lp_b, row(2, 2), ones_like(lp), config=PPO)
+    assert float(per_seq) == float(per_tok) == -2.0
+
+
+# ------------------------------------------------------------------------------ decoupled + caps
+
+
+def _decoupled_case():
+    # lp_b = -1. tokens: (w, u, A)
+    # t1: w = 2,   u = 1.1, A = +1 -> 2 * max(-1.1, -1.1) = -2.2
+    # t2: w = 6,   u = 1.0, A = +1 -> w > cap 5: masked (mask mode) / w -> 5 (clamp mode): -5
+    # t3: w = 0.5, u = 1.5, A = +1 -> 0.5 * max(-1.5, -1.2) = -0.6 (clipped)
+    # t4: w = 1,   u = 0.5, A = -1 -> 1 * max(0.5, 0.8) = 0.8 (clipped)
+    lp_b = torch.full((1, 4), -1.0, dtype=torch.float64)
+    prox = lp_b + torch.log(row(2, 6, 0.5, 1))
+    lp = (prox + torch.log(row(1.1, 1.0, 1.5, 0.5))).requires_grad_(True)
+    return lp, lp_b, prox, row(1, 1, 1, -1)
+
+
+def test_decoupled_token_mask_cap_keeps_original_denominator():
+    lp, lp_b, prox, adv = _decoupled_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    # (-2.2 + 0 - 0.6 + 0.8) / 4 (t2 masked, but still counted in the denominator) = -0.5
+    assert float(loss) == pytest.approx(-0.5, rel=1e-12)
+    assert stats["behav_filtered_fraction"] == pytest.approx(0.25)
+    assert stats["kept_tokens"] == 3
+    assert stats["clip_fraction"] == pytest.approx(0.5)  # t3 and t4
+    assert stats["behav_weight_max"] == pytest.approx(2.0)
+    assert stats["behav_weight_mean"] == pytest.approx(3.5 / 3)  # (2 + 0.5 + 1) / 3 kept tokens
+    # full ratio pi/pi_b = w * u: 2.2, 6, 0.75, 0.5
+    assert stats["importance_weight_max"] == pytest.approx(6.0)
+    assert stats["importance_weight_mean"] == pytest.approx((2.2 + 6 + 0.75 + 0.5) / 4)
+    loss.backward()
+    # t1 unclipped: d(w * -A u)/dlp = -A w u / 4 = -2.2 / 4 ; t2 masked ; t3, t4 clipped
+    assert lp.grad.tolist()[0] == pytest.approx([-0.55, 0.0, 0.0, 0.0], rel=1e-12)
+
+
+def test_decoupled_token_clamp_cap():
+    lp, lp_b, prox, adv = _decoupled_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_mode="clamp")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    # t2 now weighted by min(6, 5) = 5: (-2.2 - 5 - 0.6 + 0.8) / 4 = -1.75
+    assert float(loss) == pytest.approx(-1.75, rel=1e-12)
+    assert stats["behav_filtered_fraction"] == pytest.approx(0.25)  # truncated tokens
+    assert stats["kept_tokens"] == 4
+    assert stats["behav_weight_max"] == pytest.approx(5.0)
+
+
+def test_decoupled_without_cap_has_no_behaviour_weight():
+    lp, lp_b, prox, adv = _decoupled_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_cap=None)
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    # w = 1: (-1.1 - 1.0 - 1.2 + 0.8) / 4 = -0.625
+    assert float(loss) == pytest.approx(-0.625, rel=1e-12)
+    assert stats["behav_filtered_fraction"] == 0.0
+
+
+def _sequence_case():
+    # u = 1, A = +1, lp_b = -1. row 0: w = (2, 8) -> geometric mean sqrt(16) = 4
+    #                           row 1: w = (6, 6) -> geometric mean 6 > cap 5
+    lp_b = torch.full((2, 2), -1.0, dtype=torch.float64)
+    prox = lp_b + torch.log(torch.tensor([[2.0, 8.0], [6.0, 6.0]], dtype=torch.float64))
+    lp = prox.clone().requires_grad_(True)
+    return lp, lp_b, prox, torch.ones(2, 2, dtype=torch.float64)
+
+
+def test_sequence_level_mask_cap():
+    lp, lp_b, prox, adv = _sequence_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_level="sequence")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    # row 0 kept with weight 4 on both tokens: -4 - 4 ; row 1 dropped; / 4 tokens = -2
+    assert float(loss) == pytest.approx(-2.0, rel=1e-12)
+    assert stats["behav_filtered_fraction"] == pytest.approx(0.5)
+    # token level for contrast: row 0 t1 (w=2) -> -2, t2 (w=8) masked; row 1 masked: -2 / 4
+    tok, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=LossConfig(kind="decoupled", proximal="recompute"),
+                         prox_logprobs=prox)
+    assert float(tok) == pytest.approx(-0.5, rel=1e-12)
+
+
+def test_sequence_level_clamp_cap():
+    lp, lp_b, prox, adv = _sequence_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_level="sequence", behav_mode="clamp")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    # row 0: weight 4 -> -8 ; row 1: weight min(6, 5) = 5 -> -10 ; (-8 - 10) / 4 = -4.5
+    assert float(loss) == pytest.approx(-4.5, rel=1e-12)
+    assert stats["behav_filtered_fraction"] == pytest.approx(0.5)
+
+
+def test_ppo_kind_ignores_cap_and_proximal():
+    # kind "ppo": proximal = behaviour, w = 1, so even a 10x ratio is not "filtered", only clipped
+    lp, lp_b = tokens_with_ratios(10.0)
+    loss, stats = policy_loss(lp, lp_b, row(1), ones_like(lp), config=LossConfig(kind="ppo", proximal="recompute"))
+    assert float(loss) == pytest.approx(-1.2)
+    assert stats["behav_filtered_fraction"] == 0.0
+
+
+# ------------------------------------------------------------------------------ loglinear (A-3PO)
+
+
+@pytest.mark.parametrize(
+    ("staleness", "on_policy", "expected"),
+    [
+        # lp_b = -2, lp = -1: lp_p = lp_b + alpha (lp - lp_b), alpha = 1 - 1/d
+        (0, "current", -1.0),  # d = 0, paper: the current policy
+        (0, "behave", -2.0),  # d = 0, AReaL code: the behaviour policy
+        (1, "current", -2.0),  # alpha = 0
+        (2, "current", -1.5),  # alpha = 1/2
+        (4, "current", -1.25),  # alpha = 3/4
+        (4, "behave", -1.25),  # the rule only matters at d = 0
+    ],
+)
+def test_loglinear_proximal_values(staleness, on_policy, expected):
+    prox = loglinear_proximal(row(-2.0), row(-1.0), torch.tensor([[10 - staleness]]), 10, on_policy=on_policy)
+    assert float(prox) == pytest.approx(expected, rel=1e-12)
+
+
+def test_loglinear_proximal_ignores_ungenerated_positions():
+    prox = loglinear_proximal(row(-2.0, -2.0), row(-1.0, -1.0), torch.tensor([[-1, 8]]), 10)
+    assert prox.tolist()[0] == pytest.approx([-2.0, -1.5])
+
+
+@pytest.mark.parametrize(
+    ("staleness", "on_policy", "expected"),
+    [
+        # one token, A = +1, lp - lp_b = 1 (pi/pi_b = e), eps = 0.2, cap 5
+        (0, "current", -E),  # w = e, u = 1 -> -e (not clipped)
+        (0, "behave", -1.2),  # w = 1, u = e -> max(-e, -1.2) = -1.2
+        (1, "current", -1.2),  # same as behave: lp_p = lp_b
+        (2, "current", -1.2 * math.exp(0.5)),  # lp_p = lp_b + 0.5: w = u = e^0.5; u clipped at 1.2
+        (4, "current", -1.2 * math.exp(0.75)),  # w = e^0.75, u = e^0.25 = 1.284 -> clipped 1.2
+    ],
+)
+def test_loglinear_loss_by_staleness(staleness, on_policy, expected):
+    lp_b = row(-2.0)
+    lp = row(-1.0).requires_grad_(True)
+    cfg = LossConfig(kind="decoupled", proximal="loglinear", loglinear_on_policy=on_policy)
+    loss, stats = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg,
+                              versions=torch.tensor([[7 - staleness]]), current_version=7)
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    assert stats["staleness_max"] == staleness
+    assert stats["proximal_s"] >= 0.0
+
+
+def test_partial_rollout_tokens_with_different_versions():
+    # One response generated across a weight update: tokens 1-2 by version 3, tokens 3-4 by
+    # version 5 (= current). lp - lp_b = 1 on every token, A = +1.
+    # d = 2: -1.2 e^0.5 = -1.978845 each ; d = 0 (paper rule): -e = -2.718282 each
+    # mean = (2 * -1.978845 + 2 * -2.718282) / 4 = -2.348563
+    lp_b = torch.full((1, 4), -2.0, dtype=torch.float64)
+    lp = torch.full((1, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    cfg = LossConfig(kind="decoupled", proximal="loglinear")
+    loss, stats = policy_loss(lp, lp_b, row(1, 1, 1, 1), ones_like(lp), config=cfg,
+                              versions=torch.tensor([[3, 3, 5, 5]]), current_version=5)
+    expected = (2 * -1.2 * math.exp(0.5) + 2 * -E) / 4
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    assert stats["staleness_mean"] == 1.0 and stats["staleness_max"] == 2.0
+    loss.backward()
+    # d = 2 tokens are clipped (no grad); d = 0 tokens: -A * pi/pi_b / 4 = -e / 4
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -E / 4, -E / 4], rel=1e-12)
+
+
+def test_loglinear_unclipped_gradient_is_the_full_ratio():
+    # Gaps small enough that u = exp((lp - lp_b) / d) stays inside [0.8, 1.2] for every token,
+    # while w carries the rest: the gradient of -A w u / N is -A (pi / pi_b) / N exactly.
+    gaps = torch.tensor([[0.4, -0.3, 0.2, 0.05, -0.6, 0.0]], dtype=torch.float64)
+    staleness = torch.tensor([[4, 2, 3, 1, 8, 6]])
+    adv = row(1.0, -2.0, 0.5, -1.0, 3.0, 1.0)
+    lp_b = torch.full((1, 6), -1.5, dtype=torch.float64)
+    lp = (lp_b + gaps).requires_grad_(True)
+    cfg = LossConfig(kind="decoupled", proximal="loglinear")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg,
+                              versions=20 - staleness, current_version=20)
+    assert stats["clip_fraction"] == 0.0
+    loss.backward()
+    assert torch.allclose(lp.grad, -adv * gaps.exp() / 6, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------ M2PO
+
+
+def _m2_case():
+    # log r = 0.3, -0.6, 0.1, 0.0 with A = +1, +1, -1, +1 ; (log r)^2 = .09, .36, .01, 0
+    lp, lp_b = tokens_with_ratios(*(math.exp(x) for x in (0.3, -0.6, 0.1, 0.0)))
+    return lp, lp_b, row(1, 1, -1, 1)
+
+
+def test_m2po_scope_all():
+    # M2 = (.09 + .36 + .01 + 0) / 4 = .115 > .04 -> drop .36 (t2): (.09 + .01 + 0) / 3 = .0333 stop
+    # loss = -(M r A) token-mean over the ORIGINAL 4 tokens, no eps-clip (r = e^.3 = 1.35 is kept):
+    #   t1: -e^.3 = -1.349859 ; t3: +e^.1 = 1.105171 ; t4: -1  -> -1.244688 / 4 = -0.311172
+    lp, lp_b, adv = _m2_case()
+    cfg = LossConfig(kind="ppo", m2_threshold=0.04, m2_scope="all")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg)
+    assert float(loss) == pytest.approx((-math.exp(0.3) + math.exp(0.1) - 1) / 4, rel=1e-12)
+    assert stats["m2_before"] == pytest.approx(0.115)
+    assert stats["m2_after"] == pytest.approx(0.1 / 3)
+    assert stats["m2_masked_fraction"] == pytest.approx(0.25)
+    assert stats["clip_fraction"] == 0.0
+    loss.backward()
+    # unclipped gradient -A r / 4 on kept tokens, 0 on the dropped one
+    assert lp.grad.tolist()[0] == pytest.approx(
+        [-math.exp(0.3) / 4, 0.0, math.exp(0.1) / 4, -0.25], rel=1e-12)
+
+
+def test_m2po_scope_harmful():
+    # harmful = (A > 0 and r > 1) or (A < 0 and r < 1): only t1 (A = +1, r = e^.3)
+    # M2 = .09 > .04 -> drop t1, nothing left: M2 = 0
+    # loss: t2: -e^-.6 = -0.548812 ; t3: +e^.1 ; t4: -1 -> -0.443641 / 4 = -0.110910
+    lp, lp_b, adv = _m2_case()
+    cfg = LossConfig(kind="ppo", m2_threshold=0.04, m2_scope="harmful")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg)
+    assert float(loss) == pytest.approx((-math.exp(-0.6) + math.exp(0.1) - 1) / 4, rel=1e-12)
+    assert stats["m2_before"] == pytest.approx(0.09)
+    assert stats["m2_after"] == 0.0
+    assert stats["m2_masked_fraction"] == pytest.approx(0.25)
+
+
+def test_m2po_below_threshold_masks_nothing():
+    lp, lp_b = tokens_with_ratios(1.1, 0.95)
+    loss, stats = policy_loss(lp, lp_b, row(1, 1), ones_like(lp), config=LossConfig(kind="ppo", m2_threshold=0.04))
+    # (log 1.1)^2 = .009084, (log .95)^2 = .002631 -> M2 = .005857 <= .04 ; loss = -(1.1 + .95) / 2
+    assert float(loss) == pytest.approx(-1.025, rel=1e-12)
+    assert stats["m2_before"] == stats["m2_after"] == pytest.approx((math.log(1.1) ** 2 + math.log(0.95) ** 2) / 2)
+    assert stats["m2_masked_fraction"] == 0.0
+
+
+def test_m2po_mask_drops_several_largest():
+    # sq = 1, .5, .1, .01 ; tau = .04: 1.61/4 = .4025 -> .61/3 = .2033 -> .11/2 = .055 -> .01/1 = .01
+    log_r = torch.tensor([[1.0, -math.sqrt(0.5), math.sqrt(0.1), 0.1]], dtype=torch.float64)
+    dropped, before, after = m2po_mask(log_r, torch.ones(1, 4, dtype=torch.bool), 0.04)
+    assert dropped.tolist() == [[True, True, True, False]]
+    assert before == pytest.approx(0.4025) and after == pytest.approx(0.01)
+
+
+def test_m2po_with_decoupled_applies_behaviour_weight():
+    # decoupled + recompute: r = exp(lp - lp_p) = e^.1 (M2 = .01 <= .04), w = exp(lp_p - lp_b) = 2
+    # loss = -(w r A) = -2 e^.1
+    lp_b = row(-2.0)
+    prox = lp_b + math.log(2.0)
+    lp = (prox + 0.1).requires_grad_(True)
+    cfg = LossConfig(kind="decoupled", proximal="recompute", m2_threshold=0.04)
+    loss, _ = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg, prox_logprobs=prox)
+    assert float(loss) == pytest.approx(-2 * math.exp(0.1), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ gradients
+
+
+def test_gradient_flows_only_through_logprobs():
+    torch.manual_seed(0)
+    lp = (torch.randn(3, 5, dtype=torch.float64) - 2).requires_grad_(True)
+    lp_b = (lp.detach() + 0.1 * torch.randn(3, 5, dtype=torch.float64)).requires_grad_(True)
+    prox = (lp.detach() + 0.1 * torch.randn(3, 5, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(3, 5, dtype=torch.float64).requires_grad_(True)
+    mask = torch.rand(3, 5) > 0.3
+    for cfg, kw in [
+        (LossConfig(kind="decoupled", proximal="recompute"), dict(prox_logprobs=prox)),
+        (LossConfig(kind="decoupled", proximal="loglinear"),
+         dict(versions=torch.randint(0, 4, (3, 5)), current_version=4)),
+        (LossConfig(kind="ppo", m2_threshold=0.001), {}),
+    ]:
+        loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg, **kw)
+        grads = torch.autograd.grad(loss, [lp, lp_b, prox, adv], allow_unused=True)
+        assert grads[0] is not None and bool(torch.isfinite(grads[0]).all())
+        assert grads[1] is None and grads[2] is None and grads[3] is None
+        assert bool((grads[0][~mask] == 0).all())  # masked positions get no gradient
+
+
+def test_gradcheck_decoupled_recompute():
+    # Points away from the clip kinks (|u - 1| well inside or outside eps) so the loss is smooth.
+    lp_b = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -3.0, -0.7]], dtype=torch.float64)
+    prox = lp_b + torch.tensor([[0.2, -0.1, 0.3], [0.0, 0.4, -0.2]], dtype=torch.float64)
+    lp = (prox + torch.tensor([[0.05, -0.5, 0.6], [0.1, -0.02, 0.0]], dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0], [-0.5, 0.7, 1.5]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    cfg = LossConfig(kind="decoupled", proximal="recompute", dual_clip=3.0)
+    assert torch.autograd.gradcheck(
+        lambda x: policy_loss(x, lp_b, adv, mask, config=cfg, prox_logprobs=prox)[0], (lp,))
+
+
+# ------------------------------------------------------------------------------ numerical safety
+
+
+def test_fifty_nat_gaps_stay_finite():
+    # pi/pi_b = e^50 and e^-50, A = -1 without dual clip: the unclipped branch would be ~5e21 x A;
+    # log-ratios are clamped at +-20 nats, so loss and gradient stay finite in float32 too.
+    for dtype in (torch.float32, torch.float64):
+        lp_b = torch.tensor([[-60.0, -1.0, -5.0]], dtype=dtype)
+        lp = torch.tensor([[-10.0, -51.0, -5.0]], dtype=dtype, requires_grad=True)
+        adv = torch.tensor([[-1.0, 1.0, 1.0]], dtype=dtype)
+        for cfg, kw in [
+            (PPO, {}),
+            (LossConfig(kind="decoupled", proximal="loglinear", behav_cap=None),
+             dict(versions=torch.tensor([[0, 1, 2]]), current_version=2)),
+            (LossConfig(kind="decoupled", proximal="loglinear"),
+             dict(versions=torch.tensor([[0, 1, 2]]), current_version=2)),
+            (LossConfig(kind="ppo", m2_threshold=0.04), {}),
+        ]:
+            loss, stats = policy_loss(lp, lp_b, adv, torch.ones(1, 3, dtype=torch.bool), config=cfg, **kw)
+            (grad,) = torch.autograd.grad(loss, lp)
+            assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
+            assert all(math.isfinite(v) for v in stats.values())
+        # t1: max(e^20, 1.2) (clamped from e^50) ; t2: max(-e^-20, -0.8) = -e^-20 ; t3: r = 1 -> -1
+        expected = (math.exp(LOG_RATIO_LIMIT) - math.exp(-LOG_RATIO_LIMIT) - 1.0) / 3
+        loss, _ = policy_loss(lp, lp_b, adv, torch.ones(1, 3, dtype=torch.bool), config=PPO)
+        assert float(loss) == pytest.approx(expected, rel=1e-5)
+
+
+def test_garbage_outside_mask_and_fully_masked_rows():
+    lp = torch.tensor([[-1.0, float("nan")], [float("-inf"), float("inf")]], requires_grad=True)
+    lp_b = torch.tensor([[-1.2, float("nan")], [float("nan"), -float("inf")]])
+    adv = torch.tensor([[1.0, float("nan")], [float("nan"), 2.0]])
+    mask = torch.tensor([[True, False], [False, False]])
+    versions = torch.tensor([[2, -1], [-1, -1]])
+    for cfg in [PPO, LossConfig(), LossConfig(aggregation="seq-mean-token-mean"),
+                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2_threshold=0.01)]:
+        loss, stats = policy_loss(lp, lp_b, adv, mask, config=cfg, versions=versions, current_version=3)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
+        assert all(math.isfinite(v) for v in stats.values()), stats
+        assert grad[1].tolist() == [0.0, 0.0] and float(grad[0, 1]) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0), (2, 3)])
+def test_empty_batches(shape):
+    lp = torch.zeros(shape, requires_grad=True)
+    mask = torch.zeros(shape, dtype=torch.bool)  # (2, 3): fully masked
+    for cfg in [PPO, LossConfig(), LossConfig(aggregation="seq-mean-token-mean"),
+                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2_threshold=0.04)]:
+        loss, stats = policy_loss(lp, torch.zeros(shape), torch.zeros(shape), mask, config=cfg,
+                                  versions=torch.full(shape, -1), current_version=0)
+        assert float(loss) == 0.0
+        loss.backward()  # still part of the graph, so a trainer can always call backward
+        assert set(STAT_KEYS) <= set(stats) and all(v == 0.0 for k, v in stats.items() if k != "proximal_s")
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def _valid():
+    return dict(logprobs=torch.zeros(2, 3), behav_logprobs=torch.zeros(2, 3),
+                advantages=torch.zeros(2, 3), mask=torch.ones(2, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    ("change", "config", "message"),
+    [
+        (dict(behav_logprobs=torch.zeros(2, 4)), PPO, "behav_logprobs has shape"),
+        (dict(advantages=torch.zeros(3)), PPO, "advantages has shape"),
+        (dict(mask=torch.ones(3, 2)), PPO, "mask has shape"),
+        (dict(logprobs=torch.zeros(6)), PPO, r"logprobs must be \[B, T\]"),
+        (dict(logprobs=torch.zeros(2, 3, dtype=torch.int64)), PPO, "logprobs must be a floating"),
+        (dict(behav_logprobs=torch.zeros(2, 3, dtype=torch.int64)), PPO, "behav_logprobs must be a floating"),
+        (dict(behav_logprobs=[[0.0] * 3] * 2), PPO, "behav_logprobs must be a torch.Tensor"),
+        (dict(behav_logprobs=torch.zeros(2, 3, device="meta")), PPO, "behav_logprobs is on meta"),
+        (dict(versions=torch.zeros(2, 3)), LossConfig(), "versions must be an integer"),
+        (dict(versions=torch.zeros(2, 3, dtype=torch.int64)), LossConfig(), "current_version"),
+        (dict(versions=torch.full((2, 3), -1), current_version=3), LossConfig(), "versions is -1"),
+        (dict(versions=torch.zeros(2, 3, dtype=torch.int64), current_version=2.5), LossConfig(),
+         "current_version must be an int"),
+        ({}, LossConfig(proximal="recompute"), "prox_logprobs is required"),
+        (dict(prox_logprobs=torch.zeros(2, 2)), LossConfig(proximal="recompute"), "prox_logprobs has shape"),
+        (dict(loss_denominator=-1.0), PPO, "loss_denominator"),
+        ({}, "ppo", "config must be a LossConfig"),
+    ],
+)
+def test_clear_errors_name_the_argument(change, config, message):
+    kwargs = {**_valid(), **change}
+    with pytest.raises(ValueError, match=message):
+        policy_loss(**kwargs, config=config)
+
+
+def test_dtypes_are_promoted_not_rejected():
+    # bfloat16 current log-probs against float32 behaviour log-probs: computed in float32
+    lp = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16, requires_grad=True)
+    loss, _ = policy_loss(lp, torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2), torch.ones(1, 2),
+                          config=PPO)
+    assert loss.dtype == torch.float32 and float(loss) == -1.0
+    loss.backward()
+    assert lp.grad.dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_loss_config_defaults():
+    cfg = LossConfig()
+    assert cfg.to_dict() == {
+        "kind": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "current",
+        "eps_clip": 0.2, "eps_clip_high": None, "dual_clip": None, "behav_cap": 5.0,
+        "behav_mode": "mask", "behav_level": "token", "m2_threshold": None, "m2_scope": "all",
+        "aggregation": "token-mean",
+    }
+    assert cfg.eps_high == 0.2 and LossConfig(eps_clip_high=0.28).eps_high == 0.28
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(kind="grpo"), dict(proximal="forward"), dict(loglinear_on_policy="both"), dict(eps_clip=0.0),
+     dict(eps_clip=1.5), dict(eps_clip_high=-0.1), dict(dual_clip=1.0), dict(behav_cap=0.5),
+     dict(behav_mode="drop"), dict(behav_level="batch"), dict(m2_threshold=0.0), dict(m2_scope="some"),
+     dict(aggregation="sum")],
+)
+def test_loss_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError, match="LossConfig"):
+        LossConfig(**kwargs)
+
+
+def test_loss_config_from_spec():
+    spec = AlgorithmSpec(
+        loss="decoupled", proximal="recompute", loglinear_on_policy="behave", clip_eps=0.1,
+        clip_eps_high=0.3, dual_clip=3.0, behaviour_cap=2.0, behaviour_cap_mode="clamp",
+        behaviour_cap_level="sequence", m2_threshold=0.04, m2_scope="harmful",
+        aggregation="seq-mean-token-sum-norm",
+    )
+    assert LossConfig.from_spec(spec) == LossConfig(
+        kind="decoupled", proximal="recompute", loglinear_on_policy="behave", eps_clip=0.1,
+        eps_clip_high=0.3, dual_clip=3.0, behav_cap=2.0, behav_mode="clamp", behav_level="sequence",
+        m2_threshold=0.04, m2_scope="harmful", aggregation="seq-mean-token-sum-norm",
+    )
+    defaults = LossConfig.from_spec(AlgorithmSpec())
+    assert defaults == LossConfig()  # the job's defaults and the loss defaults agree
+    ppo = LossConfig.from_spec(AlgorithmSpec(loss="ppo", proximal="recompute", behaviour_cap=None))
+    assert ppo.kind == "ppo" and ppo.behav_cap is None
+    with pytest.raises(ValueError, match="not an AlgorithmSpec"):
+        LossConfig.from_spec(object())

@@ -1,0 +1,177 @@
+"""Trajectories -> padded training tensors, with logprobs, mask and versions shifted together.
+
+A sequence is stored whole (`prompt + response`). The model's output at position t scores token
+t + 1, so every per-token quantity of response token j (at position P + j) lives at position
+P + j - 1 of the `[N, L - 1]` tensors. The loss mask, the behaviour log-probs **and the versions**
+are shifted by the same rule (DESIGN.md section 5: shifting only some of them is an off-by-one).
+Rows are right-padded: real tokens keep positions 0..len-1, and causal attention never lets a
+real token see the padding after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TrainBatch:
+    """Padded, aligned tensors for one training step (or a slice of it)."""
+
+    input_ids: Tensor  # [N, L] int64, pad_id after each sequence
+    attention_mask: Tensor  # [N, L] int64, 1 on real tokens
+    loss_mask: Tensor  # [N, L-1] bool, True where position t scores a response token t+1
+    behav_logprobs: Tensor  # [N, L-1] float32, engine log-prob of token t+1 (0 elsewhere)
+    versions: Tensor  # [N, L-1] int64, weight version that generated token t+1 (-1 elsewhere)
+    advantages: Tensor  # [N, L-1] float32, the sequence's advantage on its response tokens
+    prompt_lengths: Tensor  # [N] int64
+    response_lengths: Tensor  # [N] int64
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Response tokens that enter the loss (the token-mean denominator)."""
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def select(self, rows: Sequence[int] | Tensor | slice) -> "TrainBatch":
+        """A sub-batch of the given rows, with padding columns no row needs trimmed off."""
+        if isinstance(rows, slice):
+            rows = torch.arange(self.num_sequences)[rows]
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.input_ids.device)
+        lengths = self.prompt_lengths.index_select(0, idx) + self.response_lengths.index_select(0, idx)
+        width = max(int(lengths.max()) if idx.numel() else 1, 2)
+        width = min(width, int(self.input_ids.shape[1]))
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name).index_select(0, idx)
+            if t.dim() == 2:
+                t = t[:, : width if f.name in ("input_ids", "attention_mask") else width - 1]
+            out[f.name] = t
+        return TrainBatch(**out)
+
+
+def _field(seq: Any, name: str, index: int) -> Any:
+    if isinstance(seq, Mapping):
+        if name not in seq:
+            raise ValueError(f"sequence {index} has no {name!r}")
+        return seq[name]
+    if not hasattr(seq, name):
+        raise ValueError(f"sequence {index} ({type(seq).__name__}) has no attribute {name!r}")
+    return getattr(seq, name)
+
+
+def _as_array(value: Any, dtype: Any, what: str) -> np.ndarray:
+    arr = np.asarray(value.detach().cpu().numpy() if isinstance(value, Tensor) else value)
+    if arr.ndim != 1 and arr.size:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    arr = arr.reshape(-1)
+    if np.issubdtype(dtype, np.integer) and arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(dtype, copy=False)
+
+
+def build_batch(
+    sequences: Sequence[Any],
+    pad_id: int,
+    *,
+    advantages: Sequence[float] | Tensor | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> TrainBatch:
+    """Pad `prompt_ids + response_ids` rows and align per-token data (see module docstring).
+
+    Each sequence (mapping or object) has `prompt_ids`, `response_ids`, `behav_logprobs` and
+    `versions` (the last two as long as the response). `advantages`, one per sequence, is
+    broadcast to that sequence's response tokens.
+    """
+    if len(sequences) == 0:
+        raise ValueError("sequences is empty")
+    if advantages is not None and len(advantages) != len(sequences):
+        raise ValueError(f"advantages has {len(advantages)} entries for {len(sequences)} sequences")
+    adv = (torch.as_tensor(advantages, dtype=torch.float32) if advantages is not None
+           else torch.zeros(len(sequences)))
+    if adv.dim() != 1 or not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages must be a flat list of finite numbers, one per sequence")
+
+    rows = []
+    for i, seq in enumerate(sequences):
+        prompt = _as_array(_field(seq, "prompt_ids", i), np.int64, f"sequence {i} prompt_ids")
+        resp = _as_array(_field(seq, "response_ids", i), np.int64, f"sequence {i} response_ids")
+        behav = _as_array(_field(seq, "behav_logprobs", i), np.float32, f"sequence {i} behav_logprobs")
+        vers = _as_array(_field(seq, "versions", i), np.int64, f"sequence {i} versions")
+        if prompt.size == 0:
+            raise ValueError(f"sequence {i} has an empty prompt: its first response token cannot be scored")
+        if behav.size != resp.size or vers.size != resp.size:
+            raise ValueError(
+                f"sequence {i}: {resp.size} response tokens but {behav.size} behav_logprobs "
+                f"and {vers.size} versions")
+        if behav.size and not np.isfinite(behav).all():
+            raise ValueError(f"sequence {i} behav_logprobs contain NaN or Inf")
+        if vers.size and (vers < 0).any():
+            raise ValueError(f"sequence {i} has a negative version on a generated token")
+        rows.append((prompt, resp, behav, vers))
+
+    length = max(max(p.size + r.size for p, r, _, _ in rows), 2)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    n = len(rows)
+    input_ids = torch.full((n, length), int(pad_id), dtype=torch.int64)
+    attention_mask = torch.zeros((n, length), dtype=torch.int64)
+    loss_mask = torch.zeros((n, length - 1), dtype=torch.bool)
+    behav_lp = torch.zeros((n, length - 1), dtype=torch.float32)
+    versions = torch.full((n, length - 1), -1, dtype=torch.int64)
+    adv_tok = torch.zeros((n, length - 1), dtype=torch.float32)
+    prompt_lengths = torch.zeros(n, dtype=torch.int64)
+    response_lengths = torch.zeros(n, dtype=torch.int64)
+    for i, (prompt, resp, behav, vers) in enumerate(rows):
+        p, r = prompt.size, resp.size
+        input_ids[i, :p] = torch.from_numpy(prompt)
+        input_ids[i, p : p + r] = torch.from_numpy(resp)
+        attention_mask[i, : p + r] = 1
+        span = slice(p - 1, p - 1 + r)  # position t scores token t + 1
+        loss_mask[i, span] = True
+        behav_lp[i, span] = torch.from_numpy(behav)
+        versions[i, span] = torch.from_numpy(vers)
+        adv_tok[i, span] = adv[i]
+        prompt_lengths[i], response_lengths[i] = p, r
+    return TrainBatch(input_ids, attention_mask, loss_mask, behav_lp, versions, adv_tok,
+                      prompt_lengths, response_lengths)
+
+
+def split_minibatches(batch: TrainBatch, count: int) -> list[TrainBatch]:
+    """`count` consecutive, equally sized row slices (the optimizer updates of one step)."""
+    n = batch.num_sequences
+    if count < 1 or n % count:
+        raise ValueError(f"cannot split {n} sequences into {count} equal minibatches")
+    size = n // count
+    return [batch.select(slice(k * size, (k + 1) * size)) for k in range(count)]
+
+
+def micro_batches(batch: TrainBatch, max_tokens: int) -> Iterator[TrainBatch]:
+    """Consecutive row groups whose padded size (rows x longest row) fits `max_tokens`.
+
+    A row longer than the budget still forms its own micro-batch. Use the minibatch's
+    `num_tokens` as `policy_loss(loss_denominator=...)` so the micro-batch losses add up exactly.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    start, longest = 0, 0
+    for i, length in enumerate(lengths):
+        new_longest = max(longest, length)
+        if i > start and new_longest * (i - start + 1) > max_tokens:
+            yield batch.select(slice(start, i))
+            start, new_longest = i, length
+        longest = new_longest
+    if lengths:
+        yield batch.select(slice(start, len(lengths)))
