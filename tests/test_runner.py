@@ -1,0 +1,134 @@
+"""`asyncrl run` on one machine: the whole pipeline moves, and a dying child stops the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from asyncrl.local_redis import LocalRedis, free_port
+from trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
+
+ETA = 1
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
+
+
+@pytest.mark.slow
+def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", name="t-run", batch_size=2, group_size=4, eta=ETA, max_steps=3,
+                    checkpoint_interval=2, max_new_tokens=8)
+    run_dir = tmp_path / "run"
+    port = free_port()
+    proc = subprocess.Popen(ASYNCRL + ["run", str(job), "--max-steps", "3", "--run-dir", str(run_dir),
+                                       "--status-port", str(port), "--no-progress"],
+                            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[dict] = []
+
+    def watch() -> None:  # the status endpoint, as a person (or the operator) would poll it
+        while proc.poll() is None:
+            try:
+                seen.append(httpx.get(f"http://127.0.0.1:{port}/status", timeout=2).json())
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    out, _ = proc.communicate(timeout=500)
+    watcher.join(5)
+    assert proc.returncode == 0, out[-4000:]
+    assert f"http://127.0.0.1:{port}/status" in out
+
+    # The status endpoint reported progress while it ran, with staleness within eta.
+    assert seen and max(s["step"] for s in seen) >= 2
+    assert all(s["staleness"]["max"] <= ETA and s["staleness"]["limit"] == ETA for s in seen)
+
+    # Run directory: config, metrics, checkpoints, final weights, one log per process.
+    assert (run_dir / "job.yaml").exists()
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3]  # versions advance
+    assert all(m["staleness_max"] <= ETA for m in metrics)
+    assert all(m["tokens"] > 0 for m in metrics)
+    assert (run_dir / "weights" / "v3" / "model.safetensors").exists()
+    for name in ("engine-0", "rollout-0", "trainer"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    summary = json.loads((run_dir / "run.json").read_text())
+    assert summary["outcome"] == "succeeded" and summary["final_policy_version"] == 3
+    state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
+    lineage = state["trained_group_ids"]
+    assert len(lineage) == len(set(lineage)) == 6
+    # The engine was moved to every new version by the trainer.
+    assert [e["weight_version"] for e in state["report"]["rollout"]] == [3]
+
+    # Every trained group was acknowledged: reopen the run's Redis (AOF) and look.
+    from asyncrl.transport.names import StreamNames
+
+    names = StreamNames.for_job("t-run")
+    with LocalRedis(run_dir / "redis") as redis:
+        async def q(r):
+            trained = {x.decode() for x in await r.smembers(names.trained)}
+            consumers = await r.xinfo_consumers(names.trajectories, names.consumer_group)
+            pending = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c["pending"]
+                       for c in consumers}
+            return trained, pending
+
+        trained, pending = redis_query(redis.url, q)
+    assert set(lineage) <= trained
+    assert pending.get("trainer-0", 0) == 0
+    # Nothing of the run is left running.
+    procs = json.loads((run_dir / "processes.json").read_text())
+    for info in procs.values():
+        if info.get("pid"):
+            assert not _alive(info["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by a dead parent) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_a_dying_child_stops_the_run_with_its_log_tail(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", name="t-die", batch_size=2, group_size=2, max_steps=100,
+                    max_new_tokens=8)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(ASYNCRL + ["run", str(job), "--run-dir", str(run_dir), "--no-progress"],
+                            env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        procs: dict = {}
+        while "rollout-0" not in procs:  # the engine is ready and the worker was started
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.3)
+            try:
+                procs = json.loads((run_dir / "processes.json").read_text())
+            except (OSError, ValueError):
+                pass
+        os.kill(procs["engine-0"]["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert "engine-0 stopped unexpectedly (killed by SIGKILL)" in out
+    assert "asyncrl engine: serving" in out  # a line of the engine's own log, printed by the runner
+    for info in procs.values():
+        if info.get("pid"):
+            assert not _alive(info["pid"])

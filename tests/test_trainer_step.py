@@ -1,0 +1,199 @@
+"""The trainer's step on the real SmolLM2 with synthetic groups in a real Redis."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer_support import make_groups, model_and_tokenizer, publish, redis_query, write_job
+
+JOB = "t-step"
+
+
+def _runtime(tmp_path: Path, redis_url: str):
+    from asyncrl.runtime import Runtime
+
+    return Runtime(redis_url=redis_url, weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
+                   run_dir=tmp_path, pod_name="trainer-0")
+
+
+@pytest.mark.slow
+def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url: str) -> None:
+    from asyncrl.loader import load_job
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.main import build_trainer, connect_io
+    from asyncrl.transport.admission import Admission
+    from asyncrl.transport.names import StreamNames
+    from asyncrl.transport.versions import VersionChannel
+
+    job = load_job(write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, eta=1, max_steps=2,
+                             checkpoint_interval=1))
+    fresh = make_groups(JOB, 4, version=0)
+    publish(redis_url, JOB, fresh)
+    runtime = _runtime(tmp_path, redis_url)
+    args = argparse.Namespace(max_steps=2, no_resume=False)
+
+    async def go():
+        io = await connect_io(job, runtime)
+        trainer = build_trainer(job, args, runtime, DistContext(), io)
+        phase = await trainer.run()
+        await io.redis.aclose()
+        return trainer, phase
+
+    trainer, phase = asyncio.run(go())
+    assert phase == "Succeeded"
+    assert trainer.state.step == 2 and trainer.state.version == 2
+
+    names = StreamNames.for_job(JOB)
+
+    async def inspect(r):
+        latest = await VersionChannel(r, names).latest()
+        snap = await Admission(r, names, batch_size=2, eta=1, max_concurrent=4).snapshot()
+        trained = {x.decode() for x in await r.smembers(names.trained)}
+        pending = (await r.xpending(names.trajectories, names.consumer_group))["pending"]
+        length = await r.xlen(names.trajectories)
+        return latest, snap, trained, pending, length
+
+    latest, snap, trained, pending, length = redis_query(redis_url, inspect)
+    assert latest is not None and latest.version == 2
+    assert Path(latest.weights_path) == (tmp_path / "weights" / "v2").resolve()
+    assert snap.version == 2
+    # Every trained group is acknowledged (marked trained, entry deleted), nothing left pending.
+    assert trained == {g.group_id for g in fresh}
+    assert pending == 0 and length == 0
+    assert sorted(trainer.state.trained_group_ids) == sorted(trained)
+    # Oldest first: groups were created in order, so step 1 trained the first two.
+    assert trainer.state.trained_group_ids[:2] == ["g0000", "g0001"]
+
+    # Weights: complete HF directories, no temporary leftovers; v1 kept (previous), v2 newest.
+    weights = tmp_path / "weights"
+    assert (weights / "v2" / "config.json").exists()
+    assert (weights / "v2" / "model.safetensors").exists()
+    assert (weights / "v2" / "tokenizer.json").exists()
+    assert not [p for p in weights.iterdir() if p.name.startswith(".")]
+    from asyncrl.models import load_causal_lm
+
+    reloaded = load_causal_lm(str(weights / "v2"))
+    trained_sd = trainer.model.state_dict()
+    assert all(torch.equal(v, trained_sd[k]) for k, v in reloaded.state_dict().items())
+    base, _ = model_and_tokenizer()
+    assert not torch.equal(base.model.layers[0].mlp.up_proj.weight, reloaded.model.layers[0].mlp.up_proj.weight)
+
+    # metrics.jsonl: one line per step with the figures the status report needs.
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2]
+    assert [x["policy_version"] for x in lines] == [1, 2]
+    for x in lines:
+        assert x["tokens"] > 0 and x["staleness_max"] <= 1
+        assert abs(x["reward_mean"] - 0.5) < 1e-9
+    report = trainer.get_report()
+    assert report.phase == "Succeeded" and report.step == 2 and report.groups_trained == 4
+    assert report.tokens_trained == sum(x["tokens"] for x in lines)
+    assert report.reward_history == [0.5, 0.5]
+    assert sum(report.staleness.histogram.values()) == report.tokens_trained
+    assert report.staleness.histogram.get("1", 0) > 0  # step 2 trained version-0 tokens at version 1
+    assert report.last_checkpoint and Path(report.last_checkpoint).name == "step-000002"
+
+
+@pytest.mark.slow
+def test_over_stale_groups_are_dropped_counted_and_acked(tmp_path: Path, redis_url: str) -> None:
+    from asyncrl.loader import load_job
+    from asyncrl.trainer.checkpoint import TrainerState
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.main import build_trainer, connect_io
+    from asyncrl.transport.names import StreamNames
+
+    job = load_job(write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, eta=1, max_steps=4,
+                             checkpoint_interval=10))
+    stale = make_groups(JOB, 1, version=0, prefix="old")
+    fresh = make_groups(JOB, 2, version=3, prefix="new", seed=1)
+    publish(redis_url, JOB, stale + fresh)
+    runtime = _runtime(tmp_path, redis_url)
+
+    async def go():
+        io = await connect_io(job, runtime)
+        trainer = build_trainer(job, argparse.Namespace(max_steps=4, no_resume=True), runtime,
+                                DistContext(), io)
+        trainer.state = TrainerState(step=3, version=3)  # as if three steps were already trained
+        phase = await trainer.run()
+        await io.redis.aclose()
+        return trainer, phase
+
+    trainer, phase = asyncio.run(go())
+    assert phase == "Succeeded"
+    assert trainer.state.dropped == 1
+    assert trainer.state.trained_group_ids == ["new0000", "new0001"]
+    assert trainer.get_report().staleness.dropped == 1
+    names = StreamNames.for_job(JOB)
+
+    async def inspect(r):
+        return ((await r.xpending(names.trajectories, names.consumer_group))["pending"],
+                int(await r.hget(names.admission, "dropped") or 0))
+
+    pending, dropped = redis_query(redis_url, inspect)
+    assert pending == 0 and dropped == 1
+
+
+@pytest.mark.slow
+def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
+    """Splitting a minibatch into small micro-batches changes neither the loss nor the gradient."""
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.loop import LoopConfig, Trainer
+    from asyncrl.trainer.losses import LossConfig
+
+    groups = make_groups(JOB, 2, version=0, max_len=12)
+    base, tok = model_and_tokenizer()
+    results = []
+    for budget in (100_000, 40):
+        model = type(base)(base.config)
+        model.load_state_dict(base.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        cfg = LoopConfig(job=JOB, batch_size=2, eta=2, micro_batch_tokens=budget, grad_clip=1e9)
+        trainer = Trainer(cfg, DistContext(), model, opt, tok, LossConfig(proximal="recompute"))
+        plans = trainer.plan_microbatches(trainer.sequences(groups))
+        record = trainer.train_step(groups)
+        results.append((len(plans), record["loss"], record["grad_norm"]))
+    (n_big, loss_big, norm_big), (n_small, loss_small, norm_small) = results
+    assert n_big == 1 and n_small > 2
+    assert loss_small == pytest.approx(loss_big, rel=1e-4, abs=1e-6)
+    assert norm_small == pytest.approx(norm_big, rel=1e-4)
+
+
+def test_weights_are_written_atomically(tmp_path: Path) -> None:
+    from asyncrl.trainer.publish import published_versions, write_weights
+
+    class Broken:
+        def save_pretrained(self, path, **kw):
+            (Path(path) / "model.safetensors").write_bytes(b"half a model")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_weights(Broken(), None, tmp_path, 3)
+    assert published_versions(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []  # neither v3 nor a temporary directory remains
+
+
+def test_prune_keeps_versions_in_use(tmp_path: Path) -> None:
+    from asyncrl.trainer.publish import prune_weights, published_versions
+
+    for v in range(6):
+        (tmp_path / f"v{v}").mkdir()
+    removed = prune_weights(tmp_path, {2, 4}, newest=5)
+    assert sorted(removed) == [0, 1, 3]
+    assert published_versions(tmp_path) == [2, 4, 5]
+
+
+def test_engine_update_failure_names_the_server(tmp_path: Path) -> None:
+    from asyncrl.local_redis import free_port
+    from asyncrl.trainer.publish import WeightSyncError, update_engines
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(WeightSyncError) as err:
+        asyncio.run(update_engines("hf", [url], tmp_path, 1, timeout_s=10))
+    assert url in str(err.value)
+    assert list(err.value.failures) == [url]
