@@ -1,0 +1,311 @@
+"""The trainer's dashboard page (`GET /`), embedded as a string so the package needs no data files.
+
+Self-contained on purpose: the trainer pods usually have no route to a CDN, so styles, charts
+(inline SVG drawn by a few lines of JS) and polling of `status` all live in this one page. If the
+page was opened as `/?token=...`, the same token is sent as a bearer header on every poll.
+"""
+
+from __future__ import annotations
+
+DASHBOARD_HTML = r"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>asyncrl trainer</title>
+<style>
+  :root {
+    --bg: #f4f6f9; --card: #ffffff; --ink: #111827; --muted: #6b7280; --line: #e5e7eb;
+    --reward: #2563eb; --stale: #ea580c; --stalemax: #b91c1c; --limit: #9ca3af; --ok: #15803d;
+  }
+  * { box-sizing: border-box; }
+  body { margin: 0; background: var(--bg); color: var(--ink);
+         font: 14px/1.4 system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif; }
+  header { display: flex; align-items: center; gap: 14px; padding: 12px 22px; background: #111827; color: #f9fafb; }
+  header h1 { font-size: 17px; margin: 0; font-weight: 600; letter-spacing: .2px; }
+  header .job { color: #d1d5db; font-size: 15px; }
+  header .spacer { flex: 1; }
+  header .conn { font-size: 12px; color: #d1d5db; display: flex; align-items: center; gap: 6px; }
+  .dot { width: 9px; height: 9px; border-radius: 50%; background: #9ca3af; display: inline-block; }
+  .dot.ok { background: #22c55e; } .dot.bad { background: #ef4444; }
+  .badge { padding: 3px 10px; border-radius: 999px; font-weight: 600; font-size: 13px; color: #fff; background: #6b7280; }
+  .badge.Training { background: #2563eb; } .badge.Publishing { background: #7c3aed; }
+  .badge.Waiting { background: #d97706; } .badge.Succeeded { background: #15803d; }
+  .badge.Failed { background: #dc2626; } .badge.Stopped, .badge.Starting { background: #6b7280; }
+  main { padding: 16px 22px 24px; max-width: 1400px; margin: 0 auto; }
+  .progress { height: 6px; background: var(--line); border-radius: 3px; overflow: hidden; margin: 0 0 14px; }
+  .progress > div { height: 100%; background: var(--reward); width: 0; transition: width .4s; }
+  #message { margin: -6px 0 12px; color: var(--muted); }
+  #message.failed { color: #991b1b; font-weight: 600; }
+  #message:empty { display: none; }
+  .kpis { display: grid; grid-template-columns: repeat(6, minmax(0, 1fr)); gap: 12px; margin-bottom: 14px; }
+  .card { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 12px 14px; }
+  .kpi .label { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: .6px; }
+  .kpi .value { font-size: 30px; font-weight: 700; line-height: 1.15; margin-top: 2px;
+                font-variant-numeric: tabular-nums; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+  .kpi .value small { font-size: 16px; color: var(--muted); font-weight: 500; }
+  .kpi .sub { color: var(--muted); font-size: 12px; margin-top: 2px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+  .charts { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; margin-bottom: 14px; }
+  .card h2 { font-size: 14px; margin: 0 0 4px; font-weight: 600; }
+  .legend { color: var(--muted); font-size: 12px; display: flex; gap: 14px; flex-wrap: wrap; }
+  .legend i { display: inline-block; width: 14px; height: 3px; vertical-align: middle; margin-right: 5px; border-radius: 2px; }
+  .chart { width: 100%; height: 230px; display: block; }
+  .chart text { font-size: 11px; fill: var(--muted); font-family: inherit; }
+  .chart .grid { stroke: var(--line); stroke-width: 1; }
+  .chart .empty { font-size: 13px; }
+  .bottom { display: grid; grid-template-columns: 1fr 1fr 1.3fr; gap: 12px; }
+  table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
+  td, th { padding: 5px 6px; border-bottom: 1px solid var(--line); text-align: left; font-size: 13px; }
+  th { color: var(--muted); font-weight: 500; font-size: 12px; }
+  td.num { text-align: right; }
+  .kv td:first-child { color: var(--muted); }
+  .kv td:last-child { text-align: right; font-weight: 600; }
+  .ready { color: var(--ok); font-weight: 600; } .notready { color: #dc2626; font-weight: 600; }
+  .url { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; word-break: break-all; }
+  @media (max-width: 1100px) { .kpis { grid-template-columns: repeat(3, 1fr); } .charts, .bottom { grid-template-columns: 1fr; } }
+</style>
+</head>
+<body>
+<header>
+  <h1>asyncrl trainer</h1>
+  <span class="job" id="job"></span>
+  <span class="badge" id="phase" data-testid="phase">…</span>
+  <span class="spacer"></span>
+  <span class="conn"><span class="dot" id="conn-dot"></span><span id="conn-text">connecting…</span></span>
+</header>
+<main>
+  <div class="progress" title="step / max steps"><div id="progress"></div></div>
+  <div id="message"></div>
+  <section class="kpis">
+    <div class="card kpi"><div class="label">Step</div><div class="value" id="k-step">–</div><div class="sub" id="k-step-sub">&nbsp;</div></div>
+    <div class="card kpi"><div class="label">Policy version</div><div class="value" id="k-version">–</div><div class="sub" id="k-version-sub">&nbsp;</div></div>
+    <div class="card kpi"><div class="label">Reward (last step)</div><div class="value" id="k-reward" style="color:var(--reward)">–</div><div class="sub" id="k-reward-sub">&nbsp;</div></div>
+    <div class="card kpi"><div class="label">Staleness mean / max</div><div class="value" id="k-stale" style="color:var(--stale)">–</div><div class="sub" id="k-stale-sub">&nbsp;</div></div>
+    <div class="card kpi"><div class="label">Tokens / s</div><div class="value" id="k-tps">–</div><div class="sub" id="k-tps-sub">&nbsp;</div></div>
+    <div class="card kpi"><div class="label">Step time</div><div class="value" id="k-steptime">–</div><div class="sub" id="k-steptime-sub">&nbsp;</div></div>
+  </section>
+  <section class="charts">
+    <div class="card">
+      <h2>Reward per step</h2>
+      <div class="legend"><span><i style="background:var(--reward)"></i>batch mean</span><span><i style="background:#93c5fd"></i>moving average (5)</span></div>
+      <svg class="chart" id="reward-chart" data-testid="reward-chart" role="img" aria-label="reward over steps"></svg>
+    </div>
+    <div class="card">
+      <h2>Staleness per step (policy versions behind)</h2>
+      <div class="legend"><span><i style="background:var(--stale)"></i>mean</span><span><i style="background:var(--stalemax)"></i>max</span><span><i style="background:var(--limit)"></i>limit η</span></div>
+      <svg class="chart" id="staleness-chart" data-testid="staleness-chart" role="img" aria-label="staleness over steps"></svg>
+    </div>
+  </section>
+  <section class="bottom">
+    <div class="card">
+      <h2>Tokens trained by staleness</h2>
+      <svg class="chart" id="staleness-histogram" data-testid="staleness-histogram" role="img" aria-label="tokens per version lag"></svg>
+    </div>
+    <div class="card">
+      <h2>Training</h2>
+      <table class="kv"><tbody id="details"></tbody></table>
+    </div>
+    <div class="card">
+      <h2>Rollout engines</h2>
+      <table><thead><tr><th>engine</th><th>weights</th><th>lag</th><th>state</th></tr></thead>
+      <tbody id="engines"></tbody></table>
+    </div>
+  </section>
+</main>
+<script>
+"use strict";
+const params = new URLSearchParams(location.search);
+const TOKEN = params.get("token");
+const REFRESH_MS = Math.max(500, 1000 * (parseFloat(params.get("refresh")) || 2));
+const SVGNS = "http://www.w3.org/2000/svg";
+let lastReport = null, lastOk = 0;
+
+const $ = (id) => document.getElementById(id);
+const fmt = (v, d = 2) => (v === null || v === undefined || !isFinite(v)) ? "–" : Number(v).toFixed(d);
+const big = (v) => {
+  if (v === null || v === undefined || !isFinite(v)) return "–";
+  const a = Math.abs(v);
+  if (a >= 1e9) return (v / 1e9).toFixed(2) + "G";
+  if (a >= 1e6) return (v / 1e6).toFixed(2) + "M";
+  if (a >= 1e4) return (v / 1e3).toFixed(1) + "k";
+  return a >= 100 ? Math.round(v).toLocaleString("en-US") : Number(v).toFixed(a >= 10 ? 1 : 2);
+};
+const secs = (v) => (!isFinite(v)) ? "–" : v >= 120 ? (v / 60).toFixed(1) + " min" : v >= 10 ? v.toFixed(1) + " s" : v.toFixed(2) + " s";
+function setText(id, text) { $(id).textContent = text; }
+function setHTML(id, value, unit) { const el = $(id); el.textContent = value; if (unit) { const s = document.createElement("small"); s.textContent = unit; el.appendChild(s); } }
+
+function el(name, attrs, parent) {
+  const n = document.createElementNS(SVGNS, name);
+  for (const [k, v] of Object.entries(attrs || {})) n.setAttribute(k, v);
+  if (parent) parent.appendChild(n);
+  return n;
+}
+
+function niceTicks(lo, hi, count) {
+  if (!(hi > lo)) { hi = lo + 1; }
+  const raw = (hi - lo) / count, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * mag).find((s) => s >= raw) || raw;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step - 1e-9) * step; t <= hi + step * 1e-6; t += step) ticks.push(+t.toFixed(10));
+  return ticks;
+}
+
+// series: [{points:[[x,y],...], color, width, dash, cls, step}], hlines: [{y, color, dash, label}]
+function lineChart(svg, series, opts) {
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const W = svg.clientWidth || 600, H = svg.clientHeight || 230;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const m = { l: 46, r: 14, t: 12, b: 28 };
+  const pts = series.flatMap((s) => s.points);
+  if (pts.length === 0) {
+    el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, svg).textContent = "waiting for the first step…";
+    return;
+  }
+  const xs = pts.map((p) => p[0]);
+  let ys = pts.map((p) => p[1]).concat((opts.hlines || []).map((h) => h.y));
+  let x0 = Math.min(...xs), x1 = Math.max(...xs);
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  let y0 = opts.yMin !== undefined ? Math.min(opts.yMin, ...ys) : Math.min(...ys);
+  let y1 = Math.max(...ys);
+  if (opts.yMaxAtLeast !== undefined) y1 = Math.max(y1, opts.yMaxAtLeast);
+  if (y1 === y0) { y1 = y0 + 1; }
+  const pad = (y1 - y0) * 0.08; if (opts.yMin === undefined) y0 -= pad; y1 += pad;
+  const yt = niceTicks(y0, y1, 4); y0 = Math.min(y0, yt[0]); y1 = Math.max(y1, yt[yt.length - 1]);
+  const X = (x) => m.l + (x - x0) / (x1 - x0) * (W - m.l - m.r);
+  const Y = (y) => H - m.b - (y - y0) / (y1 - y0) * (H - m.t - m.b);
+  for (const t of yt) {
+    el("line", { x1: m.l, x2: W - m.r, y1: Y(t), y2: Y(t), class: "grid" }, svg);
+    el("text", { x: m.l - 6, y: Y(t) + 4, "text-anchor": "end" }, svg).textContent = opts.yInt ? String(Math.round(t)) : +t.toFixed(3);
+  }
+  const xt = niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t));
+  for (const t of xt) el("text", { x: X(t), y: H - m.b + 16, "text-anchor": "middle" }, svg).textContent = t;
+  el("text", { x: W - m.r, y: H - 2, "text-anchor": "end" }, svg).textContent = "step";
+  for (const h of opts.hlines || []) {
+    el("line", { x1: m.l, x2: W - m.r, y1: Y(h.y), y2: Y(h.y), stroke: h.color, "stroke-width": 1.5, "stroke-dasharray": h.dash || "" }, svg);
+    if (h.label) el("text", { x: W - m.r - 2, y: Y(h.y) - 4, "text-anchor": "end" }, svg).textContent = h.label;
+  }
+  for (const s of series) {
+    if (!s.points.length) continue;
+    let d = "";
+    s.points.forEach(([x, y], i) => {
+      if (s.step && i > 0) d += `H${X(x).toFixed(1)}V${Y(y).toFixed(1)}`;
+      else d += `${i ? "L" : "M"}${X(x).toFixed(1)},${Y(y).toFixed(1)}`;
+    });
+    if (s.area) {
+      const a = `${d}L${X(s.points[s.points.length - 1][0]).toFixed(1)},${Y(Math.max(y0, 0)).toFixed(1)}L${X(s.points[0][0]).toFixed(1)},${Y(Math.max(y0, 0)).toFixed(1)}Z`;
+      el("path", { d: a, fill: s.color, opacity: 0.12, class: "area" }, svg);
+    }
+    el("path", { d, fill: "none", stroke: s.color, "stroke-width": s.width || 2, "stroke-dasharray": s.dash || "",
+                 "stroke-linejoin": "round", "stroke-linecap": "round", class: "series " + (s.cls || "") }, svg);
+    if (s.dots && s.points.length <= 80) for (const [x, y] of s.points) el("circle", { cx: X(x), cy: Y(y), r: 2.6, fill: s.color }, svg);
+  }
+}
+
+function barChart(svg, hist, limit) {
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const W = svg.clientWidth || 400, H = svg.clientHeight || 230;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const entries = Object.entries(hist || {}).map(([k, v]) => [parseInt(k, 10), v]).filter(([k]) => isFinite(k));
+  if (!entries.length) { el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, svg).textContent = "no tokens trained yet"; return; }
+  const top = Math.max(limit || 0, ...entries.map((e) => e[0]));
+  const counts = new Map(entries); const total = entries.reduce((a, e) => a + e[1], 0);
+  const m = { l: 12, r: 12, t: 18, b: 30 }, n = top + 1, bw = (W - m.l - m.r) / n;
+  const maxC = Math.max(...entries.map((e) => e[1]), 1);
+  for (let lag = 0; lag <= top; lag++) {
+    const c = counts.get(lag) || 0, h = (H - m.t - m.b) * c / maxC, x = m.l + lag * bw + bw * 0.12;
+    el("rect", { x, y: H - m.b - h, width: bw * 0.76, height: Math.max(h, c ? 1 : 0), rx: 3,
+                 fill: limit !== undefined && lag > limit ? "var(--stalemax)" : "var(--stale)", class: "bar" }, svg);
+    el("text", { x: x + bw * 0.38, y: H - m.b + 14, "text-anchor": "middle" }, svg).textContent = lag;
+    if (c) el("text", { x: x + bw * 0.38, y: H - m.b - h - 4, "text-anchor": "middle" }, svg).textContent = (100 * c / total).toFixed(0) + "%";
+  }
+  el("text", { x: W - m.r, y: H - 2, "text-anchor": "end" }, svg).textContent = "versions behind";
+}
+
+function render(r) {
+  lastReport = r;
+  setText("job", r.job || "");
+  const ph = $("phase"); ph.textContent = r.phase; ph.className = "badge " + r.phase;
+  setText("message", r.message || (r.phase === "Failed" ? "trainer failed" : ""));
+  $("message").className = r.phase === "Failed" ? "failed" : "";
+  $("progress").style.width = r.max_steps > 0 ? Math.min(100, 100 * r.step / r.max_steps) + "%" : "0";
+  setHTML("k-step", String(r.step), r.max_steps > 0 ? ` / ${r.max_steps}` : "");
+  setText("k-step-sub", r.max_steps > 0 ? `${(100 * r.step / r.max_steps).toFixed(0)}% done` : "no step limit");
+  setHTML("k-version", "v" + r.policy_version);
+  const engines = r.rollout || [], versions = engines.map((e) => e.weight_version).filter((v) => v !== null);
+  setText("k-version-sub", versions.length ? `engines serve v${Math.min(...versions)}–v${Math.max(...versions)}` : "no engine reports");
+  setHTML("k-reward", r.reward_mean === null ? "–" : fmt(r.reward_mean, 3));
+  const rh = r.reward_history || [];
+  const firstQ = rh.slice(0, Math.max(1, Math.floor(rh.length / 4)));
+  const avg = (a) => a.reduce((x, y) => x + y, 0) / a.length;
+  setText("k-reward-sub", rh.length >= 4 ? `first quarter ${fmt(avg(firstQ), 3)} · last 5 ${fmt(avg(rh.slice(-5)), 3)}` : " ");
+  const st = r.staleness || {};
+  setHTML("k-stale", fmt(st.mean, 2), ` / ${st.max ?? "–"}`);
+  setText("k-stale-sub", `limit η = ${st.limit} · dropped ${st.dropped} groups`);
+  setHTML("k-tps", big(r.tokens_per_second));
+  setText("k-tps-sub", `${big(r.tokens_trained)} tokens · ${big(r.groups_trained)} groups`);
+  setHTML("k-steptime", secs(r.step_seconds));
+  setText("k-steptime-sub", `proximal ${secs(r.proximal_seconds)} · weight sync ${secs(r.weight_sync_seconds)}`);
+
+  const hist = r.history || [];
+  let rewardPts = hist.map((h) => [h.step, h.reward_mean]);
+  if (!rewardPts.length && rh.length) rewardPts = rh.map((v, i) => [i + 1, v]);
+  const ma = rewardPts.map((p, i) => { const w = rewardPts.slice(Math.max(0, i - 4), i + 1); return [p[0], avg(w.map((q) => q[1]))]; });
+  lineChart($("reward-chart"), [
+    { points: ma, color: "#93c5fd", width: 4, cls: "ma" },
+    { points: rewardPts, color: "var(--reward)", width: 2, dots: true, cls: "reward" },
+  ], {});
+  lineChart($("staleness-chart"), [
+    { points: hist.map((h) => [h.step, h.staleness_mean]), color: "var(--stale)", width: 2, area: true, dots: true, cls: "staleness-mean" },
+    { points: hist.map((h) => [h.step, h.staleness_max]), color: "var(--stalemax)", width: 1.5, step: true, cls: "staleness-max" },
+  ], { yMin: 0, yInt: true, yMaxAtLeast: (st.limit || 0) + 0.5, hlines: st.limit !== undefined ? [{ y: st.limit, color: "var(--limit)", dash: "6 4", label: `η = ${st.limit}` }] : [] });
+  barChart($("staleness-histogram"), st.histogram, st.limit);
+
+  const iw = r.importance_weight || {};
+  const last = hist.length ? hist[hist.length - 1] : null;
+  const rows = [
+    ["groups trained", big(r.groups_trained)], ["tokens trained", big(r.tokens_trained)],
+    ["loss (last step)", last ? fmt(last.loss, 4) : "–"], ["clip fraction", fmt(100 * r.clip_fraction, 1) + "%"],
+    ["importance weight min / mean / max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
+    ["stale groups dropped", String(st.dropped ?? 0)],
+    ["last checkpoint", r.last_checkpoint ? r.last_checkpoint.split("/").slice(-2).join("/") : "none yet"],
+    ["running for", r.started_at ? secs(Math.max(0, (r.updated_at || Date.now() / 1000) - r.started_at)) : "–"],
+  ];
+  const tb = $("details"); tb.textContent = "";
+  for (const [k, v] of rows) { const tr = tb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
+
+  const eb = $("engines"); eb.textContent = "";
+  if (!engines.length) { const c = eb.insertRow().insertCell(); c.colSpan = 4; c.textContent = "no rollout engines registered"; c.style.color = "var(--muted)"; }
+  for (const e of engines) {
+    const tr = eb.insertRow();
+    const u = tr.insertCell(); u.textContent = e.url; u.className = "url";
+    tr.insertCell().textContent = e.weight_version === null ? "–" : "v" + e.weight_version;
+    const lag = tr.insertCell(); lag.textContent = e.weight_version === null ? "–" : String(r.policy_version - e.weight_version); lag.className = "num";
+    const s = tr.insertCell(); s.textContent = e.ready ? "ready" : "not ready"; s.className = e.ready ? "ready" : "notready";
+  }
+  document.body.dataset.step = String(r.step);
+}
+
+function setConn(ok, text) { $("conn-dot").className = "dot " + (ok ? "ok" : "bad"); setText("conn-text", text); }
+
+async function poll() {
+  try {
+    const resp = await fetch("status", { headers: TOKEN ? { Authorization: "Bearer " + TOKEN } : {}, cache: "no-store" });
+    if (!resp.ok) {
+      let msg = resp.status + " " + resp.statusText;
+      try { msg = (await resp.json()).error || msg; } catch (e) {}
+      setConn(false, msg);
+    } else {
+      render(await resp.json()); lastOk = Date.now(); setConn(true, "live · updated " + new Date().toLocaleTimeString());
+      document.body.dataset.loaded = "true";
+    }
+  } catch (e) {
+    setConn(false, "trainer unreachable" + (lastOk ? ` (last update ${Math.round((Date.now() - lastOk) / 1000)} s ago)` : ""));
+  }
+  setTimeout(poll, REFRESH_MS);
+}
+window.addEventListener("resize", () => { if (lastReport) render(lastReport); });
+poll();
+</script>
+</body>
+</html>
+"""

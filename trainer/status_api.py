@@ -1,0 +1,294 @@
+"""The trainer's read-only HTTP status endpoint: /status (JSON), /metrics (Prometheus), /healthz, /.
+
+`create_app` builds the FastAPI app around a `get_report` callable so the trainer keeps a single
+source of truth (its TrainerReport) and the server never touches training state. `StatusServer`
+runs uvicorn inside the trainer's own asyncio loop (or in a helper thread when the loop is busy
+with compute) and stops it cleanly, without taking over the process's signal handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
+
+from asyncrl.status_report import TrainerReport
+
+from .dashboard import DASHBOARD_HTML
+from .metrics import TrainerMetrics
+
+log = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/healthz"})
+"""Routes that never need the token (liveness probes cannot carry secrets)."""
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def create_app(
+    get_report: Callable[[], TrainerReport],
+    *,
+    token: str | None = None,
+    metrics: TrainerMetrics | None = None,
+) -> FastAPI:
+    """Build the status app. `get_report` must be cheap and thread-safe (return a snapshot)."""
+    app = FastAPI(
+        title="asyncrl trainer status",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,  # read-only surface: nothing beyond the four routes
+    )
+    trainer_metrics = metrics if metrics is not None else TrainerMetrics()
+    app.state.metrics = trainer_metrics
+
+    def report_or_503() -> TrainerReport | JSONResponse:
+        try:
+            return get_report()
+        except Exception as exc:  # the trainer's bug must not kill its status endpoint
+            log.exception("status report provider failed")
+            return JSONResponse(
+                {"error": f"status report unavailable: {exc}", "status": 503}, status_code=503, headers=NO_STORE
+            )
+
+    @app.get("/status")
+    async def status() -> Response:
+        report = report_or_503()
+        if isinstance(report, Response):
+            return report
+        return JSONResponse(report.model_dump(mode="json"), headers=NO_STORE)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        report = report_or_503()
+        if isinstance(report, Response):
+            return report
+        trainer_metrics.update(report)
+        return Response(generate_latest(trainer_metrics.registry), media_type=CONTENT_TYPE_LATEST, headers=NO_STORE)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(DASHBOARD_HTML, headers=NO_STORE)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(request, exc.status_code, _reason(exc), dict(exc.headers or {}))
+
+    if token:
+        app.add_middleware(_BearerAuth, token=token)
+    return app
+
+
+class _BearerAuth(BaseHTTPMiddleware):
+    """Every route except /healthz needs `Authorization: Bearer <token>`.
+
+    The dashboard page alone also accepts `?token=` so a person can open it in a browser; the page
+    then sends the token as a header on its own requests (never in URLs of API calls).
+    """
+
+    def __init__(self, app: Any, token: str) -> None:
+        super().__init__(app)
+        self._token = token.encode()
+
+    async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        path = request.url.path
+        if path in PUBLIC_PATHS or self._authorized(request):
+            return await call_next(request)
+        hint = "open /?token=<token>" if path == "/" else "send 'Authorization: Bearer <token>'"
+        return _error(
+            request,
+            401,
+            f"missing or invalid bearer token ({hint})",
+            {"WWW-Authenticate": 'Bearer realm="asyncrl-trainer"'},
+        )
+
+    def _authorized(self, request: Request) -> bool:
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and self._matches(credentials.strip()):
+            return True
+        return request.url.path == "/" and self._matches(request.query_params.get("token", ""))
+
+    def _matches(self, candidate: str) -> bool:
+        return bool(candidate) and hmac.compare_digest(candidate.encode(), self._token)
+
+
+def _reason(exc: StarletteHTTPException) -> str:
+    if exc.status_code == 404:
+        return "not found"
+    if exc.status_code == 405:
+        return "method not allowed (this endpoint is read-only: use GET)"
+    return str(exc.detail)
+
+
+def _error(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": message, "status": status, "method": request.method, "path": request.url.path}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its signal capture: the trainer, not the status server, owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class StatusServer:
+    """Runs the status app with uvicorn inside an existing asyncio loop, or in a helper thread.
+
+    In-loop (`await start()` / `await stop()`) suits a loop that is not blocked by compute. When the
+    training step runs synchronously on the loop's thread, use `start_in_thread()` / `stop_thread()`
+    so /status keeps answering during long steps. `port=0` picks a free port; read `.port`/`.url`.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning") -> None:
+        self.app = app
+        self.host = host
+        self._requested_port = port
+        self._log_level = log_level
+        self._server: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._thread_loop: asyncio.AbstractEventLoop | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("status server not started")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self, startup_timeout: float = 10.0) -> str:
+        """Bind, start serving in the running loop, and return the base URL once it accepts."""
+        if self._task is not None:
+            raise RuntimeError("status server already started")
+        sock = _bind(self.host, self._requested_port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_level=self._log_level,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _EmbeddedUvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="asyncrl-status-server")
+        deadline = asyncio.get_running_loop().time() + startup_timeout
+        while not self._server.started:
+            if self._task.done():
+                sock.close()
+                self._task.result()  # re-raise the startup error
+                raise RuntimeError(f"status server on {self.host}:{self.port} exited during startup")
+            if asyncio.get_running_loop().time() > deadline:
+                await self.stop()
+                raise TimeoutError(f"status server on {self.host}:{self.port} did not start in {startup_timeout}s")
+            await asyncio.sleep(0.01)
+        log.info("status endpoint listening on %s", self.url)
+        return self.url
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), then return. Idempotent."""
+        server, task = self._server, self._task
+        if server is None or task is None:
+            return
+        server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            server.force_exit = True
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            self._server = None
+            self._task = None
+
+    def start_in_thread(self, startup_timeout: float = 10.0) -> str:
+        """Serve from a daemon thread with its own loop (for trainers whose loop blocks on compute)."""
+        if self._thread is not None:
+            raise RuntimeError("status server already started")
+        started = threading.Event()
+        errors: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self.start(startup_timeout))
+            except BaseException as exc:  # reported to the caller below
+                errors.append(exc)
+                started.set()
+                loop.close()
+                return
+            started.set()
+            try:
+                loop.run_until_complete(self._task)  # type: ignore[arg-type]
+            except BaseException:  # noqa: BLE001 - cancelled or failed during stop; logged by uvicorn
+                pass
+            finally:
+                loop.close()
+
+        self._thread_loop = loop
+        self._thread = threading.Thread(target=run, name="asyncrl-status-server", daemon=True)
+        self._thread.start()
+        started.wait(startup_timeout + 5)
+        if errors:
+            self._thread.join()
+            self._thread = None
+            raise errors[0]
+        return self.url
+
+    def stop_thread(self, timeout: float = 5.0) -> None:
+        """Stop a server started with `start_in_thread()` and join its thread. Idempotent."""
+        thread, loop = self._thread, self._thread_loop
+        if thread is None or loop is None:
+            return
+        server = self._server
+        if server is not None:
+            loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+        thread.join(timeout)
+        if thread.is_alive() and server is not None:
+            loop.call_soon_threadsafe(setattr, server, "force_exit", True)
+            thread.join(timeout)
+        self._thread = None
+        self._thread_loop = None
+        self._server = None
+        self._task = None
+
+
+async def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Serve `app` in the running loop until cancelled; cancellation stops the server cleanly."""
+    server = StatusServer(app, host, port)
+    await server.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await asyncio.shield(server.stop())
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"status endpoint cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.set_inheritable(True)
+    return sock
