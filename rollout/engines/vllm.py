@@ -21,6 +21,25 @@ from asyncrl.rollout.engines.base import EngineError, GenerateResult, HTTPEngine
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 
+VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+"""Environment the server needs: dev mode exposes /pause, /resume and /collective_rpc."""
+
+
+def vllm_server_command(python: str, model: str, *, host: str, port: int | str, dtype: str,
+                        tensor_parallel: int = 1, eager: bool = False, extra: list[str] | tuple[str, ...] = ()
+                        ) -> list[str]:
+    """The one way we start a vLLM server that this adapter can drive.
+
+    `--logprobs-mode processed_logprobs` makes vLLM report logprobs after temperature (the
+    behaviour policy's); the default reports them before, which is wrong whenever T != 1.
+    """
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+           "--port", str(port), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel),
+           "--logprobs-mode", "processed_logprobs"]
+    if eager:
+        cmd.append("--enforce-eager")  # CPU: skip graph capture (starts in ~26 s for 135M)
+    return cmd + list(extra)
+
 
 class VLLMEngine(HTTPEngine):
     """vLLM OpenAI server behind the common Engine interface."""
