@@ -44,7 +44,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   .kpi .value { font-size: 30px; font-weight: 700; line-height: 1.15; margin-top: 2px;
                 font-variant-numeric: tabular-nums; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
   .kpi .value small { font-size: 16px; color: var(--muted); font-weight: 500; }
-  .kpi .sub { color: var(--muted); font-size: 12px; margin-top: 2px; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+  .kpi .sub { color: var(--muted); font-size: 12px; margin-top: 2px; min-height: 2.8em; }
   .charts { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; margin-bottom: 14px; }
   .card h2 { font-size: 14px; margin: 0 0 4px; font-weight: 600; }
   .legend { color: var(--muted); font-size: 12px; display: flex; gap: 14px; flex-wrap: wrap; }
@@ -59,7 +59,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   th { color: var(--muted); font-weight: 500; font-size: 12px; }
   td.num { text-align: right; }
   .kv td:first-child { color: var(--muted); }
-  .kv td:last-child { text-align: right; font-weight: 600; }
+  .kv td:last-child { text-align: right; font-weight: 600; white-space: nowrap; }
   .ready { color: var(--ok); font-weight: 600; } .notready { color: #dc2626; font-weight: 600; }
   .url { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; word-break: break-all; }
   @media (max-width: 1100px) { .kpis { grid-template-columns: repeat(3, 1fr); } .charts, .bottom { grid-template-columns: 1fr; } }
@@ -237,7 +237,7 @@ function render(r) {
   const rh = r.reward_history || [];
   const firstQ = rh.slice(0, Math.max(1, Math.floor(rh.length / 4)));
   const avg = (a) => a.reduce((x, y) => x + y, 0) / a.length;
-  setText("k-reward-sub", rh.length >= 4 ? `first quarter ${fmt(avg(firstQ), 3)} · last 5 ${fmt(avg(rh.slice(-5)), 3)}` : " ");
+  setText("k-reward-sub", rh.length >= 4 ? `first ¼ ${fmt(avg(firstQ), 3)} · last 5 ${fmt(avg(rh.slice(-5)), 3)}` : " ");
   const st = r.staleness || {};
   setHTML("k-stale", fmt(st.mean, 2), ` / ${st.max ?? "–"}`);
   setText("k-stale-sub", `limit η = ${st.limit} · dropped ${st.dropped} groups`);
@@ -265,9 +265,9 @@ function render(r) {
   const rows = [
     ["groups trained", big(r.groups_trained)], ["tokens trained", big(r.tokens_trained)],
     ["loss (last step)", last ? fmt(last.loss, 4) : "–"], ["clip fraction", fmt(100 * r.clip_fraction, 1) + "%"],
-    ["importance weight min / mean / max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
+    ["importance weight min/mean/max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
     ["stale groups dropped", String(st.dropped ?? 0)],
-    ["last checkpoint", r.last_checkpoint ? r.last_checkpoint.split("/").slice(-2).join("/") : "none yet"],
+    ["last checkpoint", r.last_checkpoint ? r.last_checkpoint.split("/").filter(Boolean).pop() : "none yet"],
     ["running for", r.started_at ? secs(Math.max(0, (r.updated_at || Date.now() / 1000) - r.started_at)) : "–"],
   ];
   const tb = $("details"); tb.textContent = "";

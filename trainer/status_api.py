@@ -271,10 +271,21 @@ class StatusServer:
         self._task = None
 
 
-async def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-    """Serve `app` in the running loop until cancelled; cancellation stops the server cleanly."""
+async def serve(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    on_started: Callable[[str], None] | None = None,
+) -> None:
+    """Serve `app` in the running loop until cancelled; cancellation stops the server cleanly.
+
+    `on_started(url)` is called once the socket accepts (useful with port=0 to learn the port).
+    """
     server = StatusServer(app, host, port)
-    await server.start()
+    url = await server.start()
+    if on_started is not None:
+        on_started(url)
     try:
         await asyncio.Event().wait()
     finally:

@@ -1,0 +1,258 @@
+"""The dashboard rendered in headless Chromium against a live status server (30 synthetic steps).
+
+Needs /usr/bin/chromium (scripts/install-browser.sh). The screenshot is decoded with a tiny PNG
+reader below (no Pillow dependency) to check the charts' regions actually hold drawn pixels.
+Set ASYNCRL_DASHBOARD_SCREENSHOT=path to keep a copy of the screenshot (docs/dashboard.png).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.status_report import (
+    EngineReport,
+    ImportanceWeightReport,
+    StalenessReport,
+    StepRecord,
+    TrainerReport,
+)
+from asyncrl.trainer.status_api import StatusServer, create_app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+TOKEN = "dash-token"
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(autouse=True)
+def _chromium_installed() -> None:
+    """scripts/test.sh installs Chromium; a missing browser is a broken setup, not a reason to skip."""
+    assert CHROMIUM.exists(), "no /usr/bin/chromium: run scripts/install-browser.sh"
+
+
+def synthetic_report(steps: int = 30) -> TrainerReport:
+    """A plausible run: reward climbing with noise, staleness growing up to eta=2, two engines."""
+    rnd = random.Random(0)
+    t0 = 1_700_000_000.0
+    history = [
+        StepRecord(
+            step=s,
+            policy_version=s,
+            reward_mean=round(0.04 + 0.25 * s / steps + rnd.uniform(-0.05, 0.05), 4),
+            staleness_mean=round(min(2.0, s / 10) * rnd.uniform(0.5, 1.0), 3),
+            staleness_max=min(2, 1 + s // 12),
+            loss=rnd.uniform(-0.1, 0.1),
+            clip_fraction=rnd.uniform(0.0, 0.05),
+            tokens=2048,
+            step_seconds=26 + rnd.uniform(-2, 2),
+            proximal_seconds=3.1,
+            weight_sync_seconds=0.8,
+            time=t0 + 26 * s,
+        )
+        for s in range(1, steps + 1)
+    ]
+    return TrainerReport(
+        job="local-arithmetic",
+        phase="Training",
+        step=steps,
+        policy_version=steps,
+        max_steps=40,
+        groups_trained=8 * steps,
+        tokens_trained=2048 * steps,
+        tokens_per_second=78.8,
+        reward_mean=history[-1].reward_mean,
+        reward_history=[h.reward_mean for h in history],
+        staleness=StalenessReport(mean=1.3, max=2, limit=2, dropped=3, histogram={"0": 20000, "1": 30000, "2": 11440}),
+        clip_fraction=0.023,
+        importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
+        proximal_seconds=3.1,
+        step_seconds=26.4,
+        weight_sync_seconds=0.8,
+        last_checkpoint="/runs/local/checkpoints/step-30",
+        rollout=[
+            EngineReport(url="http://127.0.0.1:30001", weight_version=steps, ready=True),
+            EngineReport(url="http://127.0.0.1:30002", weight_version=steps - 1, ready=False),
+        ],
+        history=history,
+        started_at=t0,
+        updated_at=t0 + 26 * steps,
+    )
+
+
+class Box:
+    def __init__(self, report: TrainerReport) -> None:
+        self.report = report
+
+    def __call__(self) -> TrainerReport:
+        return self.report
+
+
+def read_png(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Decode an 8-bit, non-interlaced RGB/RGBA PNG (what Chromium writes) into RGB rows."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    height = bpp = 0
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+        if kind == b"IHDR":
+            width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+            bpp = 3 if color == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+    raw, stride = zlib.decompress(idat), width * bpp
+    rows: list[bytes] = []
+    prev = bytearray(stride)
+    for y in range(height):
+        ftype, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if ftype == 1:
+                line[i] = (line[i] + a) & 0xFF
+            elif ftype == 2:
+                line[i] = (line[i] + b) & 0xFF
+            elif ftype == 3:
+                line[i] = (line[i] + (a + b) // 2) & 0xFF
+            elif ftype == 4:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 0xFF
+        rows.append(bytes(line) if bpp == 3 else bytes(v for j, v in enumerate(line) if j % 4 != 3))
+        prev = line
+    return width, height, rows
+
+
+def ink(png: bytes, is_ink) -> tuple[int, int]:
+    """(matching pixels, total pixels) of a screenshot."""
+    width, height, rows = read_png(png)
+    hits = sum(1 for row in rows for x in range(width) if is_ink(row[3 * x], row[3 * x + 1], row[3 * x + 2]))
+    return hits, width * height
+
+
+def bluish(r: int, g: int, b: int) -> bool:
+    return b > 150 and b - r > 60
+
+
+def orangish(r: int, g: int, b: int) -> bool:
+    return r > 180 and r - b > 80 and g < 200
+
+
+def not_white(r: int, g: int, b: int) -> bool:
+    return min(r, g, b) < 240  # the shaded area is orange at 12% opacity: (252, 235, 226)
+
+
+@pytest.fixture
+def box() -> Box:
+    return Box(synthetic_report())
+
+
+@pytest.fixture
+async def live(box: Box) -> AsyncIterator[str]:
+    server = StatusServer(create_app(box, token=TOKEN))
+    url = await server.start()
+    yield url
+    await server.stop()
+
+
+@pytest.fixture
+async def page():
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            context = await browser.new_context(viewport={"width": 1280, "height": 800})
+            yield await context.new_page()
+        finally:
+            await browser.close()
+
+
+async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box: Box, tmp_path: Path) -> None:
+    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+
+    # the big numbers
+    assert (await page.text_content("#phase")) == "Training"
+    assert (await page.text_content("#k-step")) == "30 / 40"
+    assert (await page.text_content("#k-version")) == "v30"
+    assert (await page.text_content("#k-reward")) == f"{box.report.reward_mean:.3f}"
+    assert (await page.text_content("#k-stale")) == "1.30 / 2"
+    assert (await page.text_content("#k-tps")) == "78.8"
+    assert "ready" in (await page.text_content("#engines")) and "not ready" in (await page.text_content("#engines"))
+
+    # the charts: one line point per step, with real on-screen size
+    reward = page.locator("#reward-chart path.series.reward")
+    d = await reward.get_attribute("d")
+    assert d.count("M") + d.count("L") == 30
+    assert await page.locator("#reward-chart circle").count() == 30
+    for selector in ("#reward-chart path.series.reward", "#staleness-chart path.staleness-mean", "#staleness-chart path.staleness-max"):
+        bbox = await page.locator(selector).bounding_box()
+        assert bbox is not None and bbox["width"] > 300 and bbox["height"] > 40, (selector, bbox)
+    assert "η = 2" in (await page.text_content("#staleness-chart"))
+    assert await page.locator("#staleness-histogram rect.bar").count() == 3
+
+    # the screenshot's chart regions are not blank, and carry the series' colours
+    shot = tmp_path / "dashboard.png"
+    await page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    reward_png = await page.locator("#reward-chart").screenshot()
+    stale_png = await page.locator("#staleness-chart").screenshot()
+    blue, total = ink(reward_png, bluish)
+    assert blue > 0.01 * total, (blue, total)
+    orange, total = ink(stale_png, orangish)
+    assert orange > 0.01 * total, (orange, total)
+    drawn, total = ink(stale_png, not_white)
+    assert drawn > 0.05 * total, (drawn, total)  # the mean's shaded area
+    if os.environ.get("ASYNCRL_DASHBOARD_SCREENSHOT"):
+        await page.screenshot(path=os.environ["ASYNCRL_DASHBOARD_SCREENSHOT"], full_page=True)
+
+    # polling picks up the trainer's next report
+    box.report = synthetic_report(31).model_copy(update={"phase": "Succeeded"})
+    await page.wait_for_function("document.body.dataset.step === '31'", timeout=20_000)
+    assert (await page.text_content("#phase")) == "Succeeded"
+    d = await page.locator("#reward-chart path.series.reward").get_attribute("d")
+    assert d.count("M") + d.count("L") == 31
+
+
+async def test_dashboard_without_token_is_refused_and_says_how(live: str, page) -> None:
+    resp = await page.goto(f"{live}/")
+    assert resp.status == 401
+    assert "?token=" in (await page.text_content("body"))
+
+
+async def test_dashboard_with_empty_report_shows_waiting(page, tmp_path: Path) -> None:
+    server = StatusServer(create_app(lambda: TrainerReport(job="fresh")))
+    url = await server.start()
+    try:
+        await page.goto(f"{url}/")
+        await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+        assert (await page.text_content("#phase")) == "Starting"
+        assert "waiting for the first step" in (await page.text_content("#reward-chart"))
+        assert "no rollout engines" in (await page.text_content("#engines"))
+        assert (await page.text_content("#k-reward")) == "–"
+    finally:
+        await server.stop()
+
+
+def test_install_script_is_idempotent_once_chromium_exists() -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "install-browser.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60, check=True)
+    assert "already installed" in out.stdout
+    assert shutil.which("chromium") or CHROMIUM.exists()

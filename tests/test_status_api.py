@@ -1,0 +1,317 @@
+"""The trainer's status endpoint, served by a real uvicorn on a free port and read with httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncrl.status_report import (
+    EngineReport,
+    ImportanceWeightReport,
+    StalenessReport,
+    StepRecord,
+    TrainerReport,
+)
+from asyncrl.trainer.status_api import StatusServer, create_app, serve
+
+TOKEN = "s3cret-token"
+
+
+def make_report(steps: int = 30) -> TrainerReport:
+    """A deterministic mid-run report: `steps` steps, two engines, a staleness table."""
+    history = [
+        StepRecord(
+            step=s,
+            policy_version=s,
+            reward_mean=0.05 + 0.01 * s,
+            staleness_mean=0.5 + (s % 3) * 0.25,
+            staleness_max=s % 3,
+            loss=0.01 * s,
+            clip_fraction=0.02,
+            tokens=1000,
+            step_seconds=2.0 + 0.1 * s,
+            proximal_seconds=0.5,
+            weight_sync_seconds=0.2,
+            time=1_700_000_000.0 + s,
+        )
+        for s in range(1, steps + 1)
+    ]
+    return TrainerReport(
+        job="demo",
+        phase="Training",
+        message="",
+        step=steps,
+        policy_version=steps,
+        max_steps=40,
+        groups_trained=8 * steps,
+        tokens_trained=1000 * steps,
+        tokens_per_second=456.5,
+        reward_mean=history[-1].reward_mean if history else None,
+        reward_history=[h.reward_mean for h in history],
+        staleness=StalenessReport(mean=0.75, max=2, limit=2, dropped=3, histogram={"0": 10000, "1": 15000, "2": 5000}),
+        clip_fraction=0.02,
+        importance_weight=ImportanceWeightReport(max=1.7, min=0.4, mean=0.99),
+        proximal_seconds=0.5,
+        step_seconds=5.0,
+        weight_sync_seconds=0.2,
+        last_checkpoint="/run/checkpoints/step-30",
+        rollout=[
+            EngineReport(url="http://engine-a:30000", weight_version=steps, ready=True),
+            EngineReport(url="http://engine-b:30000", weight_version=steps - 1, ready=False),
+        ],
+        history=history,
+        started_at=1_700_000_000.0,
+        updated_at=1_700_000_100.0,
+    )
+
+
+class ReportBox:
+    """What a trainer does: keep the latest report object and swap it atomically."""
+
+    def __init__(self, report: TrainerReport) -> None:
+        self.report = report
+
+    def __call__(self) -> TrainerReport:
+        return self.report
+
+
+@pytest.fixture
+async def box() -> ReportBox:
+    return ReportBox(make_report())
+
+
+async def _start(get_report: Callable[[], TrainerReport], token: str | None = None) -> StatusServer:
+    server = StatusServer(create_app(get_report, token=token), "127.0.0.1", 0)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def server(box: ReportBox) -> AsyncIterator[StatusServer]:
+    srv = await _start(box)
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client(server: StatusServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+        yield c
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+async def test_status_serves_the_report_document(client: httpx.AsyncClient, box: ReportBox) -> None:
+    resp = await client.get("/status")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert body == box.report.model_dump(mode="json")
+    for key in (
+        "phase", "step", "policy_version", "max_steps", "groups_trained", "tokens_trained",
+        "tokens_per_second", "reward_mean", "reward_history", "staleness", "clip_fraction",
+        "importance_weight", "proximal_seconds", "step_seconds", "weight_sync_seconds", "rollout",
+    ):
+        assert key in body, key
+    assert set(body["staleness"]) >= {"mean", "max", "limit", "dropped", "histogram"}
+    assert body["staleness"]["histogram"] == {"0": 10000, "1": 15000, "2": 5000}
+    assert set(body["importance_weight"]) == {"max", "min", "mean"}
+    assert body["rollout"][1] == {"url": "http://engine-b:30000", "weight_version": 29, "ready": False}
+    assert len(body["reward_history"]) == 30
+
+    box.report = box.report.model_copy(update={"step": 31, "phase": "Publishing"})
+    body = (await client.get("/status")).json()
+    assert (body["step"], body["phase"]) == (31, "Publishing")
+
+
+async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.AsyncClient) -> None:
+    resp = await client.get("/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"] == CONTENT_TYPE_LATEST
+    m = _samples(resp.text)
+    g = lambda name, **labels: m[(name, tuple(sorted(labels.items())))]  # noqa: E731
+
+    assert g("asyncrl_trainer_step") == 30
+    assert g("asyncrl_trainer_max_steps") == 40
+    assert g("asyncrl_trainer_policy_version") == 30
+    assert g("asyncrl_trainer_phase", asyncrl_trainer_phase="Training") == 1
+    assert g("asyncrl_trainer_phase", asyncrl_trainer_phase="Failed") == 0
+    assert g("asyncrl_trainer_groups_trained_total") == 240
+    assert g("asyncrl_trainer_tokens_trained_total") == 30000
+    assert g("asyncrl_trainer_tokens_per_second") == 456.5
+    assert g("asyncrl_trainer_reward_mean") == pytest.approx(0.35)
+    assert g("asyncrl_trainer_loss") == pytest.approx(0.30)
+    assert g("asyncrl_trainer_staleness_mean") == 0.75
+    assert g("asyncrl_trainer_staleness_max") == 2
+    assert g("asyncrl_trainer_staleness_limit") == 2
+    assert g("asyncrl_trainer_stale_groups_dropped_total") == 3
+    # lag -> tokens as a cumulative histogram: le=0 -> 10000, le=1 -> 25000, le=2 -> 30000
+    assert g("asyncrl_trainer_token_staleness_bucket", le="0.0") == 10000
+    assert g("asyncrl_trainer_token_staleness_bucket", le="1.0") == 25000
+    assert g("asyncrl_trainer_token_staleness_bucket", le="2.0") == 30000
+    assert g("asyncrl_trainer_token_staleness_bucket", le="+Inf") == 30000
+    assert g("asyncrl_trainer_token_staleness_count") == 30000
+    assert g("asyncrl_trainer_token_staleness_sum") == 15000 + 2 * 5000
+    assert g("asyncrl_trainer_clip_fraction") == 0.02
+    assert g("asyncrl_trainer_importance_weight", stat="max") == 1.7
+    assert g("asyncrl_trainer_importance_weight", stat="min") == 0.4
+    assert g("asyncrl_trainer_importance_weight", stat="mean") == 0.99
+    assert g("asyncrl_trainer_proximal_seconds") == 0.5
+    assert g("asyncrl_trainer_step_seconds") == 5.0
+    assert g("asyncrl_trainer_weight_sync_seconds") == 0.2
+    assert g("asyncrl_trainer_step_duration_seconds_count") == 30
+    assert g("asyncrl_trainer_step_duration_seconds_sum") == pytest.approx(sum(2.0 + 0.1 * s for s in range(1, 31)))
+    assert g("asyncrl_trainer_weight_sync_duration_seconds_count") == 30
+    assert g("asyncrl_trainer_proximal_duration_seconds_count") == 30
+    assert g("asyncrl_trainer_engine_weight_version", engine="http://engine-a:30000") == 30
+    assert g("asyncrl_trainer_engine_weight_version", engine="http://engine-b:30000") == 29
+    assert g("asyncrl_trainer_engine_ready", engine="http://engine-a:30000") == 1
+    assert g("asyncrl_trainer_engine_ready", engine="http://engine-b:30000") == 0
+    assert g("asyncrl_trainer_engine_version_lag", engine="http://engine-b:30000") == 1
+    assert g("asyncrl_trainer_job_info", job="demo") == 1
+
+
+async def test_metrics_follow_the_report_between_scrapes(client: httpx.AsyncClient, box: ReportBox) -> None:
+    await client.get("/metrics")
+    nxt = make_report(31)
+    nxt = nxt.model_copy(update={"rollout": nxt.rollout[:1], "reward_mean": None})
+    box.report = nxt
+    m = _samples((await client.get("/metrics")).text)
+    assert m[("asyncrl_trainer_groups_trained_total", ())] == 248  # counters advance by the delta
+    assert m[("asyncrl_trainer_step_duration_seconds_count", ())] == 31  # each step observed once
+    assert math.isnan(m[("asyncrl_trainer_reward_mean", ())])
+    engines = {labels for name, labels in m if name == "asyncrl_trainer_engine_ready"}
+    assert engines == {(("engine", "http://engine-a:30000"),)}  # the vanished engine's series is gone
+
+
+async def test_healthz_and_dashboard(client: httpx.AsyncClient) -> None:
+    resp = await client.get("/healthz")
+    assert (resp.status_code, resp.json()) == (200, {"status": "ok"})
+    page = await client.get("/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert 'id="reward-chart"' in html and 'id="staleness-chart"' in html
+    assert "<script src" not in html and "<link" not in html  # self-contained: no CDN
+    assert "https://" not in html
+    assert html.count("http://") == html.count("http://www.w3.org/2000/svg")  # only the SVG namespace
+
+
+async def test_unknown_paths_and_methods_get_json_errors(client: httpx.AsyncClient) -> None:
+    resp = await client.get("/nope")
+    assert resp.status_code == 404
+    assert resp.json() == {"error": "not found", "status": 404, "method": "GET", "path": "/nope"}
+    for path in ("/docs", "/openapi.json"):
+        assert (await client.get(path)).status_code == 404
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        for path in ("/status", "/metrics", "/", "/healthz"):
+            resp = await client.request(method, path, json={})
+            assert resp.status_code == 405, (method, path)
+            body = resp.json()
+            assert body["path"] == path and body["method"] == method and "read-only" in body["error"]
+            assert "GET" in resp.headers["allow"]
+
+
+async def test_bearer_token_guards_everything_but_healthz(box: ReportBox) -> None:
+    server = await _start(box, token=TOKEN)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            for path in ("/status", "/metrics", "/", "/nope"):
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+                    resp = await c.get(path, headers=headers)
+                    assert resp.status_code == 401, (path, headers)
+                    assert resp.headers["www-authenticate"].startswith("Bearer")
+                    assert resp.json()["path"] == path and "token" in resp.json()["error"]
+            assert (await c.post("/status")).status_code == 401  # auth before method checks
+            assert (await c.get("/healthz")).status_code == 200
+            assert (await c.get("/status", headers=auth)).json()["step"] == 30
+            assert "asyncrl_trainer_step 30.0" in (await c.get("/metrics", headers=auth)).text
+            assert (await c.get("/", headers=auth)).status_code == 200
+            assert (await c.get("/nope", headers=auth)).status_code == 404
+            # the page alone accepts ?token= (a browser cannot set headers on navigation)
+            assert (await c.get("/", params={"token": TOKEN})).status_code == 200
+            assert (await c.get("/status", params={"token": TOKEN})).status_code == 401
+            assert (await c.get("/", params={"token": "wrong"})).status_code == 401
+    finally:
+        await server.stop()
+
+
+async def test_a_failing_report_provider_gives_503_json() -> None:
+    def broken() -> TrainerReport:
+        raise RuntimeError("trainer state not ready")
+
+    server = await _start(broken)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            for path in ("/status", "/metrics"):
+                resp = await c.get(path)
+                assert resp.status_code == 503
+                assert "trainer state not ready" in resp.json()["error"]
+            assert (await c.get("/healthz")).status_code == 200
+    finally:
+        await server.stop()
+
+
+async def test_in_loop_server_stops_cleanly_and_leaves_signal_handlers_alone(box: ReportBox) -> None:
+    before = signal.getsignal(signal.SIGINT)
+    server = await _start(box)
+    assert signal.getsignal(signal.SIGINT) is before
+    url = server.url
+    async with httpx.AsyncClient(timeout=10) as c:
+        assert (await c.get(f"{url}/healthz")).status_code == 200
+        await server.stop()
+        await server.stop()  # idempotent
+        with pytest.raises(httpx.ConnectError):
+            await c.get(f"{url}/healthz")
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+async def test_serve_runs_until_cancelled(box: ReportBox) -> None:
+    started: asyncio.Queue[str] = asyncio.Queue()
+    task = asyncio.create_task(serve(create_app(box), "127.0.0.1", 0, on_started=started.put_nowait))
+    url = await asyncio.wait_for(started.get(), 10)
+    async with httpx.AsyncClient(timeout=10) as c:
+        assert (await c.get(f"{url}/status")).json()["job"] == "demo"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        with pytest.raises(httpx.ConnectError):
+            await c.get(f"{url}/status")
+
+
+def test_threaded_server_answers_while_the_caller_blocks(box: ReportBox) -> None:
+    server = StatusServer(create_app(box, token=TOKEN))
+    url = server.start_in_thread()
+    try:
+        # the calling thread blocks (as a synchronous training step would); the thread still serves
+        with httpx.Client(timeout=10) as c:
+            resp = c.get(f"{url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
+            assert resp.status_code == 200 and resp.json()["policy_version"] == 30
+            box.report = box.report.model_copy(update={"phase": "Succeeded", "updated_at": time.time()})
+            assert c.get(f"{url}/status", headers={"Authorization": f"Bearer {TOKEN}"}).json()["phase"] == "Succeeded"
+    finally:
+        server.stop_thread()
+    server.stop_thread()  # idempotent
+    with httpx.Client(timeout=10) as c, pytest.raises(httpx.ConnectError):
+        c.get(f"{url}/healthz")
+
+
+async def test_binding_a_taken_port_names_host_and_port(server: StatusServer, box: ReportBox) -> None:
+    other = StatusServer(create_app(box), "127.0.0.1", server.port or 0)
+    with pytest.raises(OSError, match=f"127.0.0.1:{server.port}"):
+        await other.start()
