@@ -197,3 +197,14 @@ def test_engine_update_failure_names_the_server(tmp_path: Path) -> None:
         asyncio.run(update_engines("hf", [url], tmp_path, 1, timeout_s=10))
     assert url in str(err.value)
     assert list(err.value.failures) == [url]
+
+
+def test_restart_discards_newer_versions_and_half_written_temp_dirs(tmp_path):
+    from asyncrl.trainer.publish import drop_versions_after, published_versions
+
+    for name in ("v1", "v2", "v3", ".v3-k1ll3d"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"x")
+    assert drop_versions_after(tmp_path, 1) == [2, 3]
+    assert published_versions(tmp_path) == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]

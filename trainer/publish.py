@@ -100,10 +100,14 @@ def prune_weights(weights_dir: Path, keep: set[int], *, newest: int) -> list[int
 
 
 def drop_versions_after(weights_dir: Path, version: int) -> list[int]:
-    """On resume: directories newer than the checkpoint belong to a lost timeline; remove them."""
+    """On (re)start: directories newer than the checkpoint belong to a lost timeline, and temp
+    dirs are half-written versions of a killed writer (only this process writes here); remove both."""
     removed = [v for v in published_versions(weights_dir) if v > version]
     for v in removed:
         shutil.rmtree(weights_path(weights_dir, v), ignore_errors=True)
+    for stray in Path(weights_dir).glob(".v*-*"):
+        if stray.is_dir():
+            shutil.rmtree(stray, ignore_errors=True)
     return removed
 
 
