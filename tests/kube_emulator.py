@@ -550,44 +550,23 @@ def synthetic_report() -> Any:
 
 
 class TrainerStatusServer:
-    """The trainer's status endpoint on a free local port (the real app when it exists)."""
+    """The trainer's real status endpoint (asyncrl.trainer.status_api) on a free local port,
+    serving whatever `report` currently holds."""
 
     def __init__(self, report: Any):
+        from asyncrl.trainer.status_api import StatusServer, create_app
+
         self.report = report
-        self.port = 0
-        self._server: Any = None
-        self._task: asyncio.Task | None = None
+        self._server = StatusServer(create_app(lambda: self.report))
 
-    def app(self) -> Any:
-        try:
-            from asyncrl.trainer.status_api import create_app  # issue 6's app, once it is there
-        except ImportError:
-            from fastapi import FastAPI
-
-            app = FastAPI()
-
-            @app.get("/status")
-            def status() -> dict:
-                return self.report.model_dump(mode="json")
-
-            return app
-        return create_app(lambda: self.report)
+    @property
+    def port(self) -> int:
+        assert self._server.port is not None
+        return self._server.port
 
     async def __aenter__(self) -> "TrainerStatusServer":
-        import socket
-
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        await wait_for(lambda: self._server.started, what="status server start", timeout=10)
+        await self._server.start()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self._server.should_exit = True
-        assert self._task is not None
-        await self._task
+        await self._server.stop()
