@@ -98,8 +98,8 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     return box[0]
 
 
-def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
-    """Sum a few floats over ranks (step metrics)."""
+def _all_reduce(values: list[float], ctx: DistContext, op: str) -> list[float]:
+    """Reduce a few floats over ranks in float64 (on the GPU for NCCL, which has no CPU path)."""
     if not ctx.enabled:
         return list(values)
     import torch
@@ -108,21 +108,18 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.backend == "nccl":
         t = t.to(ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return [float(x) for x in t.cpu().tolist()]
+
+
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    """Sum a few floats over ranks (step metrics)."""
+    return _all_reduce(values, ctx, "SUM")
 
 
 def all_reduce_max(values: list[float], ctx: DistContext) -> list[float]:
-    if not ctx.enabled:
-        return list(values)
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    if ctx.backend == "nccl":
-        t = t.to(ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(x) for x in t.cpu().tolist()]
+    """Maximum of a few floats over ranks (min via negation)."""
+    return _all_reduce(values, ctx, "MAX")
 
 
 def barrier(ctx: DistContext) -> None:
