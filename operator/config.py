@@ -1,47 +1,32 @@
-"""Operator settings: command-line flags of `asyncrl operator`, passed to the handlers via env.
+"""Operator settings: built once by `asyncrl operator` from its flags and handed to kopf as the memo.
 
-kopf evaluates decorator arguments (the timer interval) at import time, so `asyncrl operator`
-exports its flags as ASYNCRL_OPERATOR_* variables before importing the handlers module.
+Handlers read them as `memo.config` (asyncrl.operator.handlers.OperatorMemo); nothing is passed
+through the environment or re-read at import. The defaults live here because they are the
+operator's: the images a job gets when its spec names none, and how to reach a trainer's /status.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from asyncrl.operator.builders import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
-from asyncrl.operator.mirror import DEFAULT_URL_TEMPLATE
+from asyncrl import __version__
 
-ENV_INTERVAL = "ASYNCRL_OPERATOR_INTERVAL"
-ENV_TRAINER_IMAGE = "ASYNCRL_OPERATOR_TRAINER_IMAGE"
-ENV_ROLLOUT_IMAGE = "ASYNCRL_OPERATOR_ROLLOUT_IMAGE"
-ENV_STATUS_URL_TEMPLATE = "ASYNCRL_OPERATOR_STATUS_URL_TEMPLATE"
-ENV_STATUS_TIMEOUT = "ASYNCRL_OPERATOR_STATUS_TIMEOUT"
+DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
+DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"
+DEFAULT_STATUS_URL_TEMPLATE = "http://{service}.{namespace}.svc:{port}"
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
+    """What one operator process was told on its command line (not per job: jobs say that in their spec)."""
+
     interval: float = 10.0
     """Seconds between status passes (children readiness, trainer /status mirror, deadlines, TTL)."""
     trainer_image: str = DEFAULT_TRAINER_IMAGE
+    """Trainer image of jobs whose spec.trainer.image is unset."""
     rollout_image: str = DEFAULT_ROLLOUT_IMAGE
-    status_url_template: str = DEFAULT_URL_TEMPLATE
+    """Rollout worker image of jobs whose spec.rollout.workerImage is unset."""
+    status_url_template: str = DEFAULT_STATUS_URL_TEMPLATE
     """How to reach a job's status endpoint: {name}, {namespace}, {service}, {port}."""
     status_timeout: float = 3.0
-
-    @classmethod
-    def from_env(cls) -> "OperatorConfig":
-        env = os.environ
-        base = cls()
-        return cls(
-            interval=float(env.get(ENV_INTERVAL) or base.interval),
-            trainer_image=env.get(ENV_TRAINER_IMAGE) or base.trainer_image,
-            rollout_image=env.get(ENV_ROLLOUT_IMAGE) or base.rollout_image,
-            status_url_template=env.get(ENV_STATUS_URL_TEMPLATE) or base.status_url_template,
-            status_timeout=float(env.get(ENV_STATUS_TIMEOUT) or base.status_timeout),
-        )
-
-    def to_env(self) -> dict[str, str]:
-        return {ENV_INTERVAL: str(self.interval), ENV_TRAINER_IMAGE: self.trainer_image,
-                ENV_ROLLOUT_IMAGE: self.rollout_image, ENV_STATUS_URL_TEMPLATE: self.status_url_template,
-                ENV_STATUS_TIMEOUT: str(self.status_timeout)}
+    """Seconds to wait for a trainer's GET /status."""

@@ -14,6 +14,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from asyncrl.errors import OperatorError
 from asyncrl.operator import names as N
 from asyncrl.operator.builders import stable_hash
 from asyncrl.spec import GROUP, PLURAL, VERSION
@@ -74,11 +78,11 @@ PATCHABLE: dict[str, tuple[str, ...] | None] = {
 }
 
 
-class NotPermitted(RuntimeError):
+class NotPermitted(OperatorError, RuntimeError):
     """A call the PERMISSIONS table does not declare: add it there and to the chart, or do not make it."""
 
 
-class ApiError(RuntimeError):
+class ApiError(OperatorError, RuntimeError):
     """An API call failed; `status` is the HTTP code."""
 
     def __init__(self, status: int, message: str):
@@ -105,8 +109,6 @@ def _path(group: str, version: str, plural: str, namespace: str | None, name: st
 
 def load_config() -> None:
     """In-cluster service account first, then KUBECONFIG / ~/.kube/config."""
-    import kubernetes
-
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
@@ -117,8 +119,6 @@ class Kube:
     """Generic async CRUD over the Kubernetes REST API (JSON in, JSON out)."""
 
     def __init__(self, api_client: Any = None):
-        import kubernetes
-
         self._api = api_client or kubernetes.client.ApiClient()
 
     async def _call(self, verb: str, method: str, group: str, version: str, plural: str,
@@ -131,8 +131,6 @@ class Kube:
         path = _path(group, version, plural, namespace, name, subresource)
 
         def call() -> Any:
-            from kubernetes.client.exceptions import ApiException
-
             headers = {"Accept": "application/json", "Content-Type": content_type}
             try:
                 m, url, hdrs, payload, post = self._api.param_serialize(

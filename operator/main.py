@@ -4,13 +4,12 @@ Services, and mirrors the trainer's progress into each job's status (kopf, one r
 from __future__ import annotations
 
 import argparse
-import os
+
+from asyncrl.operator.config import OperatorConfig
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from asyncrl.operator.config import OperatorConfig
-
-    d = OperatorConfig.from_env()
+    d = OperatorConfig()
     parser.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
                         help="watch only this namespace (repeatable); default: all namespaces")
     parser.add_argument("--interval", type=float, default=d.interval,
@@ -19,21 +18,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout-image", default=d.rollout_image, help="default rollout worker image")
     parser.add_argument("--status-url-template", default=d.status_url_template,
                         help="how to reach a job's status endpoint ({name} {namespace} {service} {port})")
+    parser.add_argument("--status-timeout", type=float, default=d.status_timeout,
+                        help="seconds to wait for a trainer's GET /status")
     parser.add_argument("--liveness-port", type=int, default=8080, help="kopf liveness endpoint /healthz (0 = off)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0 = off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def main(args: argparse.Namespace) -> int:
-    from asyncrl.operator.config import OperatorConfig
+    config = OperatorConfig(interval=args.interval, trainer_image=args.trainer_image,
+                            rollout_image=args.rollout_image, status_url_template=args.status_url_template,
+                            status_timeout=args.status_timeout)
 
-    cfg = OperatorConfig(interval=args.interval, trainer_image=args.trainer_image, rollout_image=args.rollout_image,
-                         status_url_template=args.status_url_template)
-    os.environ.update(cfg.to_env())  # read by the handlers module at import (kopf decorators)
-
+    # Imported here, not at the top: `asyncrl --help` imports every command module (asyncrl/cli.py),
+    # and kopf, the Kubernetes client and Prometheus are needed only once the operator runs.
+    # Importing handlers registers them with kopf.
     import kopf
 
-    from asyncrl.operator import handlers, kube, metrics  # noqa: F401  (registers the handlers)
+    from asyncrl.operator import handlers, kube, metrics
 
     kube.load_config()
     metrics.serve(args.metrics_port)
@@ -44,5 +46,6 @@ def main(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
+        memo=handlers.OperatorMemo(config=config, kube=kube.Kube(), jobs={}),
     )
     return 0

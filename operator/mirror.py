@@ -1,23 +1,21 @@
 """Mirror the trainer's `GET /status` (asyncrl.status_report.TrainerReport) into the job's status.
 
 The trainer knows step, policy version, staleness and reward; Kubernetes users look at
-`kubectl get asyncrljobs`. A timer in the operator fetches the report and this module maps it onto
-the status fields the printer columns show.
+`kubectl get asyncrljobs`. The operator's status pass fetches the report and this module maps it
+onto the status models (asyncrl.spec.AsyncRLJobStatus) whose fields the printer columns show.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import httpx
 from pydantic import ValidationError
 
+from asyncrl.errors import OperatorError
+from asyncrl.spec import AsyncRLJobSpec, AsyncRLJobStatus, ProgressStatus, StalenessStatus, TrainerStatus
 from asyncrl.status_report import TrainerReport
 
-DEFAULT_URL_TEMPLATE = "http://{service}.{namespace}.svc:{port}"
 
-
-class MirrorError(RuntimeError):
+class MirrorError(OperatorError, RuntimeError):
     """The status endpoint could not be read (message names the URL)."""
 
 
@@ -43,24 +41,19 @@ async def fetch_report(base_url: str, *, token: str | None = None, timeout: floa
         raise MirrorError(f"GET {url} returned a document that is not a trainer report: {exc}") from exc
 
 
-def report_fields(report: TrainerReport, *, max_steps: int, staleness_limit: int) -> dict[str, Any]:
-    """The status sub-objects (camelCase) that come from the trainer's report."""
-    total = report.max_steps or max_steps
-    percent = round(min(100.0, 100.0 * report.step / total), 2) if total else 0.0
+def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRLJobSpec) -> None:
+    """Set the parts of `status` that come from the report: trainer, staleness, progress and
+    rollout.minWeightVersion. The spec fills in what an early report may not know yet (max steps, eta)."""
+    status.trainer = TrainerStatus(step=report.step, policy_version=report.policy_version,
+                                   last_checkpoint=report.last_checkpoint or None)
+    s = report.staleness
+    status.staleness = StalenessStatus(mean=round(s.mean, 6), max=s.max, dropped=s.dropped,
+                                       limit=s.limit or spec.staleness.max_head_offpolicyness)
+    total = report.max_steps or spec.trainer.max_steps
+    status.progress = ProgressStatus(
+        percent=round(min(100.0, 100.0 * report.step / total), 2) if total else 0.0,
+        tokens_per_second=round(report.tokens_per_second, 3),
+        reward_mean=None if report.reward_mean is None else round(report.reward_mean, 6))
     engines = [e.weight_version for e in report.rollout if e.weight_version is not None]
-    trainer: dict[str, Any] = {"step": report.step, "policyVersion": report.policy_version}
-    if report.last_checkpoint:
-        trainer["lastCheckpoint"] = report.last_checkpoint
-    progress: dict[str, Any] = {"percent": percent, "tokensPerSecond": round(report.tokens_per_second, 3)}
-    if report.reward_mean is not None:
-        progress["rewardMean"] = round(report.reward_mean, 6)
-    rollout: dict[str, Any] = {}
     if engines:
-        rollout["minWeightVersion"] = min(engines)
-    return {
-        "trainer": trainer,
-        "staleness": {"mean": round(report.staleness.mean, 6), "max": report.staleness.max,
-                      "limit": report.staleness.limit or staleness_limit, "dropped": report.staleness.dropped},
-        "progress": progress,
-        "rollout": rollout,
-    }
+        status.rollout.min_weight_version = min(engines)

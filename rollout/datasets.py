@@ -12,14 +12,15 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
+from asyncrl.errors import RolloutError
 from asyncrl.spec import DatasetSpec
 
 DEFAULT_ARITHMETIC_INSTRUCTION = "Answer with just the final number."
 
 
-class DatasetError(ValueError):
+class DatasetError(RolloutError, ValueError):
     """A dataset that cannot be read; the message says which file/line or what to install."""
 
 
@@ -111,7 +112,7 @@ def load_jsonl(path: str | Path, fmt: str = "auto") -> list[PromptItem]:
 
 def load_hf(dataset_id: str, split: str, fmt: str) -> list[PromptItem]:
     try:
-        import datasets  # type: ignore[import-not-found]
+        import datasets
     except ImportError:
         raise DatasetError(
             f"dataset 'hf:{dataset_id}' needs the Hugging Face `datasets` library (pip install datasets) "
@@ -139,8 +140,8 @@ class ArithmeticSource:
     three steps.
     """
 
-    NAMES = ["Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Ivy"]
-    THINGS = ["apples", "books", "marbles", "stamps", "coins", "shells"]
+    NAMES: ClassVar[tuple[str, ...]] = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Ivy")
+    THINGS: ClassVar[tuple[str, ...]] = ("apples", "books", "marbles", "stamps", "coins", "shells")
 
     def __init__(self, seed: int = 0, difficulty: int = 1, instruction: str = DEFAULT_ARITHMETIC_INSTRUCTION):
         if not 1 <= difficulty <= 5:

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
+from asyncrl.errors import RolloutError
 from asyncrl.models import load_causal_lm, resolve_model_path
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(RolloutError, RuntimeError):
     """The weights directory cannot be loaded into this model (nothing was changed)."""
 
 
@@ -77,7 +78,8 @@ class HFEngine:
         eos = getattr(gen, "eos_token_id", None) if gen is not None else None
         if eos is None:
             eos = cfg.eos_token_id
-        self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
         self.weight_version = weight_version
@@ -203,7 +205,8 @@ class HFEngine:
     def _finish(self, req: _Request, reason: str) -> None:
         if req.future.done():
             return
-        meta: dict[str, Any] = {"id": req.rid, "prompt_tokens": len(req.input_ids), "e2e_latency": time.monotonic() - req.created}
+        meta: dict[str, Any] = {"id": req.rid, "prompt_tokens": len(req.input_ids),
+                                "e2e_latency": time.monotonic() - req.created}
         if reason == "stop":
             meta["finish_reason"] = {"type": "stop", "matched": req.matched}
         elif reason == "length":
@@ -339,7 +342,8 @@ class HFEngine:
             past = out.past_key_values
             logits = out.logits[:, -1, :]
 
-    def _sample(self, scaled: torch.Tensor, logprobs: torch.Tensor, batch: list[_Request], greedy: list[bool]) -> torch.Tensor:
+    def _sample(self, scaled: torch.Tensor, logprobs: torch.Tensor, batch: list[_Request],
+                greedy: list[bool]) -> torch.Tensor:
         """Sample from the temperature-scaled distribution, truncated per row by top-k / top-p."""
         probs = logprobs.exp()
         for i, req in enumerate(batch):

@@ -1,8 +1,9 @@
 """Serve the in-process transformers engine over SGLang's native HTTP surface.
 
 `asyncrl engine --config JOB.yaml --port P` loads the job's model (fp32 on CPU by default) and
-answers the same requests as an SGLang 0.5.10.post1 server, so the rollout worker and the
-trainer's weight sync drive it with the `sglang` adapter, exactly as they would a GPU server:
+answers the same requests as an SGLang 0.5.10.post1 server, so the rollout worker (generate) and
+the trainer's weight sync (pause, update, continue) drive it with the `sglang` adapter, exactly as
+they would a GPU server:
   POST /generate  /pause_generation {mode}  /continue_generation  /update_weights_from_disk
   GET  /model_info (and /get_model_info)  /get_weight_version  /ready  /health  /stats
 Errors are HTTP 400 with {"error": {"message"}} (validation errors too, as SGLang does).
@@ -21,7 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model path or id (overrides the job's model.path)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU, the job's dtype on GPU)")
+    parser.add_argument("--dtype", default=None,
+                        help="float32 | bfloat16 | float16 (default: float32 on CPU, the job's dtype on GPU)")
     parser.add_argument("--device", default="auto", help="cpu | cuda | auto")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     parser.add_argument("--weight-version", type=int, default=0, help="label of the initial weights")
@@ -43,6 +45,8 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
     from asyncrl.rollout.hf_engine import WeightUpdateError
 
     class SamplingIn(BaseModel):
+        """SGLang's `sampling_params` wire schema (this server speaks SGLang's native API)."""
+
         model_config = ConfigDict(extra="allow")
         max_new_tokens: int = Field(default=128, ge=1)
         temperature: float = Field(default=1.0, ge=0)
@@ -128,7 +132,8 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
             try:
                 version = int(str(body.weight_version).removeprefix("v"))
             except ValueError:
-                return JSONResponse({"success": False, "message": f"weight_version {body.weight_version!r} is not an integer",
+                return JSONResponse({"success": False,
+                                     "message": f"weight_version {body.weight_version!r} is not an integer",
                                      "num_paused_requests": 0}, status_code=400)
         if body.abort_all_requests:
             await asyncio.to_thread(engine.pause, "abort")

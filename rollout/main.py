@@ -4,6 +4,8 @@ Where things are comes from the environment (asyncrl.runtime: ASYNCRL_REDIS_URL,
 ASYNCRL_ENGINE_URL, ASYNCRL_POD_NAME, ASYNCRL_ROLLOUT_INDEX/REPLICAS); flags override it.
 ASYNCRL_ENGINE_ADVERTISE_URL (or --advertise-url) is the engine URL registered for the trainer
 when it differs from the one the worker uses (e.g. http://$POD_IP:30000 vs http://127.0.0.1:30000).
+The trainer pauses, updates and resumes the engine at that URL for every new version; the worker
+only generates with it and reports the version it observes.
 """
 
 from __future__ import annotations
@@ -11,22 +13,22 @@ from __future__ import annotations
 import argparse
 
 
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="job file (YAML)")
     parser.add_argument("--redis-url", help="overrides ASYNCRL_REDIS_URL")
     parser.add_argument("--engine-url", help="overrides ASYNCRL_ENGINE_URL")
-    parser.add_argument("--engine", choices=["sglang", "vllm", "hf"], help="engine kind (default: the job's rollout.engine)")
+    parser.add_argument("--engine", choices=["sglang", "vllm", "hf"],
+                        help="engine kind (default: the job's rollout.engine)")
     parser.add_argument("--advertise-url", help="engine URL registered for the trainer (default: --engine-url)")
     parser.add_argument("--engine-id", help="registry id (default: ASYNCRL_POD_NAME or the host name)")
     parser.add_argument("--max-groups", type=int, help="stop after this many groups (default: run until SIGTERM)")
-    parser.add_argument("--no-sync-weights", action="store_true",
-                        help="do not apply version events to the engine (the trainer updates it)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine")
     parser.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
 
 
 async def run_worker(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `asyncrl --help` imports this module (asyncrl/cli.py) and must
+    # not load the tokenizer stack, numpy or the Redis client.
     import asyncio
     import logging
     import signal
@@ -66,13 +68,14 @@ async def run_worker(args: argparse.Namespace) -> int:
                               top_k=alg.top_k, stop_token_ids=renderer.stop_token_ids())
     redis = await connect(redis_url)
     names = StreamNames.for_job(job.metadata.name)
-    admission = Admission(redis, names, batch_size=alg.batch_size, eta=spec.staleness.max_head_offpolicyness,
+    admission = Admission(redis, names, batch_size=alg.batch_size,
+                          max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
                           max_concurrent=spec.max_concurrent_groups())
     cfg = WorkerConfig(
         job=job.metadata.name, engine_id=args.engine_id or rt.pod_name, group_size=alg.group_size,
         sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,
         max_concurrent_requests=spec.rollout.max_concurrent_requests, max_groups=args.max_groups,
-        sync_weights=not args.no_sync_weights, log_every_s=args.log_every,
+        log_every_s=args.log_every,
         rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
                            render=renderer.render, decode=renderer.decode,

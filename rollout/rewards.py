@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from asyncrl.errors import RolloutError
+
 log = logging.getLogger("asyncrl.rollout.rewards")
 
 RewardFn = Callable[[str, str], float]
@@ -30,7 +32,7 @@ _BOXED_RE = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:)\s*:?\s*\$?\s*(" + _NUMBER + ")", re.IGNORECASE)
 
 
-class RewardError(ValueError):
+class RewardError(RolloutError, ValueError):
     """A reward name that cannot be resolved into a function."""
 
 
@@ -124,7 +126,7 @@ class RewardScorer:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="reward")
 
     @classmethod
-    def from_name(cls, name: str, timeout_s: float = 5.0) -> "RewardScorer":
+    def from_name(cls, name: str, timeout_s: float = 5.0) -> RewardScorer:
         return cls(resolve_reward(name), timeout_s, name=name)
 
     async def score(self, completion: str, answer: str) -> float:

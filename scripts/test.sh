@@ -7,6 +7,13 @@ bash scripts/setup.sh --tests
 export PATH="$PWD/.tools/bin:$PATH"
 # Convert the embedded model once, before tests that load it run.
 .venv/bin/python -c "from asyncrl.models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+# Static checks first (seconds): lint and types over the whole tree, as the README promises.
+if [ "$#" = 0 ]; then
+  echo "test.sh: ruff"
+  .venv/bin/ruff check .
+  echo "test.sh: mypy"
+  .venv/bin/mypy
+fi
 set +e
 .venv/bin/python -m pytest -ra "$@"
 rc=$?

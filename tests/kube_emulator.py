@@ -241,7 +241,6 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return 201, await self._create(request)
             key = self._key(request)
             if key not in self.objects or self.objects[key].deleted:
-                kind, _ = self._kind(request)
                 raise _err(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
             if verb == "delete":
                 return 200, await self._delete(key)
@@ -508,7 +507,7 @@ class OperatorProcess:
         self.status_url_template = status_url_template
         self.proc: asyncio.subprocess.Process | None = None
 
-    async def start(self) -> "OperatorProcess":
+    async def start(self) -> OperatorProcess:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig), PYTHONUNBUFFERED="1")
         env.pop("KUBERNETES_SERVICE_HOST", None)
         args = [sys.executable, "-m", "asyncrl.cli", "operator", "--interval", str(self.interval),
@@ -564,7 +563,7 @@ class TrainerStatusServer:
         assert self._server.port is not None
         return self._server.port
 
-    async def __aenter__(self) -> "TrainerStatusServer":
+    async def __aenter__(self) -> TrainerStatusServer:
         await self._server.start()
         return self
 

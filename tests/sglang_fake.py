@@ -24,17 +24,19 @@ pinned release without them so the adapter's fallback is exercised.
 Deterministic "model": token i of a response is `(sum(prompt) + 7 * i) % 1000 + 10`, its logprob is
 `-0.01 * (i + 1) - version`, so tests can check which weights produced each token. Knobs:
 `token_delay` (seconds per token), `fail_next` (answer the next N /generate with HTTP 500),
-`eos_after` (emit the stop token after N tokens). GET /fake/state shows progress for polling.
+`eos_after` (emit the stop token after N tokens). GET /fake/state shows progress for polling;
+`state.control_calls` records pause / update / continue in the order they arrived.
 """
 
 
 import asyncio
-import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from asyncrl.net import free_port
 
 STOP_TOKEN = 2
 
@@ -54,6 +56,8 @@ class FakeState:
     update_calls: list[dict[str, Any]] = field(default_factory=list)
     generate_calls: list[dict[str, Any]] = field(default_factory=list)
     pause_calls: list[str] = field(default_factory=list)
+    control_calls: list[str] = field(default_factory=list)
+    """Every control call in order: "pause:<mode>", "update:<weight_version>", "continue"."""
 
 
 def fake_token(prompt: list[int], i: int) -> int:
@@ -177,6 +181,7 @@ def create_app(state: FakeState) -> Any:
         if mode not in ("abort", "retract", "in_place"):
             return err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
         state.pause_calls.append(mode)
+        state.control_calls.append(f"pause:{mode}")
         state.paused = mode
         resume.clear()
         if mode == "abort":
@@ -185,6 +190,7 @@ def create_app(state: FakeState) -> Any:
 
     @app.post("/continue_generation")
     async def continue_generation() -> Any:
+        state.control_calls.append("continue")
         state.paused = None
         resume.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
@@ -192,6 +198,7 @@ def create_app(state: FakeState) -> Any:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> Any:
         state.update_calls.append(obj.model_dump())
+        state.control_calls.append(f"update:{obj.weight_version}")
         if obj.model_path.startswith("/nonexistent"):
             return JSONResponse({"success": False, "num_paused_requests": 0,
                                  "message": f"Failed to get weights iterator: {obj.model_path} not found."},
@@ -239,12 +246,6 @@ def create_app(state: FakeState) -> Any:
                 "requests": state.requests, "weight_version": state.weight_version}
 
     return app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

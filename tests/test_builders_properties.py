@@ -164,7 +164,7 @@ def test_external_redis_and_existing_claim():
     objs = build(VARIANTS["external-redis-existing-claim"])
     kinds = [o["kind"] for o in objs]
     assert "Secret" not in kinds and "NetworkPolicy" not in kinds and "PersistentVolumeClaim" not in kinds
-    assert [o for o in objs if o["kind"] == "StatefulSet"][0]["metadata"]["name"].endswith("trainer")
+    assert next(o for o in objs if o["kind"] == "StatefulSet")["metadata"]["name"].endswith("trainer")
     pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     env = {e["name"]: e for e in pod["containers"][1]["env"]}
     assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
@@ -185,7 +185,8 @@ def test_managed_redis_aof_and_network_policy():
 
 def test_suspend_scales_to_zero_and_keeps_redis():
     objs = build(VARIANTS["suspended"])
-    replicas = {(o["kind"], o["metadata"]["name"]): o["spec"].get("replicas") for o in objs if "replicas" in o.get("spec", {})}
+    replicas = {(o["kind"], o["metadata"]["name"]): o["spec"]["replicas"]
+                for o in objs if "replicas" in o.get("spec", {})}
     assert replicas[("Deployment", "qwen25-gsm8k-rollout")] == 0
     assert replicas[("StatefulSet", "qwen25-gsm8k-trainer")] == 0
     assert replicas[("StatefulSet", "qwen25-gsm8k-redis")] == 1

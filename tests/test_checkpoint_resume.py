@@ -6,21 +6,25 @@ from __future__ import annotations
 import random
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_support import ASYNCRL, make_groups, publish, read_jsonl, redis_query, trainer_env, write_job
 
 from asyncrl.local_redis import LocalRedis
-from trainer_support import ASYNCRL, make_groups, publish, read_jsonl, redis_query, trainer_env, write_job
 
 JOB = "t-resume"
 
 
 def test_checkpoint_round_trip_is_atomic_and_bounded(tmp_path: Path) -> None:
-    from asyncrl.trainer.checkpoint import (TrainerState, checkpoint_dirs, latest_checkpoint, load_checkpoint,
-                                            save_checkpoint)
+    from asyncrl.trainer.checkpoint import (
+        TrainerState,
+        checkpoint_dirs,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)

@@ -120,7 +120,8 @@ def test_examples_pass_schema_and_cel(path):
 BREAKERS = {
     "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},
     "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
-    "advantageEstimator grpo and rloo need groupSize >= 2": {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
+    "advantageEstimator grpo and rloo need groupSize >= 2":
+        {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
     "clipEpsHigh must be >= clipEps": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
 }

@@ -200,7 +200,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     d = await reward.get_attribute("d")
     assert d.count("M") + d.count("L") == 30
     assert await page.locator("#reward-chart circle").count() == 30
-    for selector in ("#reward-chart path.series.reward", "#staleness-chart path.staleness-mean", "#staleness-chart path.staleness-max"):
+    for selector in ("#reward-chart path.series.reward", "#staleness-chart path.staleness-mean",
+                     "#staleness-chart path.staleness-max"):
         bbox = await page.locator(selector).bounding_box()
         assert bbox is not None and bbox["width"] > 300 and bbox["height"] > 40, (selector, bbox)
     assert "η = 2" in (await page.text_content("#staleness-chart"))

@@ -31,7 +31,8 @@ def test_gsm8k_jsonl():
 
 def test_prompt_answer_jsonl_and_errors(tmp_path: Path):
     good = tmp_path / "d.jsonl"
-    good.write_text(json.dumps({"prompt": "2+2?", "answer": 4}) + "\n\n" + json.dumps({"prompt": "3+3?", "answer": "6"}))
+    good.write_text(json.dumps({"prompt": "2+2?", "answer": 4}) + "\n\n"
+                    + json.dumps({"prompt": "3+3?", "answer": "6"}))
     items = load_jsonl(good)
     assert [(i.question, i.answer) for i in items] == [("2+2?", "4"), ("3+3?", "6")]
     bad = tmp_path / "bad.jsonl"
@@ -74,7 +75,7 @@ def test_builtin_arithmetic_is_seeded_and_level_one_is_two_digit_addition():
             item = s.item(i)
             expr = re.search(r"What is (.+)\?", item.question)
             if expr:  # levels 1-4 are expressions: the answer is their value
-                assert str(eval(expr.group(1))) == item.answer  # noqa: S307 (our own generated text)
+                assert str(eval(expr.group(1))) == item.answer
             assert exact_number_reward(item.answer, item.answer) == 1.0
     with pytest.raises(DatasetError):
         ArithmeticSource(difficulty=6)

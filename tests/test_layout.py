@@ -1,4 +1,5 @@
-"""Packaging: the repo's operator/ never shadows the stdlib `operator`; the CLI lists every command."""
+"""Packaging: the component folders are the package tree, the repo's operator/ never shadows the
+stdlib `operator`, and the CLI lists every command."""
 
 from __future__ import annotations
 
@@ -14,12 +15,26 @@ REPO = Path(__file__).resolve().parent.parent
 def test_stdlib_operator_and_asyncrl_operator_both_import_from_the_repo_root():
     code = ("import operator, asyncrl.operator as op; "
             "assert operator.itemgetter(1)([0, 7]) == 7, operator.__file__; "
-            "assert operator.__file__ != op.__file__; print(operator.__file__, op.__file__)")
+            "print(operator.__file__, list(op.__path__)[0])")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     stdlib_path, ours = res.stdout.split()
-    assert Path(ours).parent == REPO / "operator"
+    assert Path(ours).resolve() == REPO / "operator"
     assert Path(stdlib_path).parent != REPO / "operator"
+
+
+def test_component_folders_are_the_package_tree_that_static_tools_see():
+    """asyncrl/operator, asyncrl/trainer and asyncrl/rollout are links to the top-level folders, so
+    `asyncrl.trainer.loop` is the file asyncrl/trainer/loop.py: no import hook, no path remapping."""
+    for name in ("operator", "trainer", "rollout"):
+        link = REPO / "asyncrl" / name
+        assert link.is_symlink() and link.resolve() == REPO / name, name
+    assert not (REPO / "operator" / "__init__.py").exists(), "operator/ must stay a namespace folder"
+    import asyncrl.rollout.worker
+    import asyncrl.trainer.loop
+
+    assert Path(asyncrl.trainer.loop.__file__) == REPO / "asyncrl" / "trainer" / "loop.py"
+    assert Path(asyncrl.rollout.worker.__file__).resolve() == REPO / "rollout" / "worker.py"
 
 
 def test_help_lists_every_command_with_its_purpose():

@@ -15,10 +15,23 @@ from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer.losses import (
     LOG_RATIO_LIMIT,
     STAT_KEYS,
+    BehaviourWeight,
     LossConfig,
+    LossTerms,
+    M2Mask,
+    PolicyInputs,
+    Surrogate,
+    aggregate,
+    cap_behaviour_weight,
+    clipped_surrogate,
+    compute_ratios,
     loglinear_proximal,
+    loss_metrics,
     m2po_mask,
+    m2po_trust_region,
     policy_loss,
+    prepare_inputs,
+    proximal_logprobs,
 )
 
 E = math.e
@@ -550,6 +563,7 @@ def test_loss_config_defaults():
     "kwargs",
     [dict(kind="grpo"), dict(proximal="forward"), dict(loglinear_on_policy="both"), dict(eps_clip=0.0),
      dict(eps_clip=1.5), dict(eps_clip_high=-0.1), dict(dual_clip=1.0), dict(behav_cap=0.5),
+     dict(behav_cap=1.0),
      dict(behav_mode="drop"), dict(behav_level="batch"), dict(m2_threshold=0.0), dict(m2_scope="some"),
      dict(aggregation="sum")],
 )
@@ -576,3 +590,157 @@ def test_loss_config_from_spec():
     assert ppo.kind == "ppo" and ppo.behav_cap is None
     with pytest.raises(ValueError, match="not an AlgorithmSpec"):
         LossConfig.from_spec(object())
+
+
+@pytest.mark.parametrize(
+    ("spec_field", "config_field", "value", "valid"),
+    [
+        ("clip_eps", "eps_clip", 0.0, False), ("clip_eps", "eps_clip", 0.5, True), ("clip_eps", "eps_clip", 1.0, False),
+        ("clip_eps_high", "eps_clip_high", 0.0, False), ("clip_eps_high", "eps_clip_high", 0.3, True),
+        ("dual_clip", "dual_clip", 1.0, False), ("dual_clip", "dual_clip", 1.01, True),
+        ("behaviour_cap", "behav_cap", 0.5, False), ("behaviour_cap", "behav_cap", 1.0, False),
+        ("behaviour_cap", "behav_cap", 1.01, True),
+        ("m2_threshold", "m2_threshold", 0.0, False), ("m2_threshold", "m2_threshold", 0.04, True),
+    ],
+)
+def test_loss_config_bounds_agree_with_the_spec(spec_field, config_field, value, valid):
+    # LossConfig restates the spec's per-field bounds: a value is valid in both or in neither
+    # (behaviourCap = 1 was accepted by LossConfig only, while the spec requires > 1).
+    def accepts(build) -> bool:
+        try:
+            build()
+        except ValueError:
+            return False
+        return True
+
+    assert accepts(lambda: AlgorithmSpec(**{spec_field: value})) is valid
+    assert accepts(lambda: LossConfig(**{config_field: value})) is valid
+
+
+# ------------------------------------------------------------------------------ stages of policy_loss
+# Each stage on a tiny example computed by hand (policy_loss above exercises them together).
+
+
+def test_stage_prepare_inputs_zeroes_garbage_and_promotes():
+    lp = torch.tensor([[-1.0, float("nan")]], dtype=torch.bfloat16)
+    x = prepare_inputs(lp, torch.tensor([[-2.0, float("-inf")]]), torch.tensor([3.0]), torch.tensor([[1, 0]]))
+    assert x.lp.dtype == x.lp_b.dtype == x.adv.dtype == torch.float32  # promote(bf16, f32)
+    assert x.mask.dtype == torch.bool and x.mask.tolist() == [[True, False]]
+    assert x.lp.tolist() == [[-1.0, 0.0]] and x.lp_b.tolist() == [[-2.0, 0.0]]
+    assert x.adv.tolist() == [[3.0, 0.0]]  # [B] advantages broadcast per sequence, then masked
+
+
+def test_stage_proximal_logprobs():
+    # lp = -1, lp_b = -2, staleness 2 (alpha = 1/2) -> lp_p = -1.5; a second, masked-out token
+    x = prepare_inputs(row(-1.0, -1.0), row(-2.0, -2.0), row(1.0, 1.0), torch.tensor([[True, False]]))
+    ppo = proximal_logprobs(x, LossConfig(kind="ppo"))
+    assert ppo.logprobs is x.lp_b and ppo.seconds == 0.0  # coupled: the behaviour policy
+    rec = proximal_logprobs(x, LossConfig(proximal="recompute"), prox_logprobs=row(-1.25, float("nan")))
+    assert rec.logprobs.tolist() == [[-1.25, 0.0]] and rec.seconds == 0.0  # passed through, masked
+    ll = proximal_logprobs(x, LossConfig(), versions=torch.tensor([[3, -1]]), current_version=5)
+    assert ll.logprobs.tolist() == [[-1.5, 0.0]] and ll.seconds >= 0.0  # masked-out: sanitised lp_b
+    with pytest.raises(ValueError, match="prox_logprobs is required"):
+        proximal_logprobs(x, LossConfig(proximal="recompute"))
+
+
+def test_stage_compute_ratios():
+    # lp = -1, lp_p = -1.5, lp_b = -2: log u = 0.5, log w = 0.5 ; a 30-nat gap saturates u at e^20
+    lp = row(-1.0, 10.0).requires_grad_(True)
+    r = compute_ratios(lp, row(-1.5, -20.0), row(-2.0, -20.0))
+    assert r.log_u.tolist() == [[0.5, 30.0]] and r.log_w.tolist() == [[0.5, 0.0]]
+    assert r.u.tolist()[0] == pytest.approx([math.exp(0.5), math.exp(LOG_RATIO_LIMIT)], rel=1e-15)
+    assert r.u.requires_grad and not r.log_w.requires_grad
+    (grad,) = torch.autograd.grad(r.u.sum(), lp)
+    assert grad.tolist()[0] == pytest.approx([math.exp(0.5), 0.0])  # no gradient past the clamp
+
+
+def test_stage_cap_behaviour_weight():
+    # w = 2, 6, 0.5 with cap 5 ; the second row holds w = (2, 8): geometric mean 4
+    log_w = torch.log(torch.tensor([[2.0, 6.0, 0.5], [2.0, 8.0, 1.0]], dtype=torch.float64))
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    masked = cap_behaviour_weight(log_w, mask, LossConfig())
+    assert masked.keep.tolist() == [[True, False, True], [True, False, False]]
+    assert masked.capped.tolist() == [[False, True, False], [False, True, False]]
+    assert masked.w.tolist()[0] == pytest.approx([2.0, 0.0, 0.5])
+    clamped = cap_behaviour_weight(log_w, mask, LossConfig(behav_mode="clamp"))
+    assert clamped.keep.tolist() == mask.tolist() and clamped.capped.tolist() == masked.capped.tolist()
+    assert clamped.w.tolist()[0] == pytest.approx([2.0, 5.0, 0.5])
+    seq = cap_behaviour_weight(log_w, mask, LossConfig(behav_level="sequence", behav_mode="clamp"))
+    # row 0: (2 * 6 * 0.5)^(1/3) = 6^(1/3) < 5 ; row 1: sqrt(2 * 8) = 4 on its 2 tokens
+    assert seq.w.tolist()[0] == pytest.approx([6 ** (1 / 3)] * 3) and seq.capped.sum() == 0
+    assert seq.w.tolist()[1] == pytest.approx([4.0, 4.0, 0.0])
+    for cfg in (LossConfig(kind="ppo"), LossConfig(behav_cap=None)):
+        none = cap_behaviour_weight(log_w, mask, cfg)
+        assert none.w.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]] and not none.capped.any()
+
+
+def test_stage_clipped_surrogate():
+    # eps 0.2, dual clip c = 3. (u, A): (1.5, +1) -> max(-1.5, -1.2) = -1.2 clipped ;
+    # (1.1, +1) -> -1.1 tie ; (0.5, -1) -> max(0.5, 0.8) = 0.8 clipped ; (5, -1) -> min(5, 3) = 3 dual
+    u, adv = row(1.5, 1.1, 0.5, 5.0), row(1.0, 1.0, -1.0, -1.0)
+    keep = torch.tensor([[True, True, True, True]])
+    s = clipped_surrogate(adv, u, keep, LossConfig(dual_clip=3.0))
+    assert s.per_token.tolist()[0] == pytest.approx([-1.2, -1.1, 0.8, 3.0])
+    assert s.clipped.tolist() == [[True, False, True, False]]
+    assert s.dual_clipped.tolist() == [[False, False, False, True]]
+    dropped = clipped_surrogate(adv, u, torch.tensor([[False, True, True, True]]), LossConfig())
+    assert dropped.clipped.tolist() == [[False, False, True, False]]  # only kept tokens count
+    m2 = clipped_surrogate(adv, u, keep, LossConfig(m2_threshold=0.04, dual_clip=3.0))
+    assert m2.per_token.tolist()[0] == pytest.approx([-1.5, -1.1, 0.5, 5.0])  # -A u, no clip at all
+    assert not m2.clipped.any() and not m2.dual_clipped.any()
+
+
+def test_stage_m2po_trust_region():
+    # log u = .3, -.6, .1, 0 ; A = +1, +1, -1, +1 (same as _m2_case)
+    log_u, adv = row(0.3, -0.6, 0.1, 0.0), row(1.0, 1.0, -1.0, 1.0)
+    keep = torch.ones(1, 4, dtype=torch.bool)
+    every = m2po_trust_region(log_u, adv, keep, LossConfig(m2_threshold=0.04))
+    assert every.dropped.tolist() == [[False, True, False, False]]
+    assert every.before == pytest.approx(0.115) and every.after == pytest.approx(0.1 / 3)
+    harmful = m2po_trust_region(log_u, adv, keep, LossConfig(m2_threshold=0.04, m2_scope="harmful"))
+    assert harmful.dropped.tolist() == [[True, False, False, False]]  # only t1: A > 0 and u > 1
+    assert harmful.before == pytest.approx(0.09) and harmful.after == 0.0
+    off = m2po_trust_region(log_u, adv, keep, LossConfig())
+    assert not off.dropped.any() and off.before == off.after == 0.0
+
+
+def test_stage_aggregate():
+    # per-token losses -1 -2 -3 | -4 | (empty row), T = 5
+    per_token = torch.tensor([[-1.0, -2, -3, 0, 0], [-4, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert float(aggregate(per_token, mask, "token-mean")) == -2.5  # -10 / 4 tokens
+    assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == -3.0  # mean(-2, -4)
+    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm")) == -2.0  # -10 / T
+    assert float(aggregate(per_token, mask, "token-mean", 8.0)) == -1.25
+    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", 20.0)) == -0.5
+    lp = per_token.clone().requires_grad_(True)
+    zero = aggregate(lp, mask, "token-mean", 0.0)
+    assert float(zero) == 0.0 and zero.requires_grad  # an explicit 0 normaliser: 0, still in the graph
+
+
+def test_stage_loss_metrics():
+    # 3 masked tokens of 4: pi/pi_b = 2, 0.5, 1 ; token 2 capped (dropped), token 3 clipped;
+    # w as used = 2 on token 1 ; staleness 0, 2, 3 ; M2 dropped token 1
+    lp_b = row(-2.0, -2.0, -2.0, -2.0)
+    x = PolicyInputs(lp=lp_b + torch.log(row(2.0, 0.5, 1.0, 1.0)), lp_b=lp_b, adv=row(1.0, 1.0, 1.0, 0.0),
+                     mask=torch.tensor([[True, True, True, False]]))
+    no = torch.zeros(1, 4, dtype=torch.bool)
+    weight = BehaviourWeight(w=row(2.0, 0.0, 1.0, 0.0), keep=torch.tensor([[True, False, True, False]]),
+                             capped=torch.tensor([[False, True, False, False]]))
+    terms = LossTerms(
+        loss=torch.tensor(-0.75, dtype=torch.float64), keep=torch.tensor([[False, False, True, False]]),
+        weight=weight, surrogate=Surrogate(per_token=row(0, 0, 0, 0), clipped=torch.tensor([[0, 0, 1, 0]]) > 0,
+                                           dual_clipped=no),
+        m2=M2Mask(dropped=torch.tensor([[True, False, False, False]]), before=0.5, after=0.25), proximal_s=0.125)
+    stats = loss_metrics(x, terms, torch.tensor([[5, 3, 2, -1]]), 5)
+    assert set(stats) == set(STAT_KEYS)
+    expected = {
+        "loss": -0.75, "tokens": 3.0, "kept_tokens": 1.0, "clip_fraction": 1 / 3, "dual_clip_fraction": 0.0,
+        "behav_filtered_fraction": 1 / 3, "importance_weight_max": 2.0, "importance_weight_min": 0.5,
+        "importance_weight_mean": 3.5 / 3, "behav_weight_max": 1.0, "behav_weight_mean": 1.0,
+        "staleness_mean": 5 / 3, "staleness_max": 3.0, "m2_before": 0.5, "m2_after": 0.25,
+        "m2_masked_fraction": 1 / 3, "proximal_s": 0.125,
+    }
+    assert stats == pytest.approx(expected, rel=1e-12)
+    without_versions = loss_metrics(x, terms, None, None)
+    assert without_versions["staleness_mean"] == without_versions["staleness_max"] == 0.0

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.trainer.losses import LossConfig, loglinear_proximal, policy_loss
+from asyncrl.trainer.losses import LossConfig, loglinear_proximal, m2po_mask, policy_loss
 
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
 
@@ -102,10 +102,8 @@ def test_stats_are_finite_and_fractions_bounded(data, kind, m2, scope, mode, lev
 @given(values=st.lists(st.floats(-3, 3, allow_nan=False), min_size=1, max_size=12),
        tau=st.sampled_from([0.01, 0.04, 0.5]))
 def test_m2po_mask_equals_the_greedy_loop(values, tau):
-    from asyncrl.trainer.losses import m2po_mask
-
     log_r = torch.tensor([values], dtype=torch.float64)
-    dropped, before, after = m2po_mask(log_r, torch.ones_like(log_r, dtype=torch.bool), tau)
+    dropped, _before, after = m2po_mask(log_r, torch.ones_like(log_r, dtype=torch.bool), tau)
     # the rule as written: while mean (log r)^2 > tau, drop the largest remaining one. A mean that
     # equals tau up to rounding may fall either way (the loop and the sort-based version sum in
     # different orders), so compare with a 1e-12 tolerance at the boundary.

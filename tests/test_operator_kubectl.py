@@ -9,11 +9,11 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
+from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
+from test_operator_lifecycle import assert_rbac_covers
 
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
-from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
-from test_operator_lifecycle import assert_rbac_covers
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -51,7 +51,8 @@ async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
             out = await run_kubectl(cfg, "apply", "--validate=false", "-f", str(REPO / "examples" / "job.yaml"))
             assert out.strip() == f"asyncrljob.asyncrl.dev/{NAME} created"
             await wait_for(lambda: emu.get("deployments", NS, N.rollout(NAME)), what="rollout Deployment", log=op.log)
-            await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(NAME), {"replicas": 4, "readyReplicas": 4})
+            await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(NAME),
+                                   {"replicas": 4, "readyReplicas": 4})
             for sts in (N.trainer(NAME), N.redis(NAME)):
                 await emu.patch_status("apps", "v1", "statefulsets", NS, sts, {"replicas": 1, "readyReplicas": 1})
             await wait_for(lambda: (emu.get(PLURAL, NS, NAME).get("status", {}).get("trainer") or {}).get("step") == 42,

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import copy
-import signal
 from pathlib import Path
 
 import kmock
 import pytest
 import yaml
+from kube_emulator import KubeEmulator, OperatorProcess, wait_for
 
-from asyncrl.loader import load_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "rl"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import kmock
 import pytest
-
-from asyncrl.spec import PLURAL
 from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
 from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
+
+from asyncrl.spec import PLURAL
 
 pytestmark = pytest.mark.slow
 

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from asyncrl.operator.status import JobView, Observed, compute_status, pod_problem, ttl_expired
+from asyncrl.operator import status as S
+from asyncrl.operator.status import JobRef, Observed, pod_problem, ttl_expired
+from asyncrl.spec import AsyncRLJobSpec
 from asyncrl.status_report import TrainerReport
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+REF = JobRef(name="j", namespace="ns", generation=1)
 
 
-def view(**kw) -> JobView:
-    base = dict(name="j", namespace="ns", generation=1, created=T0, suspend=False, rollout_replicas=2,
-                trainer_replicas=1, external_redis=False, startup_deadline_seconds=600, max_steps=10,
-                staleness_limit=4, status_url="http://j-status.ns.svc:8000", rollout_selector="x=y")
-    base.update(kw)
-    return JobView(**base)
+def view(**spec) -> AsyncRLJobSpec:
+    """A valid spec: 2 rollout replicas, 1 trainer, 10 steps, eta 4, a 600 s startup deadline."""
+    base = {"model": {"path": "m"}, "rollout": {"replicas": 2}, "trainer": {"replicas": 1, "maxSteps": 10},
+            "staleness": {"maxHeadOffpolicyness": 4}, "startupDeadlineSeconds": 600}
+    return AsyncRLJobSpec.model_validate({**base, **spec})
+
+
+def compute_status(spec, prev, obs, now, **kw) -> dict:
+    return S.compute_status(REF, spec, prev, obs, now, **kw)
+
+
+EXTERNAL_REDIS = {"mode": "external", "external": {"urlSecret": {"name": "redis"}}}
 
 
 def pod(**status) -> dict:
@@ -63,28 +72,29 @@ def test_lifecycle_phases():
 def test_startup_deadline_and_stickiness():
     obs = Observed(rollout_ready=0, trainer_ready=0, redis_ready=1, problems=[
         pod_problem(pod(conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]))])
-    s = compute_status(view(startup_deadline_seconds=60), {}, obs, T0)
+    s = compute_status(view(startupDeadlineSeconds=60), {}, obs, T0)
     assert s["phase"] == "Initializing" and s["reason"] == "Unschedulable"
-    s = compute_status(view(startup_deadline_seconds=60), s, obs, T0 + timedelta(seconds=61))
+    s = compute_status(view(startupDeadlineSeconds=60), s, obs, T0 + timedelta(seconds=61))
     assert (s["phase"], s["reason"]) == ("Failed", "StartupDeadlineExceeded")
     assert "Unschedulable" in s["message"] and s["completionTime"] == "2026-01-01T00:01:01Z"
     later = compute_status(view(), s, ready(), T0 + timedelta(hours=1))
     assert later["phase"] == "Failed" and later["completionTime"] == s["completionTime"]
     assert not ttl_expired(later, None, T0 + timedelta(days=9))
-    assert ttl_expired(later, 60, T0 + timedelta(seconds=121)) and not ttl_expired(later, 600, T0 + timedelta(seconds=121))
+    assert ttl_expired(later, 60, T0 + timedelta(seconds=121))
+    assert not ttl_expired(later, 600, T0 + timedelta(seconds=121))
 
 
 def test_suspend_resume_restarts_the_deadline():
     s = compute_status(view(suspend=True), {}, Observed(rollout_ready=0, trainer_ready=0, redis_ready=1), T0)
     assert s["phase"] == "Suspended" and s["rollout"]["desired"] == 0
     later = T0 + timedelta(hours=5)
-    s = compute_status(view(startup_deadline_seconds=60), s, Observed(rollout_ready=0, trainer_ready=0, redis_ready=1),
+    s = compute_status(view(startupDeadlineSeconds=60), s, Observed(rollout_ready=0, trainer_ready=0, redis_ready=1),
                        later)
     assert s["phase"] == "Initializing" and s["startTime"] == "2026-01-01T05:00:00Z"
 
 
 def test_invalid_and_trainer_outcomes():
-    s = compute_status(view(), {}, Observed(), T0, invalid="invalid spec: x")
+    s = compute_status(None, {}, Observed(), T0, invalid="invalid spec: x")
     assert (s["phase"], s["reason"], s["message"]) == ("Failed", "InvalidSpec", "invalid spec: x")
     done = compute_status(view(), {}, Observed(rollout_ready=2, trainer_ready=1, redis_ready=1,
                                                report=TrainerReport(phase="Succeeded", step=10, policy_version=10)), T0)
@@ -95,6 +105,6 @@ def test_invalid_and_trainer_outcomes():
 
 
 def test_external_redis_stream_ready():
-    s = compute_status(view(external_redis=True), {}, Observed(rollout_ready=2, trainer_ready=1), T0)
+    s = compute_status(view(redis=EXTERNAL_REDIS), {}, Observed(rollout_ready=2, trainer_ready=1), T0)
     assert s["phase"] == "Running"
     assert {c["type"]: c["reason"] for c in s["conditions"]}["StreamReady"] == "External"

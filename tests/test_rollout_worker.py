@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, cursor_key
+from asyncrl.trainer.weight_sync import update_engines
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
@@ -57,7 +59,8 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
                        max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
                        max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
-    admission = Admission(redis, names, batch_size=batch, eta=eta, max_concurrent=max_concurrent, lease_seconds=30)
+    admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
+                          max_concurrent=max_concurrent, lease_seconds=30)
     return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
                          render=render, decode=decode, scorer=RewardScorer(exact_number_reward, 5.0),
                          admission=admission, names=names)
@@ -87,17 +90,20 @@ async def test_publishes_whole_scored_groups(env):
 
 
 async def test_partial_rollout_across_a_weight_update(env):
-    """One trajectory whose versions change exactly at the resume point; tokens/logprobs concatenate."""
+    """One trajectory whose versions change exactly at the resume point; tokens/logprobs concatenate.
+    The trainer-side sync updates the engine; the worker only re-sends the aborted segment."""
     redis, fake, names = env
     fake.state.token_delay = 0.02
     worker = make_worker(redis, fake, names, n=1, max_new=40, max_groups=1)
     run = asyncio.create_task(worker.run())
+    registry = EngineRegistry(redis, names)
 
     async def progressed():
-        return fake.state.tokens_generated >= 5
+        return fake.state.tokens_generated >= 5 and len(await registry.list()) == 1
 
     await poll(progressed, what="first tokens")
     await VersionChannel(redis, names).publish(VersionEvent(version=1, weights_path="/weights/v1", time=time.time()))
+    await update_engines("sglang", await registry.list(), Path("/weights/v1"), 1, registry=registry, timeout_s=10)
     await asyncio.wait_for(run, 60)
     [group] = await published(redis, names)
     [sample] = group.samples
@@ -112,9 +118,9 @@ async def test_partial_rollout_across_a_weight_update(env):
                                 [fake_logprob(j, "1") for j in range(40 - k)], abs=1e-6)
     resend = fake.state.generate_calls[-1]
     assert resend == {"input_ids": prompt + ids[:k], "max_new_tokens": 40 - k}
-    assert fake.state.pause_calls == ["abort"]
+    assert fake.state.control_calls == ["pause:abort", "update:1", "continue"]
     assert fake.state.update_calls[-1]["model_path"] == "/weights/v1"
-    assert worker.stats.interrupted == 1 and worker.stats.weight_updates == 1
+    assert worker.stats.interrupted == 1 and worker.version == 1
 
 
 async def test_admission_blocks_the_worker_under_a_slow_trainer(env):
@@ -216,12 +222,17 @@ async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_work
     assert await redis.get(cursor_key(names, 0, 0)) == b"8"
 
 
-async def test_worker_skips_the_update_when_the_trainer_already_did_it(env):
+@pytest.mark.parametrize("engine_label", ["3", "default"])
+async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(env, engine_label):
+    """A version event is only observed: tokens carry the engine's label (an engine the trainer has
+    not updated yet still serves its initial weights, version 0)."""
     redis, fake, names = env
-    fake.state.weight_version = "3"
+    fake.state.weight_version = engine_label
     await VersionChannel(redis, names).publish(VersionEvent(version=3, weights_path="/w/v3", time=time.time()))
     worker = make_worker(redis, fake, names, n=1, max_new=3, max_groups=1)
     await asyncio.wait_for(worker.run(), 30)
     [group] = await published(redis, names)
-    assert list(group.samples[0].versions) == [3, 3, 3]
-    assert fake.state.update_calls == [] and fake.state.pause_calls == []
+    expected = 3 if engine_label == "3" else 0
+    assert list(group.samples[0].versions) == [expected] * 3
+    assert worker.version == 3 and worker.engine_version == expected
+    assert fake.state.control_calls == [] and fake.state.update_calls == []

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from asyncrl.local_redis import LocalRedis, free_port
 from trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
+
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
 
 ETA = 1
 

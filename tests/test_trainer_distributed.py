@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from asyncrl.local_redis import LocalRedis, free_port
 from trainer_support import ASYNCRL, make_groups, publish, read_jsonl, trainer_env, write_job
+
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
 
 JOB = "t-dist"
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trainer_support import make_groups, model_and_tokenizer, publish, redis_query, write_job
+from trainer_support import make_groups, make_job, model_and_tokenizer, publish, redis_query, write_job
 
 JOB = "t-step"
 
@@ -53,7 +52,7 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
 
     async def inspect(r):
         latest = await VersionChannel(r, names).latest()
-        snap = await Admission(r, names, batch_size=2, eta=1, max_concurrent=4).snapshot()
+        snap = await Admission(r, names, batch_size=2, max_head_offpolicyness=1, max_concurrent=4).snapshot()
         trained = {x.decode() for x in await r.smembers(names.trained)}
         pending = (await r.xpending(names.trajectories, names.consumer_group))["pending"]
         length = await r.xlen(names.trajectories)
@@ -143,8 +142,8 @@ def test_over_stale_groups_are_dropped_counted_and_acked(tmp_path: Path, redis_u
 def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
     """Splitting a minibatch into small micro-batches changes neither the loss nor the gradient."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import LoopConfig, Trainer
-    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.plan import plan_step, sequences_with_advantages
 
     groups = make_groups(JOB, 2, version=0, max_len=12)
     base, tok = model_and_tokenizer()
@@ -153,11 +152,13 @@ def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
         model = type(base)(base.config)
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        cfg = LoopConfig(job=JOB, batch_size=2, eta=2, micro_batch_tokens=budget, grad_clip=1e9)
-        trainer = Trainer(cfg, DistContext(), model, opt, tok, LossConfig(proximal="recompute"))
-        plans = trainer.plan_microbatches(trainer.sequences(groups))
+        job = make_job(name=JOB, batch_size=2, eta=2, micro_batch_tokens=budget, grad_clip=1e9,
+                       proximal="recompute")
+        trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok)
+        algo = job.spec.algorithm
+        [plan] = plan_step(groups, sequences_with_advantages(groups, algo), algo)
         record = trainer.train_step(groups)
-        results.append((len(plans), record["loss"], record["grad_norm"]))
+        results.append((len(plan.micro_batches), record["loss"], record["grad_norm"]))
     (n_big, loss_big, norm_big), (n_small, loss_small, norm_small) = results
     assert n_big == 1 and n_small > 2
     assert loss_small == pytest.approx(loss_big, rel=1e-4, abs=1e-6)
@@ -189,8 +190,8 @@ def test_prune_keeps_versions_in_use(tmp_path: Path) -> None:
 
 
 def test_engine_update_failure_names_the_server(tmp_path: Path) -> None:
-    from asyncrl.local_redis import free_port
-    from asyncrl.trainer.publish import WeightSyncError, update_engines
+    from asyncrl.net import free_port
+    from asyncrl.trainer.weight_sync import WeightSyncError, update_engines
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(WeightSyncError) as err:

@@ -32,13 +32,13 @@ async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.01):
 
 def test_capacity_rule():
     # AReaL: min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))
-    assert admission_capacity(0, 0, 0, batch_size=4, eta=2, max_concurrent=100) == 12
-    assert admission_capacity(1, 10, 2, batch_size=4, eta=2, max_concurrent=100) == 4
-    assert admission_capacity(0, 0, 3, batch_size=4, eta=2, max_concurrent=3) == 0
+    assert admission_capacity(0, 0, 0, batch_size=4, max_head_offpolicyness=2, max_concurrent=100) == 12
+    assert admission_capacity(1, 10, 2, batch_size=4, max_head_offpolicyness=2, max_concurrent=100) == 4
+    assert admission_capacity(0, 0, 3, batch_size=4, max_head_offpolicyness=2, max_concurrent=3) == 0
 
 
 async def test_eta_zero_is_synchronous(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=2, eta=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
     a, b = await adm.try_acquire("pod-a"), await adm.try_acquire("pod-b")
     assert a and b
     assert await adm.try_acquire("pod-a") is None  # B groups of version 0 are running
@@ -55,7 +55,7 @@ async def test_eta_zero_is_synchronous(transport_redis):
 
 
 async def test_max_concurrent_limits_running(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=100, eta=4, max_concurrent=2)
+    adm = Admission(transport_redis, NAMES, batch_size=100, max_head_offpolicyness=4, max_concurrent=2)
     leases = [await adm.try_acquire(f"p{i}") for i in range(3)]
     assert leases[0] and leases[1] and leases[2] is None
     await adm.release(leases[0], accepted=True)
@@ -63,7 +63,7 @@ async def test_max_concurrent_limits_running(transport_redis):
 
 
 async def test_expired_leases_are_released(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=4, eta=0, max_concurrent=1, lease_seconds=0.2)
+    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=1, lease_seconds=0.2)
     crashed = await adm.try_acquire("crashed-pod")
     assert crashed and await adm.try_acquire("pod-b") is None
     # nobody releases `crashed`: its slot comes back when the lease expires
@@ -77,7 +77,7 @@ async def test_expired_leases_are_released(transport_redis):
 
 
 async def test_renew_extends_the_lease(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=4, eta=0, max_concurrent=4, lease_seconds=60)
+    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=4, lease_seconds=60)
     lease = await adm.try_acquire("pod")
     before = await transport_redis.zscore(NAMES.admission_leases, lease)
     await wait_for(lambda: _renewed_later(adm, lease, before))  # server clock moved: expiry moved
@@ -90,7 +90,7 @@ async def _renewed_later(adm: Admission, lease: str, before: float) -> bool:
 
 
 async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=2, eta=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
     a = await adm.try_acquire("p")
     b = await adm.try_acquire("p")
     assert await adm.release(a, accepted=True)
@@ -108,11 +108,11 @@ def test_is_too_stale_uses_the_oldest_token(make_trajectory_group):
     g = make_trajectory_group("g", version=5)
     g.samples[1].versions[0] = 3  # one token from an older policy (partial rollout)
     assert g.oldest_version() == 3
-    assert is_too_stale(g, current_version=5, eta=1)  # 5 - 3 = 2 > 1
-    assert not is_too_stale(g, current_version=5, eta=2)
-    assert is_too_stale(g, current_version=6, eta=2)
+    assert is_too_stale(g, current_version=5, max_head_offpolicyness=1)  # 5 - 3 = 2 > 1
+    assert not is_too_stale(g, current_version=5, max_head_offpolicyness=2)
+    assert is_too_stale(g, current_version=6, max_head_offpolicyness=2)
     empty = make_trajectory_group("e", n_tokens=0)
-    assert not is_too_stale(empty, current_version=100, eta=0)
+    assert not is_too_stale(empty, current_version=100, max_head_offpolicyness=0)
 
 
 PRODUCER_SCRIPT = r"""
@@ -127,7 +127,7 @@ from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 async def main(url, holder, events, stop):
     r = await connect(url)
     names = StreamNames.for_job("job")
-    adm = Admission(r, names, batch_size=4, eta=2, max_concurrent=6)
+    adm = Admission(r, names, batch_size=4, max_head_offpolicyness=2, max_concurrent=6)
     producer = TrajectoryProducer(r, names)
     rng = random.Random(holder)
     n = 0
@@ -184,7 +184,7 @@ async def test_three_producer_processes_never_exceed_the_bound(transport_redis, 
     eta, batch, versions = 2, 4, 6
     r = transport_redis
     events, stop = "test:{job}:events", "test:{job}:stop"
-    adm = Admission(r, NAMES, batch_size=batch, eta=eta, max_concurrent=6)
+    adm = Admission(r, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=6)
     consumer = TrajectoryConsumer(r, NAMES, "trainer")
     procs = [subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, redis_url, f"pod{i}", events, stop],
                               cwd=REPO / "tests", stderr=subprocess.PIPE) for i in range(3)]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.local_redis import LocalRedis, free_port
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
 from asyncrl.transport.connection import RedisUnavailableError, connect, parse_endpoint
 
 
@@ -113,7 +114,7 @@ async def test_rediss_tls_with_password(tmp_path: Path):
         with pytest.raises(RedisUnavailableError, match="TLS on"):
             await connect(f"rediss://:s3cret@127.0.0.1:{server.port}/0?ssl_ca_certs={cert}", timeout=0.5)
         # an untrusted certificate is refused
-        with pytest.raises(RedisUnavailableError, match="CERTIFICATE|certificate"):
+        with pytest.raises(RedisUnavailableError, match=r"CERTIFICATE|certificate"):
             await connect(f"rediss://:s3cret@127.0.0.1:{port}/0", timeout=0.5)
     finally:
         proxy.close()

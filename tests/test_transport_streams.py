@@ -14,8 +14,7 @@ import pytest
 
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
-from asyncrl.transport.streams import (DATA_FIELD, GID_FIELD, TrajectoryConsumer, TrajectoryProducer,
-                                       read_dead_letters)
+from asyncrl.transport.streams import DATA_FIELD, GID_FIELD, TrajectoryConsumer, TrajectoryProducer, read_dead_letters
 from asyncrl.transport.wire import decode_group, encode_group
 
 REPO = Path(__file__).resolve().parent.parent

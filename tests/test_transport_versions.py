@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from asyncrl.transport.names import StreamNames
-from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
+from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel, VersionEvent
 
 NAMES = StreamNames.for_job("job")
 
@@ -49,3 +49,32 @@ async def test_engine_registry(transport_redis):
     assert len(await registry.list(max_age_s=300)) == 3
     await registry.remove("e1")
     assert [e.engine_id for e in await registry.list()] == ["e0"]
+
+
+async def test_trainer_record_of_engine_weights(transport_redis):
+    """The trainer's record (begin/end of an update) and how list() merges it with the heartbeat."""
+    registry = EngineRegistry(transport_redis, NAMES)
+    assert await registry.weights("e0") is None
+    t0 = time.time()
+    await registry.register(EngineInfo("e0", "http://e0:30000", 0, True, t0))
+
+    rec = await registry.begin_update("e0", 1, timeout_s=30)
+    assert (rec.version, rec.updating, rec.epoch, rec.label) == (None, 1, 1, 0) and rec.in_progress()
+    assert (await registry.list())[0].weight_version == 0  # not loaded yet
+    rec = await registry.end_update("e0", loaded=True)
+    assert (rec.version, rec.updating, rec.epoch, rec.in_progress()) == (1, None, 1, False)
+    assert await registry.weights("e0") == rec
+    assert (await registry.list())[0].weight_version == 1  # newer than the worker's observation
+
+    await registry.begin_update("e0", 2, timeout_s=30)
+    rec = await registry.end_update("e0", loaded=False)  # a failed update keeps the version
+    assert (rec.version, rec.updating, rec.epoch) == (1, None, 2)
+
+    # an observation newer than the record wins (e.g. the engine restarted on its initial weights)
+    await registry.register(EngineInfo("e0", "http://e0:30000", 0, True, time.time() + 1))
+    assert (await registry.list())[0].weight_version == 0
+    await registry.remove("e0")  # the worker leaves; the trainer's record stays
+    assert (await registry.all_weights())["e0"].version == 1
+
+    # a marker past its deadline (the trainer died mid-update) does not hold anyone
+    assert not EngineWeights(version=1, updating=2, until=time.time() - 1).in_progress()

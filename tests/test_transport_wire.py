@@ -5,10 +5,17 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from asyncrl.transport.wire import (SCHEMA_VERSION, TrajectoryGroup, TrajectorySample, WireFormatError,
-                                    decode_group, encode_group)
+from asyncrl.transport.wire import (
+    SCHEMA_VERSION,
+    TrajectoryGroup,
+    TrajectorySample,
+    WireFormatError,
+    decode_group,
+    encode_group,
+)
 
 
 def make_group(gid: str = "g-1", n_samples: int = 2, n_tokens: int = 5, prompt_len: int = 3,

@@ -24,7 +24,9 @@ ASYNCRL = [str(Path(sys.executable).parent / "asyncrl")]
 def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, eta: int = 2,
              max_steps: int = 2, checkpoint_interval: int = 1, max_new_tokens: int = 8,
              micro_batch_tokens: int = 8192, minibatches: int = 1, proximal: str = "loglinear",
-             lr: float = 1e-5, seed: int = 0) -> dict[str, Any]:
+             lr: float = 1e-5, grad_clip: float = 1.0, seed: int = 0,
+             algorithm: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small valid job document; `algorithm` adds or overrides spec.algorithm fields (camelCase)."""
     return {
         "apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob", "metadata": {"name": name},
         "spec": {
@@ -33,7 +35,8 @@ def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, e
             "reward": {"function": "exact-number"},
             "algorithm": {"groupSize": group_size, "batchSize": batch_size, "minibatches": minibatches,
                           "maxNewTokens": max_new_tokens, "microBatchTokens": micro_batch_tokens,
-                          "proximal": proximal, "optimizer": {"lr": lr}},
+                          "proximal": proximal, "optimizer": {"lr": lr, "gradClip": grad_clip},
+                          **(algorithm or {})},
             "staleness": {"maxHeadOffpolicyness": eta},
             "rollout": {"replicas": 1, "engine": "hf", "gpusPerReplica": 0, "maxConcurrentRequests": 16},
             "trainer": {"gpusPerReplica": 0, "device": "cpu", "maxSteps": max_steps,
@@ -46,6 +49,13 @@ def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, e
 def write_job(path: Path, **kw: Any) -> Path:
     path.write_text(yaml.safe_dump(job_dict(**kw), sort_keys=False))
     return path
+
+
+def make_job(**kw: Any) -> Any:
+    """The validated AsyncRLJob of `job_dict(**kw)` (what the trainer takes)."""
+    from asyncrl.spec import AsyncRLJob
+
+    return AsyncRLJob.model_validate(job_dict(**kw))
 
 
 _cache: dict[str, Any] = {}

@@ -41,10 +41,10 @@ class TrainBatch:
         """Response tokens that enter the loss (the token-mean denominator)."""
         return int(self.loss_mask.sum())
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
-    def select(self, rows: Sequence[int] | Tensor | slice) -> "TrainBatch":
+    def select(self, rows: Sequence[int] | Tensor | slice) -> TrainBatch:
         """A sub-batch of the given rows, with padding columns no row needs trimmed off."""
         if isinstance(rows, slice):
             rows = torch.arange(self.num_sequences)[rows]

@@ -2,8 +2,8 @@
 
 A checkpoint is a directory `step-{N}` holding the model and optimizer state dicts, the RNG
 states and `state.json` (policy version, step, the trainer report, the ids of every group this
-lineage has trained). It is written into a temporary sibling and renamed, so a trainer killed
-mid-write leaves the previous checkpoint intact. The trainer acknowledges stream entries only
+lineage has trained). It is written into a temporary sibling and renamed (`asyncrl.files`), so a
+trainer killed mid-write leaves the previous checkpoint intact. The trainer acknowledges stream entries only
 after the checkpoint that contains their update is on disk: after a crash, the entries trained
 since are still pending, are re-read and trained again on the restored weights, so in the
 surviving lineage every group counts at most once and no acknowledged group is lost.
@@ -12,14 +12,17 @@ surviving lineage every group counts at most once and no acknowledged group is l
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.files import atomic_directory, remove_stray_temp_dirs
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
@@ -43,7 +46,7 @@ class TrainerState:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TrainerState":
+    def from_json(cls, data: dict[str, Any]) -> TrainerState:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -65,9 +68,6 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def _rng_state() -> dict[str, Any]:
-    import numpy as np
-    import torch
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -75,9 +75,6 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -86,36 +83,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState, *, keep: int = 2) -> Path:
-    """Write `step-{state.step}` atomically and keep only the newest `keep` checkpoints."""
-    import torch
+    """Write `step-{state.step}` atomically and keep only the newest `keep` checkpoints.
 
+    An existing directory of the same step (from a lost timeline) is replaced.
+    """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     target = root / f"step-{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".step-{state.step:06d}-", dir=root))
-    try:
+    with atomic_directory(target) as tmp:
         torch.save(model.state_dict(), tmp / "model.pt")
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(_rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps(state.to_json()))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     for _, old in checkpoint_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    for stray in root.glob(".step-*"):  # temp dirs of a writer that was killed
-        shutil.rmtree(stray, ignore_errors=True)
+    remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
     return target
 
 
@@ -125,8 +106,6 @@ def read_state(path: Path) -> TrainerState:
 
 def load_checkpoint(path: Path, model: Any, optimizer: Any, *, device: str = "cpu") -> TrainerState:
     """Restore model, optimizer and RNG from `path`; returns its TrainerState."""
-    import torch
-
     path = Path(path)
     model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))

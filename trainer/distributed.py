@@ -8,9 +8,15 @@ advantages and token counts, train on their shard, and DDP sums the gradients. W
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 @dataclass
@@ -36,8 +42,6 @@ class DistContext:
 
 def pick_device(requested: str) -> str:
     """`auto` means CUDA when a GPU is visible, else CPU."""
-    import torch
-
     if requested == "cpu":
         return "cpu"
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
@@ -49,11 +53,6 @@ def pick_device(requested: str) -> str:
 
 def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) -> DistContext:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,8 +74,6 @@ def wrap_model(model: Any, ctx: DistContext) -> Any:
     """DDP across ranks (gradients all-reduced as averages), the bare model on one process."""
     if not ctx.enabled:
         return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     if ctx.device.startswith("cuda"):
         return DDP(model, device_ids=[ctx.local_rank])
     return DDP(model)
@@ -91,8 +88,6 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     """Rank 0's `obj` on every rank (pickled; fine for a batch of trajectory groups)."""
     if not ctx.enabled:
         return obj
-    import torch.distributed as dist
-
     box = [obj if ctx.is_main else None]
     dist.broadcast_object_list(box, src=0, group=ctx.object_group)
     return box[0]
@@ -102,9 +97,6 @@ def _all_reduce(values: list[float], ctx: DistContext, op: str) -> list[float]:
     """Reduce a few floats over ranks in float64 (on the GPU for NCCL, which has no CPU path)."""
     if not ctx.enabled:
         return list(values)
-    import torch
-    import torch.distributed as dist
-
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.backend == "nccl":
         t = t.to(ctx.device)
@@ -124,23 +116,16 @@ def all_reduce_max(values: list[float], ctx: DistContext) -> list[float]:
 
 def barrier(ctx: DistContext) -> None:
     if ctx.enabled:
-        import torch.distributed as dist
-
         dist.barrier(group=ctx.object_group)
 
 
 def shutdown(ctx: DistContext) -> None:
-    if ctx.enabled:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def no_sync_unless(model: Any, sync: bool, ctx: DistContext) -> Any:
     """DDP's no_sync() for all but the last micro-batch of a minibatch (one all-reduce per update)."""
-    import contextlib
-
     if ctx.enabled and not sync and hasattr(model, "no_sync"):
         return model.no_sync()
     return contextlib.nullcontext()

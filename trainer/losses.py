@@ -7,6 +7,10 @@ papers and reference code disagree, are written down in docs/algorithms.md (DESI
 Notation per token: `lp` current policy (with grad), `lp_b` behaviour (engine), `lp_p` proximal,
 `A` advantage, `m` loss mask; `u = exp(lp - lp_p)` trust-region ratio, `w = exp(lp_p - lp_b)`
 behaviour weight (always detached).
+
+`policy_loss` is a sequence of small pure stages, one per phase of the objective: proximal
+log-probs, ratios, behaviour-weight cap, clipped objective, M2PO mask, aggregation, metrics. Each
+stage returns a frozen record, so the next one reads its inputs by name.
 """
 
 from __future__ import annotations
@@ -48,16 +52,8 @@ STAT_KEYS: tuple[str, ...] = (
 # ------------------------------------------------------------------------------------ advantages
 
 
-def compute_advantages(
-    rewards: Tensor, group_size: int, estimator: Estimator = "grpo", eps: float = 1e-6
-) -> Tensor:
-    """Per-sample advantages from outcome rewards laid out group by group (`[g0s0, g0s1, ...]`).
-
-    grpo: `(R - mean_g) / (std_g + eps)` with the unbiased std; dr_grpo: `R - mean_g`;
-    rloo: `R - mean of the other samples of the group`. A group whose rewards are all equal carries
-    no signal and gets exactly 0 (not rounding noise divided by eps). Computed in float64, returned
-    in the rewards' floating dtype (float32 for integer rewards), detached.
-    """
+def _check_rewards(rewards: Any, group_size: Any, estimator: str, eps: float) -> None:
+    """The argument checks of `compute_advantages`, kept apart so the estimator reads on its own."""
     if not isinstance(rewards, Tensor):
         raise ValueError(f"rewards must be a torch.Tensor, got {type(rewards).__name__}")
     if rewards.dim() != 1:
@@ -73,6 +69,19 @@ def compute_advantages(
             f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
     if rewards.dtype == torch.bool or rewards.is_complex():
         raise ValueError(f"rewards must be real numbers, got dtype {rewards.dtype}")
+
+
+def compute_advantages(
+    rewards: Tensor, group_size: int, estimator: Estimator = "grpo", eps: float = 1e-6
+) -> Tensor:
+    """Per-sample advantages from outcome rewards laid out group by group (`[g0s0, g0s1, ...]`).
+
+    grpo: `(R - mean_g) / (std_g + eps)` with the unbiased std; dr_grpo: `R - mean_g`;
+    rloo: `R - mean of the other samples of the group`. A group whose rewards are all equal carries
+    no signal and gets exactly 0 (not rounding noise divided by eps). Computed in float64, returned
+    in the rewards' floating dtype (float32 for integer rewards), detached.
+    """
+    _check_rewards(rewards, group_size, estimator, eps)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     r = rewards.detach().to(torch.float64)
     if not bool(torch.isfinite(r).all()):
@@ -131,6 +140,14 @@ class LossConfig:
 
     `kind="ppo"` ignores `proximal`/`loglinear_on_policy`/behaviour cap (the behaviour policy is
     the proximal, w = 1). `behav_cap=None` removes the behaviour weight entirely (w = 1).
+
+    Why a class of its own rather than `asyncrl.spec.AlgorithmSpec`: this module stays pure math,
+    usable without a job spec (no pydantic model, no camelCase aliases, none of the spec's
+    sampling/batching/optimizer fields); tests, benchmarks and other trainers build it from plain
+    values, and `from_spec` is the one mapping from a job. Its per-field bounds restate the spec's
+    (a test compares them). The spec's cross-field rules are job-setting rules, not restated here:
+    `kind="ppo"` with the default `proximal="loglinear"` is fine (ppo ignores the proximal), and
+    `eps_clip_high < eps_clip` is well-defined math; the spec rejects both in a job.
     """
 
     kind: LossKind = "decoupled"
@@ -162,8 +179,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_clip_high must be > 0, got {self.eps_clip_high!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"LossConfig.dual_clip must be > 1, got {self.dual_clip!r}")
-        if self.behav_cap is not None and not self.behav_cap >= 1:
-            raise ValueError(f"LossConfig.behav_cap must be >= 1, got {self.behav_cap!r}")
+        if self.behav_cap is not None and not self.behav_cap > 1:
+            raise ValueError(f"LossConfig.behav_cap must be > 1, got {self.behav_cap!r}")
         if self.m2_threshold is not None and not self.m2_threshold > 0:
             raise ValueError(f"LossConfig.m2_threshold must be > 0, got {self.m2_threshold!r}")
 
@@ -173,7 +190,7 @@ class LossConfig:
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
 
     @classmethod
-    def from_spec(cls, spec: Any) -> "LossConfig":
+    def from_spec(cls, spec: Any) -> LossConfig:
         """Map an `asyncrl.spec.AlgorithmSpec` (or anything with its attribute names) onto a config."""
         mapping = {
             "kind": "loss", "proximal": "proximal", "loglinear_on_policy": "loglinear_on_policy",
@@ -189,6 +206,7 @@ class LossConfig:
         return cls(**{dst: getattr(spec, src) for dst, src in mapping.items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields by name (for logs and reports)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
@@ -258,11 +276,299 @@ def m2po_mask(log_ratio: Tensor, candidates: Tensor, threshold: float) -> tuple[
     return flat.view_as(dropped), before, float(m2[k])
 
 
-# ------------------------------------------------------------------------------------ policy loss
+# ------------------------------------------------------------------------------------ policy loss: stages
 
 
-def _check_tensor(name: str, t: Any, shape: torch.Size, *, kind: str, device: torch.device,
+def _clamped_exp(log_ratio: Tensor) -> Tensor:
+    """`exp` of a log-ratio clamped at +-LOG_RATIO_LIMIT, so ratio x advantage x tokens stays finite."""
+    return log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+
+
+def _bool_mask(mask: Tensor) -> Tensor:
+    """The loss mask as bool (callers may pass 0/1 numbers)."""
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """One call's `[B, T]` tensors after validation: bool mask, compute dtype, 0 outside the mask."""
+
+    lp: Tensor  # current policy, the only tensor with grad
+    lp_b: Tensor  # behaviour policy, detached
+    adv: Tensor  # advantages broadcast to every token, detached
+    mask: Tensor  # bool loss mask
+
+
+def prepare_inputs(logprobs: Tensor, behav_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> PolicyInputs:
+    """Upcast to `promote(logprobs.dtype, float32)` and zero every position outside the mask.
+
+    Masked-out positions may hold padding garbage (NaN, -inf); `where()` keeps it out of both the
+    forward values and the gradient, so no later stage has to think about it.
+    """
+    m = _bool_mask(mask)
+    cdtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=cdtype, device=logprobs.device)
+    lp = torch.where(m, logprobs.to(cdtype), zero)
+    lp_b = torch.where(m, behav_logprobs.detach().to(cdtype), zero)
+    adv = advantages.detach().to(cdtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1).expand(logprobs.shape)
+    adv = torch.where(m, adv, zero)
+    return PolicyInputs(lp=lp, lp_b=lp_b, adv=adv, mask=m)
+
+
+@dataclass(frozen=True)
+class Proximal:
+    """The proximal log-probs `lp_p` (detached) and the wall seconds they cost."""
+
+    logprobs: Tensor
+    seconds: float
+
+
+def proximal_logprobs(
+    x: PolicyInputs,
+    config: LossConfig,
+    *,
+    versions: Tensor | None = None,
+    current_version: int | None = None,
+    prox_logprobs: Tensor | None = None,
+) -> Proximal:
+    """`lp_p`, the trust-region anchor: behaviour (ppo), recomputed (passed in), or A-3PO log-linear.
+
+    Timed because DESIGN.md asks for the cost of `lp_p`: the point of log-linear is that it needs
+    no forward pass (`recompute` paid for its forward before this call, so it reports 0 here).
+    """
+    if config.kind != "decoupled":
+        return Proximal(x.lp_b, 0.0)
+    if config.proximal == "recompute":
+        if prox_logprobs is None:
+            raise ValueError("prox_logprobs is required for proximal='recompute'")
+        return Proximal(torch.where(x.mask, prox_logprobs.detach().to(x.lp.dtype), x.lp.new_zeros(())), 0.0)
+    if versions is None or current_version is None:
+        raise ValueError("versions and current_version are required for proximal='loglinear'")
+    t0 = time.perf_counter()
+    lp_p = loglinear_proximal(x.lp_b, x.lp, versions, current_version, on_policy=config.loglinear_on_policy)
+    return Proximal(lp_p, time.perf_counter() - t0)
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """The factors of `pi / pi_b = w * u`, in log space and (for u) as used."""
+
+    log_u: Tensor  # lp - lp_p, with grad through lp
+    u: Tensor  # exp(log_u), clamped: the trust-region ratio
+    log_w: Tensor  # lp_p - lp_b, detached: the behaviour weight before its cap
+
+
+def compute_ratios(lp: Tensor, lp_p: Tensor, lp_b: Tensor) -> Ratios:
+    """Split the importance ratio: u carries the gradient and the trust region, w corrects staleness.
+
+    Only `u` is differentiated (`lp_p` is detached); `w` is a constant weight, as in AReaL's
+    decoupled objective. Log-ratios are clamped before `exp` (`LOG_RATIO_LIMIT`).
+    """
+    log_w = (lp_p - lp_b).detach()
+    log_u = lp - lp_p.detach()
+    return Ratios(log_u=log_u, u=_clamped_exp(log_u), log_w=log_w)
+
+
+@dataclass(frozen=True)
+class BehaviourWeight:
+    """The behaviour weight as used, and which tokens its cap touched."""
+
+    w: Tensor  # detached, 0 outside `keep`
+    keep: Tensor  # the mask minus the tokens the cap dropped
+    capped: Tensor  # tokens over the cap: dropped (mode "mask") or truncated (mode "clamp")
+
+
+def _sequence_log_weight(log_w: Tensor, mask: Tensor) -> Tensor:
+    """log of each response's geometric-mean w, on every token of it (0 outside the mask)."""
+    seq_log_w = (log_w * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    return torch.where(mask, seq_log_w.unsqueeze(1).expand(mask.shape), log_w.new_zeros(()))
+
+
+def cap_behaviour_weight(log_w: Tensor, mask: Tensor, config: LossConfig) -> BehaviourWeight:
+    """`w = exp(log_w)` with AReaL's cap, so a few very stale tokens cannot dominate the update.
+
+    mode "mask" drops tokens with `w > cap` (the denominator later keeps them); "clamp" truncates w
+    (TIS). Level "sequence" caps each response's geometric mean, so it is kept or dropped whole.
+    Coupled PPO or `behav_cap=None`: w = 1 on the mask. The comparison is in log space.
+    """
+    zero = log_w.new_zeros(())
+    if config.kind != "decoupled" or config.behav_cap is None:
+        ones = torch.where(mask, torch.ones_like(log_w), zero)
+        return BehaviourWeight(w=ones, keep=mask.clone(), capped=torch.zeros_like(mask))
+    log_cap = math.log(config.behav_cap)
+    if config.behav_level == "sequence":
+        log_w = _sequence_log_weight(log_w, mask)
+    over = mask & (log_w > log_cap)
+    if config.behav_mode == "mask":
+        keep = mask & ~over
+    else:
+        keep, log_w = mask.clone(), log_w.clamp(max=log_cap)
+    return BehaviourWeight(w=torch.where(keep, _clamped_exp(log_w), zero), keep=keep, capped=over)
+
+
+@dataclass(frozen=True)
+class Surrogate:
+    """The per-token objective before the behaviour weight, and where each clip won."""
+
+    per_token: Tensor  # with grad; not yet weighted by w nor masked
+    clipped: Tensor  # kept tokens where the eps-clipped branch won strictly
+    dual_clipped: Tensor  # kept tokens with A < 0 where c|A| won strictly
+
+
+def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> Surrogate:
+    """PPO's pessimistic `max(-A u, -A clip(u, 1-eps_lo, 1+eps_hi))`, then `min(., c|A|)` for A < 0.
+
+    The dual clip bounds the loss of a negative-advantage token whose ratio exploded. Clip
+    fractions count strict wins only (a tie, u inside the band or A = 0, is not clipped). With
+    M2PO (`m2_threshold` set) its second-moment mask replaces clipping: the objective is `-A u`.
+    """
+    none = torch.zeros_like(keep)
+    if config.m2_threshold is not None:
+        return Surrogate(per_token=-adv * u, clipped=none, dual_clipped=none)
+    lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
+    unclipped = -adv * u
+    clipped = -adv * u.clamp(lo, hi)
+    per_token = torch.maximum(unclipped, clipped)
+    clipped_strict = keep & (clipped > unclipped).detach()
+    dual_strict = none
+    if config.dual_clip is not None:
+        bound = config.dual_clip * adv.abs()
+        dual_strict = keep & (adv < 0) & (per_token > bound).detach()
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    return Surrogate(per_token=per_token, clipped=clipped_strict, dual_clipped=dual_strict)
+
+
+@dataclass(frozen=True)
+class M2Mask:
+    """The tokens M2PO dropped and the second moment before/after (0.0 when M2PO is off)."""
+
+    dropped: Tensor
+    before: float
+    after: float
+
+
+def m2po_trust_region(log_u: Tensor, adv: Tensor, keep: Tensor, config: LossConfig) -> M2Mask:
+    """M2PO's trust region: mask the largest `(log u)^2` of the candidates until their mean <= tau.
+
+    Candidates are the kept tokens (scope "all", the paper) or only those whose ratio already moved
+    the way A pushes it (scope "harmful", the released code: the tokens PPO would clip).
+    """
+    if config.m2_threshold is None:
+        return M2Mask(dropped=torch.zeros_like(keep), before=0.0, after=0.0)
+    if config.m2_scope == "all":
+        candidates = keep
+    else:
+        candidates = keep & (((adv > 0) & (log_u > 0)) | ((adv < 0) & (log_u < 0)))
+    dropped, before, after = m2po_mask(log_u, candidates, config.m2_threshold)
+    return M2Mask(dropped=dropped, before=before, after=after)
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, aggregation: Aggregation, loss_denominator: float | None = None
+) -> Tensor:
+    """Reduce the per-token losses; denominators count the original mask (dropped tokens count).
+
+    `loss_denominator` replaces this call's normaliser so micro-batch losses sum to the minibatch
+    loss. Denominators stay tensors (no device sync). An empty batch, or an explicit 0 normaliser,
+    gives 0 that is still in the graph, so a trainer can always call `backward()`.
+    """
+    row_tokens = mask.sum(dim=1)
+    total = per_token.sum()
+    denom: Tensor | float
+    if aggregation == "token-mean":
+        denom = mask.sum().clamp(min=1).to(per_token.dtype) if loss_denominator is None else loss_denominator
+    elif aggregation == "seq-mean-token-mean":
+        total = (per_token.sum(dim=1) / row_tokens.clamp(min=1).to(per_token.dtype)).sum()
+        denom = ((row_tokens > 0).sum().clamp(min=1).to(per_token.dtype) if loss_denominator is None
+                 else loss_denominator)
+    else:  # seq-mean-token-sum-norm (Dr. GRPO): divide by the padded length T
+        denom = float(per_token.shape[1]) if loss_denominator is None else loss_denominator
+    return total / denom if (isinstance(denom, Tensor) or denom > 0) else total * 0.0
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What the loss was built from, handed to the metrics stage."""
+
+    loss: Tensor
+    keep: Tensor  # tokens in the numerator: the mask minus the behaviour cap and M2PO drops
+    weight: BehaviourWeight
+    surrogate: Surrogate
+    m2: M2Mask
+    proximal_s: float
+
+
+# The stats computed on the device (in this order, one sync); m2_before/after and proximal_s follow.
+_DEVICE_STAT_KEYS: tuple[str, ...] = (
+    "loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
+    "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
+    "importance_weight_mean", "behav_weight_max", "behav_weight_mean",
+    "staleness_mean", "staleness_max", "m2_masked_fraction",
+)
+
+
+def _masked_max(x: Tensor, sel: Tensor) -> Tensor:
+    """float64 max of `x` over `sel`: -inf when `sel` is empty, 0 when `x` is (zeroed later)."""
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
+    return torch.where(sel, x, -inf).amax() if x.numel() else inf.new_zeros(())
+
+
+def _staleness(mask: Tensor, versions: Tensor | None, current_version: int | None) -> tuple[Tensor, Tensor]:
+    """(generated tokens of the mask, staleness d >= 0 in float64); none without versions."""
+    if versions is None or current_version is None:
+        return torch.zeros_like(mask), torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    st = (current_version - versions.to(torch.int64)).clamp(min=0).to(torch.float64)
+    return mask & (versions >= 0), st
+
+
+def loss_metrics(
+    x: PolicyInputs, terms: LossTerms, versions: Tensor | None, current_version: int | None
+) -> dict[str, float]:
+    """STAT_KEYS as Python floats: float64, detached, one device sync, non-finite (empty) -> 0.
+
+    Fractions are over the original mask count, so per-call stats weight by `tokens`.
+    """
+    f64 = torch.float64
+    with torch.no_grad():
+        m, keep = x.mask, terms.keep
+        n = m.sum().to(f64).clamp(min=1)
+        iw = (x.lp - x.lp_b).detach().to(f64).clamp(max=700.0).exp()  # pi / pi_behav
+        wk = terms.weight.w.detach().to(f64)
+        st_mask, st = _staleness(m, versions, current_version)
+        n_st, n_keep = st_mask.sum().to(f64), keep.sum().to(f64)
+        values = torch.stack([
+            terms.loss.detach().to(f64),
+            m.sum().to(f64),
+            n_keep,
+            terms.surrogate.clipped.sum().to(f64) / n,
+            terms.surrogate.dual_clipped.sum().to(f64) / n,
+            terms.weight.capped.sum().to(f64) / n,
+            _masked_max(iw, m),
+            -_masked_max(-iw, m),
+            torch.where(m, iw, 0.0).sum() / n,
+            _masked_max(wk, keep),
+            torch.where(keep, wk, 0.0).sum() / n_keep.clamp(min=1),
+            torch.where(st_mask, st, 0.0).sum() / n_st.clamp(min=1),
+            _masked_max(st, st_mask),
+            terms.m2.dropped.sum().to(f64) / n,
+        ])
+        finite = torch.where(torch.isfinite(values), values, 0.0).tolist()  # empty max -> 0
+    stats = dict(zip(_DEVICE_STAT_KEYS, finite))
+    stats.update(m2_before=terms.m2.before, m2_after=terms.m2.after, proximal_s=terms.proximal_s)
+    return stats
+
+
+# ------------------------------------------------------------------------------------ policy loss: checks
+
+
+TensorKind = Literal["float", "int", "mask"]
+
+
+def _check_tensor(name: str, t: Any, shape: torch.Size, *, kind: TensorKind, device: torch.device,
                   allow_row: bool = False) -> Tensor:
+    """`t` is a tensor on `device` shaped like logprobs (or `[B]`), of the expected dtype family."""
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
@@ -278,6 +584,55 @@ def _check_tensor(name: str, t: Any, shape: torch.Size, *, kind: str, device: to
     if kind == "mask" and t.is_complex():
         raise ValueError(f"mask must be bool or 0/1 numbers, got {t.dtype}")
     return t
+
+
+def _check_tensors(logprobs: Any, behav_logprobs: Any, advantages: Any, mask: Any, versions: Any,
+                   loss_denominator: float | None) -> None:
+    """Types, shapes, dtypes and devices of `policy_loss`'s tensors, and the denominator."""
+    if not isinstance(logprobs, Tensor):
+        raise ValueError(f"logprobs must be a torch.Tensor, got {type(logprobs).__name__}")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    if not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs.dtype}")
+    shape, dev = logprobs.shape, logprobs.device
+    _check_tensor("behav_logprobs", behav_logprobs, shape, kind="float", device=dev)
+    _check_tensor("advantages", advantages, shape, kind="float", device=dev, allow_row=True)
+    _check_tensor("mask", mask, shape, kind="mask", device=dev)
+    if versions is not None:
+        _check_tensor("versions", versions, shape, kind="int", device=dev)
+    if loss_denominator is not None and not (loss_denominator >= 0 and math.isfinite(loss_denominator)):
+        raise ValueError(f"loss_denominator must be a finite number >= 0, got {loss_denominator!r}")
+
+
+def _check_proximal_inputs(config: LossConfig, logprobs: Tensor, mask: Tensor, versions: Tensor | None,
+                           current_version: Any, prox_logprobs: Any) -> None:
+    """What the configured proximal method needs: `prox_logprobs`, or versions on every masked token."""
+    decoupled = config.kind == "decoupled"
+    if decoupled and config.proximal == "recompute":
+        if prox_logprobs is None:
+            raise ValueError("prox_logprobs is required for proximal='recompute'")
+        _check_tensor("prox_logprobs", prox_logprobs, logprobs.shape, kind="float", device=logprobs.device)
+    if decoupled and config.proximal == "loglinear":
+        if versions is None or current_version is None:
+            raise ValueError("versions and current_version are required for proximal='loglinear'")
+        if bool((versions[_bool_mask(mask)] < 0).any()):
+            raise ValueError("versions is -1 (not generated) on a token that mask includes")
+
+
+def _as_version(current_version: Any) -> int | None:
+    """`current_version` as a Python int (any integer type but bool), or None."""
+    if current_version is None:
+        return None
+    if not isinstance(current_version, bool):
+        try:
+            return operator.index(current_version)
+        except TypeError:
+            pass
+    raise ValueError(f"current_version must be an int, got {current_version!r}")
+
+
+# ------------------------------------------------------------------------------------ policy loss
 
 
 def policy_loss(
@@ -304,170 +659,34 @@ def policy_loss(
     non-empty sequences (seq-mean-token-mean), or the length normaliser (seq-mean-token-sum-norm;
     default the padded length T). Default None: this call alone.
     """
+    # ---- 0. checks (a ValueError naming the argument, before any arithmetic), then sanitised inputs
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
-    if not isinstance(logprobs, Tensor):
-        raise ValueError(f"logprobs must be a torch.Tensor, got {type(logprobs).__name__}")
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    if not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a floating-point tensor, got {logprobs.dtype}")
-    shape, dev = logprobs.shape, logprobs.device
-    _check_tensor("behav_logprobs", behav_logprobs, shape, kind="float", device=dev)
-    _check_tensor("advantages", advantages, shape, kind="float", device=dev, allow_row=True)
-    _check_tensor("mask", mask, shape, kind="mask", device=dev)
-    if versions is not None:
-        _check_tensor("versions", versions, shape, kind="int", device=dev)
-    if loss_denominator is not None and not (loss_denominator >= 0 and math.isfinite(loss_denominator)):
-        raise ValueError(f"loss_denominator must be a finite number >= 0, got {loss_denominator!r}")
+    _check_tensors(logprobs, behav_logprobs, advantages, mask, versions, loss_denominator)
+    _check_proximal_inputs(config, logprobs, mask, versions, current_version, prox_logprobs)
+    version = _as_version(current_version)
+    x = prepare_inputs(logprobs, behav_logprobs, advantages, mask)
 
-    decoupled = config.kind == "decoupled"
-    use_loglinear = decoupled and config.proximal == "loglinear"
-    if decoupled and config.proximal == "recompute":
-        if prox_logprobs is None:
-            raise ValueError("prox_logprobs is required for proximal='recompute'")
-        _check_tensor("prox_logprobs", prox_logprobs, shape, kind="float", device=dev)
-    if use_loglinear and (versions is None or current_version is None):
-        raise ValueError("versions and current_version are required for proximal='loglinear'")
+    # ---- 1. proximal log-probs lp_p: behaviour (ppo), recomputed forward, or A-3PO log-linear
+    prox = proximal_logprobs(x, config, versions=versions, current_version=version, prox_logprobs=prox_logprobs)
 
-    m = mask if mask.dtype == torch.bool else mask != 0
-    if use_loglinear and bool((versions[m] < 0).any()):
-        raise ValueError("versions is -1 (not generated) on a token that mask includes")
-    if current_version is not None:
-        try:
-            if isinstance(current_version, bool):
-                raise TypeError
-            current_version = operator.index(current_version)
-        except TypeError:
-            raise ValueError(f"current_version must be an int, got {current_version!r}") from None
+    # ---- 2. ratios: u = exp(lp - lp_p) with grad (trust region), log w = lp_p - lp_b detached
+    ratios = compute_ratios(x.lp, prox.logprobs, x.lp_b)
 
-    cdtype = torch.promote_types(logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=cdtype, device=dev)
-    # Sanitise: masked-out positions may hold padding garbage (NaN, -inf); where() keeps them out
-    # of both the forward values and the gradient.
-    lp = torch.where(m, logprobs.to(cdtype), zero)
-    lp_b = torch.where(m, behav_logprobs.detach().to(cdtype), zero)
-    adv = advantages.detach().to(cdtype)
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(1).expand(shape)
-    adv = torch.where(m, adv, zero)
+    # ---- 3. behaviour-weight cap (decoupled): mask or clamp w, per token or per sequence
+    weight = cap_behaviour_weight(ratios.log_w, x.mask, config)
 
-    proximal_s = 0.0
-    if not decoupled:
-        lp_p = lp_b
-    elif use_loglinear:
-        t0 = time.perf_counter()
-        lp_p = loglinear_proximal(lp_b, lp, versions, int(current_version),
-                                  on_policy=config.loglinear_on_policy)
-        proximal_s = time.perf_counter() - t0
-    else:
-        lp_p = torch.where(m, prox_logprobs.detach().to(cdtype), zero)
+    # ---- 4. clipped objective: PPO clip and dual clip (M2PO instead: the unclipped -A u)
+    surrogate = clipped_surrogate(x.adv, ratios.u, weight.keep, config)
 
-    n_tokens = m.sum()
-    row_tokens = m.sum(dim=1)
+    # ---- 5. M2PO mask: drop the largest (log u)^2 until their mean is <= tau
+    m2 = m2po_trust_region(ratios.log_u, x.adv, weight.keep, config)
+    keep = weight.keep & ~m2.dropped
+    per_token = torch.where(keep, weight.w * surrogate.per_token, x.lp.new_zeros(()))
 
-    # ---- behaviour weight w = exp(lp_p - lp_b), detached, capped (decoupled only)
-    log_w = (lp_p - lp_b).detach()
-    keep = m.clone()
-    truncated = torch.zeros_like(m)
-    if decoupled and config.behav_cap is not None:
-        log_cap = math.log(config.behav_cap)
-        if config.behav_level == "sequence":  # geometric mean of w over the response
-            seq_log_w = (log_w * m).sum(dim=1) / row_tokens.clamp(min=1)
-            log_w = torch.where(m, seq_log_w.unsqueeze(1).expand(shape), zero)
-        over = m & (log_w > log_cap)
-        if config.behav_mode == "mask":
-            keep = m & ~over
-        else:
-            truncated = over
-            log_w = log_w.clamp(max=log_cap)
-        w = torch.where(keep, log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp(), zero)
-        filtered = over
-    else:
-        w = torch.where(m, torch.ones_like(lp), zero)
-        filtered = torch.zeros_like(m)
+    # ---- 6. aggregation over the original mask count (or the caller's minibatch denominator)
+    loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator)
 
-    # ---- trust-region ratio u = exp(lp - lp_p) (with grad through lp)
-    log_u = lp - lp_p.detach()
-    u = log_u.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
-
-    m2_before = m2_after = 0.0
-    m2_dropped = torch.zeros_like(m)
-    clipped_strict = torch.zeros_like(m)
-    dual_strict = torch.zeros_like(m)
-    if config.m2_threshold is not None:
-        # M2PO: second-moment mask, then the unclipped objective -M * r * A (times w if decoupled).
-        if config.m2_scope == "all":
-            candidates = keep
-        else:  # "harmful": the ratio already moved the way A pushes it (PPO would clip these)
-            candidates = keep & (((adv > 0) & (log_u > 0)) | ((adv < 0) & (log_u < 0)))
-        m2_dropped, m2_before, m2_after = m2po_mask(log_u, candidates, config.m2_threshold)
-        keep = keep & ~m2_dropped
-        per_token = -adv * u
-    else:
-        lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
-        unclipped = -adv * u
-        clipped = -adv * u.clamp(lo, hi)
-        per_token = torch.maximum(unclipped, clipped)
-        clipped_strict = keep & (clipped > unclipped).detach()
-        if config.dual_clip is not None:
-            bound = config.dual_clip * adv.abs()
-            dual_strict = keep & (adv < 0) & (per_token > bound).detach()
-            per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-    per_token = torch.where(keep, w * per_token, zero)
-
-    # ---- aggregation (denominators keep the original mask counts; tensors, so no device sync)
-    total = per_token.sum()
-    if config.aggregation == "token-mean":
-        denom = n_tokens.clamp(min=1).to(cdtype) if loss_denominator is None else loss_denominator
-    elif config.aggregation == "seq-mean-token-mean":
-        total = (per_token.sum(dim=1) / row_tokens.clamp(min=1).to(cdtype)).sum()
-        denom = ((row_tokens > 0).sum().clamp(min=1).to(cdtype) if loss_denominator is None
-                 else loss_denominator)
-    else:  # seq-mean-token-sum-norm (Dr. GRPO): divide by the padded length T
-        denom = float(shape[1]) if loss_denominator is None else loss_denominator
-    # an empty batch, or an explicit 0 normaliser, gives 0 (still in the graph for backward)
-    loss = total / denom if (isinstance(denom, Tensor) or denom > 0) else total * 0.0
-
-    # ---- metrics: float64, detached, one device sync; fractions over the original mask count
-    with torch.no_grad():
-        f64 = torch.float64
-        n = n_tokens.to(f64).clamp(min=1)
-        iw = (lp - lp_b).detach().to(f64).clamp(max=700.0).exp()  # pi / pi_behav
-        wk = w.detach().to(f64)
-        inf = torch.tensor(float("inf"), dtype=f64, device=dev)
-        if versions is not None and current_version is not None:
-            st_mask = m & (versions >= 0)
-            st = (current_version - versions.to(torch.int64)).clamp(min=0).to(f64)
-        else:
-            st_mask, st = torch.zeros_like(m), torch.zeros(shape, dtype=f64, device=dev)
-        n_st = st_mask.sum().to(f64)
-        n_keep = keep.sum().to(f64)
-
-        def masked_max(x: Tensor, sel: Tensor) -> Tensor:
-            return torch.where(sel, x, -inf).amax() if x.numel() else inf.new_zeros(())
-
-        values = torch.stack([
-            loss.detach().to(f64),
-            n_tokens.to(f64),
-            n_keep,
-            clipped_strict.sum().to(f64) / n,
-            dual_strict.sum().to(f64) / n,
-            (filtered if config.behav_mode == "mask" else truncated).sum().to(f64) / n,
-            masked_max(iw, m),
-            -masked_max(-iw, m),
-            torch.where(m, iw, 0.0).sum() / n,
-            masked_max(wk, keep),
-            torch.where(keep, wk, 0.0).sum() / n_keep.clamp(min=1),
-            torch.where(st_mask, st, 0.0).sum() / n_st.clamp(min=1),
-            masked_max(st, st_mask),
-            m2_dropped.sum().to(f64) / n,
-        ])
-        values = torch.where(torch.isfinite(values), values, 0.0).tolist()  # empty max -> 0
-        names = ("loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
-                 "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
-                 "importance_weight_mean", "behav_weight_max", "behav_weight_mean",
-                 "staleness_mean", "staleness_max", "m2_masked_fraction")
-        stats = dict(zip(names, values))
-        stats.update(m2_before=m2_before, m2_after=m2_after, proximal_s=proximal_s)
-    return loss, stats
+    # ---- 7. metrics: float64, detached, one device sync
+    terms = LossTerms(loss=loss, keep=keep, weight=weight, surrogate=surrogate, m2=m2, proximal_s=prox.seconds)
+    return loss, loss_metrics(x, terms, versions, version)

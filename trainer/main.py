@@ -8,12 +8,20 @@ trains its shard of each batch. Resumes from the newest checkpoint in the checkp
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Any
+
+from asyncrl.loader import load_job
+from asyncrl.runtime import Runtime
+from asyncrl.spec import AsyncRLJob
+
+# torch, transformers, Redis and the web server are imported inside the functions that run the
+# trainer: `asyncrl --help` (and the operator, which has no torch) imports this module to build
+# the command line (asyncrl/cli.py).
 
 ENV_TORCH_THREADS = "ASYNCRL_TORCH_THREADS"
 
@@ -36,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _set_threads(args: argparse.Namespace) -> None:
-    import torch
+    import torch  # (heavy: see the note at the top)
 
     threads = args.threads or int(os.environ.get(ENV_TORCH_THREADS, "0") or 0)
     if threads > 0:
@@ -44,50 +52,46 @@ def _set_threads(args: argparse.Namespace) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
-
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from asyncrl.loader import load_job
-
     job = load_job(args.config)
     _set_threads(args)
     return asyncio.run(_main(job, args))
 
 
-def build_trainer(job: Any, args: argparse.Namespace, runtime: Any, ctx: Any, io: Any = None) -> Any:
-    """Model, optimizer, loss config and state (restored from a checkpoint when there is one)."""
-    import torch
+def with_overrides(job: AsyncRLJob, args: argparse.Namespace) -> AsyncRLJob:
+    """The job as this process runs it: `--max-steps` replaces spec.trainer.maxSteps (re-validated)."""
+    if not getattr(args, "max_steps", None):
+        return job
+    job = job.model_copy(deep=True)
+    job.spec.trainer.max_steps = args.max_steps
+    return job
+
+
+def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any, io: Any = None) -> Any:
+    """Model, optimizer and state (restored from a checkpoint when there is one) around the loop."""
+    import torch  # (heavy: see the note at the top)
 
     from asyncrl.models import load_causal_lm, load_tokenizer
     from asyncrl.status_report import TrainerReport
     from asyncrl.trainer import distributed as D
     from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
-    from asyncrl.trainer.loop import LoopConfig, Trainer, truncate_metrics
-    from asyncrl.trainer.losses import LossConfig
+    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.step_metrics import truncate_metrics
 
+    job = with_overrides(job, args)
     spec = job.spec
-    algo = spec.algorithm
     torch.manual_seed(spec.seed)
     model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device)
     if spec.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
-    opt = algo.optimizer
+    opt = spec.algorithm.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                   eps=opt.eps, weight_decay=opt.weight_decay)
-    metrics_path = Path(runtime.run_dir) / "metrics.jsonl"
-    cfg = LoopConfig(
-        job=job.metadata.name, batch_size=algo.batch_size, eta=spec.staleness.max_head_offpolicyness,
-        minibatches=algo.minibatches, micro_batch_tokens=algo.micro_batch_tokens,
-        temperature=algo.temperature, estimator=algo.advantage_estimator,
-        batch_normalize_advantages=algo.batch_normalize_advantages, aggregation=algo.aggregation,
-        grad_clip=opt.grad_clip, max_steps=args.max_steps or spec.trainer.max_steps,
-        checkpoint_interval=spec.trainer.checkpoint_interval, engine_kind=spec.rollout.engine,
-        weights_dir=Path(runtime.weights_dir), checkpoint_dir=Path(runtime.checkpoint_dir),
-        metrics_path=metrics_path)
+    cfg = RunConfig.from_runtime(runtime, job)
     state, report = None, None
     ckpt = None if args.no_resume else latest_checkpoint(cfg.checkpoint_dir)
     if ckpt is not None:
@@ -96,16 +100,16 @@ def build_trainer(job: Any, args: argparse.Namespace, runtime: Any, ctx: Any, io
             report = TrainerReport.model_validate(state.report)
             report.last_checkpoint = str(ckpt)
         log.info("resumed from %s: step %d, version %d", ckpt, state.step, state.version)
-    if ctx.is_main:  # lines of steps after the checkpoint (or of a run that never checkpointed) were lost
-        truncate_metrics(metrics_path, state.step if state else 0)
+    if ctx.is_main and cfg.metrics_path is not None:
+        # lines of steps after the checkpoint (or of a run that never checkpointed) were lost
+        truncate_metrics(cfg.metrics_path, state.step if state else 0)
     wrapped = D.wrap_model(model, ctx)
-    return Trainer(cfg, ctx, wrapped, optimizer, tokenizer, LossConfig.from_spec(algo), io=io,
-                   state=state, report=report)
+    return Trainer(job, cfg, ctx, wrapped, optimizer, tokenizer, io=io, state=state, report=report)
 
 
-async def connect_io(job: Any, runtime: Any) -> Any:
+async def connect_io(job: AsyncRLJob, runtime: Runtime) -> Any:
     """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry."""
-    from asyncrl.trainer.loop import StreamIO
+    from asyncrl.trainer.inbox import StreamIO  # (Redis clients: see the note at the top)
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
     from asyncrl.transport.names import StreamNames
@@ -118,17 +122,14 @@ async def connect_io(job: Any, runtime: Any) -> Any:
     consumer = TrajectoryConsumer(redis, names, runtime.pod_name)
     await consumer.ensure_group()
     admission = Admission(redis, names, batch_size=spec.algorithm.batch_size,
-                          eta=spec.staleness.max_head_offpolicyness,
+                          max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
                           max_concurrent=spec.max_concurrent_groups())
     return StreamIO(redis=redis, consumer=consumer, admission=admission,
                     versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names))
 
 
-async def _main(job: Any, args: argparse.Namespace) -> int:
-    import asyncio
-
-    from asyncrl.runtime import Runtime
-    from asyncrl.trainer import distributed as D
+async def _main(job: AsyncRLJob, args: argparse.Namespace) -> int:
+    from asyncrl.trainer import distributed as D  # (torch: see the note at the top)
 
     runtime = Runtime.from_env()
     ctx = D.init_distributed(job.spec.trainer.device)
@@ -141,7 +142,7 @@ async def _main(job: Any, args: argparse.Namespace) -> int:
         trainer = build_trainer(job, args, runtime, ctx, io)
         _install_signal_handlers(trainer)
         if ctx.is_main and not args.no_status:
-            from asyncrl.trainer.status_api import StatusServer, create_app
+            from asyncrl.trainer.status_api import StatusServer, create_app  # (web server: see the top)
 
             port = job.spec.trainer.status_port if args.status_port is None else args.status_port
             server = StatusServer(create_app(trainer.get_report, token=runtime.status_token),

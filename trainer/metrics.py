@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
 from prometheus_client.core import HistogramMetricFamily, Metric
@@ -72,6 +72,13 @@ class TrainerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+
+        def gauge(name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+            return Gauge(f"{PREFIX}_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(f"{PREFIX}_{name}", doc, buckets=buckets, registry=r)
+
         self._lock = threading.Lock()
         self._last_step_seen = -1
         self._groups_seen = 0
@@ -80,44 +87,35 @@ class TrainerMetrics:
 
         self.info = Info(f"{PREFIX}_job", "The job this trainer runs.", registry=r)
         self.phase = Enum(f"{PREFIX}_phase", "Trainer phase.", states=PHASES, registry=r)
-        self.step = Gauge(f"{PREFIX}_step", "Optimizer steps done.", registry=r)
-        self.max_steps = Gauge(f"{PREFIX}_max_steps", "Steps the job will run (0: unbounded).", registry=r)
-        self.policy_version = Gauge(f"{PREFIX}_policy_version", "Version of the latest published weights.", registry=r)
+        self.step = gauge("step", "Optimizer steps done.")
+        self.max_steps = gauge("max_steps", "Steps the job will run (0: unbounded).")
+        self.policy_version = gauge("policy_version", "Version of the latest published weights.")
         self.groups = Counter(f"{PREFIX}_groups_trained", "Trajectory groups trained.", registry=r)
         self.tokens = Counter(f"{PREFIX}_tokens_trained", "Response tokens trained.", registry=r)
-        self.tokens_per_second = Gauge(f"{PREFIX}_tokens_per_second", "Trained tokens per second (recent).", registry=r)
-        self.reward = Gauge(f"{PREFIX}_reward_mean", "Mean reward of the last step's batch (NaN before the first).", registry=r)
-        self.loss = Gauge(f"{PREFIX}_loss", "Policy loss of the last step.", registry=r)
-        self.staleness_mean = Gauge(f"{PREFIX}_staleness_mean", "Mean version lag of the last step's tokens.", registry=r)
-        self.staleness_max = Gauge(f"{PREFIX}_staleness_max", "Largest version lag in the last step.", registry=r)
-        self.staleness_limit = Gauge(f"{PREFIX}_staleness_limit", "eta: groups older than this are dropped.", registry=r)
+        self.tokens_per_second = gauge("tokens_per_second", "Trained tokens per second (recent).")
+        self.reward = gauge("reward_mean", "Mean reward of the last step's batch (NaN before the first).")
+        self.loss = gauge("loss", "Policy loss of the last step.")
+        self.staleness_mean = gauge("staleness_mean", "Mean version lag of the last step's tokens.")
+        self.staleness_max = gauge("staleness_max", "Largest version lag in the last step.")
+        self.staleness_limit = gauge("staleness_limit", "eta: groups older than this are dropped.")
         self.dropped = Counter(f"{PREFIX}_stale_groups_dropped", "Groups dropped as too stale.", registry=r)
         self.staleness_histogram = _StalenessHistogram()
         r.register(self.staleness_histogram)
-        self.clip_fraction = Gauge(f"{PREFIX}_clip_fraction", "Fraction of tokens clipped in the last step.", registry=r)
-        self.importance_weight = Gauge(
-            f"{PREFIX}_importance_weight", "Importance weights of the last step.", ["stat"], registry=r
-        )
-        self.proximal_seconds = Gauge(f"{PREFIX}_proximal_seconds", "Proximal logprob time of the last step.", registry=r)
-        self.step_seconds = Gauge(f"{PREFIX}_step_seconds", "Wall time of the last step.", registry=r)
-        self.weight_sync_seconds = Gauge(f"{PREFIX}_weight_sync_seconds", "Weight publish+sync time of the last step.", registry=r)
-        self.step_duration = Histogram(
-            f"{PREFIX}_step_duration_seconds", "Wall time per step.", buckets=STEP_SECONDS_BUCKETS, registry=r
-        )
-        self.proximal_duration = Histogram(
-            f"{PREFIX}_proximal_duration_seconds", "Proximal logprob time per step.", buckets=STEP_SECONDS_BUCKETS, registry=r
-        )
-        self.weight_sync_duration = Histogram(
-            f"{PREFIX}_weight_sync_duration_seconds", "Weight sync time per step.", buckets=SYNC_SECONDS_BUCKETS, registry=r
-        )
-        self.engine_version = Gauge(
-            f"{PREFIX}_engine_weight_version", "Weight version each rollout engine serves (-1: unknown).", ["engine"], registry=r
-        )
-        self.engine_ready = Gauge(f"{PREFIX}_engine_ready", "1 when the rollout engine is ready.", ["engine"], registry=r)
-        self.engine_lag = Gauge(
-            f"{PREFIX}_engine_version_lag", "Policy version minus the engine's weight version.", ["engine"], registry=r
-        )
-        self.updated = Gauge(f"{PREFIX}_report_updated_timestamp_seconds", "When the trainer last updated its report.", registry=r)
+        self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped in the last step.")
+        self.importance_weight = gauge("importance_weight", "Importance weights of the last step.", ["stat"])
+        self.proximal_seconds = gauge("proximal_seconds", "Proximal logprob time of the last step.")
+        self.step_seconds = gauge("step_seconds", "Wall time of the last step.")
+        self.weight_sync_seconds = gauge("weight_sync_seconds", "Weight publish+sync time of the last step.")
+        self.step_duration = histogram("step_duration_seconds", "Wall time per step.", STEP_SECONDS_BUCKETS)
+        self.proximal_duration = histogram("proximal_duration_seconds", "Proximal logprob time per step.",
+                                           STEP_SECONDS_BUCKETS)
+        self.weight_sync_duration = histogram("weight_sync_duration_seconds", "Weight sync time per step.",
+                                              SYNC_SECONDS_BUCKETS)
+        self.engine_version = gauge("engine_weight_version", "Weight version each rollout engine serves (-1: unknown).",
+                                    ["engine"])
+        self.engine_ready = gauge("engine_ready", "1 when the rollout engine is ready.", ["engine"])
+        self.engine_lag = gauge("engine_version_lag", "Policy version minus the engine's weight version.", ["engine"])
+        self.updated = gauge("report_updated_timestamp_seconds", "When the trainer last updated its report.")
 
     def update(self, report: TrainerReport) -> None:
         """Bring every metric in line with `report` (idempotent; call before each scrape)."""

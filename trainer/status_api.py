@@ -238,7 +238,7 @@ class StatusServer:
             started.set()
             try:
                 loop.run_until_complete(self._task)  # type: ignore[arg-type]
-            except BaseException:  # noqa: BLE001 - cancelled or failed during stop; logged by uvicorn
+            except BaseException:
                 pass
             finally:
                 loop.close()

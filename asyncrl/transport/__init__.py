@@ -12,8 +12,24 @@ from .versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from .wire import SCHEMA_VERSION, TrajectoryGroup, TrajectorySample, WireFormatError, decode_group, encode_group
 
 __all__ = [
-    "Admission", "AdmissionSnapshot", "admission_capacity", "is_too_stale", "RedisUnavailableError",
-    "connect", "StreamNames", "Delivery", "TrajectoryConsumer", "TrajectoryProducer", "EngineInfo",
-    "EngineRegistry", "VersionChannel", "VersionEvent", "SCHEMA_VERSION", "TrajectoryGroup",
-    "TrajectorySample", "WireFormatError", "decode_group", "encode_group",
+    "SCHEMA_VERSION",
+    "Admission",
+    "AdmissionSnapshot",
+    "Delivery",
+    "EngineInfo",
+    "EngineRegistry",
+    "RedisUnavailableError",
+    "StreamNames",
+    "TrajectoryConsumer",
+    "TrajectoryGroup",
+    "TrajectoryProducer",
+    "TrajectorySample",
+    "VersionChannel",
+    "VersionEvent",
+    "WireFormatError",
+    "admission_capacity",
+    "connect",
+    "decode_group",
+    "encode_group",
+    "is_too_stale",
 ]

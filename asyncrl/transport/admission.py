@@ -40,15 +40,15 @@ RELEASED_RETENTION_MS = 3_600_000
 """How long released lease ids are remembered, to make a retried release a no-op."""
 
 # Common prologue: server time in ms, drop expired leases and old released-lease records.
-_PROLOGUE = """
+_PROLOGUE = f"""
 local state, leases, released = KEYS[1], KEYS[2], KEYS[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
-redis.call('ZREMRANGEBYSCORE', released, '-inf', now - %d)
+redis.call('ZREMRANGEBYSCORE', released, '-inf', now - {RELEASED_RETENTION_MS})
 local version = tonumber(redis.call('HGET', state, 'version') or '0')
 local accepted = tonumber(redis.call('HGET', state, 'accepted') or '0')
-""" % RELEASED_RETENTION_MS
+"""
 
 # ARGV: lease_id, max_concurrent, eta, batch_size, lease_ms -> {granted, version, accepted, running}
 _ACQUIRE_LUA = _PROLOGUE + """
@@ -102,9 +102,10 @@ return {version, accepted, redis.call('ZCARD', leases),
 """
 
 
-def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int, eta: int,
-                       max_concurrent: int) -> int:
-    """How many more groups may start now (the rule above; <= 0 means none)."""
+def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int,
+                       max_head_offpolicyness: int, max_concurrent: int) -> int:
+    """How many more groups may start now (the rule above, eta = max_head_offpolicyness; <= 0: none)."""
+    eta = max_head_offpolicyness
     return min(max_concurrent - running, (eta + version + 1) * batch_size - (accepted + running))
 
 
@@ -122,15 +123,17 @@ class AdmissionSnapshot:
 class Admission:
     """One pod's handle on its job's global admission state."""
 
-    def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int, eta: int,
-                 max_concurrent: int, lease_seconds: float = 120) -> None:
+    def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int,
+                 max_head_offpolicyness: int, max_concurrent: int, lease_seconds: float = 120) -> None:
+        eta = max_head_offpolicyness
         if batch_size < 1 or eta < 0 or max_concurrent < 1 or lease_seconds <= 0:
-            raise ValueError(f"invalid admission settings: batch_size={batch_size}, eta={eta}, "
+            raise ValueError(f"invalid admission settings: batch_size={batch_size}, "
+                             f"max_head_offpolicyness={eta}, "
                              f"max_concurrent={max_concurrent}, lease_seconds={lease_seconds}")
         self.redis = redis
         self.names = names
         self.batch_size = batch_size
-        self.eta = eta
+        self.max_head_offpolicyness = eta
         self.max_concurrent = max_concurrent
         self.lease_ms = max(int(lease_seconds * 1000), 1)
         self._keys = [names.admission, names.admission_leases, names.admission_released]
@@ -145,7 +148,7 @@ class Admission:
         lease_id = f"{holder}/{uuid.uuid4().hex}"
         granted, *_ = await self._acquire(
             keys=self._keys,
-            args=[lease_id, self.max_concurrent, self.eta, self.batch_size, self.lease_ms])
+            args=[lease_id, self.max_concurrent, self.max_head_offpolicyness, self.batch_size, self.lease_ms])
         return lease_id if int(granted) == 1 else None
 
     async def acquire(self, holder: str, poll_s: float = 0.05, timeout: float | None = None) -> str:
@@ -183,16 +186,17 @@ class Admission:
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
         version, accepted, running, dropped = (int(x) for x in await self._snapshot(keys=self._keys, args=[]))
-        cap = admission_capacity(version, accepted, running, batch_size=self.batch_size, eta=self.eta,
+        cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
+                                 max_head_offpolicyness=self.max_head_offpolicyness,
                                  max_concurrent=self.max_concurrent)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running,
                                  capacity=max(cap, 0), dropped=dropped)
 
 
-def is_too_stale(group: TrajectoryGroup, current_version: int, eta: int) -> bool:
-    """Trainer side: drop a group when current_version - (its oldest token version) > eta.
+def is_too_stale(group: TrajectoryGroup, current_version: int, max_head_offpolicyness: int) -> bool:
+    """Trainer side: drop a group when current_version - (its oldest token version) exceeds the limit.
 
     A group without generated tokens has no staleness and is never too stale.
     """
     oldest = group.oldest_version()
-    return oldest >= 0 and current_version - oldest > eta
+    return oldest >= 0 and current_version - oldest > max_head_offpolicyness

@@ -18,6 +18,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
 
+from asyncrl.errors import TransportError
+
 DEFAULT_RETRIES = 10
 """Per-command retries. With base 0.05 s and a 2 s cap this rides out about 10 s of outage."""
 BACKOFF_BASE_S = 0.05
@@ -26,7 +28,7 @@ DEFAULT_SOCKET_TIMEOUT_S = 30.0
 """Must exceed the longest BLOCK we issue (reads block at most a few seconds)."""
 
 
-class RedisUnavailableError(ConnectionError):
+class RedisUnavailableError(TransportError, ConnectionError):
     """Redis could not be reached (or refused our credentials) when a component started."""
 
 
@@ -143,5 +145,14 @@ def is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError, OSError)) and not isinstance(exc, AuthenticationError)
 
 
-__all__ = ["RedisUnavailableError", "Endpoint", "parse_endpoint", "retry_policy", "make_client",
-           "connect", "wait_available", "is_connection_error", "RedisError"]
+__all__ = [
+    "Endpoint",
+    "RedisError",
+    "RedisUnavailableError",
+    "connect",
+    "is_connection_error",
+    "make_client",
+    "parse_endpoint",
+    "retry_policy",
+    "wait_available",
+]

@@ -26,7 +26,9 @@ class StreamNames:
     versions: str
     """Stream of VersionEvents (new weights published)."""
     engines: str
-    """Hash engine_id -> JSON EngineInfo (registry of inference engines)."""
+    """Hash engine_id -> JSON EngineInfo (registry of inference engines, the workers' heartbeats)."""
+    engine_weights: str
+    """Hash engine_id -> JSON EngineWeights: the version the trainer loaded into each engine."""
     trained: str
     """Set of group ids whose training step was committed (dedupe of duplicate deliveries)."""
     admission: str
@@ -37,18 +39,23 @@ class StreamNames:
     """Sorted set lease_id -> release time (ms): makes a retried release a no-op."""
 
     @classmethod
-    def for_job(cls, job: str) -> "StreamNames":
+    def for_job(cls, job: str) -> StreamNames:
         """Names for `job` (a Kubernetes-style name; braces would break the hash tag)."""
         if not job or any(c in job for c in "{}") or any(c.isspace() for c in job):
             raise ValueError(f"invalid job name for Redis keys: {job!r}")
         base = f"{PREFIX}:{{{job}}}"
         return cls(job=job, trajectories=f"{base}:trajectories", consumer_group=CONSUMER_GROUP,
                    dead_letter=f"{base}:dead-letter", versions=f"{base}:versions",
-                   engines=f"{base}:engines", trained=f"{base}:trained",
+                   engines=f"{base}:engines", engine_weights=f"{base}:engines:weights",
+                   trained=f"{base}:trained",
                    admission=f"{base}:admission", admission_leases=f"{base}:admission-leases",
                    admission_released=f"{base}:admission-released")
 
     def all_keys(self) -> list[str]:
         """Every key of the job (for cleanup when the job is deleted, and for tests)."""
-        return [self.trajectories, self.dead_letter, self.versions, self.engines, self.trained,
-                self.admission, self.admission_leases, self.admission_released]
+        return [self.trajectories, self.dead_letter, self.versions, self.engines, self.engine_weights,
+                self.trained, self.admission, self.admission_leases, self.admission_released]
+
+    def rollout_cursor(self, shard: str) -> str:
+        """The resumable prompt cursor of one rollout shard (`shared`, or `I-of-N`)."""
+        return f"{PREFIX}:{{{self.job}}}:rollout-cursor:{shard}"

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -228,6 +229,7 @@ class TrajectoryConsumer:
     # ------------------------------------------------------------------------------- internals
 
     async def _xreadgroup(self, entry_id: str, count: int, block: int | None) -> list:
+        reply: Any = None  # redis-py's reply type depends on RESP2/RESP3
         for attempt in (0, 1):
             try:
                 reply = await self.redis.xreadgroup(self.names.consumer_group, self.consumer,
@@ -312,7 +314,8 @@ class DeadLetter:
 async def read_dead_letters(redis: aioredis.Redis, names: StreamNames, count: int = 100) -> list[DeadLetter]:
     """The oldest `count` dead-letter entries of a job."""
     out = []
-    for raw_id, f in await redis.xrange(names.dead_letter, count=count):
+    entries: Any = await redis.xrange(names.dead_letter, count=count)
+    for raw_id, f in entries:
         out.append(DeadLetter(entry_id=_s(raw_id), source_id=_s(f.get(b"source_id", b"")),
                               error=_s(f.get(b"error", b"")), payload=f.get(b"payload", b""),
                               consumer=_s(f.get(b"consumer", b"")),

@@ -5,6 +5,11 @@ still find the latest version (`latest()` reads the newest entry), and a waiter 
 event between "check" and "block" (it blocks from the id it last saw, not from `$`).
 The version stream is a broadcast log with no consumer group, so it is bounded by keeping only
 the newest VERSION_HISTORY events (these are notifications, not training data).
+
+The registry has two writers with separate keys: rollout workers register their engine (and what
+they observe of it) every few seconds; the trainer, the only one that updates engine weights
+(trainer/weight_sync.py), records per engine what it loaded (`EngineWeights`). That record is the
+weight label of engines whose server reports none (vLLM).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -34,7 +40,7 @@ def _s(x: object) -> str:
     return x.decode() if isinstance(x, (bytes, bytearray)) else str(x)
 
 
-def _event(fields: dict) -> VersionEvent | None:
+def _event(fields: Any) -> VersionEvent | None:
     try:
         return VersionEvent(version=int(fields[b"version"]), weights_path=_s(fields[b"weights_path"]),
                             time=float(fields[b"time"]))
@@ -73,8 +79,8 @@ class VersionChannel:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 return None
-            reply = await self.redis.xread({self.names.versions: last_id},
-                                           block=min(max(remaining_ms, 1), MAX_BLOCK_MS))
+            reply: Any = await self.redis.xread({self.names.versions: last_id},
+                                                block=min(max(remaining_ms, 1), MAX_BLOCK_MS))
             for _, entries in reply or []:
                 for raw_id, fields in entries:
                     last_id = _s(raw_id)
@@ -83,7 +89,7 @@ class VersionChannel:
                         event = candidate
 
     async def _latest_entry(self) -> tuple[str, VersionEvent | None]:
-        entries = await self.redis.xrevrange(self.names.versions, count=1)
+        entries: Any = await self.redis.xrevrange(self.names.versions, count=1)
         if not entries:
             return "0-0", None
         raw_id, fields = entries[0]
@@ -97,34 +103,119 @@ class EngineInfo:
     engine_id: str
     url: str
     weight_version: int | None
+    """Registered: what the worker observed. From `EngineRegistry.list()`: the newer of that and
+    the trainer's record (`EngineWeights`), so it is right just after an update too."""
     ready: bool
     heartbeat: float
+    """When the worker observed the engine (Unix seconds)."""
+
+
+@dataclass
+class EngineWeights:
+    """The trainer's record of what it loaded into one engine (written only by the trainer)."""
+
+    version: int | None = None
+    """The version the trainer last loaded (None: never; the engine serves its initial weights, 0)."""
+    updating: int | None = None
+    """The version being loaded while the trainer holds the engine paused, else None."""
+    until: float = 0.0
+    """Unix time after which an `updating` marker is void (a trainer that died mid-update)."""
+    epoch: int = 0
+    """Counts the trainer's updates of this engine (begun ones, failed ones included)."""
+    time: float = 0.0
+    """When the record was last written (Unix seconds)."""
+
+    def in_progress(self, now: float | None = None) -> bool:
+        """True while the trainer is pausing/updating/resuming this engine."""
+        return self.updating is not None and (time.time() if now is None else now) < self.until
+
+    @property
+    def label(self) -> int:
+        """The version the engine serves as far as the trainer knows (0: its initial weights)."""
+        return self.version if self.version is not None else 0
+
+
+def _weights(raw: Any) -> EngineWeights | None:
+    try:
+        return EngineWeights(**json.loads(raw))
+    except (ValueError, TypeError):
+        return None
 
 
 class EngineRegistry:
-    """Hash engine_id -> JSON; rollout pods re-register (heartbeat) periodically."""
+    """Hash engine_id -> JSON EngineInfo (workers' heartbeats), and engine_id -> JSON EngineWeights
+    (the trainer's record) under a sibling key with the same hash tag."""
 
     def __init__(self, redis: aioredis.Redis, names: StreamNames) -> None:
         self.redis = redis
         self.names = names
+        self.weights_key = names.engine_weights
 
     async def register(self, info: EngineInfo) -> None:
         """Insert or refresh an engine (call every few seconds as a heartbeat)."""
         await self.redis.hset(self.names.engines, info.engine_id, json.dumps(asdict(info)))
 
     async def list(self, max_age_s: float = 30) -> list[EngineInfo]:
-        """Engines whose heartbeat is at most `max_age_s` old, sorted by id (corrupt entries skipped)."""
+        """Engines whose heartbeat is at most `max_age_s` old, sorted by id (corrupt entries skipped).
+
+        `weight_version` is the newest knowledge: the trainer's record when it was written after
+        the worker's observation (a fresh update), else what the worker observed (e.g. an engine
+        that restarted on its initial weights since)."""
         now = time.time()
+        records = await self.all_weights()
         out = []
-        for raw in (await self.redis.hgetall(self.names.engines)).values():
+        raw_infos: Any = await self.redis.hgetall(self.names.engines)
+        for raw in raw_infos.values():
             try:
                 info = EngineInfo(**json.loads(raw))
             except (ValueError, TypeError):
                 continue
-            if now - info.heartbeat <= max_age_s:
-                out.append(info)
+            if now - info.heartbeat > max_age_s:
+                continue
+            rec = records.get(info.engine_id)
+            if rec is not None and rec.version is not None and (info.weight_version is None
+                                                                or rec.time >= info.heartbeat):
+                info.weight_version = rec.version
+            out.append(info)
         return sorted(out, key=lambda e: e.engine_id)
 
     async def remove(self, engine_id: str) -> None:
-        """Forget an engine (its pod is shutting down)."""
+        """Forget an engine (its pod is shutting down). The trainer's record stays: a restarted
+        worker finds its engine's weights still described."""
         await self.redis.hdel(self.names.engines, engine_id)
+
+    # -- the trainer's record (trainer/weight_sync.py writes, rollout workers read) --------------
+
+    async def weights(self, engine_id: str) -> EngineWeights | None:
+        """The trainer's record for one engine (None: the trainer never updated it)."""
+        return _weights(await self.redis.hget(self.weights_key, engine_id))
+
+    async def all_weights(self) -> dict[str, EngineWeights]:
+        raw: Any = await self.redis.hgetall(self.weights_key)
+        out = {}
+        for key, value in raw.items():
+            rec = _weights(value)
+            if rec is not None:
+                out[_s(key)] = rec
+        return out
+
+    async def begin_update(self, engine_id: str, version: int, timeout_s: float) -> EngineWeights:
+        """Mark `engine_id` as being updated to `version` (before pausing it)."""
+        rec = await self.weights(engine_id) or EngineWeights()
+        now = time.time()
+        rec = EngineWeights(version=rec.version, updating=version, until=now + timeout_s, epoch=rec.epoch + 1,
+                            time=now)
+        await self._write(engine_id, rec)
+        return rec
+
+    async def end_update(self, engine_id: str, *, loaded: bool) -> EngineWeights:
+        """Clear the marker (before resuming); `loaded`: the engine now serves the marked version,
+        else it keeps the version recorded before (a failed update changes nothing we can know)."""
+        rec = await self.weights(engine_id) or EngineWeights()
+        version = rec.updating if loaded and rec.updating is not None else rec.version
+        rec = EngineWeights(version=version, updating=None, until=0.0, epoch=rec.epoch, time=time.time())
+        await self._write(engine_id, rec)
+        return rec
+
+    async def _write(self, engine_id: str, rec: EngineWeights) -> None:
+        await self.redis.hset(self.weights_key, engine_id, json.dumps(asdict(rec)))

@@ -27,6 +27,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from asyncrl.errors import TransportError
+
 SCHEMA_VERSION = 1
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -36,7 +38,7 @@ _F64 = np.dtype("<f8")
 _I32_MIN, _I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
 
 
-class WireFormatError(ValueError):
+class WireFormatError(TransportError, ValueError):
     """A payload (or a group being encoded) does not follow the trajectory wire schema."""
 
 
@@ -119,7 +121,7 @@ def _as_array(name: str, values: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _bin(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 def _concat(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -176,7 +178,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "v": int, "job": str, "gid": str, "pid": str, "eng": str, "ct": (float, int), "pt": (float, int),
     "prompt": bytes, "n": bytes, "i": bytes, "r": bytes, "fin": list, "ids": bytes, "lp": bytes,
     "ver": bytes}
-_ARRAYS = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
+_ARRAYS: dict[str, np.dtype] = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
 _FIN_SET = frozenset(FINISH_REASONS)
 
 

@@ -3,15 +3,19 @@
 The rollout worker and the trainer's weight sync only ever see `Engine`: generate with per-token
 logprobs, pause, update weights from a directory with a version label, resume, readiness and
 model info. Adapters translate it to one server's HTTP surface (SGLang native, vLLM OpenAI).
+Only the trainer (trainer/weight_sync.py) calls pause / update_weights / resume; a rollout worker
+generates and reads the labels.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import httpx
+
+from asyncrl.errors import RolloutError
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract"]
@@ -19,7 +23,11 @@ PauseMode = Literal["abort", "retract"]
 
 @dataclass
 class SamplingParams:
-    """What to sample; temperature is also the temperature of the reported logprobs."""
+    """What to sample for one request; temperature is also the temperature of the reported logprobs.
+
+    Per request, not the spec's algorithm section: the worker shrinks `max_new_tokens` when it
+    resumes an aborted sample, and `stop_token_ids` come from the tokenizer, not the job file.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -40,7 +48,7 @@ class GenerateResult:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-class EngineError(RuntimeError):
+class EngineError(RolloutError, RuntimeError):
     """A call to an engine server failed; the message names the URL.
 
     `retryable` is False for errors the same request would hit again (a 400: bad request).
@@ -57,6 +65,10 @@ class Engine(abc.ABC):
     """An inference server seen from a rollout worker or a trainer."""
 
     url: str
+    reports_weight_version: ClassVar[bool] = True
+    """True when the server labels every answer with its weight version (SGLang, our hf server).
+    False (vLLM): `GenerateResult.weight_version` is always None, and the version of the weights is
+    what the trainer recorded for this engine in the EngineRegistry (asyncrl.transport.versions)."""
 
     @abc.abstractmethod
     async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
@@ -82,7 +94,7 @@ class Engine(abc.ABC):
     async def model_info(self) -> dict[str, Any]:
         """What the server says it serves (model path, weight version, ...)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional: most adapters have nothing to release
         """Release client resources."""
 
 
@@ -97,7 +109,8 @@ class HTTPEngine(Engine):
         )
         self._owns_client = client is None
 
-    async def _request(self, method: str, path: str, *, json: Any = None, ok_404: bool = False) -> httpx.Response | None:
+    async def _request(self, method: str, path: str, *, json: Any = None,
+                       ok_404: bool = False) -> httpx.Response | None:
         try:
             resp = await self._client.request(method, self.url + path, json=json)
         except httpx.HTTPError as exc:

@@ -9,45 +9,36 @@
 
 Start the server with `--logprobs-mode processed_logprobs`: vLLM's default (raw_logprobs) reports
 logprobs *before* temperature, which are not the behaviour policy's when T != 1.
-vLLM has no weight-version label, so the adapter reports the version of the last successful
-`update_weights` call (None before any), like SGLang's `weight_version`.
+vLLM has no weight-version label, and this adapter invents none: `generate` reports
+`weight_version=None` (`reports_weight_version = False`). The version a vLLM engine serves is what
+the trainer, the only caller of pause / update_weights / resume, recorded for it in the engine
+registry (asyncrl.transport.versions.EngineRegistry); the rollout worker tags tokens from there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from asyncrl.rollout.engines.base import EngineError, GenerateResult, HTTPEngine, PauseMode, SamplingParams
+from asyncrl.rollout.engines.base import (
+    EngineError,
+    FinishReason,
+    GenerateResult,
+    HTTPEngine,
+    PauseMode,
+    SamplingParams,
+)
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
-
-VLLM_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-"""Environment the server needs: dev mode exposes /pause, /resume and /collective_rpc."""
-
-
-def vllm_server_command(python: str, model: str, *, host: str, port: int | str, dtype: str,
-                        tensor_parallel: int = 1, eager: bool = False, extra: list[str] | tuple[str, ...] = ()
-                        ) -> list[str]:
-    """The one way we start a vLLM server that this adapter can drive.
-
-    `--logprobs-mode processed_logprobs` makes vLLM report logprobs after temperature (the
-    behaviour policy's); the default reports them before, which is wrong whenever T != 1.
-    """
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-           "--port", str(port), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel),
-           "--logprobs-mode", "processed_logprobs"]
-    if eager:
-        cmd.append("--enforce-eager")  # CPU: skip graph capture (starts in ~26 s for 135M)
-    return cmd + list(extra)
-
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class VLLMEngine(HTTPEngine):
-    """vLLM OpenAI server behind the common Engine interface."""
+    """vLLM OpenAI server behind the common Engine interface (no weight label: see the module doc)."""
 
-    def __init__(self, url: str, *, model: str | None = None, initial_version: int | None = None, **kw: Any):
+    reports_weight_version: ClassVar[bool] = False
+
+    def __init__(self, url: str, *, model: str | None = None, **kw: Any):
         super().__init__(url, **kw)
         self.model = model
-        self.version = initial_version
 
     async def _model_name(self) -> str:
         if self.model is None:
@@ -59,7 +50,6 @@ class VLLMEngine(HTTPEngine):
         return self.model
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
-        version = self.version  # the label of the weights this request starts under
         body: dict[str, Any] = {
             "model": await self._model_name(),
             "prompt": [int(t) for t in input_ids],
@@ -85,8 +75,8 @@ class VLLMEngine(HTTPEngine):
             raise EngineError(f"/v1/completions answered an unexpected layout: {str(out)[:300]}", url=self.url) from exc
         if len(ids) != len(logprobs):
             raise EngineError("/v1/completions returned tokens and logprobs of different lengths", url=self.url)
-        kind = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason or "", "abort")
-        return GenerateResult(ids, logprobs, kind, version, {"finish_reason": reason, "id": out.get("id")})
+        kind: FinishReason = _FINISH.get(reason or "", "abort")
+        return GenerateResult(ids, logprobs, kind, None, {"finish_reason": reason, "id": out.get("id")})
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", f"/pause?mode={_PAUSE_MODES.get(mode, mode)}")
@@ -94,7 +84,6 @@ class VLLMEngine(HTTPEngine):
     async def update_weights(self, path: str, version: int) -> None:
         await self._request("POST", "/collective_rpc",
                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-        self.version = version
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
@@ -110,4 +99,4 @@ class VLLMEngine(HTTPEngine):
         body = await self._json("GET", "/v1/models")
         data = (body.get("data") or [{}])[0]
         return {"model_path": data.get("root") or data.get("id"), "served_model_name": data.get("id"),
-                "max_model_len": data.get("max_model_len"), "weight_version": self.version, "engine": "vllm"}
+                "max_model_len": data.get("max_model_len"), "weight_version": None, "engine": "vllm"}

@@ -1,0 +1,82 @@
+"""Rank 0's side of the trajectory stream: buffer groups, drop over-stale ones, hand out batches.
+
+Groups are read (this consumer's own pending entries first after a restart, then new ones) into a
+buffer; once B fresh groups are buffered, the B oldest (by oldest token version, then creation time
+and id) form the batch and the rest stay buffered, still pending in Redis, for the next step.
+A group more than `max_head_offpolicyness` (eta) versions behind the trainer is dropped: admission
+gets its capacity back and it is acknowledged at once. Trained groups are acknowledged only at the
+next checkpoint (`ack_trained`, from `Trainer.commit`; checkpoint.py says why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.transport.admission import Admission, is_too_stale
+from asyncrl.transport.streams import Delivery, TrajectoryConsumer
+from asyncrl.transport.wire import TrajectoryGroup
+
+
+@dataclass
+class StreamIO:
+    """Rank 0's connections: the trajectory consumer, admission, version channel, engine registry."""
+
+    redis: Any
+    consumer: Any
+    admission: Any
+    versions: Any
+    registry: Any
+
+
+class GroupInbox:
+    """The groups rank 0 has read but not yet acknowledged, and the reads and acks that move them."""
+
+    def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
+                 max_head_offpolicyness: int, read_block_ms: int = 1000) -> None:
+        self.consumer = consumer
+        self.admission = admission
+        self.batch_size = batch_size
+        self.max_head_offpolicyness = max_head_offpolicyness
+        self.read_block_ms = read_block_ms
+        self.buffer: list[Delivery] = []       # read, fresh, not yet trained (still pending in Redis)
+        self.uncommitted: list[Delivery] = []  # trained since the last checkpoint (acked at the next one)
+
+    async def drop_stale(self, version: int) -> int:
+        """Drop buffered groups too old for `version`: admission frees their capacity, they are acked."""
+        keep: list[Delivery] = []
+        stale: list[Delivery] = []
+        for d in self.buffer:
+            (stale if is_too_stale(d.group, version, self.max_head_offpolicyness) else keep).append(d)
+        self.buffer = keep
+        if stale:
+            await self.admission.record_dropped(len(stale))
+            await self.consumer.ack(stale)
+        return len(stale)
+
+    def take_batch(self) -> list[TrajectoryGroup] | None:
+        """The B oldest buffered groups (now uncommitted), or None while fewer than B are buffered."""
+        if len(self.buffer) < self.batch_size:
+            return None
+        self.buffer.sort(key=lambda d: (d.group.oldest_version(), d.group.created_at, d.group.group_id))
+        batch, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size:]
+        self.uncommitted.extend(batch)
+        return [d.group for d in batch]
+
+    async def read(self) -> None:
+        """Read up to the missing number of groups (blocking briefly); a group already buffered is skipped."""
+        deliveries = await self.consumer.read(count=max(self.batch_size - len(self.buffer), 1),
+                                              block_ms=self.read_block_ms)
+        known = {d.group.group_id for d in self.buffer}
+        for d in deliveries:
+            if d.group.group_id not in known:
+                self.buffer.append(d)
+                known.add(d.group.group_id)
+
+    async def ack_trained(self) -> int:
+        """Acknowledge every group trained since the last call (after a checkpoint); returns how many."""
+        count = len(self.uncommitted)
+        if self.uncommitted:
+            await self.consumer.ack(self.uncommitted)
+        self.uncommitted = []
+        return count

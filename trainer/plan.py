@@ -1,0 +1,118 @@
+"""What one step trains, and in which pieces: plain bookkeeping, the same on every rank.
+
+groups -> sequences with advantages (the group-wise estimator, then the optional token-weighted
+batch normalisation) -> minibatches of whole groups (one optimizer update each) -> this rank's
+micro-batches (every world-size-th sequence, longest first, rows x longest row <= the token budget),
+plus each minibatch's loss normaliser over all ranks, so that the micro-batch losses add up to the
+exact minibatch loss (`policy_loss(loss_denominator=...)`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.spec import AlgorithmSpec
+from asyncrl.trainer.losses import compute_advantages, normalize_advantages
+
+
+@dataclass
+class TrainSequence:
+    """One sample flattened for the trainer (what `batch.build_batch` consumes)."""
+
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behav_logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    advantage: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class MinibatchPlan:
+    """One optimizer update: its sequences (all ranks), this rank's micro-batches, the normaliser."""
+
+    rows: list[int]
+    """Indices into the step's sequences: the minibatch's whole groups, over all ranks."""
+    micro_batches: list[list[int]]
+    """This rank's share of `rows`, cut under the token budget (empty when it has none)."""
+    loss_denominator: float
+    """The whole minibatch's normaliser over all ranks (see `loss_denominator`)."""
+
+
+def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[TrainSequence]:
+    """Flatten trajectory groups into sequences with per-sequence advantages (group-wise estimator)."""
+    seqs: list[TrainSequence] = []
+    for g in groups:
+        rewards = torch.tensor([float(s.reward) for s in g.samples], dtype=torch.float32)
+        adv = compute_advantages(rewards, len(g.samples), estimator=algo.advantage_estimator) \
+            if len(g.samples) > 1 or algo.advantage_estimator == "dr_grpo" else torch.zeros_like(rewards)
+        for s, a in zip(g.samples, adv.tolist()):
+            seqs.append(TrainSequence(np.array(g.prompt_ids), np.array(s.response_ids),  # copies: decoded
+                                      np.array(s.behav_logprobs), np.array(s.versions),  # arrays are read-only
+                                      float(s.reward), float(a)))
+    if algo.batch_normalize_advantages and seqs:
+        adv = normalize_advantages(torch.tensor([s.advantage for s in seqs], dtype=torch.float64),
+                                   torch.tensor([float(len(s.response_ids)) for s in seqs], dtype=torch.float64))
+        for s, a in zip(seqs, adv.tolist()):
+            s.advantage = a
+    return seqs
+
+
+def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec, *, rank: int = 0,
+              world_size: int = 1) -> list[MinibatchPlan]:
+    """The step's minibatches with this rank's micro-batches and each minibatch's normaliser."""
+    plans = []
+    for rows in minibatch_rows([len(g.samples) for g in groups], algo.minibatches):
+        local = plan_microbatches([seqs[i].length for i in rows], algo.micro_batch_tokens,
+                                  rank=rank, world_size=world_size)
+        plans.append(MinibatchPlan(rows, [[rows[j] for j in micro] for micro in local],
+                                   loss_denominator(seqs, rows, algo.aggregation)))
+    return plans
+
+
+def minibatch_rows(group_sizes: list[int], count: int) -> list[list[int]]:
+    """Sequence indices of `count` consecutive runs of whole groups (empty runs left out)."""
+    offsets = [0, *itertools.accumulate(group_sizes)]
+    n, per = len(group_sizes), len(group_sizes) // count or 1
+    rows = [list(range(offsets[min(m * per, n)], offsets[min((m + 1) * per, n)])) for m in range(count)]
+    return [r for r in rows if r]
+
+
+def plan_microbatches(lengths: list[int], budget: int, *, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+    """This rank's micro-batches (indices into `lengths`): longest first, padded tokens <= `budget`.
+
+    The rank takes every world-size-th sequence of the longest-first order; a sequence longer than
+    the budget still forms its own micro-batch.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    micro: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order[rank::world_size]:
+        longest_if = max(longest, lengths[i])
+        if current and longest_if * (len(current) + 1) > budget:
+            micro.append(current)
+            current, longest_if = [], lengths[i]
+        current.append(i)
+        longest = longest_if
+    if current:
+        micro.append(current)
+    return micro
+
+
+def loss_denominator(seqs: list[TrainSequence], rows: list[int], aggregation: str) -> float:
+    """The whole minibatch's normaliser (over all ranks), so micro-batch losses add up exactly."""
+    if aggregation == "token-mean":
+        return float(sum(len(seqs[i].response_ids) for i in rows))
+    if aggregation == "seq-mean-token-mean":
+        return float(sum(1 for i in rows if len(seqs[i].response_ids)))
+    return float(max(seqs[i].length for i in rows) - 1)  # seq-mean-token-sum-norm: padded T

@@ -1,0 +1,141 @@
+"""One step's figures: accumulated per micro-batch, reduced over ranks, appended to metrics.jsonl.
+
+Means are token-weighted sums over this rank's micro-batches, summed over ranks and divided once
+(so they do not depend on how the batch was cut); the loss is the sum of the micro-batch losses
+(each already normalised by its whole minibatch) averaged over the minibatches. Staleness, rewards
+and lengths come from the broadcast batch, so they are identical on every rank without a reduction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from asyncrl.status_report import StepRecord
+from asyncrl.trainer import distributed as D
+from asyncrl.trainer.batch import TrainBatch
+from asyncrl.trainer.plan import TrainSequence
+
+LOSS_STATS = ("clip_fraction", "dual_clip_fraction", "behav_filtered_fraction", "importance_weight_mean",
+              "m2_before", "m2_after", "m2_masked_fraction")
+"""Stats of `policy_loss` that become token-weighted step means."""
+MEANS = ("loss", *LOSS_STATS, "entropy")
+"""Everything summed over ranks, in this order (the same list on every rank)."""
+
+
+@dataclass
+class StepStats:
+    """Sums and extremes accumulated over micro-batches (and then over ranks), and the step's timers."""
+
+    sums: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    maxes: dict[str, float] = field(default_factory=dict)
+    mins: dict[str, float] = field(default_factory=dict)
+    grad_norms: list[float] = field(default_factory=list)
+    """One per optimizer update (minibatch)."""
+    started: float = field(default_factory=time.perf_counter)
+    proximal_seconds: float = 0.0
+    """`recompute`'s forward pass, plus the log-linear proximal's time inside the loss (`proximal_s`)."""
+
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        if not math.isnan(value):
+            self.sums[key] += value * weight
+            self.sums[key + "#w"] += weight
+
+    def extreme(self, key: str, value: float) -> None:
+        if not math.isnan(value):
+            self.maxes[key] = max(self.maxes.get(key, -math.inf), value)
+            self.mins[key] = min(self.mins.get(key, math.inf), value)
+
+    def add_micro_batch(self, loss: Tensor, loss_stats: dict[str, float], entropy: Tensor, batch: TrainBatch) -> None:
+        """Fold in one micro-batch: its loss, `policy_loss`'s stats (weighted by its tokens), entropy."""
+        ntok = float(batch.num_tokens)
+        self.sums["loss"] += float(loss.detach())
+        self.sums["loss#w"] += 1.0
+        self.proximal_seconds += float(loss_stats.get("proximal_s", 0.0))
+        for key in LOSS_STATS:
+            if key in loss_stats:
+                self.add(key, float(loss_stats[key]), ntok)
+        if ntok:
+            self.extreme("importance_weight", float(loss_stats.get("importance_weight_max", 1.0)))
+            self.extreme("importance_weight", float(loss_stats.get("importance_weight_min", 1.0)))
+            self.add("entropy", float(entropy[batch.loss_mask].mean()), ntok)
+
+    def reduce(self, ctx: D.DistContext) -> dict[str, float]:
+        """Means, importance-weight extremes and proximal seconds over all ranks (a collective call)."""
+        n = len(MEANS)
+        summed = D.all_reduce_sum([self.sums[k] for k in MEANS] + [self.sums[k + "#w"] for k in MEANS]
+                                  + [self.proximal_seconds], ctx)
+        values = {k: summed[i] / summed[n + i] if summed[n + i] else 0.0 for i, k in enumerate(MEANS)}
+        # (each micro-batch loss is already normalised by its whole minibatch, so they add up)
+        values["loss"] = summed[0] / max(len(self.grad_norms), 1)
+        iw_max, neg_iw_min = D.all_reduce_max([self.maxes.get("importance_weight", 1.0),
+                                               -self.mins.get("importance_weight", 1.0)], ctx)
+        values["importance_weight_max"], values["importance_weight_min"] = iw_max, -neg_iw_min
+        values["proximal_seconds"] = summed[-1] / ctx.world_size
+        return values
+
+
+def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any], version: int,
+                ctx: D.DistContext) -> dict[str, Any]:
+    """The step's metrics (what `Trainer.finish_step` reports and writes to metrics.jsonl)."""
+    values = stats.reduce(ctx)
+    lags = staleness_counts(seqs, version)
+    n_tokens = sum(lags.values())
+    rewards = [s.reward for s in seqs]
+    return {
+        **{k: values[k] for k in ("loss", "clip_fraction", "dual_clip_fraction", "behav_filtered_fraction",
+                                  "importance_weight_mean", "importance_weight_max", "importance_weight_min",
+                                  "m2_before", "m2_after", "m2_masked_fraction", "entropy")},
+        "grad_norm": float(np.mean(stats.grad_norms)) if stats.grad_norms else 0.0,
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "response_length": float(np.mean([len(s.response_ids) for s in seqs])) if seqs else 0.0,
+        "tokens": int(sum(len(s.response_ids) for s in seqs)),
+        "staleness_mean": (sum(k * v for k, v in lags.items()) / n_tokens) if n_tokens else 0.0,
+        "staleness_max": max(lags) if lags else 0,
+        "staleness_histogram": dict(lags),
+        "proximal_seconds": values["proximal_seconds"],
+        "compute_seconds": time.perf_counter() - stats.started,
+        "group_ids": [g.group_id for g in groups],
+    }
+
+
+def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:
+    """Generated tokens per version lag; a token newer than `version` (after a resume) counts as lag 0."""
+    counts: Counter[int] = Counter()
+    for s in seqs:
+        lags = np.clip(version - s.versions[s.versions >= 0], 0, None) if len(s.versions) else np.array([])
+        counts.update(int(x) for x in lags)
+    return counts
+
+
+def append_metrics_line(path: Path, step: StepRecord, record: dict[str, Any], dropped: int) -> None:
+    """One JSON line per step: the StepRecord's fields, then the rest of the step's metrics."""
+    line = step.model_dump(mode="json")
+    line.update({k: v for k, v in record.items() if k not in line and k != "group_ids"})
+    line["staleness_histogram"] = {str(k): v for k, v in record["staleness_histogram"].items()}
+    line["dropped"] = dropped
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume: forget metrics lines of steps after the checkpoint (their updates were lost)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue
+    path.write_text("".join(k + "\n" for k in kept))

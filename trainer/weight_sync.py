@@ -1,0 +1,126 @@
+"""Weight sync: the trainer is the one owner of every rollout engine's weights.
+
+After publish.py wrote `weights/v{N}` and the version event went out, `update_engines` updates
+every engine registered for the job, concurrently, each under one timeout, in this order (as
+AReaL does: pause -> update -> set version -> continue):
+
+  1. registry.begin_update(engine, N)  the trainer's record says "updating to N": rollout workers
+                                       of engines without a weight label (vLLM) hold new requests
+  2. engine.pause("abort")             running requests end and return their partial output
+  3. engine.update_weights(vN, N)      load the directory; SGLang and our hf server now label
+                                       every answer N
+  4. registry.end_update(engine)       the record: this engine serves N (the label for vLLM)
+  5. engine.resume()                   workers re-send prompt + partial output; every token from
+                                       here on was produced by vN and is tagged N
+
+A failure still clears the marker and resumes a paused engine (a server is never left paused);
+the failures of all engines are raised together as one WeightSyncError naming each server.
+
+Rollout workers never pause, update or resume an engine: they only observe (the label SGLang puts
+on each answer, or for vLLM the record above; see rollout/worker.py). So the trainer also owns
+`catch_up`: an engine that joined or restarted since the last publish (its registered version is
+not the policy version) gets the current version, as it would have at the next publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.errors import TrainerError
+from asyncrl.rollout.engines import make_engine
+from asyncrl.transport.versions import EngineInfo, EngineRegistry
+
+log = logging.getLogger("asyncrl.trainer.weight_sync")
+
+
+class WeightSyncError(TrainerError, RuntimeError):
+    """One or more engines failed to pause, load or resume; the message names each server."""
+
+    def __init__(self, failures: dict[str, str]):
+        self.failures = failures
+        detail = "; ".join(f"{url}: {err}" for url, err in failures.items())
+        super().__init__(f"weight update failed on {len(failures)} engine(s): {detail}")
+
+
+@dataclass
+class SyncResult:
+    seconds: float
+    engines: int
+
+
+async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: int, *,
+                         registry: EngineRegistry | None = None, timeout_s: float = 120.0) -> SyncResult:
+    """Update every engine to `version` (steps 1-5 above), concurrently; raise naming the failures.
+
+    `engines`: registry entries; a bare URL is updated without a record (nothing to label by).
+    """
+    start = time.perf_counter()
+
+    async def one(engine: EngineInfo | str) -> tuple[str, str | None]:
+        url, engine_id = (engine, None) if isinstance(engine, str) else (engine.url, engine.engine_id)
+        try:
+            await asyncio.wait_for(_update_one(kind, url, engine_id, str(path), version, registry, timeout_s),
+                                   timeout_s)
+            return url, None
+        except asyncio.TimeoutError:
+            return url, f"no answer within {timeout_s:.0f}s"
+        except Exception as exc:  # reported with the server's url
+            return url, f"{type(exc).__name__}: {exc}"
+
+    results = await asyncio.gather(*(one(e) for e in engines))
+    failures = {url: err for url, err in results if err is not None}
+    if failures:
+        raise WeightSyncError(failures)
+    return SyncResult(seconds=time.perf_counter() - start, engines=len(engines))
+
+
+async def _update_one(kind: str, url: str, engine_id: str | None, path: str, version: int,
+                      registry: EngineRegistry | None, timeout_s: float) -> None:
+    """One engine: mark, pause, load, record, resume (the adapter's HTTP timeout bounds each call)."""
+    engine = make_engine(kind, url, timeout=timeout_s)
+    loaded = False
+    try:
+        if registry is not None and engine_id is not None:
+            await registry.begin_update(engine_id, version, timeout_s)
+        try:
+            await engine.pause(mode="abort")
+            await engine.update_weights(path, version)
+            loaded = True
+        finally:  # also after a failed or timed-out pause/load: clear the mark, never leave a server paused
+            cleanup_error: Exception | None = None
+            if registry is not None and engine_id is not None:
+                try:
+                    await registry.end_update(engine_id, loaded=loaded)  # before resuming: see step 4
+                except Exception as exc:
+                    cleanup_error = exc
+            try:
+                await engine.resume()
+            except Exception as exc:
+                cleanup_error = cleanup_error or exc
+            if cleanup_error is not None:
+                if loaded:
+                    raise cleanup_error
+                log.warning("%s: cleaning up after the failed update failed too: %s", url, cleanup_error)
+    finally:
+        await engine.close()
+
+
+async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int, *, max_age_s: float = 30.0,
+                   timeout_s: float = 120.0) -> list[str]:
+    """Load `version` (at `path`) into ready engines that serve another version; their URLs.
+
+    Engines whose version is unknown are left alone, and so is everything when `path` is missing
+    (version 0 is the base model, which has no directory)."""
+    if not await asyncio.to_thread(Path(path).is_dir):
+        return []
+    lagging = [e for e in await registry.list(max_age_s=max_age_s)
+               if e.ready and e.weight_version is not None and e.weight_version != version]
+    if lagging:
+        log.info("catching up engine(s) %s to version %d", ", ".join(e.url for e in lagging), version)
+        await update_engines(kind, lagging, path, version, registry=registry, timeout_s=timeout_s)
+    return [e.url for e in lagging]
