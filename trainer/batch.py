@@ -103,24 +103,10 @@ def build_batch(
     if adv.dim() != 1 or not bool(torch.isfinite(adv).all()):
         raise ValueError("advantages must be a flat list of finite numbers, one per sequence")
 
-    rows = []
-    for i, seq in enumerate(sequences):
-        prompt = _as_array(_field(seq, "prompt_ids", i), np.int64, f"sequence {i} prompt_ids")
-        resp = _as_array(_field(seq, "response_ids", i), np.int64, f"sequence {i} response_ids")
-        behav = _as_array(_field(seq, "behav_logprobs", i), np.float32, f"sequence {i} behav_logprobs")
-        vers = _as_array(_field(seq, "versions", i), np.int64, f"sequence {i} versions")
-        if prompt.size == 0:
-            raise ValueError(f"sequence {i} has an empty prompt: its first response token cannot be scored")
-        if behav.size != resp.size or vers.size != resp.size:
-            raise ValueError(
-                f"sequence {i}: {resp.size} response tokens but {behav.size} behav_logprobs "
-                f"and {vers.size} versions")
-        if behav.size and not np.isfinite(behav).all():
-            raise ValueError(f"sequence {i} behav_logprobs contain NaN or Inf")
-        if vers.size and (vers < 0).any():
-            raise ValueError(f"sequence {i} has a negative version on a generated token")
-        rows.append((prompt, resp, behav, vers))
+    # 1. Validate every row (the message names the sequence and the field).
+    rows = [_checked_row(seq, i) for i, seq in enumerate(sequences)]
 
+    # 2. Pad to one length and place each response's per-token data at the positions that score it.
     length = max(max(p.size + r.size for p, r, _, _ in rows), 2)
     if pad_to_multiple_of:
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
@@ -146,6 +132,25 @@ def build_batch(
         prompt_lengths[i], response_lengths[i] = p, r
     return TrainBatch(input_ids, attention_mask, loss_mask, behav_lp, versions, adv_tok,
                       prompt_lengths, response_lengths)
+
+
+def _checked_row(seq: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, response, behav_logprobs, versions) of sequence `i`, checked for a trainable shape."""
+    prompt = _as_array(_field(seq, "prompt_ids", i), np.int64, f"sequence {i} prompt_ids")
+    resp = _as_array(_field(seq, "response_ids", i), np.int64, f"sequence {i} response_ids")
+    behav = _as_array(_field(seq, "behav_logprobs", i), np.float32, f"sequence {i} behav_logprobs")
+    vers = _as_array(_field(seq, "versions", i), np.int64, f"sequence {i} versions")
+    if prompt.size == 0:
+        raise ValueError(f"sequence {i} has an empty prompt: its first response token cannot be scored")
+    if behav.size != resp.size or vers.size != resp.size:
+        raise ValueError(
+            f"sequence {i}: {resp.size} response tokens but {behav.size} behav_logprobs "
+            f"and {vers.size} versions")
+    if behav.size and not np.isfinite(behav).all():
+        raise ValueError(f"sequence {i} behav_logprobs contain NaN or Inf")
+    if vers.size and (vers < 0).any():
+        raise ValueError(f"sequence {i} has a negative version on a generated token")
+    return prompt, resp, behav, vers
 
 
 def split_minibatches(batch: TrainBatch, count: int) -> list[TrainBatch]:

@@ -66,6 +66,34 @@ def token_logprobs(
     (saves `tokens x vocab` floats of activation memory for ~one extra LM-head matmul).
     Position ids follow the attention mask, so left- and right-padded rows both score correctly.
     """
+    mask = _checked_mask(input_ids, attention_mask, mask, temperature)
+    n, length = input_ids.shape
+    logprobs = torch.zeros((n, length - 1), dtype=torch.float32, device=input_ids.device)
+    entropy = torch.zeros_like(logprobs)
+
+    # 1. Hidden states of every position but the last (the LM head is applied below, per chunk).
+    head, hidden = _hidden_states(model, input_ids, attention_mask)
+
+    # 2. Only the masked positions go through the head.
+    flat_idx = mask.reshape(-1).nonzero().squeeze(1)
+    if flat_idx.numel() == 0:
+        return logprobs + 0.0 * hidden.sum() if torch.is_grad_enabled() else logprobs, entropy
+    sel_hidden = hidden.reshape(n * (length - 1), -1).index_select(0, flat_idx)
+    sel_targets = input_ids[:, 1:].reshape(-1).index_select(0, flat_idx)
+
+    # 3. The head in chunks of `chunk_tokens` (optionally recomputed in backward).
+    lp, ent = _chunked_head(head, sel_hidden, sel_targets, temperature, with_entropy=with_entropy,
+                            chunk_tokens=chunk_tokens, checkpoint_head=checkpoint_head)
+
+    # 4. Scatter back to [N, L-1]; unmasked positions stay 0.
+    logprobs = logprobs.reshape(-1).index_put((flat_idx,), lp).view(n, length - 1)
+    if with_entropy:
+        entropy = entropy.reshape(-1).index_put((flat_idx,), ent).view(n, length - 1)
+    return logprobs, entropy
+
+
+def _checked_mask(input_ids: Tensor, attention_mask: Tensor, mask: Tensor | None, temperature: float) -> Tensor:
+    """Validate the inputs; the boolean `[N, L-1]` mask of positions to score."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [N, L] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
     if input_ids.is_floating_point():
@@ -78,37 +106,35 @@ def token_logprobs(
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     n, length = input_ids.shape
     if mask is None:
-        mask = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
-    elif mask.shape != (n, length - 1):
+        return attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    if mask.shape != (n, length - 1):
         raise ValueError(f"mask has shape {tuple(mask.shape)}, expected {(n, length - 1)}")
-    mask = mask.bool()
+    return mask.bool()
 
+
+def _hidden_states(model: Any, input_ids: Tensor, attention_mask: Tensor) -> tuple[Any, Tensor]:
+    """(head, hidden[:, :-1]): the base model's last hidden states and its LM head, or, for models
+    that transform logits after the head, the model's own logits with an identity head."""
     attn = attention_mask.long()
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    targets = input_ids[:, 1:]
-    logprobs = torch.zeros((n, length - 1), dtype=torch.float32, device=input_ids.device)
-    entropy = torch.zeros_like(logprobs)
-
     if _logit_transform_free(model):
         base = getattr(model, model.base_model_prefix)
-        head = model.get_output_embeddings()
         hidden = base(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
                       use_cache=False).last_hidden_state[:, :-1]
-    else:  # generic fallback: the model's own logits (materialised once)
-        head = torch.nn.Identity()
-        hidden = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                       use_cache=False).logits[:, :-1]
+        return model.get_output_embeddings(), hidden
+    # generic fallback: the model's own logits (materialised once)
+    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+    return torch.nn.Identity(), logits[:, :-1]
 
-    flat_idx = mask.reshape(-1).nonzero().squeeze(1)
-    if flat_idx.numel() == 0:
-        return logprobs + 0.0 * hidden.sum() if torch.is_grad_enabled() else logprobs, entropy
-    sel_hidden = hidden.reshape(n * (length - 1), -1).index_select(0, flat_idx)
-    sel_targets = targets.reshape(-1).index_select(0, flat_idx)
+
+def _chunked_head(head: Any, hidden: Tensor, targets: Tensor, temperature: float, *, with_entropy: bool,
+                  chunk_tokens: int, checkpoint_head: bool) -> tuple[Tensor, Tensor]:
+    """Log-probs (and entropies) of `targets` under `head(hidden)`, `chunk_tokens` rows at a time."""
     chunk = max(int(chunk_tokens), 1)
     pieces, ent_pieces = [], []
-    for start in range(0, flat_idx.numel(), chunk):
-        h = sel_hidden[start : start + chunk]
-        tgt = sel_targets[start : start + chunk]
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start : start + chunk]
+        tgt = targets[start : start + chunk]
         if checkpoint_head and torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, head, h, tgt, temperature, with_entropy,
                                  use_reentrant=False)
@@ -116,7 +142,5 @@ def token_logprobs(
             lp, ent = _chunk_logprobs(head, h, tgt, temperature, with_entropy)
         pieces.append(lp)
         ent_pieces.append(ent)
-    logprobs = logprobs.reshape(-1).index_put((flat_idx,), torch.cat(pieces)).view(n, length - 1)
-    if with_entropy:
-        entropy = entropy.reshape(-1).index_put((flat_idx,), torch.cat(ent_pieces)).view(n, length - 1)
-    return logprobs, entropy
+    logprobs = torch.cat(pieces)
+    return logprobs, torch.cat(ent_pieces) if with_entropy else logprobs.new_zeros(0)
