@@ -2,10 +2,13 @@
 
 Every component runs as a supervised child process with its own log file in the run directory,
 configured through the same environment variables the operator sets on pods (asyncrl.runtime).
-A live progress line is polled from the trainer's `GET /status`. The run ends when the trainer
-reaches max_steps, on Ctrl-C (the trainer checkpoints first), or when any child dies (then the
-run stops everything and prints that child's last log lines). The run directory keeps job.yaml,
-metrics.jsonl, checkpoints, the final weights and one log per process.
+A live progress line is polled from the trainer's `GET /status`. Like the operator, the runner
+(not a process exit) decides when the job ends: when the trainer records its outcome in Redis
+(asyncrl.outcome: Succeeded at max_steps, or Failed), the runner stops every child, the trainer
+included, and exits 0 (Succeeded) or 1 (Failed). The run also ends on Ctrl-C (the trainer
+checkpoints first) or when any child dies first (then the run stops everything and prints that
+child's last log lines). The run directory keeps job.yaml, metrics.jsonl, checkpoints, the final
+weights and one log per process.
 """
 
 from __future__ import annotations
@@ -23,7 +26,15 @@ from typing import Any
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
+from asyncrl.outcome import (
+    ENV_TERMINATION_LOG,
+    TrainerOutcome,
+    read_outcome_file,
+    read_outcome_redis_sync,
+    remove_outcome_file,
+)
 from asyncrl.runtime import Runtime
+from asyncrl.transport.names import StreamNames
 
 # `asyncrl --help` imports this module (asyncrl/cli.py), so the heavier imports (pydantic job
 # models, httpx, rich, yaml, torch) stay inside the functions that use them.
@@ -120,11 +131,15 @@ class Child:
 
 
 def describe_exit(code: int) -> str:
+    from asyncrl.outcome import EXIT_CONFIG_ERROR
+
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code == EXIT_CONFIG_ERROR:
+        return f"exit code {code}: configuration error"
     return f"exit code {code}"
 
 
@@ -314,6 +329,13 @@ def main(args: argparse.Namespace) -> int:
     redis = LocalRedis(run_dir / "redis").start()
     runtime = Runtime(redis_url=redis.url, weights_dir=run_dir / "weights",
                       checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir)
+    names = runtime.stream_names(name)
+    previous = _previous_attempt(redis.url, names, runtime.weights_dir, max_steps)
+    if previous is not None:  # this run directory's job already ended and has nothing left to do
+        redis.stop()
+        print(f"asyncrl run: the job in {run_dir} already ended: {previous.summary}"
+              " (nothing to do; use a new --run-dir or a larger --max-steps)", flush=True)
+        return _finish(run_dir, None, previous, status_url, False)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
     base_env["PYTHONUNBUFFERED"] = "1"
 
@@ -328,6 +350,7 @@ def main(args: argparse.Namespace) -> int:
         children.append(c)
     trainer_env = dict(base_env, **Runtime(**{**runtime.__dict__, "pod_name": "trainer-0"}).to_env(),
                        OMP_NUM_THREADS=str(trainer_threads), MKL_NUM_THREADS=str(trainer_threads))
+    trainer_env[ENV_TERMINATION_LOG] = str(logs / "trainer.termination-log")
     trainer = Child("trainer", asyncrl_command() + [
         "trainer", "--config", str(job_file), "--max-steps", str(max_steps), "--status-port", str(status_port),
         "--status-host", "127.0.0.1", "--threads", str(trainer_threads)], trainer_env, logs / "trainer.log",
@@ -351,7 +374,8 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, interrupt)  # (also when started in the background, where SIGINT is ignored)
     signal.signal(signal.SIGTERM, interrupt)
     progress: Progress | None = None
-    outcome, failed = "failed", None
+    outcome: TrainerOutcome | None = None
+    failed: Child | None = None
     interrupted = False
     try:
         for c, _ in engines:
@@ -370,10 +394,9 @@ def main(args: argparse.Namespace) -> int:
             for c in rollouts:
                 c.start(run_dir)
             _write_processes(run_dir, children, redis)
-            failed, outcome = _supervise(children, trainer, status_url, progress)
+            failed, outcome = _supervise(children, trainer, status_url, progress, redis.url, names)
     except KeyboardInterrupt:
         interrupted = True
-        outcome = "interrupted"
     except TimeoutError as exc:
         print(f"asyncrl run: {exc}", file=sys.stderr)
     finally:
@@ -381,6 +404,9 @@ def main(args: argparse.Namespace) -> int:
             progress.stop()
         if interrupted:
             print("asyncrl run: stopping (the trainer checkpoints first)...", flush=True)
+        elif outcome is not None:
+            print(f"asyncrl run: the trainer recorded the outcome: {outcome.summary}; stopping every process",
+                  flush=True)
         _stop_all(trainer, children)
         redis.stop()
 
@@ -389,42 +415,94 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nasyncrl run: {failed.name} stopped unexpectedly ({describe_exit(code if code is not None else 0)});"
               f" last lines of {failed.log_path}:", file=sys.stderr)
         print(failed.tail(), file=sys.stderr)
+    elif outcome is not None and outcome.phase == "Failed":
+        print(f"\nasyncrl run: training failed ({outcome.reason}): {outcome.message}; last lines of "
+              f"{trainer.log_path}:", file=sys.stderr)
+        print(trainer.tail(), file=sys.stderr)
+    return _finish(run_dir, failed, outcome, status_url, interrupted)
+
+
+def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None, status_url: str,
+            interrupted: bool) -> int:
+    """run.json and the last line; the exit code: 0 Succeeded, 1 Failed or a child died, 130 interrupted."""
     metrics = read_metrics(run_dir)
     rewards = [m["reward_mean"] for m in metrics]
-    summary = {"outcome": outcome if failed is None else "failed", "steps": len(metrics),
-               "final_policy_version": metrics[-1]["policy_version"] if metrics else 0,
-               "run_dir": str(run_dir), "status_url": status_url,
-               "final_weights": _final_weights(run_dir), "failed_process": failed.name if failed else None}
+    if failed is not None:
+        verdict = "failed"
+    elif outcome is not None:
+        verdict = outcome.phase.lower()
+    else:
+        verdict = "interrupted" if interrupted else "failed"
+    summary: dict[str, Any] = {
+        "outcome": verdict, "reason": outcome.reason if outcome else None,
+        "message": outcome.message if outcome else None, "steps": len(metrics),
+        "final_policy_version": metrics[-1]["policy_version"] if metrics else 0,
+        "run_dir": str(run_dir), "status_url": status_url,
+        "final_weights": (outcome.weights_path if outcome and outcome.weights_path else None)
+        or _final_weights(run_dir), "failed_process": failed.name if failed else None}
     qm = quarter_means(rewards)
     if qm:
         summary["reward_first_quarter"], summary["reward_last_quarter"] = qm
     (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
     print(f"asyncrl run: {summary['outcome']} after {len(metrics)} steps"
+          + (f" ({outcome.reason})" if outcome else "")
           + (f"; reward first quarter {qm[0]:.3f} -> last quarter {qm[1]:.3f}" if qm else "")
           + f"; final weights {summary['final_weights']}; run directory {run_dir}", flush=True)
-    if failed is not None:
-        return 1
-    return 130 if interrupted else 0
+    if verdict == "succeeded":
+        return 0
+    return 130 if verdict == "interrupted" else 1
 
 
-def _supervise(children: list[Child], trainer: Child, status_url: str,
-               progress: Progress) -> tuple[Child | None, str]:
-    """Until the trainer finishes or a child dies: poll processes and the status endpoint."""
+def _previous_attempt(redis_url: str, names: StreamNames, weights_dir: Path, max_steps: int) -> TrainerOutcome | None:
+    """A re-run in an old run directory. Its job Succeeded with max_steps or more: return that outcome
+    (nothing to do). Any other recorded outcome (Failed, or fewer steps than asked now) is forgotten,
+    so this run is a new attempt that resumes from the newest checkpoint, as before."""
+    import redis as redis_lib
+
+    client = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
+    try:
+        previous = read_outcome_redis_sync(client, names) or read_outcome_file(weights_dir, "")
+        if previous is None:
+            return None
+        if previous.phase == "Succeeded" and previous.step >= max_steps:
+            return previous
+        client.delete(names.outcome)
+        remove_outcome_file(weights_dir)
+        print(f"asyncrl run: the previous attempt in this run directory ended {previous.summary};"
+              " starting a new attempt", flush=True)
+        return None
+    finally:
+        client.close()
+
+
+def _supervise(children: list[Child], trainer: Child, status_url: str, progress: Progress, redis_url: str,
+               names: StreamNames) -> tuple[Child | None, TrainerOutcome | None]:
+    """Until the trainer records its outcome or a child dies: poll the processes, the outcome
+    record in Redis (what the operator watches in a cluster) and the status endpoint."""
     import httpx
+    import redis as redis_lib
 
     client = httpx.Client(timeout=2.0)
+    store = redis_lib.Redis.from_url(redis_url, socket_timeout=5)
     try:
         while True:
-            code = trainer.poll()
-            if code is not None:
-                return (None, "succeeded") if code == 0 else (trainer, "failed")
+            try:
+                outcome = read_outcome_redis_sync(store, names)
+            except redis_lib.RedisError:
+                outcome = None  # (without Redis the trainer and the workers soon stop: noticed below)
+            if outcome is not None:
+                _update(client, status_url, progress)
+                return None, outcome
+            if trainer.poll() is not None:  # exited without an outcome: a crash (or a config error)
+                return trainer, None
             for c in children:
                 if c is not trainer and c.process is not None and c.poll() is not None:
-                    return c, "failed"
+                    return c, None
             _update(client, status_url, progress)
             time.sleep(1.0)
     finally:
         client.close()
+        store.close()
 
 
 def _update(client: Any, status_url: str, progress: Progress) -> None:

@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.transport.names import StreamNames
+
 ENV_REDIS_URL = "ASYNCRL_REDIS_URL"
 ENV_WEIGHTS_DIR = "ASYNCRL_WEIGHTS_DIR"
 ENV_CHECKPOINT_DIR = "ASYNCRL_CHECKPOINT_DIR"
@@ -22,6 +24,7 @@ ENV_POD_NAME = "ASYNCRL_POD_NAME"
 ENV_ROLLOUT_INDEX = "ASYNCRL_ROLLOUT_INDEX"
 ENV_ROLLOUT_REPLICAS = "ASYNCRL_ROLLOUT_REPLICAS"
 ENV_STATUS_TOKEN = "ASYNCRL_STATUS_TOKEN"
+ENV_JOB_UID = "ASYNCRL_JOB_UID"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -58,6 +61,9 @@ class Runtime:
     """Number of fixed rollout shards; 0 (default) = all workers share one job-wide cursor."""
     status_token: str | None = None
     """Optional bearer token for the status endpoint."""
+    job_uid: str = ""
+    """The AsyncRLJob's metadata.uid (the operator sets it; "" for local runs): in every Redis key
+    and in the trainer's outcome record, so a re-created job never reads an old run."""
 
     @classmethod
     def from_env(cls) -> Runtime:
@@ -74,6 +80,7 @@ class Runtime:
             rollout_index=_env_int(ENV_ROLLOUT_INDEX, 0),
             rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 0),
             status_token=env.get(ENV_STATUS_TOKEN) or None,
+            job_uid=env.get(ENV_JOB_UID, ""),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -92,4 +99,10 @@ class Runtime:
             out[ENV_ENGINE_ADVERTISE_URL] = self.engine_advertise_url
         if self.status_token:
             out[ENV_STATUS_TOKEN] = self.status_token
+        if self.job_uid:
+            out[ENV_JOB_UID] = self.job_uid
         return out
+
+    def stream_names(self, job: str) -> StreamNames:
+        """The Redis key names of `job` in this deployment (carrying the job uid when there is one)."""
+        return StreamNames.for_job(job, self.job_uid)

@@ -32,7 +32,8 @@ ENGINES = ("sglang", "vllm", "hf")
 JobPhase = Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
 TERMINAL_PHASES: tuple[JobPhase, ...] = ("Succeeded", "Failed")
-ConditionType = Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Complete", "Failed"]
+ConditionType = Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced", "Degraded", "Complete",
+                        "Failed"]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
 
@@ -281,6 +282,9 @@ class TrainerSpec(SpecModel):
     """Steps between checkpoints."""
     max_steps: int = Field(default=100, ge=1)
     """Training steps after which the job succeeds."""
+    backoff_limit: int = Field(default=3, ge=0)
+    """Restarts of a trainer container the job tolerates: one more fails it (BackoffLimitExceeded).
+    A trainer that exits with code 78 (a configuration error) fails the job at once."""
     status_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the trainer's status endpoint."""
     resources: Resources = Field(default_factory=Resources)
@@ -340,6 +344,9 @@ class StorageSpec(SpecModel):
     size: str = "100Gi"
     storage_class_name: str | None = None
     access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = "ReadWriteMany"
+    delete_with_job: bool = False
+    """Own the volume the operator creates: deleting the job (or its TTL) then deletes it too.
+    Off by default, so the volume (the only copy of the trained weights) outlives the job."""
 
     @field_validator("size")
     @classmethod
@@ -365,6 +372,9 @@ class AsyncRLJobSpec(SpecModel):
     """Scale rollout and trainer to zero, keeping Redis and volumes; unset to resume."""
     startup_deadline_seconds: int = Field(default=900, ge=1)
     """Fail the job if it is not Running this long after creation (with the pods' reason)."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the job (DeadlineExceeded) if it has not finished this long after it started (or was
+    last resumed); unset = no limit. GPUs are released as for any finished job."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete the job this long after it succeeds or fails; unset = keep."""
     seed: int = 0

@@ -63,6 +63,14 @@ class TrainerReport(_Report):
     job: str = ""
     phase: TrainerPhase = "Starting"
     message: str = ""
+    reason: str = ""
+    """Why training ended, once phase is Succeeded or Failed (the recorded outcome's reason:
+    MaxStepsReached, WeightSyncFailed, NonFiniteWeights, ModelNotFound, ...)."""
+    final_weights: str | None = None
+    """The final weights directory, once the outcome is recorded."""
+    outcome_restored: bool = False
+    """True when this process found the job's outcome already recorded at start and serves it
+    without having loaded the model or trained (a restarted trainer pod)."""
     step: int = 0
     policy_version: int = 0
     max_steps: int = 0

@@ -2,13 +2,16 @@
 
 No I/O and no clock here, so `asyncrl render`, the operator and the golden tests all see exactly the
 same objects. Every child is named by asyncrl.operator.names, carries the job's labels and a
-controller ownerReference to the job, and runs as non-root under the `restricted` Pod Security
-profile. The apply layer (asyncrl.operator.kube) decides create vs. patch; this module only says
+controller ownerReference to the job (except the shared weights volume, unless
+`spec.storage.deleteWithJob`: it outlives the job), and runs as non-root under the `restricted` Pod
+Security profile. The apply layer (asyncrl.operator.kube) decides create vs. patch; this module only says
 what should exist.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from dataclasses import dataclass
@@ -36,7 +39,8 @@ REDIS_UID = 999  # the `redis` user of the official redis images
 
 # Spec fields whose change needs no pod restart (scaling and lifecycle knobs).
 _LIVE_FIELDS = (("rollout", "replicas"), ("trainer", "replicas"), ("suspend",),
-                ("startupDeadlineSeconds",), ("ttlSecondsAfterFinished",))
+                ("startupDeadlineSeconds",), ("ttlSecondsAfterFinished",), ("storage", "deleteWithJob"),
+                ("trainer", "backoffLimit"), ("activeDeadlineSeconds",))
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,36 @@ def _pod_security(uid: int) -> Obj:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
+def secret_hash(secret: Obj) -> str:
+    """Hash of a Secret's content, salted with its uid: what pod templates carry to roll on a new Secret.
+
+    Reads `data` (base64, as the API server returns it) and `stringData` (as written, and as the
+    builders render it), like the API server merges them. The salt keeps a weak hand-set password
+    from being guessed offline by someone who may read Deployments but not Secrets; a re-created
+    Secret (new uid) gets a new hash even with the same password.
+    """
+    content: dict[str, str] = {}
+    for key, value in (secret.get("data") or {}).items():
+        try:
+            content[key] = base64.b64decode(value or "", validate=True).decode("utf-8", errors="replace")
+        except (binascii.Error, ValueError):
+            content[key] = str(value)
+    content.update({k: str(v) for k, v in (secret.get("stringData") or {}).items()})
+    return stable_hash({"uid": (secret.get("metadata") or {}).get("uid", ""), "data": content})
+
+
+def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = True) -> Obj:
+    """Pod-template annotations whose change rolls the pods: the config hash and the Redis Secret's hash.
+
+    The Secret hash rendered here is that of the Secret these builders render (so `asyncrl render`
+    is self-consistent); the operator's apply layer replaces it with the hash of the live Secret.
+    """
+    out: Obj = {N.ANNOTATION_CONFIG_HASH: config_hash(job)} if config else {}
+    if job.spec.redis.mode == "managed":
+        out[N.ANNOTATION_REDIS_AUTH_HASH] = secret_hash(redis_secret(job, ctx))
+    return out
+
+
 def _redis_url_env(job: AsyncRLJob) -> Obj:
     r = job.spec.redis
     if r.mode == "external" and r.external is not None:
@@ -118,10 +152,12 @@ def _redis_url_env(job: AsyncRLJob) -> Obj:
     return {"name": R.ENV_REDIS_URL, "valueFrom": {"secretKeyRef": ref}}
 
 
-def _common_env(job: AsyncRLJob) -> list[Obj]:
+def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
     """The asyncrl.runtime variables every rollout and trainer process reads."""
     return [
         _redis_url_env(job),
+        # In every Redis key: a job re-created with the same name never reads the old run's streams.
+        {"name": R.ENV_JOB_UID, "value": ctx.owner_uid},
         {"name": R.ENV_WEIGHTS_DIR, "value": f"{SHARED_DIR}/weights"},
         {"name": R.ENV_CHECKPOINT_DIR, "value": f"{SHARED_DIR}/checkpoints"},
         {"name": R.ENV_RUN_DIR, "value": f"{SHARED_DIR}/runs"},
@@ -217,7 +253,9 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "args": ["--port", str(REDIS_PORT), "--dir", "/data", *persistence, "--requirepass", "$(REDIS_PASSWORD)"],
         "env": [password_env, {"name": "REDISCLI_AUTH", "valueFrom": password_env["valueFrom"]}],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5, "timeoutSeconds": 3},
+        # the port named, not implied: the probe then says which port it checks
+        "readinessProbe": {"exec": {"command": ["redis-cli", "-p", str(REDIS_PORT), "ping"]}, "periodSeconds": 5,
+                           "timeoutSeconds": 3},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15, "failureThreshold": 4},
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
         "securityContext": _container_security(read_only_root=True),
@@ -233,11 +271,15 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "serviceName": N.redis(name),
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": {**N.job_labels(name), **selector}},
+                "metadata": {"labels": {**N.job_labels(name), **selector},
+                             "annotations": _template_annotations(job, ctx, config=False)},
                 "spec": {"securityContext": _pod_security(REDIS_UID), "automountServiceAccountToken": False,
                          "containers": [container]},
             },
             "volumeClaimTemplates": [claim],
+            # The AOF volume belongs to this run: it goes when the StatefulSet does (which the job
+            # owns), so a new job of the same name starts empty; scaling down keeps it.
+            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
         },
     }
 
@@ -248,7 +290,10 @@ def redis_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "metadata": _meta(job, ctx, N.redis_network_policy(name), "redis"),
             "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "redis")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: name}}}],
+                     # The job's own pods, and the operator (any namespace) that reads the trainer's outcome.
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: name}}},
+                                           {"namespaceSelector": {},
+                                            "podSelector": {"matchLabels": dict(N.OPERATOR_POD_LABELS)}}],
                                   "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}}
 
 
@@ -257,8 +302,11 @@ def shared_pvc(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     spec: Obj = {"accessModes": [s.access_mode], "resources": {"requests": {"storage": s.size}}}
     if s.storage_class_name:
         spec["storageClassName"] = s.storage_class_name
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _meta(job, ctx, N.shared_pvc(job.metadata.name), "storage"), "spec": spec}
+    meta = _meta(job, ctx, N.shared_pvc(job.metadata.name), "storage")
+    if not s.delete_with_job:
+        # Not owned: the final weights outlive the job and its ttlSecondsAfterFinished.
+        del meta["ownerReferences"]
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec}
 
 
 def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -268,7 +316,8 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     port = str(ENGINE_PORT)
     env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"}]
     image = ro.image
-    ready_path = "/ready"
+    # SGLang (pinned 0.5.10.post1, asyncrl.rollout.engines.sglang) and our hf server: GET /model_info.
+    ready_path = "/model_info"
     if ro.engine == "sglang":
         command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "0.0.0.0",
                    "--port", port, "--tp-size", tp, "--dtype", model.dtype]
@@ -282,7 +331,7 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
         ready_path = "/health"
     else:  # hf: the asyncrl image serves the SGLang-native surface itself
-        command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--port", port]
+        command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "0.0.0.0", "--port", port]
         image = ro.worker_image or ctx.rollout_image
     container: Obj = {
         "name": "engine",
@@ -292,7 +341,10 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         # Model download and load can take many minutes: the startup probe holds liveness off.
         "startupProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 10, "failureThreshold": 180},
-        # /health generates a token and fails while paused for a weight update; /ready does not.
+        # Readiness must hold while the trainer pauses generation for a weight update. SGLang's /health
+        # generates a token (it waits behind the pause, then answers 503) and the pin has no /ready;
+        # /model_info only reads server state, and the server listens only once the model is loaded
+        # (checked against the pinned source by tests/test_sglang_routes.py).
         "readinessProbe": {"httpGet": {"path": ready_path, "port": "engine"}, "periodSeconds": 5,
                            "timeoutSeconds": 3},
         "livenessProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 20, "failureThreshold": 6},
@@ -308,7 +360,7 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """The rollout worker: admission, generation through the engine, reward, publishing."""
     ro = job.spec.rollout
-    env = [*_common_env(job), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"},
+    env = [*_common_env(job, ctx), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            # the URL the trainer uses to pause/update/resume this pod's engine
            {"name": R.ENV_ENGINE_ADVERTISE_URL, "value": f"http://$(POD_IP):{ENGINE_PORT}"}]
@@ -338,7 +390,7 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
                 "metadata": {"labels": {**N.job_labels(name), **selector},
-                             "annotations": {N.ANNOTATION_CONFIG_HASH: config_hash(job)}},
+                             "annotations": _template_annotations(job, ctx)},
                 "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": 60,
                          "containers": [engine_container(job, ctx), worker_container(job, ctx)],
@@ -391,7 +443,7 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "name": "trainer",
         "image": t.image or ctx.trainer_image,
         "command": trainer_command(job, ctx.namespace),
-        "env": _common_env(job),
+        "env": _common_env(job, ctx),
         "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
                   {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "volumeMounts": [*_MOUNTS, _DSHM],
@@ -410,7 +462,7 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": {**N.job_labels(name), **selector},
-                             "annotations": {N.ANNOTATION_CONFIG_HASH: config_hash(job)}},
+                             "annotations": _template_annotations(job, ctx)},
                 "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": 120,
                          "containers": [container], "volumes": _pod_volumes(job)},

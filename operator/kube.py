@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,11 @@ from kubernetes.client.exceptions import ApiException
 
 from asyncrl.errors import OperatorError
 from asyncrl.operator import names as N
-from asyncrl.operator.builders import stable_hash
-from asyncrl.spec import GROUP, PLURAL, VERSION
+from asyncrl.operator.builders import secret_hash, stable_hash
+from asyncrl.spec import GROUP, PLURAL, VERSION, parse_quantity
 
 Obj = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,19 +38,21 @@ class Rule:
 
 # Everything the operator does, kopf's own calls included (watching jobs, patching their
 # status and kopf's progress annotations, posting Events). Compared 1:1 with the chart's ClusterRole.
+# list/watch on the owned kinds: kopf watches the children (server-side label selector
+# names.owned_selector()) so a hand edit or deletion is corrected within seconds.
 PERMISSIONS: tuple[Rule, ...] = (
     Rule(GROUP, PLURAL, ("list", "watch", "patch", "delete")),
     Rule(GROUP, f"{PLURAL}/status", ("patch",)),
     Rule("", "events", ("create",)),
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),  # kopf: resource discovery
-    Rule("", "configmaps", ("get", "create", "patch")),
+    Rule("", "configmaps", ("get", "create", "patch", "list", "watch")),
     Rule("", "secrets", ("get", "create")),
-    Rule("", "services", ("get", "create", "patch")),
-    Rule("", "persistentvolumeclaims", ("get", "create")),
+    Rule("", "services", ("get", "create", "patch", "list", "watch")),
+    Rule("", "persistentvolumeclaims", ("get", "create", "patch")),  # patch: metadata only (ownership)
     Rule("", "pods", ("list",)),
-    Rule("apps", "deployments", ("get", "create", "patch")),
-    Rule("apps", "statefulsets", ("get", "create", "patch")),
-    Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch")),
+    Rule("apps", "deployments", ("get", "create", "patch", "list", "watch")),
+    Rule("apps", "statefulsets", ("get", "create", "patch", "list", "watch")),
+    Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch", "list", "watch")),
 )
 
 # kind -> (group, version, plural)
@@ -64,18 +68,26 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "AsyncRLJob": (GROUP, VERSION, PLURAL),
 }
 
-# How each kind is updated once it exists. None = create-only (a Secret's generated password, a
-# PVC's immutable spec). Otherwise the top-level paths that a merge patch may carry; StatefulSets
-# accept changes only to a few spec fields.
+# How each kind is updated once it exists. None = create-only (a Secret's generated password).
+# Otherwise the paths that a merge patch may carry besides our metadata (labels, annotations,
+# ownerReferences): a PVC's spec is immutable, so only its metadata (deleteWithJob moves its
+# ownerReference); StatefulSets accept changes only to a few spec fields. These paths are also what
+# drift correction compares with the live object.
 PATCHABLE: dict[str, tuple[str, ...] | None] = {
     "Secret": None,
-    "PersistentVolumeClaim": None,
+    "PersistentVolumeClaim": (),
     "ConfigMap": ("data",),
     "Service": ("spec",),
     "NetworkPolicy": ("spec",),
     "Deployment": ("spec",),
-    "StatefulSet": ("spec.replicas", "spec.template", "spec.updateStrategy"),
+    "StatefulSet": ("spec.replicas", "spec.template", "spec.updateStrategy",
+                    "spec.persistentVolumeClaimRetentionPolicy"),
 }
+
+# Pod-template annotations that stand for a live Secret's content (annotation -> the job's Secret
+# name): apply fills in the hash of the Secret as it is, so a re-created or edited Secret rolls the
+# pods that read it, and Redis and its clients never run with different passwords for long.
+SECRET_HASH_ANNOTATIONS = {N.ANNOTATION_REDIS_AUTH_HASH: N.redis_secret}
 
 
 class NotPermitted(OperatorError, RuntimeError):
@@ -184,7 +196,12 @@ class Kube:
 
 
 def stamp(obj: Obj) -> Obj:
-    """A copy of `obj` carrying the hash of its desired state, so unchanged objects are not patched."""
+    """A copy of `obj` carrying the hash of its desired state.
+
+    The hash is what catches a desired change that only removes something (a limit, an argument):
+    the live object then still has everything the new desired state sets, so `differences` alone
+    would see nothing to do.
+    """
     out = copy.deepcopy(obj)
     out["metadata"].setdefault("annotations", {})[N.ANNOTATION_DESIRED_HASH] = stable_hash(obj)
     return out
@@ -207,7 +224,11 @@ def _select(obj: Obj, paths: tuple[str, ...]) -> Obj:
 
 
 def patch_body(desired: Obj) -> Obj | None:
-    """The merge patch that moves an existing object to `desired` (None: the kind is create-only)."""
+    """The merge patch that moves an existing object to `desired` (None: the kind is create-only).
+
+    It carries exactly the fields we own: the kind's PATCHABLE paths and our metadata. Lists in it
+    (containers, env, ports, ownerReferences) replace the live lists whole.
+    """
     paths = PATCHABLE[desired["kind"]]
     if paths is None:
         return None
@@ -218,11 +239,105 @@ def patch_body(desired: Obj) -> Obj | None:
     return body
 
 
+_QUANTITY_PARENTS = frozenset({"requests", "limits"})
+
+
+def _empty(value: Any) -> bool:
+    """A zero value the API server may leave out of what it returns (`omitempty`)."""
+    return value is None or value is False or (not isinstance(value, bool) and value in (0, "", {}, []))
+
+
+def _same(live: Any, want: Any, parent: str) -> bool:
+    if isinstance(live, bool) or isinstance(want, bool):
+        return live is want
+    if live == want:
+        return True
+    if parent in _QUANTITY_PARENTS and isinstance(live, (str, int, float)) and isinstance(want, (str, int, float)):
+        try:  # the API server writes quantities in canonical form: "0.5" comes back as "500m"
+            return parse_quantity(live) == parse_quantity(want)
+        except ValueError:
+            return False
+    return False
+
+
+def differences(live: Any, desired: Any, path: str = "", *, _key: str = "", _parent: str = "") -> list[str]:
+    """Where `live` lacks what `desired` sets: [] means in sync, and nothing needs patching.
+
+    Only what `desired` says is compared. Keys that only the live object has are the API server's
+    defaults (imagePullPolicy, terminationMessagePath, a Service's clusterIP, probe thresholds...)
+    or another controller's, never ours, so they never count as drift. Lists are ours whole
+    (containers, env, args, ports, volumes): same length, element by element. Resource quantities
+    compare by value; a zero value that the server omits equals a missing one.
+    """
+    if isinstance(desired, dict):
+        if live is None and not desired:
+            return []
+        if not isinstance(live, dict):
+            return [path or "."]
+        out: list[str] = []
+        for key, want in desired.items():
+            sub = f"{path}.{key}" if path else key
+            if key not in live:
+                if not _empty(want):
+                    out.append(sub)
+                continue
+            out += differences(live[key], want, sub, _key=key, _parent=_key)
+        return out
+    if isinstance(desired, list):
+        if live is None and not desired:
+            return []
+        if not isinstance(live, list) or len(live) != len(desired):
+            return [path]
+        out = []
+        for i, (have, want) in enumerate(zip(live, desired)):
+            out += differences(have, want, f"{path}[{i}]", _key=_key, _parent=_parent)
+        return out
+    if live is None and _empty(desired):
+        return []
+    return [] if _same(live, desired, _parent) else [path]
+
+
+def _template_annotations(obj: Obj | None) -> Obj:
+    template = ((obj or {}).get("spec") or {}).get("template") or {}
+    return dict((template.get("metadata") or {}).get("annotations") or {})
+
+
+async def with_live_secret_hashes(kube: Kube, obj: Obj, existing: Obj | None) -> Obj:
+    """`obj` with its SECRET_HASH_ANNOTATIONS set from the Secrets as they are in the cluster.
+
+    A Secret that is missing right now (deleted since it was applied) keeps the live object's value:
+    the Secret's own watch event brings the pass that re-creates it and then rolls the pods.
+    """
+    wanted = [a for a in SECRET_HASH_ANNOTATIONS if a in _template_annotations(obj)]
+    if not wanted:
+        return obj
+    meta = obj["metadata"]
+    job = (meta.get("labels") or {}).get(N.LABEL_JOB)
+    if not job:
+        return obj
+    out = copy.deepcopy(obj)
+    annotations = out["spec"]["template"]["metadata"]["annotations"]
+    live_annotations = _template_annotations(existing)
+    for annotation in wanted:
+        secret = await kube.get("Secret", meta["namespace"], SECRET_HASH_ANNOTATIONS[annotation](job))
+        if secret is not None:
+            annotations[annotation] = secret_hash(secret)
+        elif annotation in live_annotations:
+            annotations[annotation] = live_annotations[annotation]
+    return out
+
+
 async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
-    """Create `obj` or bring the existing object to it; returns (action, object). Safe to repeat."""
-    desired = stamp(obj)
+    """Create `obj`, or bring the existing object back to it; returns (action, object). Safe to repeat.
+
+    The live object is compared with what we own (`patch_body`: the fields the builders set, plus
+    our labels, annotations and ownerReferences). Any difference — a hand edit, a field another
+    client changed, a new desired state (the desired-hash annotation) — is patched back; when there
+    is none, no request is sent.
+    """
     kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
     existing = await kube.get(kind, ns, name)
+    desired = stamp(await with_live_secret_hashes(kube, obj, existing))
     if existing is None:
         try:
             return "created", await kube.create(desired)
@@ -232,10 +347,12 @@ async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
             existing = await kube.get(kind, ns, name)  # created by a previous, interrupted attempt
             if existing is None:
                 raise
-    current = (existing.get("metadata", {}).get("annotations") or {}).get(N.ANNOTATION_DESIRED_HASH)
-    if current == desired["metadata"]["annotations"][N.ANNOTATION_DESIRED_HASH]:
-        return "unchanged", existing
     body = patch_body(desired)
     if body is None:
         return "unchanged", existing
+    drift = differences(existing, body)
+    if not drift:
+        return "unchanged", existing
+    shown = ", ".join(drift[:6]) + (f" (+{len(drift) - 6} more)" if len(drift) > 6 else "")
+    log.info(f"{kind} {ns}/{name} differs from the desired state at {shown}: patching")
     return "patched", await kube.patch(kind, ns, name, body)

@@ -20,6 +20,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="how to reach a job's status endpoint ({name} {namespace} {service} {port})")
     parser.add_argument("--status-timeout", type=float, default=d.status_timeout,
                         help="seconds to wait for a trainer's GET /status")
+    parser.add_argument("--redis-url-template", default=None,
+                        help="how to reach a job's managed Redis for the trainer's outcome record "
+                             "({name} {namespace} {service} {port} {password}); default: "
+                             "redis://:{password}@{service}.{namespace}.svc:{port}/0. An external Redis "
+                             "is reached at the URL in the job's Secret")
+    parser.add_argument("--redis-timeout", type=float, default=None,
+                        help="seconds to wait for one read of a trainer's outcome record (default 3)")
     parser.add_argument("--liveness-port", type=int, default=8080, help="kopf liveness endpoint /healthz (0 = off)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0 = off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -36,6 +43,11 @@ def main(args: argparse.Namespace) -> int:
     import kopf
 
     from asyncrl.operator import handlers, kube, metrics
+    from asyncrl.operator.mirror import OutcomeReader, RedisSettings
+
+    defaults = RedisSettings()
+    redis = RedisSettings(url_template=args.redis_url_template or defaults.url_template,
+                          timeout=defaults.timeout if args.redis_timeout is None else args.redis_timeout)
 
     kube.load_config()
     metrics.serve(args.metrics_port)
@@ -46,6 +58,8 @@ def main(args: argparse.Namespace) -> int:
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=liveness,
-        memo=handlers.OperatorMemo(config=config, kube=kube.Kube(), jobs={}),
+        memo=handlers.OperatorMemo(
+            config=config, kube=kube.Kube(), jobs={}, workers={},
+            outcomes=OutcomeReader(redis)),
     )
     return 0

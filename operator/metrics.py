@@ -14,6 +14,10 @@ REGISTRY = CollectorRegistry()
 JOBS_BY_PHASE = Gauge("asyncrl_jobs", "AsyncRLJobs by phase", ["phase"], registry=REGISTRY)
 RECONCILE_ERRORS = Counter("asyncrl_reconcile_errors", "Failed reconcile attempts", ["kind"], registry=REGISTRY)
 RECONCILES = Counter("asyncrl_reconciles", "Reconcile passes", registry=REGISTRY)
+STATUS_CONFLICTS = Counter("asyncrl_status_conflicts", "Status writes refused (409) because the job had changed",
+                           registry=REGISTRY)
+OUTCOME_READ_ERRORS = Counter("asyncrl_outcome_read_errors",
+                              "Passes that could not read a trainer's outcome record from Redis", registry=REGISTRY)
 JOB_STEP = Gauge("asyncrl_job_step", "Trainer step of a job", ["namespace", "job"], registry=REGISTRY)
 JOB_VERSION = Gauge("asyncrl_job_policy_version", "Policy version of a job", ["namespace", "job"], registry=REGISTRY)
 JOB_STALENESS = Gauge("asyncrl_job_staleness_mean", "Mean token staleness of a job's last step",

@@ -1,18 +1,38 @@
-"""Mirror the trainer's `GET /status` (asyncrl.status_report.TrainerReport) into the job's status.
+"""What the trainer says about itself, read into the job's status: its live `GET /status`
+(asyncrl.status_report.TrainerReport) and its durable outcome record (asyncrl.outcome).
 
 The trainer knows step, policy version, staleness and reward; Kubernetes users look at
 `kubectl get asyncrljobs`. The operator's status pass fetches the report and this module maps it
 onto the status models (asyncrl.spec.AsyncRLJobStatus) whose fields the printer columns show.
+
+How a job ended is not left to the report alone: the trainer records a TrainerOutcome in the job's
+Redis (keyed by the job's uid) and stays up serving it. `OutcomeReader` reads that record with one
+cached client per job; Redis being unreachable is an answer too (`MirrorError`), after which the
+operator falls back to /status.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
 import httpx
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from asyncrl.errors import OperatorError
+from asyncrl.outcome import TrainerOutcome, read_outcome_redis
 from asyncrl.spec import AsyncRLJobSpec, AsyncRLJobStatus, ProgressStatus, StalenessStatus, TrainerStatus
 from asyncrl.status_report import TrainerReport
+from asyncrl.transport.connection import make_client
+from asyncrl.transport.names import StreamNames
+
+DEFAULT_REDIS_URL_TEMPLATE = "redis://:{password}@{service}.{namespace}.svc:{port}/0"
+"""How the operator reaches a job's managed Redis: its Service, with the password of its Secret."""
 
 
 class MirrorError(OperatorError, RuntimeError):
@@ -41,6 +61,21 @@ async def fetch_report(base_url: str, *, token: str | None = None, timeout: floa
         raise MirrorError(f"GET {url} returned a document that is not a trainer report: {exc}") from exc
 
 
+def mirror_outcome(status: AsyncRLJobStatus, outcome: TrainerOutcome, spec: AsyncRLJobSpec) -> None:
+    """The final step and policy version from the outcome record (it may be newer than the last
+    report, or the only word from a trainer whose /status cannot be reached)."""
+    kept = status.trainer if "trainer" in status.model_fields_set else TrainerStatus()
+    if "trainer" not in status.model_fields_set or outcome.step >= kept.step:
+        status.trainer = TrainerStatus(step=outcome.step, policy_version=max(outcome.policy_version, 0),
+                                       last_checkpoint=kept.last_checkpoint)
+    total = spec.trainer.max_steps
+    percent = round(min(100.0, 100.0 * status.trainer.step / total), 2) if total else 0.0
+    if "progress" in status.model_fields_set:
+        status.progress = status.progress.model_copy(update={"percent": percent})
+    else:
+        status.progress = ProgressStatus(percent=percent)
+
+
 def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRLJobSpec) -> None:
     """Set the parts of `status` that come from the report: trainer, staleness, progress and
     rollout.minWeightVersion. The spec fills in what an early report may not know yet (max steps, eta)."""
@@ -57,3 +92,86 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     engines = [e.weight_version for e in report.rollout if e.weight_version is not None]
     if engines:
         status.rollout.min_weight_version = min(engines)
+
+
+# ----------------------------------------------------------------------------------- outcome record
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """How the operator reads a job's outcome record (from `asyncrl operator`'s flags)."""
+
+    url_template: str = DEFAULT_REDIS_URL_TEMPLATE
+    """URL of a managed Redis: {name} {namespace} {service} {port} {password}. An external Redis is
+    reached at the URL in the job's Secret."""
+    timeout: float = 3.0
+    """Seconds for one read (connect included)."""
+
+
+def managed_redis_url(template: str, *, name: str, namespace: str, service: str, port: int, password: str) -> str:
+    return template.format(name=name, namespace=namespace, service=service, port=port,
+                           password=quote(password, safe=""))
+
+
+def secret_value(secret: dict[str, Any] | None, key: str) -> str | None:
+    """One key of a Secret as the API server returns it (`data`, base64), or as written
+    (`stringData`, which a real API server folds into `data`)."""
+    if not secret:
+        return None
+    raw = (secret.get("data") or {}).get(key)
+    if raw is not None:
+        try:
+            return base64.b64decode(raw, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+    value = (secret.get("stringData") or {}).get(key)
+    return value if isinstance(value, str) else None
+
+
+class OutcomeReader:
+    """Reads jobs' outcome records, keeping one Redis client per job (by key) while it works.
+
+    A failed read closes and forgets the job's client (and so its URL, which the caller rebuilds
+    from the Secret on the next pass: the password may have changed) and raises MirrorError."""
+
+    def __init__(self, settings: RedisSettings | None = None):
+        self.settings = settings or RedisSettings()
+        self._clients: dict[Any, tuple[str, Any]] = {}
+
+    def url(self, key: Any) -> str | None:
+        """The URL of the job's cached client (None: resolve it)."""
+        entry = self._clients.get(key)
+        return entry[0] if entry else None
+
+    async def read(self, key: Any, url: str, names: StreamNames, job_uid: str) -> TrainerOutcome | None:
+        """The job's recorded outcome, or None while training goes on. MirrorError when unreadable."""
+        entry = self._clients.get(key)
+        if entry is None or entry[0] != url:
+            await self.forget(key)
+            timeout = self.settings.timeout
+            try:
+                client = make_client(url, retries=1, socket_timeout=timeout, connect_timeout=timeout)
+            except ValueError as exc:
+                raise MirrorError(f"bad Redis URL for the outcome record: {exc}") from None
+            entry = self._clients[key] = (url, client)
+        try:
+            outcome = await asyncio.wait_for(read_outcome_redis(entry[1], names), 2 * self.settings.timeout + 1)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            await self.forget(key)
+            raise MirrorError(f"reading the outcome record {names.outcome} failed: {type(exc).__name__}: {exc}") \
+                from None
+        if outcome is not None and outcome.job_uid and outcome.job_uid != job_uid:
+            return None  # another run's record (cannot happen with uid-keyed names; be sure anyway)
+        return outcome
+
+    async def forget(self, key: Any) -> None:
+        entry = self._clients.pop(key, None)
+        if entry is not None:
+            try:
+                await entry[1].aclose()
+            except (RedisError, OSError):
+                pass
+
+    async def close(self) -> None:
+        for key in list(self._clients):
+            await self.forget(key)

@@ -23,10 +23,15 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
+OPERATOR_POD_LABELS = {LABEL_NAME: "asyncrl", LABEL_COMPONENT: "operator"}
+"""Labels of the operator's own pod (charts/asyncrl/templates/deployment.yaml): jobs' Redis admits it."""
 MANAGED_BY = "asyncrl-operator"
 
 ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-hash"
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
+ANNOTATION_REDIS_AUTH_HASH = f"{GROUP}/redis-auth-hash"
+"""Pod-template annotation: a salted hash of the live managed-Redis Secret. The apply layer fills it
+in from the Secret it reads, so a re-created or rotated Secret rolls every pod that uses it."""
 
 
 def short_hash(text: str, length: int = HASH_LEN) -> str:
@@ -94,6 +99,11 @@ def job_labels(job: str) -> dict[str, str]:
 def selector_labels(job: str, component: str) -> dict[str, str]:
     """The immutable selector of one component's pods."""
     return {LABEL_JOB: job, LABEL_COMPONENT: component}
+
+
+def owned_selector() -> str:
+    """Label selector of every child the operator manages (what its owned-kind watches ask for)."""
+    return f"{LABEL_MANAGED_BY}={MANAGED_BY},{LABEL_JOB}"
 
 
 def selector_string(labels: dict[str, str]) -> str:

@@ -6,6 +6,19 @@ now, and `reason`/`message` say why a job is not running, down to the pod's own 
 (ImagePullBackOff, Unschedulable, CrashLoopBackOff, OOMKilled). Terminal phases are sticky.
 Everything here is a function of its inputs (the clock is a parameter), so tests need no cluster.
 
+How a job ends, in the order `compute_status` asks:
+1. a terminal phase already written stays (sticky);
+2. an invalid spec: Failed InvalidSpec;
+3. the trainer's durable outcome record (asyncrl.outcome, read from Redis): its phase and reason;
+4. the trainer's live /status saying Succeeded/Failed: its reason (else TrainingComplete / TrainerFailed);
+5. suspended: Suspended (no pod rule applies to a job that has no pods);
+6. the trainer's containers (`trainer_failure`): a last exit code 78 fails at once
+   (ConfigurationError, the termination message), more than `spec.trainer.backoffLimit` restarts
+   of one container fail it (BackoffLimitExceeded);
+7. `spec.activeDeadlineSeconds` after startTime: DeadlineExceeded;
+8. otherwise the children decide: Pending, Initializing, Running, or StartupDeadlineExceeded.
+A crash-looping rollout (or trainer, below its backoff limit) pod only sets the `Degraded` condition.
+
 The status is built as `asyncrl.spec.AsyncRLJobStatus`, the model the CRD's status schema is
 generated from, and written as its camelCase dump: one definition of what `.status` holds.
 """
@@ -20,7 +33,9 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from asyncrl.operator import builders as B
-from asyncrl.operator.mirror import mirror_report
+from asyncrl.operator import names as N
+from asyncrl.operator.mirror import mirror_outcome, mirror_report
+from asyncrl.outcome import EXIT_CONFIG_ERROR, TrainerOutcome, is_config_error
 from asyncrl.spec import (
     CONDITION_TYPES,
     TERMINAL_PHASES,
@@ -55,6 +70,63 @@ class PodProblem:
         return f"pod {self.pod}: {self.reason}" + (f": {self.message}" if self.message else "")
 
 
+@dataclass(frozen=True)
+class ContainerRun:
+    """One container of one of the job's pods, as the kubelet reports it (`containerStatuses[]`)."""
+
+    pod: str
+    component: str
+    """The pod's `app.kubernetes.io/component` label: trainer, rollout, redis."""
+    container: str
+    restarts: int = 0
+    ready: bool = False
+    waiting_reason: str = ""
+    exit_code: int | None = None
+    """Of the last termination: `state.terminated` (dead now), else `lastState.terminated`."""
+    exit_reason: str = ""
+    exit_message: str = ""
+    """The termination message (what the process wrote to /dev/termination-log)."""
+
+    @property
+    def crash_looping(self) -> bool:
+        """Restarting rather than running: in CrashLoopBackOff, or restarted and not ready (again)."""
+        return self.waiting_reason == "CrashLoopBackOff" or (self.restarts > 0 and not self.ready)
+
+    def last_exit(self) -> str:
+        """`last exit code 1 (Error): <termination message>`, or "" when it never terminated."""
+        if self.exit_code is None:
+            return ""
+        text = f"last exit code {self.exit_code}" + (f" ({self.exit_reason})" if self.exit_reason else "")
+        return text + (f": {self.exit_message.strip()}" if self.exit_message.strip() else "")
+
+    def describe(self) -> str:
+        what = f"pod {self.pod} container {self.container}"
+        if self.waiting_reason:
+            what += f": {self.waiting_reason}"
+        what += f", {self.restarts} restart{'s' if self.restarts != 1 else ''}"
+        last = self.last_exit()
+        return what + (f", {last}" if last else "")
+
+
+def container_runs(pods: list[dict[str, Any]]) -> list[ContainerRun]:
+    """Every (non-init) container of `pods`, sorted by pod and container name."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        component = (meta.get("labels") or {}).get(N.LABEL_COMPONENT, "")
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            state, last = cs.get("state") or {}, cs.get("lastState") or {}
+            term = state.get("terminated") or last.get("terminated") or {}
+            code = term.get("exitCode")
+            out.append(ContainerRun(
+                pod=meta.get("name", "?"), component=component, container=cs.get("name", "?"),
+                restarts=int(cs.get("restartCount") or 0), ready=bool(cs.get("ready")),
+                waiting_reason=(state.get("waiting") or {}).get("reason") or "",
+                exit_code=int(code) if isinstance(code, int) else None,
+                exit_reason=term.get("reason") or "", exit_message=term.get("message") or ""))
+    return sorted(out, key=lambda c: (c.pod, c.container))
+
+
 @dataclass
 class Observed:
     """What the operator saw of the job's children (None = the object does not exist yet)."""
@@ -64,6 +136,12 @@ class Observed:
     redis_ready: int | None = None
     """Ready managed-Redis pods; ignored for an external Redis."""
     problems: list[PodProblem] = field(default_factory=list)
+    containers: list[ContainerRun] = field(default_factory=list)
+    """The containers of the job's pods (restarts and last terminations: `container_runs`)."""
+    outcome: TrainerOutcome | None = None
+    """The trainer's durable outcome record (Redis), once training has ended."""
+    outcome_error: str | None = None
+    """Why the outcome record could not be read (Redis unreachable, its Secret missing)."""
     report: TrainerReport | None = None
     report_error: str | None = None
 
@@ -155,6 +233,7 @@ class Readiness:
     trainer: Check
     stream: Check
     weights: Check
+    degraded: Check
 
     @property
     def all_ready(self) -> bool:
@@ -197,6 +276,25 @@ def _weights(report: TrainerReport | None) -> Check:
     return Check("False", "Lagging", f"oldest engine weights: {lowest}, trainer: {report.policy_version}")
 
 
+NOT_DEGRADED = Check("False", "NoCrashLoop", "no rollout or trainer container is crash-looping")
+
+
+def degraded(containers: list[ContainerRun]) -> Check:
+    """`Degraded`: a rollout or trainer container crash-loops (the job goes on; the trainer's
+    backoffLimit is what fails it). The reason is the pod's own: OOMKilled when the kernel killed
+    it, else CrashLoopBackOff, else the last termination's reason."""
+    looping = [c for c in containers if c.component in ("rollout", "trainer") and c.crash_looping]
+    if not looping:
+        return NOT_DEGRADED
+    first = looping[0]
+    if first.exit_reason == "OOMKilled":
+        reason = "OOMKilled"
+    else:
+        reason = first.waiting_reason or first.exit_reason or "Restarting"
+    more = f" (and {len(looping) - 1} more)" if len(looping) > 1 else ""
+    return Check("True", reason, f"{first.component} {first.describe()}{more}")
+
+
 def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
     rollout_desired, trainer_desired = _desired(spec)
     managed_redis = spec is not None and spec.redis.mode == "managed"
@@ -206,6 +304,7 @@ def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
         # Without a valid spec nothing was created: there is no Redis of ours to wait for either.
         stream=_ready(obs.redis_ready, 1) if managed_redis else EXTERNAL_REDIS,
         weights=_weights(obs.report),
+        degraded=degraded(obs.containers),
     )
 
 
@@ -220,22 +319,65 @@ class Verdict(NamedTuple):
     message: str
 
 
-def _settled(spec: AsyncRLJobSpec | None, before: AsyncRLJobStatus, report: TrainerReport | None,
+def outcome_verdict(outcome: TrainerOutcome) -> Verdict:
+    """The job's phase from the trainer's recorded outcome (its reason, e.g. MaxStepsReached)."""
+    if outcome.phase == "Succeeded":
+        return Verdict("Succeeded", outcome.reason or "TrainingComplete",
+                       outcome.message or f"trained {outcome.step} steps (policy version {outcome.policy_version})")
+    return Verdict("Failed", outcome.reason or "TrainerFailed",
+                   outcome.message or f"the trainer recorded a failure at step {outcome.step}")
+
+
+def _settled(spec: AsyncRLJobSpec | None, before: AsyncRLJobStatus, obs: Observed,
              invalid: str | None) -> Verdict | None:
     """The phase when no child can change it: a terminal phase (sticky), an invalid spec, the
-    trainer's own outcome, suspension. None: the children decide (`_progressing`)."""
+    trainer's own outcome (the durable record, then /status), suspension. None: the trainer's
+    containers, the deadlines and the children decide."""
+    report = obs.report
     if before.phase in TERMINAL_PHASES:
         return Verdict(before.phase, before.reason, before.message)
     if spec is None or invalid is not None:
         return Verdict("Failed", "InvalidSpec", invalid or "invalid spec")
+    if obs.outcome is not None:
+        return outcome_verdict(obs.outcome)
     if report is not None and report.phase == "Succeeded":
-        return Verdict("Succeeded", "TrainingComplete",
-                       f"trained {report.step} steps (policy version {report.policy_version})")
+        return Verdict("Succeeded", report.reason or "TrainingComplete",
+                       report.message or f"trained {report.step} steps (policy version {report.policy_version})")
     if report is not None and report.phase == "Failed":
-        return Verdict("Failed", "TrainerFailed", report.message or "the trainer reported a failure")
+        return Verdict("Failed", report.reason or "TrainerFailed", report.message or "the trainer reported a failure")
     if spec.suspend:
         return Verdict("Suspended", "Suspended", "rollout and trainer scaled to zero; Redis and volumes kept")
     return None
+
+
+def trainer_failure(spec: AsyncRLJobSpec, containers: list[ContainerRun]) -> Verdict | None:
+    """Failed by the trainer's containers: a configuration error (exit code 78, or its termination
+    message under torchrun, which exits 1 for any failed worker) at once, or more
+    restarts of one container than `spec.trainer.backoffLimit`. None: keep going."""
+    trainer = [c for c in containers if c.component == "trainer"]
+    for c in trainer:
+        if is_config_error(c.exit_code, c.exit_message):
+            return Verdict("Failed", "ConfigurationError", c.exit_message.strip() or
+                           f"trainer pod {c.pod} container {c.container} exited with code {EXIT_CONFIG_ERROR} "
+                           "(a configuration error: restarting cannot fix it)")
+    limit = spec.trainer.backoff_limit
+    over = [c for c in trainer if c.restarts > limit]
+    if over:
+        c = max(over, key=lambda c: c.restarts)
+        last = c.last_exit() or "no termination recorded"
+        return Verdict("Failed", "BackoffLimitExceeded",
+                       f"trainer pod {c.pod} container {c.container} restarted {c.restarts} times "
+                       f"(backoffLimit {limit}); {last}")
+    return None
+
+
+def deadline_exceeded(spec: AsyncRLJobSpec, start: datetime, now: datetime) -> Verdict | None:
+    """Failed when the job has not finished `spec.activeDeadlineSeconds` after it started (or resumed)."""
+    deadline = spec.active_deadline_seconds
+    if deadline is None or now - start < timedelta(seconds=deadline):
+        return None
+    return Verdict("Failed", "DeadlineExceeded",
+                   f"not finished {deadline}s after it started at {fmt_time(start)} (activeDeadlineSeconds)")
 
 
 def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, ready: Readiness, start: datetime,
@@ -277,6 +419,7 @@ def _conditions(before: AsyncRLJobStatus, ready: Readiness, verdict: Verdict, no
         "TrainerReady": ready.trainer,
         "StreamReady": ready.stream,
         "WeightsSynced": ready.weights,
+        "Degraded": ready.degraded,
         "Complete": outcome if verdict.phase == "Succeeded" else Check("False", "NotComplete", ""),
         "Failed": outcome if verdict.phase == "Failed" else Check("False", "NotFailed", ""),
     }
@@ -292,9 +435,10 @@ def _rollout(ref: JobRef, spec: AsyncRLJobSpec | None, obs: Observed) -> Rollout
 
 
 def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: TrainerReport | None,
-             spec: AsyncRLJobSpec | None) -> None:
+             spec: AsyncRLJobSpec | None, outcome: TrainerOutcome | None = None) -> None:
     """trainer, staleness, progress and rollout.minWeightVersion: from this pass's report, else the
-    last ones written. trainer and progress stay absent until the trainer has reported."""
+    last ones written; the outcome record has the final step. trainer and progress stay absent
+    until the trainer has reported."""
     kept = before.model_fields_set
     if "trainer" in kept:
         status.trainer = before.trainer
@@ -306,6 +450,8 @@ def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: Trainer
         status.rollout.min_weight_version = before.rollout.min_weight_version
     if report is not None and spec is not None:
         mirror_report(status, report, spec)
+    if outcome is not None and spec is not None:
+        mirror_outcome(status, outcome, spec)
     if "staleness" not in status.model_fields_set:
         eta = spec.staleness.max_head_offpolicyness if spec is not None else 0
         status.staleness = StalenessStatus(mean=0.0, max=0, limit=eta, dropped=0)
@@ -338,14 +484,16 @@ def compute_status(ref: JobRef, spec: AsyncRLJobSpec | None, prev: Mapping[str, 
     before = previous_status(prev)
     ready = _readiness(spec, obs)
 
-    # Phase: settled by the past, the spec or the trainer; otherwise by how far the children are.
+    # Phase: settled by the past, the spec or the trainer; then by the trainer's containers and
+    # the deadlines; otherwise by how far the children are.
     start = parse_time(before.start_time) or now
-    verdict = _settled(spec, before, obs.report, invalid)
+    verdict = _settled(spec, before, obs, invalid)
     if verdict is None:
         assert spec is not None  # _settled decides every job without a valid spec
         if before.phase == "Suspended":
-            start = now  # resumed: the startup deadline counts again from here
-        verdict = _progressing(spec, before.phase, obs, ready, start, now)
+            start = now  # resumed: both deadlines count again from here
+        verdict = (trainer_failure(spec, obs.containers) or deadline_exceeded(spec, start, now)
+                   or _progressing(spec, before.phase, obs, ready, start, now))
     completion = before.completion_time or None
     if verdict.phase in TERMINAL_PHASES and not completion:
         completion = fmt_time(now)
@@ -362,7 +510,7 @@ def compute_status(ref: JobRef, spec: AsyncRLJobSpec | None, prev: Mapping[str, 
         # status_url by its alias, the name type checkers know it by (the model accepts both)
         statusURL=B.status_url(ref.name, ref.namespace, spec.trainer.status_port) if spec is not None else "",
     )
-    _figures(status, before, obs.report, spec)
+    _figures(status, before, obs.report, spec, obs.outcome)
     return wire(status)
 
 

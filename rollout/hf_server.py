@@ -7,6 +7,12 @@ they would a GPU server:
   POST /generate  /pause_generation {mode}  /continue_generation  /update_weights_from_disk
   GET  /model_info (and /get_model_info)  /get_weight_version  /ready  /health  /stats
 Errors are HTTP 400 with {"error": {"message"}} (validation errors too, as SGLang does).
+
+Readiness is `GET /model_info`, as for SGLang (the rollout pod's readinessProbe and the adapter's
+`ready()`): the port opens only after the model is loaded and the answer does not wait for a pause.
+`/ready`, `/stats` and an answering `/get_weight_version` are asyncrl extras the pinned SGLang lacks
+(its `/get_weight_version` always answers 404): `/ready` is kept for the local runner's wait.
+`/health` answers 503 while paused, as the pin's token-generating `/health` would.
 """
 
 

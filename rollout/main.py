@@ -45,7 +45,6 @@ async def run_worker(args: argparse.Namespace) -> int:
     from asyncrl.runtime import Runtime
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
 
     log = logging.getLogger("asyncrl.rollout")
     job = load_job(args.config)
@@ -67,7 +66,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_new_tokens=alg.max_new_tokens, temperature=alg.temperature, top_p=alg.top_p,
                               top_k=alg.top_k, stop_token_ids=renderer.stop_token_ids())
     redis = await connect(redis_url)
-    names = StreamNames.for_job(job.metadata.name)
+    names = rt.stream_names(job.metadata.name)
     admission = Admission(redis, names, batch_size=alg.batch_size,
                           max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
                           max_concurrent=spec.max_concurrent_groups())

@@ -40,5 +40,6 @@ if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install-k8s-tools.sh
   bash scripts/install-browser.sh
   bash scripts/install-vllm.sh
+  bash scripts/fetch-sglang-source.sh   # the pinned SGLang route table, read by test_sglang_routes
 fi
 echo "setup: ready (.venv)"

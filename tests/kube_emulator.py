@@ -8,6 +8,7 @@ what they need:
 - server-set metadata: `uid`, `resourceVersion` (global counter), `creationTimestamp`,
   `generation` (bumped on non-metadata/status changes), `metadata.namespace` from the URL;
 - status isolation: a `/status` patch changes only `.status`, a main-resource patch never does;
+- optimistic concurrency: a patch or PUT carrying a stale `metadata.resourceVersion` gets 409 Conflict;
 - the `scale` subresource (autoscaling/v1 Scale) mapped through the CRD's scale paths;
 - lists carry `kind`/`apiVersion`/`resourceVersion` and honour `labelSelector`;
 - core discovery says `groupVersion: v1` (kmock says `/v1`);
@@ -136,6 +137,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     log: list[LoggedRequest] = attrs.field(factory=list, init=False)
     gates: dict[tuple[str, str], asyncio.Event] = attrs.field(factory=dict, init=False)
+    # plural -> (extra column definitions, obj -> their cells): `kubectl get` columns (tests/kube_cluster.py)
+    printers: dict[str, Any] = attrs.field(factory=dict, init=False)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _namespaces: set[str] = attrs.field(factory=lambda: {"default"}, init=False)
 
@@ -272,6 +275,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         old = copy.deepcopy(stored.raw)
         body = copy.deepcopy(request.data)
         sub = request.subresource
+        # Optimistic concurrency, as the API server does it: a patch or PUT that carries
+        # metadata.resourceVersion applies only to that version of the object.
+        wanted = (body.get("metadata") or {}).get("resourceVersion") if isinstance(body, dict) else None
+        if wanted and str(wanted) != str(old["metadata"].get("resourceVersion")):
+            raise _err(409, "Conflict", f'Operation cannot be fulfilled on {request.resource.plural} '
+                       f'"{request.name}": the object has been modified; please apply your changes to the '
+                       'latest version and try again')
         if replace:
             new = body
         elif isinstance(body, dict) and sub == "status":
@@ -411,17 +421,20 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 objs = [copy.deepcopy(self.objects[key].raw)]
         columns = [{"name": "Name", "type": "string", "format": "name", "description": "Name"}]
         paths: list[str] = []
+        printer = self.printers.get(request.resource.plural)
         if request.resource.plural == PLURAL:
             for col in PRINTER_COLUMNS:
                 columns.append({"name": col["name"], "type": col["type"], "format": "",
                                 "description": col.get("description", "")})
                 paths.append(col["jsonPath"].lstrip("."))
         else:
+            columns += printer[0] if printer else []
             columns.append({"name": "Age", "type": "date", "format": "", "description": "Age"})
             paths.append("metadata.creationTimestamp")
         rows = []
         for obj in objs:
-            cells = [obj["metadata"]["name"], *[_get_path(obj, p) for p in paths]]
+            extra = printer[1](obj) if printer and request.resource.plural != PLURAL else []
+            cells = [obj["metadata"]["name"], *extra, *[_get_path(obj, p) for p in paths]]
             cells = [_age(c) if col["type"] == "date" else c for c, col in zip(cells, columns)]
             rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata",
                                                     "apiVersion": "meta.k8s.io/v1", "metadata": obj["metadata"]}})
@@ -502,9 +515,11 @@ async def wait_for(check: Callable[[], Any], *, timeout: float = 30.0, what: str
 class OperatorProcess:
     """`asyncrl operator` as a subprocess talking to the emulator through a kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, log: Path, *, interval: float = 0.3, status_url_template: str | None = None):
+    def __init__(self, kubeconfig: Path, log: Path, *, interval: float = 0.3, status_url_template: str | None = None,
+                 redis_url_template: str | None = None):
         self.kubeconfig, self.log, self.interval = kubeconfig, log, interval
         self.status_url_template = status_url_template
+        self.redis_url_template = redis_url_template
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> OperatorProcess:
@@ -514,6 +529,8 @@ class OperatorProcess:
                 "--liveness-port", "0", "--metrics-port", "0", "--verbose"]
         if self.status_url_template:
             args += ["--status-url-template", self.status_url_template]
+        if self.redis_url_template:
+            args += ["--redis-url-template", self.redis_url_template]
         out = open(self.log, "ab")
         self.proc = await asyncio.create_subprocess_exec(*args, env=env, cwd=str(REPO), stdout=out,
                                                          stderr=subprocess.STDOUT)

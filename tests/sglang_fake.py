@@ -2,30 +2,40 @@
 
 SGLang needs CUDA kernels, so the adapter is tested against this server, which answers with the
 field layout of the pinned release, written from reading these upstream files (not copied):
-  - python/sglang/srt/entrypoints/http_server.py: routes `/generate` (non-stream returns one JSON
-    object), `/pause_generation`, `/continue_generation` ({"message", "status": "ok"}),
-    `/update_weights_from_disk` ({"success", "message", "num_paused_requests"}, HTTP 400 when
-    success is false; " Weight version updated to X." appended), `/get_model_info` (model_path,
-    tokenizer_path, is_generation, preferred_sampling_params, weight_version), `/get_weight_version`;
+  - python/sglang/srt/entrypoints/http_server.py: routes `POST /generate` (non-stream returns one
+    JSON object), `POST /pause_generation`, `POST /continue_generation` ({"message", "status": "ok"};
+    both take a required JSON body), `POST /update_weights_from_disk` ({"success", "message",
+    "num_paused_requests"}, HTTP 400 when success is false; " Weight version updated to X."
+    appended), `GET /model_info` and its deprecated alias `GET /get_model_info` (model_path,
+    tokenizer_path, is_generation, preferred_sampling_params, weight_version, ...),
+    `GET /get_weight_version` and `GET /weight_version` (always 404: "use /model_info"),
+    `GET /health` (generates one token: 503 while the server cannot generate, e.g. paused);
     `_create_error_response` -> HTTP 400 {"error": {"message"}}; request validation errors are
     turned into HTTP 400 {"object": "error", "message", "type": "Bad Request", "code": 400}.
   - python/sglang/srt/managers/io_struct.py: GenerateReqInput (input_ids, sampling_params,
     return_logprob, stream), PauseGenerationReqInput.mode in abort|retract|in_place,
-    UpdateWeightFromDiskReqInput (model_path, load_format, abort_all_requests, weight_version).
+    ContinueGenerationReqInput (no fields), UpdateWeightFromDiskReqInput (model_path, load_format,
+    abort_all_requests, weight_version, ...).
   - python/sglang/srt/managers/tokenizer_manager.py: meta_info = {"id", "finish_reason",
     "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens", "e2e_latency",
     "output_token_logprobs": [[logprob, token_id, null], ...]} (null: no text requested);
     an aborted request answers with its partial output and finish_reason {"type": "abort", ...}.
   - python/sglang/srt/managers/schedule_batch.py: finish reasons {"type": "stop", "matched": id},
     {"type": "length", "length": n}, {"type": "abort", "message": ...}.
-Newer releases also serve `/model_info` and `/ready` (0.5.20+); `serve_ready=False` emulates the
-pinned release without them so the adapter's fallback is exercised.
+
+At least as strict as the pin (tests/test_sglang_routes.py checks this against the pinned source):
+every route is one the pin has, with only methods the pin allows (any other path is 404, another
+method 405; no `/ready`, no docs or OpenAPI routes), and request bodies accept only fields the
+pin's request models declare (an unknown field, or a sampling parameter the pin's SamplingParams
+lacks, is a 400 here where the pin would silently ignore or crash on it).
 
 Deterministic "model": token i of a response is `(sum(prompt) + 7 * i) % 1000 + 10`, its logprob is
 `-0.01 * (i + 1) - version`, so tests can check which weights produced each token. Knobs:
 `token_delay` (seconds per token), `fail_next` (answer the next N /generate with HTTP 500),
-`eos_after` (emit the stop token after N tokens). GET /fake/state shows progress for polling;
-`state.control_calls` records pause / update / continue in the order they arrived.
+`eos_after` (emit the stop token after N tokens), `health_timeout` (how long /health waits for a
+token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s). Tests poll `fake.state`
+directly (the server runs in a thread of the test process); `state.control_calls` records pause /
+update / continue in the order they arrived.
 """
 
 
@@ -39,6 +49,10 @@ from typing import Any
 from asyncrl.net import free_port
 
 STOP_TOKEN = 2
+SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"})
+"""The sampling parameters the fake accepts (the adapter's): a subset of the pin's SamplingParams.__init__."""
+WEIGHT_VERSION_DEPRECATED = ("Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+                             "Please use '/model_info' instead.")
 
 
 @dataclass
@@ -49,7 +63,7 @@ class FakeState:
     token_delay: float = 0.0
     fail_next: int = 0
     eos_after: int | None = None
-    serve_ready: bool = True
+    health_timeout: float = 0.5
     tokens_generated: int = 0
     running: int = 0
     requests: int = 0
@@ -70,29 +84,44 @@ def fake_logprob(i: int, version: str) -> float:
 
 
 def create_app(state: FakeState) -> Any:
+    from typing import Literal
+
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict
 
-    class GenerateReqInput(BaseModel):
-        model_config = ConfigDict(extra="allow")
+    # Field names and defaults follow the pin's io_struct dataclasses (a subset of their fields);
+    # extra="forbid" rejects a misspelled field that the pin would silently drop.
+    class BaseReq(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        rid: str | None = None
+
+    class GenerateReqInput(BaseReq):
         input_ids: list[int] | None = None
         text: str | None = None
         sampling_params: dict[str, Any] | None = None
-        return_logprob: bool = False
+        return_logprob: bool | None = None
         stream: bool = False
 
-    class PauseReq(BaseModel):
-        mode: str = "abort"
+    class PauseGenerationReqInput(BaseReq):
+        mode: Literal["abort", "retract", "in_place"] = "abort"
 
-    class UpdateWeightFromDiskReqInput(BaseModel):
+    class ContinueGenerationReqInput(BaseReq):
+        pass
+
+    class UpdateWeightFromDiskReqInput(BaseReq):
         model_path: str
         load_format: str | None = None
         abort_all_requests: bool = False
         weight_version: str | None = None
+        flush_cache: bool = True
 
-    app = FastAPI()
+    # No docs or OpenAPI routes: every route here is one the pin has (tests/test_sglang_routes.py).
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.request_models = {"/generate": GenerateReqInput, "/pause_generation": PauseGenerationReqInput,
+                                "/continue_generation": ContinueGenerationReqInput,
+                                "/update_weights_from_disk": UpdateWeightFromDiskReqInput}
     resume = asyncio.Event()
     abort_epoch = {"n": 0}
 
@@ -116,6 +145,9 @@ def create_app(state: FakeState) -> Any:
             return err("the fake server does not stream")
         prompt = obj.input_ids or [ord(c) for c in (obj.text or "")]
         sp = obj.sampling_params or {}
+        unknown = sorted(set(sp) - SAMPLING_KEYS)
+        if unknown:
+            return err(f"unknown sampling parameters {unknown} (not in the pinned SamplingParams)")
         max_new = sp.get("max_new_tokens", 128)
         if not isinstance(max_new, int) or max_new < 0:
             return err(f"max_new_tokens must be at least 0, got {max_new}.")
@@ -176,10 +208,8 @@ def create_app(state: FakeState) -> Any:
         return {"text": " ".join(map(str, out_ids)), "output_ids": out_ids, "meta_info": meta}
 
     @app.post("/pause_generation")
-    async def pause_generation(obj: PauseReq | None = None) -> Any:
-        mode = obj.mode if obj else "abort"
-        if mode not in ("abort", "retract", "in_place"):
-            return err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+    async def pause_generation(obj: PauseGenerationReqInput) -> Any:
+        mode = obj.mode
         state.pause_calls.append(mode)
         state.control_calls.append(f"pause:{mode}")
         state.paused = mode
@@ -189,7 +219,7 @@ def create_app(state: FakeState) -> Any:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation() -> Any:
+    async def continue_generation(obj: ContinueGenerationReqInput) -> Any:
         state.control_calls.append("continue")
         state.paused = None
         resume.set()
@@ -212,38 +242,32 @@ def create_app(state: FakeState) -> Any:
             message += f" Weight version updated to {obj.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": 0}
 
-    def model_info() -> dict[str, Any]:
+    async def model_info() -> dict[str, Any]:
+        """Reads server state only: answers while paused (the pin's readiness route for us)."""
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
-                "preferred_sampling_params": None, "weight_version": state.weight_version}
+                "preferred_sampling_params": None, "weight_version": state.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False, "model_type": "fake",
+                "architectures": ["FakeForCausalLM"]}
 
-    app.get("/get_model_info")(model_info)
+    app.get("/model_info")(model_info)
+    app.get("/get_model_info")(model_info)  # deprecated alias in the pin (it logs a warning there)
 
-    @app.get("/model_info")
-    async def model_info_new() -> Any:
-        if not state.serve_ready:
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return model_info()
+    async def weight_version() -> Any:
+        return JSONResponse({"object": "error", "message": WEIGHT_VERSION_DEPRECATED, "type": "404", "param": None,
+                             "code": 404}, status_code=404)
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Any:
-        return {"weight_version": state.weight_version}
-
-    @app.get("/ready")
-    async def ready() -> Any:
-        if not state.serve_ready:
-            return JSONResponse({"detail": "Not Found"}, status_code=404)
-        return {"status": "ready"}
+    app.get("/get_weight_version")(weight_version)
+    app.get("/weight_version")(weight_version)
 
     @app.get("/health")
     async def health() -> Any:
-        if state.paused is not None:
-            return JSONResponse({}, status_code=503)
-        return {}
-
-    @app.get("/fake/state")
-    async def fake_state() -> Any:
-        return {"tokens_generated": state.tokens_generated, "running": state.running, "paused": state.paused,
-                "requests": state.requests, "weight_version": state.weight_version}
+        """The pin generates one token: it waits behind a pause, then answers 503."""
+        deadline = time.monotonic() + state.health_timeout
+        while state.paused is not None:
+            if time.monotonic() >= deadline:
+                return JSONResponse({}, status_code=503)
+            await asyncio.sleep(0.01)
+        return JSONResponse({}, status_code=200)
 
     return app
 

@@ -14,7 +14,7 @@ from asyncrl.cli import COMMANDS
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.runtime import ENV_ENGINE_URL, ENV_POD_NAME, ENV_REDIS_URL, ENV_WEIGHTS_DIR
+from asyncrl.runtime import ENV_ENGINE_URL, ENV_JOB_UID, ENV_POD_NAME, ENV_REDIS_URL, ENV_WEIGHTS_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -39,6 +39,7 @@ VARIANTS = {
                                                            "external": {"urlSecret": {"name": "r", "key": "url"}}},
                                                 "storage.claimName": "shared-rwx"}),
     "suspended": example(suspend=True),
+    "weights-deleted-with-job": example(**{"storage.deleteWithJob": True}),
 }
 
 
@@ -55,11 +56,15 @@ def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dic
 def test_children_owned_labelled_valid(variant):
     objs = build(VARIANTS[variant])
     job_name = VARIANTS[variant]["metadata"]["name"]
+    delete_with_job = VARIANTS[variant]["spec"].get("storage", {}).get("deleteWithJob", False)
     for obj in objs:
         meta = obj["metadata"]
-        assert meta["ownerReferences"] == [{"apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob",
-                                            "name": job_name, "uid": "uid-1", "controller": True,
-                                            "blockOwnerDeletion": True}]
+        if obj["kind"] == "PersistentVolumeClaim" and not delete_with_job:
+            assert "ownerReferences" not in meta, "the weights volume outlives the job by default"
+        else:
+            assert meta["ownerReferences"] == [{"apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob",
+                                                "name": job_name, "uid": "uid-1", "controller": True,
+                                                "blockOwnerDeletion": True}]
         assert meta["labels"][N.LABEL_JOB] == job_name and meta["labels"][N.LABEL_MANAGED_BY] == N.MANAGED_BY
         assert meta["namespace"] == "ns"
         for version in ("1.29.0", kubernetes_validate.latest_version()):
@@ -116,7 +121,7 @@ def test_rollout_pod_engine_and_worker():
     engine, worker = pod["containers"]
     assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     assert engine["command"][-2:] == ["--mem-fraction-static", "0.85"]
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/model_info"
     assert "tcpSocket" in engine["livenessProbe"]
     assert worker["command"] == ["asyncrl", "rollout", "--config", B.CONFIG_FILE]
     env = {e["name"]: e for e in worker["env"]}
@@ -180,7 +185,10 @@ def test_managed_redis_aof_and_network_policy():
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
     netpol = next(o for o in objs if o["kind"] == "NetworkPolicy")
     assert netpol["spec"]["podSelector"]["matchLabels"] == N.selector_labels("qwen25-gsm8k", "redis")
-    assert netpol["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}}]
+    # The job's own pods, and the operator's pod (any namespace), which reads the trainer's outcome there.
+    assert netpol["spec"]["ingress"][0]["from"] == [
+        {"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}},
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}]
 
 
 def test_suspend_scales_to_zero_and_keeps_redis():
@@ -207,3 +215,57 @@ def test_config_map_holds_the_validated_job_with_defaults():
     job = parse_job(doc)
     assert job.spec.algorithm.clip_eps == 0.2  # a default, written out
     assert doc["spec"]["algorithm"]["clipEps"] == 0.2
+
+
+def test_weights_volume_is_owned_only_when_asked():
+    pvc = lambda objs: next(o for o in objs if o["kind"] == "PersistentVolumeClaim")  # noqa: E731
+    assert "ownerReferences" not in pvc(build(VARIANTS["cluster"]))["metadata"]
+    assert pvc(build(VARIANTS["weights-deleted-with-job"]))["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    deploy = lambda objs: next(o for o in objs if o["kind"] == "Deployment")  # noqa: E731
+    assert deploy(build(VARIANTS["cluster"])) == deploy(build(VARIANTS["weights-deleted-with-job"])), \
+        "a lifecycle knob: changing it restarts no pod"
+
+
+def test_redis_data_volume_goes_with_its_statefulset():
+    redis = next(o for o in build(VARIANTS["cluster"]) if o["metadata"]["name"].endswith("-redis")
+                 and o["kind"] == "StatefulSet")
+    assert redis["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert redis["metadata"]["ownerReferences"][0]["uid"] == "uid-1", "and the job owns the StatefulSet"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_asyncrl_process_knows_the_job_uid(variant):
+    """The uid goes into every Redis key: a re-created job never reads the old run's streams."""
+    for pod in pods(build(VARIANTS[variant])):
+        for c in pod["containers"]:
+            names = [e["name"] for e in c.get("env", [])]
+            if ENV_REDIS_URL in names:
+                assert {"name": ENV_JOB_UID, "value": "uid-1"} in c["env"], c["name"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pods_that_read_the_redis_secret_carry_its_hash(variant):
+    """Redis, rollout and trainer pod templates carry the Secret's hash, so a new Secret rolls them all."""
+    objs = build(VARIANTS[variant])
+    secret = next((o for o in objs if o["kind"] == "Secret"), None)
+    for obj in objs:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        annotations = obj["spec"]["template"]["metadata"].get("annotations", {})
+        if secret is None:
+            assert N.ANNOTATION_REDIS_AUTH_HASH not in annotations, "external Redis: the Secret is not ours"
+        else:
+            assert annotations[N.ANNOTATION_REDIS_AUTH_HASH] == B.secret_hash(secret)
+            assert "pw" not in annotations[N.ANNOTATION_REDIS_AUTH_HASH]
+
+
+def test_secret_hash_reads_data_and_string_data_alike():
+    import base64
+
+    rendered = {"metadata": {"uid": "u"}, "stringData": {"password": "pw", "url": "redis://:pw@r:6379/0"}}
+    stored = {"metadata": {"uid": "u"}, "data": {k: base64.b64encode(v.encode()).decode()
+                                                 for k, v in rendered["stringData"].items()}}
+    assert B.secret_hash(rendered) == B.secret_hash(stored)
+    assert B.secret_hash(stored) != B.secret_hash({**stored, "metadata": {"uid": "re-created"}})
+    rotated = {"metadata": {"uid": "u"}, "stringData": {**rendered["stringData"], "password": "new"}}
+    assert B.secret_hash(rotated) != B.secret_hash(rendered)

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_support import ASYNCRL, make_groups, publish, read_jsonl, redis_query, trainer_env, write_job
+from trainer_support import (
+    ASYNCRL,
+    make_groups,
+    publish,
+    read_jsonl,
+    redis_query,
+    stop_trainer,
+    trainer_env,
+    wait_for_outcome,
+    write_job,
+)
 
 from asyncrl.local_redis import LocalRedis
 
@@ -101,7 +111,12 @@ def test_sigkill_at_random_moments_trains_each_group_at_most_once(tmp_path: Path
                     assert trained <= set(lineage), (seed, trained - set(lineage))
                     assert len(lineage) == len(set(lineage)), seed
                     continue
-            assert proc.wait(600) == 0, (seed, (tmp_path / "trainer.log").read_text()[-3000:])
+                raise AssertionError((seed, proc.returncode, (tmp_path / "trainer.log").read_text()[-3000:]))
+            # The last start trains to the end (or, killed after that, serves the recorded outcome):
+            # it records Succeeded and stays up until SIGTERM.
+            outcome = wait_for_outcome(redis.url, JOB, proc, timeout=600, log=tmp_path / "trainer.log")
+            assert (outcome.phase, outcome.step) == ("Succeeded", steps), seed
+            assert stop_trainer(proc) == 0, (seed, (tmp_path / "trainer.log").read_text()[-3000:])
             break
         trained, pending, length = _redis_state(redis.url)
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from asyncrl.operator.kube import PERMISSIONS
+from asyncrl.operator.names import OPERATOR_POD_LABELS
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "asyncrl"
@@ -80,6 +81,14 @@ def test_cluster_role_is_exactly_the_operator_permissions(helm):
     declared = {(p.group, p.resource, v) for p in PERMISSIONS for v in p.verbs}
     assert rendered == declared
     assert not any("*" in x for t in rendered for x in t), "no wildcards"
+
+
+def test_operator_pod_carries_the_labels_that_job_redis_policies_admit(helm):
+    """Each job's Redis NetworkPolicy admits pods with OPERATOR_POD_LABELS (the operator reads the
+    trainer's outcome there): the chart's operator pod must carry them."""
+    deployment = next(o for o in template(helm) if o["kind"] == "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_POD_LABELS.items() <= labels.items()
 
 
 def test_notes_tell_the_next_command(helm):

@@ -55,8 +55,10 @@ async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
                                    {"replicas": 4, "readyReplicas": 4})
             for sts in (N.trainer(NAME), N.redis(NAME)):
                 await emu.patch_status("apps", "v1", "statefulsets", NS, sts, {"replicas": 1, "readyReplicas": 1})
-            await wait_for(lambda: (emu.get(PLURAL, NS, NAME).get("status", {}).get("trainer") or {}).get("step") == 42,
-                           what="Running with mirrored figures", log=op.log)
+            # Readiness and the mirror may arrive on separate passes: wait for both.
+            status = lambda: emu.get(PLURAL, NS, NAME).get("status", {})  # noqa: E731
+            await wait_for(lambda: (status().get("trainer") or {}).get("step") == 42
+                           and status().get("phase") == "Running", what="Running with mirrored figures", log=op.log)
 
             listing = yaml.safe_load(await run_kubectl(cfg, "get", "asyncrljobs", "-n", NS, "-o", "yaml"))
             (job,) = listing["items"]

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 
 from asyncrl.operator import status as S
 from asyncrl.operator.status import JobRef, Observed, pod_problem, ttl_expired
+from asyncrl.outcome import TrainerOutcome, new_outcome
 from asyncrl.spec import AsyncRLJobSpec
 from asyncrl.status_report import TrainerReport
 
@@ -108,3 +109,195 @@ def test_external_redis_stream_ready():
     s = compute_status(view(redis=EXTERNAL_REDIS), {}, Observed(rollout_ready=2, trainer_ready=1), T0)
     assert s["phase"] == "Running"
     assert {c["type"]: c["reason"] for c in s["conditions"]}["StreamReady"] == "External"
+
+
+# ----------------------------------------------------------------------------------- outcome, failures
+
+
+def trainer_pod(name="j-trainer-0", component="trainer", **cs) -> dict:
+    """A pod of the job with one container status (`cs`: restartCount, state, lastState, ready)."""
+    status = {"name": "trainer" if component == "trainer" else "worker", "ready": False, "restartCount": 0, **cs}
+    return {"metadata": {"name": name, "labels": {"app.kubernetes.io/component": component}},
+            "status": {"containerStatuses": [status]}}
+
+
+def runs(*pods) -> list[S.ContainerRun]:
+    return S.container_runs(list(pods))
+
+
+def crashed(code=1, reason="Error", message="Traceback: boom") -> dict:
+    return {"terminated": {"exitCode": code, "reason": reason, "message": message}}
+
+
+def outcome(phase="Succeeded", reason="MaxStepsReached", **kw) -> TrainerOutcome:
+    return new_outcome("j", "uid-1", phase, reason, **{"step": 10, "policy_version": 10, **kw})
+
+
+def conds(status: dict) -> dict:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_container_runs_read_restarts_and_the_last_termination():
+    [c] = runs(trainer_pod(restartCount=2, lastState=crashed(137, "OOMKilled", ""),
+                           state={"waiting": {"reason": "CrashLoopBackOff"}}))
+    assert (c.pod, c.component, c.container, c.restarts) == ("j-trainer-0", "trainer", "trainer", 2)
+    assert (c.exit_code, c.exit_reason, c.waiting_reason) == (137, "OOMKilled", "CrashLoopBackOff")
+    assert c.crash_looping and c.last_exit() == "last exit code 137 (OOMKilled)"
+    # A container that is terminated right now: its current state is the last termination.
+    [c] = runs(trainer_pod(state=crashed(78, "Error", "bad spec"), lastState=crashed(1)))
+    assert (c.exit_code, c.exit_message) == (78, "bad spec")
+    [c] = runs(trainer_pod(ready=True, restartCount=1, lastState=crashed()))
+    assert not c.crash_looping, "restarted once and ready again is not a crash loop"
+    assert runs({"metadata": {"name": "p"}, "status": {}}) == []
+
+
+def test_backoff_limit_counts_restarts_of_a_trainer_container():
+    spec = view(trainer={"replicas": 1, "maxSteps": 10, "backoffLimit": 2})
+    assert S.trainer_failure(spec, runs(trainer_pod(restartCount=2, lastState=crashed()))) is None
+    v = S.trainer_failure(spec, runs(trainer_pod(restartCount=3, lastState=crashed(1, "Error", "RuntimeError: x"))))
+    assert (v.phase, v.reason) == ("Failed", "BackoffLimitExceeded")
+    assert "restarted 3 times (backoffLimit 2)" in v.message
+    assert "last exit code 1 (Error): RuntimeError: x" in v.message and "j-trainer-0" in v.message
+    # Rollout restarts never fail the job; the default limit is 3.
+    assert S.trainer_failure(view(), runs(trainer_pod("r", "rollout", restartCount=50))) is None
+    assert view().trainer.backoff_limit == 3
+    assert S.trainer_failure(view(), runs(trainer_pod(restartCount=4))).reason == "BackoffLimitExceeded"
+
+
+def test_exit_code_78_is_a_configuration_error_at_once():
+    config_error = crashed(78, "Error", "dataset: no such file\n")
+    v = S.trainer_failure(view(), runs(trainer_pod(restartCount=1, lastState=config_error,
+                                                   state={"waiting": {"reason": "CrashLoopBackOff"}})))
+    assert (v.phase, v.reason, v.message) == ("Failed", "ConfigurationError", "dataset: no such file")
+    v = S.trainer_failure(view(), runs(trainer_pod(state=crashed(78, "Error", ""))))
+    assert v.reason == "ConfigurationError" and "exited with code 78" in v.message
+    # Under torchrun a worker's exit code 78 becomes 1: the termination message still says why.
+    v = S.trainer_failure(view(), runs(trainer_pod(state=crashed(1, "Error", "ModelNotFound: no model at /m\n"))))
+    assert (v.reason, v.message) == ("ConfigurationError", "ModelNotFound: no model at /m")
+    assert S.trainer_failure(view(), runs(trainer_pod(state=crashed(1, "Error", "Crashed: RuntimeError: x")))) is None
+    obs = Observed(rollout_ready=2, trainer_ready=0, redis_ready=1, containers=runs(trainer_pod(state=crashed(78))))
+    s = compute_status(view(), {}, obs, T0)
+    assert (s["phase"], s["reason"]) == ("Failed", "ConfigurationError") and s["completionTime"]
+    assert conds(s)["Failed"]["status"] == "True"
+    # A suspended job has no pods of its own: a lingering terminated container does not fail it.
+    assert compute_status(view(suspend=True), {}, obs, T0)["phase"] == "Suspended"
+
+
+def test_active_deadline_counts_from_start_and_restarts_on_resume():
+    spec = view(activeDeadlineSeconds=60)
+    s = compute_status(spec, {}, ready(), T0)
+    assert s["phase"] == "Running"
+    assert compute_status(spec, s, ready(), T0 + timedelta(seconds=59))["phase"] == "Running"
+    failed = compute_status(spec, s, ready(), T0 + timedelta(seconds=60))
+    assert (failed["phase"], failed["reason"]) == ("Failed", "DeadlineExceeded")
+    assert "60s" in failed["message"] and failed["completionTime"] == "2026-01-01T00:01:00Z"
+    assert compute_status(view(), s, ready(), T0 + timedelta(days=3))["phase"] == "Running", "unset: no limit"
+    suspended = compute_status(view(activeDeadlineSeconds=60, suspend=True), s, Observed(), T0 + timedelta(hours=1))
+    assert suspended["phase"] == "Suspended"
+    resumed = compute_status(spec, suspended, ready(), T0 + timedelta(hours=2))
+    assert resumed["phase"] == "Running" and resumed["startTime"] == "2026-01-01T02:00:00Z"
+
+
+def test_outcome_record_ends_the_job_and_carries_the_final_step():
+    s = compute_status(view(), {}, ready(), T0)
+    done = compute_status(view(), s, Observed(rollout_ready=2, trainer_ready=1, redis_ready=1,
+                                              outcome=outcome(step=10, policy_version=10, message="")),
+                          T0 + timedelta(seconds=5))
+    assert (done["phase"], done["reason"]) == ("Succeeded", "MaxStepsReached")
+    assert done["message"] == "trained 10 steps (policy version 10)"
+    assert done["completionTime"] == "2026-01-01T00:00:05Z"
+    assert done["trainer"] == {"step": 10, "policyVersion": 10} and done["progress"]["percent"] == 100.0
+    assert conds(done)["Complete"]["status"] == "True" and conds(done)["Complete"]["reason"] == "MaxStepsReached"
+    # The durable record wins over a live report that says something else.
+    racing = Observed(report=TrainerReport(phase="Training", step=9), outcome=outcome("Failed", "TooManyBadSteps",
+                                                                                      message="NaN loss 5 times"))
+    failed = compute_status(view(), s, racing, T0)
+    assert (failed["phase"], failed["reason"], failed["message"]) == ("Failed", "TooManyBadSteps", "NaN loss 5 times")
+    # Terminal is sticky: a later outcome, report or pod state changes nothing.
+    later = compute_status(view(), done, Observed(outcome=outcome("Failed", "X"),
+                                                  containers=runs(trainer_pod(state=crashed(78)))),
+                           T0 + timedelta(hours=1))
+    assert (later["phase"], later["reason"], later["completionTime"]) == ("Succeeded", "MaxStepsReached",
+                                                                         done["completionTime"])
+
+
+def test_crash_looping_rollout_pod_is_degraded_not_failed():
+    s = compute_status(view(), {}, ready(), T0)
+    assert conds(s)["Degraded"]["status"] == "False"
+    looping = trainer_pod("j-rollout-x", "rollout", restartCount=4, state={"waiting": {"reason": "CrashLoopBackOff"}},
+                          lastState=crashed(1, "Error", "redis: connection refused"))
+    obs = Observed(rollout_ready=2, trainer_ready=1, redis_ready=1, containers=runs(looping))
+    s = compute_status(view(), s, obs, T0 + timedelta(seconds=10))
+    assert s["phase"] == "Running"
+    d = conds(s)["Degraded"]
+    assert (d["status"], d["reason"]) == ("True", "CrashLoopBackOff")
+    assert "j-rollout-x" in d["message"] and "4 restarts" in d["message"] and "connection refused" in d["message"]
+    assert d["lastTransitionTime"] == "2026-01-01T00:00:10Z"
+    oom = trainer_pod("j-rollout-y", "rollout", restartCount=1, lastState=crashed(137, "OOMKilled", ""))
+    assert S.degraded(runs(oom)).reason == "OOMKilled"
+    # The trainer below its backoff limit is degraded too; the job fails only past the limit.
+    s = compute_status(view(), s, Observed(rollout_ready=2, trainer_ready=0, redis_ready=1,
+                                           containers=runs(trainer_pod(restartCount=1, lastState=crashed()))),
+                       T0 + timedelta(seconds=20))
+    assert s["phase"] == "Running" and conds(s)["Degraded"]["status"] == "True"
+    assert [c["type"] for c in s["conditions"]] == ["RolloutReady", "TrainerReady", "StreamReady", "WeightsSynced",
+                                                    "Degraded", "Complete", "Failed"]
+
+
+def test_status_write_is_an_exact_merge_patch():
+    from asyncrl.operator.handlers import merge_patch
+
+    old = {"phase": "Running", "progress": {"percent": 5.0, "rewardMean": 0.5}, "conditions": [1, 2], "x": 1}
+    new = {"phase": "Running", "progress": {"percent": 6.0}, "conditions": [1, 2, 3]}
+    patch = merge_patch(old, new)
+    assert patch == {"x": None, "progress": {"percent": 6.0, "rewardMean": None}, "conditions": [1, 2, 3]}
+    assert merge_patch(new, new) == {}
+
+
+def test_redis_url_and_secret_values():
+    import base64
+
+    from asyncrl.operator.mirror import DEFAULT_REDIS_URL_TEMPLATE, managed_redis_url, secret_value
+
+    assert managed_redis_url(DEFAULT_REDIS_URL_TEMPLATE, name="j", namespace="ns", service="j-redis", port=6379,
+                             password="p/w") == "redis://:p%2Fw@j-redis.ns.svc:6379/0"
+    api = {"data": {"password": base64.b64encode(b"s3cret").decode()}}
+    assert secret_value(api, "password") == "s3cret"
+    assert secret_value({"stringData": {"url": "redis://x"}}, "url") == "redis://x"
+    assert secret_value(None, "url") is None and secret_value({"data": {"url": "%%%"}}, "url") is None
+
+
+async def test_outcome_reader_reads_the_record_and_tolerates_an_unreachable_redis(redis_server):
+    import pytest
+
+    from asyncrl.operator.mirror import MirrorError, OutcomeReader, RedisSettings
+    from asyncrl.outcome import write_outcome_redis
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+
+    reader = OutcomeReader(RedisSettings(timeout=1.0))
+    names = StreamNames.for_job("j", "uid-1")
+    try:
+        assert await reader.read("k", redis_server.url, names, "uid-1") is None
+        assert reader.url("k") == redis_server.url, "the client is kept for the next pass"
+        client = await connect(redis_server.url)
+        assert await write_outcome_redis(client, names, outcome())
+        await client.aclose()
+        got = await reader.read("k", redis_server.url, names, "uid-1")
+        assert got is not None and (got.phase, got.reason, got.step) == ("Succeeded", "MaxStepsReached", 10)
+        other = StreamNames.for_job("j", "uid-2")
+        assert await reader.read("k", redis_server.url, other, "uid-2") is None, "another run's keys"
+        redis_server.stop()
+        with pytest.raises(MirrorError, match="outcome record"):
+            await reader.read("k", redis_server.url, names, "uid-1")
+        assert reader.url("k") is None, "a failed client is dropped"
+    finally:
+        await reader.close()
+
+
+def test_live_report_reason_ends_the_job_when_no_record_was_read():
+    report = TrainerReport(phase="Failed", reason="WeightSyncFailed", message="engine 2 rejected the weights")
+    s = compute_status(view(), {}, Observed(report=report), T0)
+    assert (s["phase"], s["reason"], s["message"]) == ("Failed", "WeightSyncFailed", "engine 2 rejected the weights")
+    s = compute_status(view(), {}, Observed(report=TrainerReport(phase="Succeeded", step=10, policy_version=10)), T0)
+    assert (s["reason"], s["message"]) == ("TrainingComplete", "trained 10 steps (policy version 10)")

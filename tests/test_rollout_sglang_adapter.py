@@ -40,10 +40,9 @@ async def _wait_tokens(url: str, fake, at_least: int, timeout: float = 20.0) -> 
         await asyncio.sleep(1.0)  # a real server has no progress probe; 1 s is many tokens on a GPU
         return
     deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as c:
-        while (await c.get(url + "/fake/state")).json()["tokens_generated"] < at_least:
-            assert time.monotonic() < deadline, "server made no progress"
-            await asyncio.sleep(0.01)
+    while fake.state.tokens_generated < at_least:  # the fake runs in this process: read its state
+        assert time.monotonic() < deadline, "server made no progress"
+        await asyncio.sleep(0.01)
 
 
 PROMPT = [1, 504, 3458, 314, 216, 30, 33, 1314]
@@ -142,18 +141,66 @@ async def test_bad_requests_are_400_engine_errors_naming_the_url(server):
         await engine.close()
 
 
-async def test_ready_and_model_info_fall_back_for_the_pinned_release(server):
+async def test_ready_and_model_info_hold_while_paused(server):
+    """Readiness is GET /model_info: it answers while generation is paused for a weight update,
+    where the pin's token-generating /health waits and then fails."""
     url, fake = server
+    if fake is not None:
+        fake.state.health_timeout = 0.2
     engine = SGLangEngine(url)
     try:
         assert await engine.ready()
         assert "model_path" in await engine.model_info()
-        if fake is not None:
-            fake.state.serve_ready = False  # 0.5.10.post1 has neither /ready nor /model_info
+        await engine.pause("abort")
+        try:
             assert await engine.ready()
-            assert (await engine.model_info())["model_path"] == "fake/model"
+            assert "weight_version" in await engine.model_info()
+            if fake is not None:
+                async with httpx.AsyncClient() as c:
+                    assert (await c.get(url + "/health")).status_code == 503
+        finally:
+            await engine.resume()
+        if fake is not None:
+            async with httpx.AsyncClient() as c:
+                assert (await c.get(url + "/health")).status_code == 200
     finally:
         await engine.close()
+
+
+async def test_model_info_falls_back_to_the_deprecated_name_on_404():
+    """Releases without /model_info only have /get_model_info (the pin has both)."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if request.url.path == "/get_model_info":
+            return httpx.Response(200, json={"model_path": "m", "weight_version": "4"})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    engine = SGLangEngine("http://old-sglang:30000", client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    assert await engine.ready()
+    assert await engine.weight_version() == 4
+    assert seen == ["/model_info", "/get_model_info"] * 2
+
+
+async def test_the_fake_refuses_what_the_pin_lacks(server):
+    """The fake is at least as strict as the pinned release (tests/test_sglang_routes.py checks the
+    route table against the pin's source): no /ready, wrong methods are 405, unknown fields 400."""
+    url, fake = server
+    if fake is None:
+        pytest.skip("checks the fake")
+    async with httpx.AsyncClient(base_url=url) as c:
+        assert (await c.get("/ready")).status_code == 404
+        assert (await c.get("/openapi.json")).status_code == 404
+        assert (await c.get("/generate")).status_code == 405
+        assert (await c.post("/model_info")).status_code == 405
+        assert (await c.get("/get_weight_version")).status_code == 404  # the pin: "use /model_info"
+        assert (await c.post("/continue_generation")).status_code == 400  # the pin requires a JSON body
+        assert (await c.post("/pause_generation", json={"mode": "sideways"})).status_code == 400
+        bad = {"model_path": "/w", "abort_all_request": False}  # misspelled: the pin would ignore it
+        assert (await c.post("/update_weights_from_disk", json=bad)).status_code == 400
+        body = {"input_ids": [5], "sampling_params": {"max_tokens": 3}}  # the OpenAI name, not SGLang's
+        assert (await c.post("/generate", json=body)).status_code == 400
 
 
 async def test_server_errors_are_retryable_and_unreachable_servers_named():

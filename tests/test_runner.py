@@ -1,4 +1,5 @@
-"""`asyncrl run` on one machine: the whole pipeline moves, and a dying child stops the run."""
+"""`asyncrl run` on one machine: the whole pipeline moves, the trainer's recorded outcome ends the
+run (the runner acts as the operator), and a dying child stops the run."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
     watcher.join(5)
     assert proc.returncode == 0, out[-4000:]
     assert f"http://127.0.0.1:{port}/status" in out
+    # The run ended on the trainer's recorded outcome (the trainer itself stays up until told to stop).
+    assert "the trainer recorded the outcome: Succeeded (MaxStepsReached) at step 3" in out
 
     # The status endpoint reported progress while it ran, with staleness within eta.
     assert seen and max(s["step"] for s in seen) >= 2
@@ -66,6 +69,12 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
     summary = json.loads((run_dir / "run.json").read_text())
     assert summary["outcome"] == "succeeded" and summary["final_policy_version"] == 3
+    assert summary["reason"] == "MaxStepsReached"
+    assert summary["final_weights"] == str((run_dir / "weights" / "v3").resolve())
+    from asyncrl.outcome import read_outcome_file, read_outcome_redis
+
+    recorded = read_outcome_file(run_dir / "weights", "")
+    assert recorded is not None and (recorded.phase, recorded.step, recorded.policy_version) == ("Succeeded", 3, 3)
     state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
     lineage = state["trained_group_ids"]
     assert len(lineage) == len(set(lineage)) == 6
@@ -85,6 +94,7 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
             return trained, pending
 
         trained, pending = redis_query(redis.url, q)
+        assert redis_query(redis.url, lambda r: read_outcome_redis(r, names)) == recorded
     assert set(lineage) <= trained
     assert pending.get("trainer-0", 0) == 0
     # Nothing of the run is left running.
@@ -92,6 +102,14 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
     for info in procs.values():
         if info.get("pid"):
             assert not _alive(info["pid"])
+
+    # Running the finished job again in its run directory does nothing (the job already ended).
+    again = subprocess.run(ASYNCRL + ["run", str(job), "--max-steps", "3", "--run-dir", str(run_dir),
+                                      "--no-progress"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "already ended: Succeeded (MaxStepsReached) at step 3" in again.stdout
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
 
 
 def _alive(pid: int) -> bool:
@@ -133,3 +151,28 @@ def test_a_dying_child_stops_the_run_with_its_log_tail(tmp_path: Path) -> None:
     for info in procs.values():
         if info.get("pid"):
             assert not _alive(info["pid"])
+
+
+def test_a_rerun_in_a_finished_run_directory(tmp_path: Path, redis_url: str) -> None:
+    """Succeeded with enough steps: nothing to do. Anything else recorded: forgotten (a new attempt)."""
+    from asyncrl.outcome import new_outcome, read_outcome_file, read_outcome_redis, write_outcome_file
+    from asyncrl.runner import _previous_attempt
+    from asyncrl.transport.names import StreamNames
+
+    names = StreamNames.for_job("t-rerun")
+    weights = tmp_path / "weights"
+
+    def record(outcome) -> None:
+        redis_query(redis_url, lambda r: r.set(names.outcome, outcome.to_json()))
+        write_outcome_file(weights, outcome)
+
+    assert _previous_attempt(redis_url, names, weights, 3) is None
+    done = new_outcome("t-rerun", "", "Succeeded", "MaxStepsReached", step=3, policy_version=3)
+    record(done)
+    assert _previous_attempt(redis_url, names, weights, 3) == done
+    assert _previous_attempt(redis_url, names, weights, 5) is None  # more steps asked: a new attempt
+    assert read_outcome_file(weights, "") is None
+    assert redis_query(redis_url, lambda r: read_outcome_redis(r, names)) is None
+    record(new_outcome("t-rerun", "", "Failed", "WeightSyncFailed", step=1))
+    assert _previous_attempt(redis_url, names, weights, 3) is None
+    assert read_outcome_file(weights, "") is None

@@ -23,7 +23,7 @@ def _run(tmp: Path, world: int, groups: list) -> list[dict]:
         publish(redis.url, JOB, groups)
         torchrun = str(Path(sys.executable).parent / "torchrun")
         cmd = [torchrun, f"--nproc-per-node={world}", f"--master-port={free_port()}", ASYNCRL[0],
-               "trainer", "--config", str(job), "--no-status", "--threads", "1"]
+               "trainer", "--config", str(job), "--no-status", "--threads", "1", "--exit-on-outcome"]
         proc = subprocess.run(cmd, env=trainer_env(tmp, redis.url), cwd=tmp, capture_output=True,
                               text=True, timeout=400)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

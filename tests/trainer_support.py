@@ -101,14 +101,14 @@ def make_groups(job: str, count: int, *, group_size: int = 4, version: int = 0, 
     return groups
 
 
-def publish(redis_url: str, job: str, groups: list[Any]) -> None:
+def publish(redis_url: str, job: str, groups: list[Any], uid: str = "") -> None:
     async def go() -> None:
         from asyncrl.transport.connection import connect
         from asyncrl.transport.names import StreamNames
         from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 
         r = await connect(redis_url)
-        names = StreamNames.for_job(job)
+        names = StreamNames.for_job(job, uid)
         await TrajectoryConsumer(r, names, "setup").ensure_group()
         producer = TrajectoryProducer(r, names)
         for g in groups:
@@ -132,14 +132,46 @@ def redis_query(redis_url: str, fn: Any) -> Any:
     return asyncio.run(go())
 
 
-def trainer_env(tmp: Path, redis_url: str, pod: str = "trainer-0") -> dict[str, str]:
+def trainer_env(tmp: Path, redis_url: str, pod: str = "trainer-0", uid: str = "") -> dict[str, str]:
+    """The trainer's environment as the operator sets it; its termination message goes to
+    tmp/termination-log (/dev/termination-log is Kubernetes')."""
+    from asyncrl.outcome import ENV_TERMINATION_LOG
     from asyncrl.runtime import Runtime
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
     env.update(Runtime(redis_url=redis_url, weights_dir=tmp / "weights", checkpoint_dir=tmp / "checkpoints",
-                       run_dir=tmp, pod_name=pod).to_env())
+                       run_dir=tmp, pod_name=pod, job_uid=uid).to_env())
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env[ENV_TERMINATION_LOG] = str(tmp / "termination-log")
     return env
+
+
+def wait_for_outcome(redis_url: str, job: str, proc: Any, uid: str = "", timeout: float = 500.0,
+                     log: Path | None = None) -> Any:
+    """Poll the job's outcome record in Redis (as the operator does) while the trainer runs."""
+    import time
+
+    from asyncrl.outcome import read_outcome_redis
+    from asyncrl.transport.names import StreamNames
+
+    names = StreamNames.for_job(job, uid)
+    deadline = time.monotonic() + timeout
+    while True:
+        outcome = redis_query(redis_url, lambda r: read_outcome_redis(r, names))
+        if outcome is not None:
+            return outcome
+        tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+        assert proc.poll() is None, f"trainer exited ({proc.returncode}) without an outcome\n{tail}"
+        assert time.monotonic() < deadline, f"no outcome after {timeout}s\n{tail}"
+        time.sleep(0.5)
+
+
+def stop_trainer(proc: Any, timeout: float = 60.0) -> int:
+    """SIGTERM (what Kubernetes sends when the operator scales the trainer to zero); the exit code."""
+    import signal
+
+    proc.send_signal(signal.SIGTERM)
+    return int(proc.wait(timeout))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

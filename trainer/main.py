@@ -3,27 +3,60 @@
 Works as a plain process or under torchrun (any world size: gloo on CPU, NCCL on GPUs). Rank 0
 reads from Redis, publishes weights, acknowledges and serves the status endpoint; every rank
 trains its shard of each batch. Resumes from the newest checkpoint in the checkpoint directory.
+
+The end of training is a record, not an exit (a StatefulSet pod always restarts; the operator,
+seeing the record, marks the job Succeeded/Failed and scales the trainer and rollout to zero):
+
+  start   if this job's outcome is already recorded (Redis, else outcome.json on the weights
+          volume; both keyed by the job uid), serve it on /status at once: no model, weights,
+          engines, streams or checkpoints are touched, nothing is trained or published;
+  end     max steps reached (Succeeded, MaxStepsReached) or a fatal TrainerError (Failed:
+          WeightSyncFailed, NonFiniteWeights): record the outcome (Redis SET NX, then the file;
+          on failure also the termination message), then keep serving /status until
+          SIGTERM/SIGINT and exit 0;
+  config  a job this trainer cannot run (job file, spec, model not found): termination message
+          (and, once the job is known, a Failed outcome), exit 78 (EXIT_CONFIG_ERROR): retrying
+          cannot help, the operator fails the job at once;
+  crash   any other exception: termination message, exit 1; the pod restarts and the trainer
+          resumes from its checkpoint (the operator counts restarts against its backoff limit).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
-from asyncrl.loader import load_job
+from asyncrl.errors import SpecError, TrainerError
+from asyncrl.loader import JobFileError, load_job
+from asyncrl.outcome import (
+    EXIT_CONFIG_ERROR,
+    TrainerOutcome,
+    new_outcome,
+    read_outcome_file,
+    read_outcome_redis,
+    write_outcome_file,
+    write_outcome_redis,
+    write_termination_message,
+)
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
+from asyncrl.transport.names import StreamNames
 
 # torch, transformers, Redis and the web server are imported inside the functions that run the
 # trainer: `asyncrl --help` (and the operator, which has no torch) imports this module to build
 # the command line (asyncrl/cli.py).
 
 ENV_TORCH_THREADS = "ASYNCRL_TORCH_THREADS"
+EXIT_CRASH = 1
+RECORD_KEEP_INTERVAL_S = 15.0
+"""While serving an outcome, rank 0 re-checks this often that Redis still holds the record."""
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -38,8 +71,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help=f"torch intra-op threads (default ${ENV_TORCH_THREADS} or torch's choice)")
     parser.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
-    parser.add_argument("--linger-seconds", type=float, default=0.0,
-                        help="keep serving /status this long after the last step")
+    parser.add_argument("--exit-on-outcome", action="store_true",
+                        help="exit once the outcome is recorded (0 Succeeded, 1 Failed) instead of serving it "
+                             "until SIGTERM; for scripts and tests, never in a StatefulSet (it would restart)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -55,7 +89,10 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    job = load_job(args.config)
+    try:
+        job = load_job(args.config)
+    except SpecError as exc:
+        return config_error(exc)
     _set_threads(args)
     return asyncio.run(_main(job, args))
 
@@ -67,6 +104,205 @@ def with_overrides(job: AsyncRLJob, args: argparse.Namespace) -> AsyncRLJob:
     job = job.model_copy(deep=True)
     job.spec.trainer.max_steps = args.max_steps
     return job
+
+
+# ------------------------------------------------------------------------------------ exits
+
+
+def config_reason(exc: BaseException) -> str:
+    """The Failed reason of a configuration error (one of outcome.CONFIG_ERROR_REASONS)."""
+    from asyncrl.models import ModelNotFoundError
+
+    if isinstance(exc, JobFileError):
+        return "InvalidJobFile"
+    if isinstance(exc, ModelNotFoundError):
+        return "ModelNotFound"
+    if isinstance(exc, SpecError):
+        return "InvalidSpec"
+    return "InvalidConfiguration"
+
+
+def config_error(exc: BaseException) -> int:
+    """Log, write the termination message, return EXIT_CONFIG_ERROR: the operator fails the job."""
+    reason = config_reason(exc)
+    if isinstance(exc, JobFileError):
+        for err in exc.errors:
+            print(f"error: {err}", file=sys.stderr)
+    log.error("configuration error (%s): %s", reason, exc)
+    write_termination_message(f"{reason}: {exc}")
+    return EXIT_CONFIG_ERROR
+
+
+def crash(exc: BaseException) -> int:
+    """Any other failure: the pod restarts and resumes from its checkpoint."""
+    log.error("trainer crashed", exc_info=exc)
+    write_termination_message(f"Crashed: {type(exc).__name__}: {exc}")
+    return EXIT_CRASH
+
+
+# ------------------------------------------------------------------------------------ signals
+
+
+class StopSignals:
+    """SIGTERM and SIGINT over the trainer's whole life.
+
+    Starting (before the trainer exists): stop at once, as the default action would (exit 130).
+    Training: the first signal asks the trainer to finish its step, checkpoint and acknowledge;
+    a second aborts. Serving an outcome: a signal ends the wait (exit 0).
+    """
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.trainer: Any = None
+        self.serving = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def install(self) -> StopSignals:
+        """Install the handlers (call from the running event loop)."""
+        self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+        return self
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received += 1
+        if self._loop is not None and self._event is not None:
+            with contextlib.suppress(RuntimeError):  # (the loop is closed once the process is ending)
+                self._loop.call_soon_threadsafe(self._event.set)  # (wakes the loop from its select)
+        if self.serving:
+            log.info("signal %d: stopping", signum)
+            return
+        if self.trainer is None or self.trainer.stop_requested:
+            raise KeyboardInterrupt
+        self.trainer.stop_requested = True
+        log.info("signal %d: stopping after the current step", signum)
+
+    def serve(self) -> None:
+        """From now on the process only serves its outcome (a stop asked while training still counts)."""
+        self.serving = True
+        self.trainer = None
+
+    async def wait(self) -> None:
+        if self.received or self._event is None:
+            return
+        await self._event.wait()
+
+
+# ------------------------------------------------------------------------------------ the record
+
+
+class OutcomeRecord:
+    """Rank 0's view of the job's durable outcome: Redis first, outcome.json on the weights volume
+    as the fallback (Redis unreachable, or restarted without its data). Both are keyed by the job
+    uid; the first outcome recorded wins."""
+
+    def __init__(self, job: AsyncRLJob, runtime: Runtime, names: StreamNames, *, connect_timeout: float = 10.0):
+        self.job_name = job.metadata.name
+        self.job_uid = runtime.job_uid
+        self.names = names
+        self.redis_url = runtime.redis_url
+        self.weights_dir = Path(runtime.weights_dir)
+        self.connect_timeout = connect_timeout
+        self.redis: Any = None
+        self.redis_error: Exception | None = None
+
+    async def connect(self) -> Any:
+        """The Redis client, or None (the error is kept) when Redis does not answer in time."""
+        from asyncrl.transport.connection import RedisUnavailableError, connect  # (see the top)
+
+        if self.redis is None:
+            try:
+                self.redis = await connect(self.redis_url, timeout=self.connect_timeout)
+                self.redis_error = None
+            except RedisUnavailableError as exc:
+                self.redis_error = exc
+        return self.redis
+
+    async def find(self) -> TrainerOutcome | None:
+        """The recorded outcome, if any. Found only in the file, it is put back into Redis (the
+        operator reads Redis). Raises the connection error when Redis is unreachable and the file
+        has nothing: the trainer cannot start without Redis anyway."""
+        redis = await self.connect()
+        if redis is not None:
+            recorded = await read_outcome_redis(redis, self.names)
+            if recorded is not None:
+                return recorded
+        recorded = read_outcome_file(self.weights_dir, self.job_uid)
+        if recorded is not None:
+            if redis is not None:
+                await write_outcome_redis(redis, self.names, recorded)
+            log.info("outcome found in %s, not in Redis%s", self.weights_dir / "outcome.json",
+                     ": recorded it there again" if redis is not None else " (unreachable)")
+            return recorded
+        if redis is None and self.redis_error is not None:
+            raise self.redis_error
+        return None
+
+    async def record(self, outcome: TrainerOutcome) -> TrainerOutcome:
+        """Record `outcome` (Redis SET NX, then the file); return the one recorded (an earlier
+        outcome of this job wins). A Redis failure is logged: the file has it, and `keep` retries."""
+        try:
+            redis = await self.connect()
+            if redis is not None and not await write_outcome_redis(redis, self.names, outcome):
+                earlier = await read_outcome_redis(redis, self.names)
+                if earlier is not None:
+                    log.warning("an outcome was already recorded for this job; keeping it: %s", earlier.summary)
+                    outcome = earlier
+            elif redis is None:
+                log.error("cannot record the outcome in Redis (%s); retrying while serving", self.redis_error)
+        except Exception as exc:
+            log.error("cannot record the outcome in Redis (%s); retrying while serving", exc)
+        try:
+            write_outcome_file(self.weights_dir, outcome)
+        except OSError as exc:
+            log.error("cannot write %s: %s", self.weights_dir / "outcome.json", exc)
+        return outcome
+
+    async def keep(self, outcome: TrainerOutcome, interval_s: float = RECORD_KEEP_INTERVAL_S) -> None:
+        """While serving: make sure Redis holds the record (it may have been unreachable, or lost it)."""
+        while True:
+            try:
+                redis = await self.connect()
+                if redis is not None and await write_outcome_redis(redis, self.names, outcome):
+                    log.info("outcome recorded in Redis")
+            except Exception as exc:
+                log.warning("outcome record check failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def close(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+            self.redis = None
+
+
+def outcome_of(trainer: Any, job: AsyncRLJob, runtime: Runtime, phase: str, reason: str,
+               message: str) -> TrainerOutcome:
+    """The outcome of this run as the trainer ends it, with its last report (history left out)."""
+    from asyncrl.trainer.publish import weights_path
+
+    state = trainer.state
+    weights = weights_path(trainer.cfg.weights_dir, state.version)
+    outcome = new_outcome(job.metadata.name, runtime.job_uid, phase, reason,  # type: ignore[arg-type]
+                          message=message, step=state.step, policy_version=state.version,
+                          weights_path=str(weights.resolve()) if weights.is_dir() else None)
+    trainer.set_outcome(outcome.report_fields())
+    report = trainer.get_report().model_dump(mode="json", exclude={"history", "reward_history", "rollout"})
+    return outcome.model_copy(update={"report": report})
+
+
+def report_of(outcome: TrainerOutcome, job: AsyncRLJob) -> Any:
+    """The /status document of a trainer that found its outcome recorded at start."""
+    import time
+
+    from asyncrl.status_report import TrainerReport
+
+    base = TrainerReport.model_validate(outcome.report) if outcome.report else \
+        TrainerReport(job=job.metadata.name, max_steps=job.spec.trainer.max_steps)
+    return base.model_copy(update={**outcome.report_fields(), "outcome_restored": True, "updated_at": time.time()})
+
+
+# ------------------------------------------------------------------------------------ running
 
 
 def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any, io: Any = None) -> Any:
@@ -107,18 +343,18 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     return Trainer(job, cfg, ctx, wrapped, optimizer, tokenizer, io=io, state=state, report=report)
 
 
-async def connect_io(job: AsyncRLJob, runtime: Runtime) -> Any:
-    """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry."""
+async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:
+    """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry
+    (on `redis` when given, else a new client)."""
     from asyncrl.trainer.inbox import StreamIO  # (Redis clients: see the note at the top)
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from asyncrl.transport.streams import TrajectoryConsumer
     from asyncrl.transport.versions import EngineRegistry, VersionChannel
 
     spec = job.spec
-    names = StreamNames.for_job(job.metadata.name)
-    redis = await connect(runtime.redis_url)
+    names = runtime.stream_names(job.metadata.name)
+    redis = redis if redis is not None else await connect(runtime.redis_url)
     consumer = TrajectoryConsumer(redis, names, runtime.pod_name)
     await consumer.ensure_group()
     admission = Admission(redis, names, batch_size=spec.algorithm.batch_size,
@@ -128,55 +364,122 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime) -> Any:
                     versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names))
 
 
+def start_status(get_report: Any, job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime) -> Any:
+    """Rank 0's status endpoint (in a helper thread: the loop is busy with compute while training)."""
+    from asyncrl.trainer.status_api import StatusServer, create_app  # (web server: see the top)
+
+    port = job.spec.trainer.status_port if args.status_port is None else args.status_port
+    server = StatusServer(create_app(get_report, token=runtime.status_token), args.status_host, port)
+    url = server.start_in_thread()
+    print(f"status endpoint: {url}/status (dashboard: {url}/)", flush=True)
+    return server
+
+
 async def _main(job: AsyncRLJob, args: argparse.Namespace) -> int:
-    from asyncrl.trainer import distributed as D  # (torch: see the note at the top)
-
-    runtime = Runtime.from_env()
-    ctx = D.init_distributed(job.spec.trainer.device)
-    if not ctx.is_main:
-        logging.getLogger().setLevel(logging.WARNING)  # rank 0 tells the story
-    io = await connect_io(job, runtime) if ctx.is_main else None
-    server = None
-    trainer = None
+    signals = StopSignals().install()
     try:
-        trainer = build_trainer(job, args, runtime, ctx, io)
-        _install_signal_handlers(trainer)
-        if ctx.is_main and not args.no_status:
-            from asyncrl.trainer.status_api import StatusServer, create_app  # (web server: see the top)
+        runtime = Runtime.from_env()
+        names = runtime.stream_names(job.metadata.name)
+    except ValueError as exc:  # the deployment's variables (a bad number, a bad job uid)
+        return config_error(exc)
+    ctx = None
+    try:
+        from asyncrl.trainer import distributed as D  # (torch: see the note at the top)
 
-            port = job.spec.trainer.status_port if args.status_port is None else args.status_port
-            server = StatusServer(create_app(trainer.get_report, token=runtime.status_token),
-                                  args.status_host, port)
-            url = server.start_in_thread()
-            print(f"status endpoint: {url}/status (dashboard: {url}/)", flush=True)
-        phase = await trainer.run()
-        log.info("trainer finished: %s at step %d (version %d)", phase, trainer.state.step, trainer.state.version)
-        if args.linger_seconds > 0 and ctx.is_main:
-            await asyncio.sleep(args.linger_seconds)
-        return 0
+        ctx = D.init_distributed(job.spec.trainer.device)
+        if not ctx.is_main:
+            logging.getLogger().setLevel(logging.WARNING)  # rank 0 tells the story
+        record = OutcomeRecord(job, runtime, names) if ctx.is_main else None
+        try:
+            return await _lifecycle(job, args, runtime, ctx, record, signals)
+        finally:
+            if record is not None:
+                await record.close()
     except Exception as exc:
-        if trainer is not None:
-            trainer._set_phase("Failed", f"{type(exc).__name__}: {exc}")
-        log.exception("trainer failed")
-        return 1
+        return crash(exc)
+    finally:
+        if ctx is not None:
+            D.shutdown(ctx)
+
+
+async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any,
+                     record: OutcomeRecord | None, signals: StopSignals) -> int:
+    from asyncrl.trainer import distributed as D
+
+    # A restarted pod of a job that already ended: serve the outcome, touch nothing else.
+    recorded = await record.find() if record is not None else None
+    recorded_json = D.broadcast_object(recorded.to_json() if recorded is not None else None, ctx)
+    if recorded_json is not None:
+        outcome = TrainerOutcome.model_validate_json(recorded_json)
+        if ctx.is_main:
+            log.info("outcome already recorded for job %s%s: %s; serving it without loading the model",
+                     job.metadata.name, f" (uid {runtime.job_uid})" if runtime.job_uid else "", outcome.summary)
+        report = report_of(outcome, job)
+        return await _serve(outcome, lambda: report, job, args, runtime, ctx, record, signals)
+
+    io = await connect_io(job, runtime, record.redis) if record is not None else None
+    server = None
+    try:
+        try:
+            trainer = build_trainer(job, args, runtime, ctx, io)
+        except SpecError as exc:  # the model (or another part of the spec) cannot be used here
+            if record is not None:
+                await record.record(new_outcome(job.metadata.name, runtime.job_uid, "Failed", config_reason(exc),
+                                                message=str(exc)))
+            return config_error(exc)
+        trainer.stop_requested = signals.received > 0
+        signals.trainer = trainer
+        if ctx.is_main and not args.no_status:
+            server = start_status(trainer.get_report, job, args, runtime)
+        try:
+            phase = await trainer.run()
+        except TrainerError as exc:  # fatal: retrying cannot help
+            from asyncrl.trainer.loop import failure_reason
+
+            log.error("training failed: %s", exc)
+            outcome = outcome_of(trainer, job, runtime, "Failed", failure_reason(exc), str(exc))
+        else:
+            if phase != "Succeeded":  # stopped by a signal: the restarted pod resumes
+                log.info("trainer stopped at step %d (version %d)", trainer.state.step, trainer.state.version)
+                return 0
+            outcome = outcome_of(trainer, job, runtime, "Succeeded", "MaxStepsReached",
+                                 f"reached maxSteps={trainer.spec.trainer.max_steps}")
+        signals.serve()
+        if record is not None:
+            outcome = await record.record(outcome)
+            trainer.set_outcome(outcome.report_fields())
+            if outcome.phase == "Failed":
+                write_termination_message(f"{outcome.reason}: {outcome.message}")
+            log.info("trainer finished: %s", outcome.summary)
+        return await _serve(outcome, None, job, args, runtime, ctx, record, signals)
     finally:
         if server is not None:
             server.stop_thread()
-        if io is not None:
-            close = getattr(io.redis, "aclose", None) or getattr(io.redis, "close", None)
-            if close is not None:
-                await close()
-        D.shutdown(ctx)
+        if io is not None and (record is None or io.redis is not record.redis):
+            await io.redis.aclose()
 
 
-def _install_signal_handlers(trainer: Any) -> None:
-    """SIGTERM/SIGINT: finish the current step, checkpoint, acknowledge, exit; a second one aborts."""
+async def _serve(outcome: TrainerOutcome, get_report: Any, job: AsyncRLJob, args: argparse.Namespace,
+                 runtime: Runtime, ctx: Any, record: OutcomeRecord | None, signals: StopSignals) -> int:
+    """Keep serving the outcome (rank 0: /status, and the Redis record kept) until SIGTERM/SIGINT.
 
-    def handler(signum: int, frame: Any) -> None:
-        if trainer.stop_requested:
-            raise KeyboardInterrupt
-        trainer.stop_requested = True
-        log.info("signal %d: stopping after the current step", signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    `get_report` None: the training run's status endpoint is already up."""
+    signals.serve()
+    if args.exit_on_outcome:
+        return 0 if outcome.phase == "Succeeded" else 1
+    server = None
+    keeper = None
+    if ctx.is_main and get_report is not None and not args.no_status:
+        server = start_status(get_report, job, args, runtime)
+    if record is not None:
+        keeper = asyncio.create_task(record.keep(outcome))
+    try:
+        await signals.wait()
+    finally:
+        if keeper is not None:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+        if server is not None:
+            server.stop_thread()
+    return 0

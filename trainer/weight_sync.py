@@ -41,6 +41,9 @@ log = logging.getLogger("asyncrl.trainer.weight_sync")
 class WeightSyncError(TrainerError, RuntimeError):
     """One or more engines failed to pause, load or resume; the message names each server."""
 
+    reason = "WeightSyncFailed"
+    """The job's Failed reason when too many syncs in a row fail (trainer/loop.py)."""
+
     def __init__(self, failures: dict[str, str]):
         self.failures = failures
         detail = "; ".join(f"{url}: {err}" for url, err in failures.items())

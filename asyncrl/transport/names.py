@@ -1,7 +1,9 @@
 """The one place that names a job's Redis keys.
 
-Every key of a job carries the same Redis Cluster hash tag `{<job>}`, so all of them live in one
-slot and a Lua script or MULTI may touch several of them (publish + admission, ack + trained set).
+Every key of a job carries the same Redis Cluster hash tag, `{<job>/<uid>}` (`{<job>}` for local
+runs, which have no uid), so all of them live in one slot and a Lua script or MULTI may touch
+several of them (publish + admission, ack + trained set). Components build the names with
+`asyncrl.runtime.Runtime.stream_names(job)`, which adds the uid of the deployment.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ CONSUMER_GROUP = "trainers"
 
 @dataclass(frozen=True)
 class StreamNames:
-    """Key names of one job. Build with `StreamNames.for_job(job)`."""
+    """Key names of one job. Build with `StreamNames.for_job(job, uid)` (or `Runtime.stream_names`)."""
 
     job: str
+    base: str
+    """`asyncrl:{<job>[/<uid>]}`: the prefix, with the hash tag, of every key of the job."""
     trajectories: str
     """Stream of encoded TrajectoryGroups (field `data`, plus `gid` for inspection)."""
     consumer_group: str
@@ -37,25 +41,33 @@ class StreamNames:
     """Sorted set lease_id -> expiry (server time, ms) of running groups."""
     admission_released: str
     """Sorted set lease_id -> release time (ms): makes a retried release a no-op."""
+    outcome: str
+    """String: the trainer's recorded TrainerOutcome (JSON), set once when training ends."""
 
     @classmethod
-    def for_job(cls, job: str) -> StreamNames:
-        """Names for `job` (a Kubernetes-style name; braces would break the hash tag)."""
-        if not job or any(c in job for c in "{}") or any(c.isspace() for c in job):
-            raise ValueError(f"invalid job name for Redis keys: {job!r}")
-        base = f"{PREFIX}:{{{job}}}"
-        return cls(job=job, trajectories=f"{base}:trajectories", consumer_group=CONSUMER_GROUP,
+    def for_job(cls, job: str, uid: str = "") -> StreamNames:
+        """Names for `job` (a Kubernetes-style name; braces would break the hash tag).
+
+        `uid` (the AsyncRLJob's metadata.uid) goes into every key, so a job deleted and re-created
+        with the same name never reads the old run's streams; local runs have none.
+        """
+        for what, value in (("job name", job), ("job uid", uid)):
+            if (not value and what == "job name") or any(c in value for c in "{}/") \
+                    or any(c.isspace() for c in value):
+                raise ValueError(f"invalid {what} for Redis keys: {value!r}")
+        base = f"{PREFIX}:{{{job}/{uid}}}" if uid else f"{PREFIX}:{{{job}}}"
+        return cls(job=job, base=base, trajectories=f"{base}:trajectories", consumer_group=CONSUMER_GROUP,
                    dead_letter=f"{base}:dead-letter", versions=f"{base}:versions",
                    engines=f"{base}:engines", engine_weights=f"{base}:engines:weights",
                    trained=f"{base}:trained",
                    admission=f"{base}:admission", admission_leases=f"{base}:admission-leases",
-                   admission_released=f"{base}:admission-released")
+                   admission_released=f"{base}:admission-released", outcome=f"{base}:outcome")
 
     def all_keys(self) -> list[str]:
         """Every key of the job (for cleanup when the job is deleted, and for tests)."""
         return [self.trajectories, self.dead_letter, self.versions, self.engines, self.engine_weights,
-                self.trained, self.admission, self.admission_leases, self.admission_released]
+                self.trained, self.admission, self.admission_leases, self.admission_released, self.outcome]
 
     def rollout_cursor(self, shard: str) -> str:
         """The resumable prompt cursor of one rollout shard (`shared`, or `I-of-N`)."""
-        return f"{PREFIX}:{{{self.job}}}:rollout-cursor:{shard}"
+        return f"{self.base}:rollout-cursor:{shard}"

@@ -1,10 +1,18 @@
-"""Adapter for SGLang's native HTTP API, pinned to SGLang 0.5.10.post1.
+"""Adapter for SGLang's native HTTP API, pinned to SGLang 0.5.10.post1 (`PINNED_VERSION`).
 
 Why that version: it is the one AReaL (the async-RL reference) pins and our default rollout image
 (`lmsysorg/sglang:v0.5.10.post1-cu126`); it has `/pause_generation` with a `mode` (abort|retract),
 `weight_version` on `/update_weights_from_disk` and in every `/generate` meta_info, and the disk
-update path we use. Newer releases add `/ready` (0.5.20+) and change the NCCL update flow (0.5.21+);
-this adapter probes `/ready` first and falls back, so it also works against them.
+update path we use.
+
+Routes used, all present in the pin's `sglang/srt/entrypoints/http_server.py` with these methods
+(tests/test_sglang_routes.py checks them, and the request fields, against the pinned source):
+  POST /generate  /pause_generation {mode}  /continue_generation {}
+  POST /update_weights_from_disk {model_path, weight_version, abort_all_requests}
+  GET  /model_info (falls back to the deprecated /get_model_info on 404): readiness, model path and
+       weight version. The pin has no `/ready`; its `/health` generates a token, so it blocks while
+       generation is paused and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); its
+       `/get_weight_version` and `/weight_version` always answer 404 ("use /model_info").
 
 Wire layout (see tests/sglang_fake.py for the upstream files it follows):
   POST /generate -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": ...},
@@ -19,6 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from asyncrl.rollout.engines.base import (
     EngineError,
     GenerateResult,
@@ -29,6 +39,10 @@ from asyncrl.rollout.engines.base import (
 )
 
 PINNED_VERSION = "0.5.10.post1"
+"""The SGLang release we speak to; scripts/fetch-sglang-source.sh reads it, tests check images use it."""
+MODEL_INFO_PATH = "/model_info"
+"""Readiness and model info; the rollout pod's readinessProbe uses the same path."""
+LEGACY_MODEL_INFO_PATH = "/get_model_info"
 
 
 class SGLangEngine(HTTPEngine):
@@ -92,8 +106,6 @@ class SGLangEngine(HTTPEngine):
 
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
-        import httpx
-
         try:
             resp = await self._client.post(self.url + path, json=payload)
         except httpx.HTTPError as exc:
@@ -112,20 +124,31 @@ class SGLangEngine(HTTPEngine):
         await self._request("POST", "/continue_generation", json={})
 
     async def ready(self) -> bool:
+        """GET /model_info: served once the model is loaded, and answered while paused (no token).
+
+        Not /health: in the pin it generates one token, which waits behind a pause."""
         try:
-            resp = await self._request("GET", "/ready", ok_404=True)
-            if resp is None:  # before 0.5.20: a non-generating probe (/health generates a token)
-                await self._request("GET", "/get_model_info")
+            await self._model_info_response()
         except EngineError:
             return False
         return True
 
     async def model_info(self) -> dict[str, Any]:
-        resp = await self._request("GET", "/model_info", ok_404=True)
-        if resp is None:
-            resp = await self._request("GET", "/get_model_info")
+        resp = await self._model_info_response()
+        try:
+            body = resp.json()
+        except ValueError as exc:
+            raise EngineError(f"GET {MODEL_INFO_PATH} answered non-JSON: {resp.text[:200]!r}", url=self.url) from exc
+        if not isinstance(body, dict):
+            raise EngineError(f"GET {MODEL_INFO_PATH} answered {str(body)[:200]}", url=self.url)
+        return body
+
+    async def _model_info_response(self) -> httpx.Response:
+        resp = await self._request("GET", MODEL_INFO_PATH, ok_404=True)
+        if resp is None:  # releases before /model_info only have the (now deprecated) old name
+            resp = await self._request("GET", LEGACY_MODEL_INFO_PATH)
         assert resp is not None
-        return resp.json()
+        return resp
 
     async def weight_version(self) -> int | None:
         return parse_version((await self.model_info()).get("weight_version"))

@@ -1,0 +1,468 @@
+"""Drift correction, the Redis Secret, and storage ownership (issue 18, parts 3 and 4).
+
+The real operator (`asyncrl operator` subprocess) runs against a Kubernetes API emulator that, like a
+real API server, writes defaults into what it stores (`DefaultingEmulator` below): so "no patch when
+nothing drifted" is shown against objects that differ from what the builders rendered by the
+server's defaults. The operator's status loop runs only once a minute in the correction tests, so a
+fix seen within seconds came from the owned-kind watches, not from the periodic pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import itertools
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+import pytest
+import yaml
+from kmock._internal import dicts
+from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+
+from asyncrl.loader import parse_job
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+from asyncrl.operator.kube import allowed, differences, patch_body, stamp
+from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL
+from asyncrl.spec import GROUP, PLURAL, VERSION
+
+REPO = Path(__file__).resolve().parent.parent
+NS = "rl"
+JOB = "qwen"
+CHILD_PLURALS = ("configmaps", "secrets", "services", "persistentvolumeclaims", "deployments", "statefulsets",
+                 "networkpolicies")
+
+
+# ----------------------------------------------------------------------------------- server defaults
+
+_cluster_ips = itertools.count(10)
+
+
+def _cpu(value: Any) -> Any:
+    """The API server's canonical form of a CPU quantity ("0.5" -> "500m")."""
+    if isinstance(value, str) and "." in value and not value.endswith("m"):
+        milli = round(float(value) * 1000)
+        return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
+    return value
+
+
+def _default_container(c: dict) -> None:
+    image = str(c.get("image", ""))
+    c.setdefault("imagePullPolicy", "Always" if image.endswith(":latest") or ":" not in image else "IfNotPresent")
+    c.setdefault("terminationMessagePath", "/dev/termination-log")
+    c.setdefault("terminationMessagePolicy", "File")
+    c.setdefault("resources", {})
+    for kind in ("requests", "limits"):
+        if "cpu" in c["resources"].get(kind, {}):
+            c["resources"][kind]["cpu"] = _cpu(c["resources"][kind]["cpu"])
+    for probe in (c.get(p) for p in ("readinessProbe", "livenessProbe", "startupProbe")):
+        if probe:
+            for k, v in {"successThreshold": 1, "failureThreshold": 3, "timeoutSeconds": 1,
+                         "periodSeconds": 10}.items():
+                probe.setdefault(k, v)
+            if "httpGet" in probe:
+                probe["httpGet"].setdefault("scheme", "HTTP")
+    for port in c.get("ports", []):
+        port.setdefault("protocol", "TCP")
+    for env in c.get("env", []):
+        ref = (env.get("valueFrom") or {}).get("fieldRef")
+        if ref is not None:
+            ref.setdefault("apiVersion", "v1")
+
+
+def _default_template(tpl: dict) -> None:
+    tpl.setdefault("metadata", {}).setdefault("creationTimestamp", None)
+    spec = tpl.setdefault("spec", {})
+    for k, v in (("restartPolicy", "Always"), ("dnsPolicy", "ClusterFirst"), ("schedulerName", "default-scheduler"),
+                 ("terminationGracePeriodSeconds", 30), ("securityContext", {})):
+        spec.setdefault(k, v)
+    for c in spec.get("containers", []):
+        _default_container(c)
+    for vol in spec.get("volumes", []):
+        for source in ("configMap", "secret"):
+            if source in vol:
+                vol[source].setdefault("defaultMode", 420)
+
+
+def server_defaults(plural: str, obj: dict) -> dict:
+    """What kube-apiserver adds to an object it stores (the fields we do not set; fill-if-missing)."""
+    spec = obj.get("spec") or {}
+    if plural == "deployments":
+        spec.setdefault("revisionHistoryLimit", 10)
+        spec.setdefault("progressDeadlineSeconds", 600)
+        if "template" in spec:
+            _default_template(spec["template"])
+    elif plural == "statefulsets":
+        spec.setdefault("revisionHistoryLimit", 10)
+        spec.setdefault("podManagementPolicy", "OrderedReady")
+        spec.setdefault("updateStrategy", {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}})
+        spec.setdefault("persistentVolumeClaimRetentionPolicy", {"whenDeleted": "Retain", "whenScaled": "Retain"})
+        if "template" in spec:
+            _default_template(spec["template"])
+        for claim in spec.get("volumeClaimTemplates", []):
+            claim.update(apiVersion="v1", kind="PersistentVolumeClaim")
+            claim["spec"].setdefault("volumeMode", "Filesystem")
+            claim.setdefault("status", {"phase": "Pending"})
+    elif plural == "services":
+        spec.setdefault("type", "ClusterIP")
+        spec.setdefault("sessionAffinity", "None")
+        spec.setdefault("clusterIP", f"10.96.0.{next(_cluster_ips)}")
+        spec.setdefault("clusterIPs", [spec["clusterIP"]])
+        spec.setdefault("ipFamilies", ["IPv4"])
+        spec.setdefault("ipFamilyPolicy", "SingleStack")
+        spec.setdefault("internalTrafficPolicy", "Cluster")
+        for port in spec.get("ports", []):
+            port.setdefault("targetPort", port["port"])
+    elif plural == "persistentvolumeclaims":
+        spec.setdefault("volumeMode", "Filesystem")
+    elif plural == "secrets" and "stringData" in obj:
+        data = obj.setdefault("data", {})
+        for k, v in obj.pop("stringData").items():
+            data[k] = base64.b64encode(str(v).encode()).decode()
+    return obj
+
+
+class DefaultingEmulator(KubeEmulator):
+    """The test emulator, plus the defaulting a real API server does on create and on patch."""
+
+    async def _create(self, request: Any) -> dict:
+        if request.resource.plural in CHILD_PLURALS and isinstance(request.data, dict):
+            request = attrs.evolve(request, data=server_defaults(request.resource.plural,
+                                                                 copy.deepcopy(request.data)))
+        return await super()._create(request)
+
+    async def _update(self, request: Any, key: tuple, *, replace: bool) -> dict:
+        plural = request.resource.plural
+        if plural in CHILD_PLURALS and not request.subresource and not replace and isinstance(request.data, dict):
+            body = {k: v for k, v in request.data.items() if k != "status"}
+            merged = server_defaults(plural, copy.deepcopy(dict(dicts.patch_dict(self.objects[key].raw, body))))
+            request = attrs.evolve(request, data=merged)
+        return await super()._update(request, key, replace=replace)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def job_doc(name: str = JOB, **spec_changes: Any) -> dict:
+    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc["metadata"]["name"] = name
+    doc["metadata"]["namespace"] = NS
+    doc["spec"].update(spec_changes)
+    return doc
+
+
+def build(doc: dict, uid: str = "uid-1") -> list[dict]:
+    return B.build_children(parse_job(doc), B.BuildContext(owner_uid=uid, namespace=NS, redis_password="pw"))
+
+
+def child_patches(emu: KubeEmulator) -> list[Any]:
+    """PATCH requests the operator sent to the job's children (not the job, its status or the test's)."""
+    return [r for r in emu.log if r.verb == "patch" and r.resource.split("/")[0] in CHILD_PLURALS
+            and not r.agent.startswith(("kmock", "kubectl"))]
+
+
+def assert_rbac_covers(emu: KubeEmulator) -> None:
+    used = {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
+    missing = sorted(u for u in used if not allowed(*u))
+    assert not missing, f"operator used verbs not declared in PERMISSIONS: {missing}"
+
+
+def children_exist(emu: KubeEmulator, name: str = JOB) -> bool:
+    plural = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
+              "Deployment": "deployments", "PersistentVolumeClaim": "persistentvolumeclaims",
+              "NetworkPolicy": "networkpolicies"}
+    return all(emu.get(plural[o["kind"]], NS, o["metadata"]["name"]) for o in build(job_doc(name)))
+
+
+async def create_job(emu: KubeEmulator, doc: dict) -> dict:
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
+        assert resp.status == 201, await resp.text()
+        return await resp.json()
+
+
+async def request(emu: KubeEmulator, method: str, path: str, body: Any = None, status: int = 200) -> Any:
+    headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
+    kwargs = {"json": body} if body is not None else {}
+    async with emu.request(method, path, headers=headers, **kwargs) as resp:
+        assert resp.status == status, await resp.text()
+        return await resp.json()
+
+
+def path(plural: str, name: str) -> str:
+    group = {"deployments": "/apis/apps/v1", "statefulsets": "/apis/apps/v1"}.get(plural, "/api/v1")
+    return f"{group}/namespaces/{NS}/{plural}/{name}"
+
+
+async def settled(emu: KubeEmulator, op: OperatorProcess, quiet: float = 0.5) -> None:
+    """Wait until the job is Initializing and the operator has sent nothing for `quiet` seconds: what
+    changes after this was not done by the passes that followed the job's creation."""
+    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
+                   what="Initializing", log=op.log)
+    deadline = asyncio.get_running_loop().time() + 20
+    while asyncio.get_running_loop().time() < deadline:
+        count = len(emu.log)
+        await asyncio.sleep(quiet)
+        if len(emu.log) == count:
+            return
+    raise AssertionError("the operator never went quiet")
+
+
+def template_annotations(emu: KubeEmulator, plural: str, name: str) -> dict:
+    obj = emu.get(plural, NS, name) or {}
+    return obj.get("spec", {}).get("template", {}).get("metadata", {}).get("annotations") or {}
+
+
+# Workloads whose pods read the managed Redis Secret: Redis (requirepass), rollout and trainer (URL).
+SECRET_USERS = (("statefulsets", N.redis(JOB)), ("deployments", N.rollout(JOB)), ("statefulsets", N.trainer(JOB)))
+
+
+# ----------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture
+async def emu(tmp_path: Path):
+    async with DefaultingEmulator() as e, kmock.Server(e):
+        e.kubeconfig(tmp_path / "kubeconfig")
+        yield e
+
+
+async def _operator(emu: KubeEmulator, tmp_path: Path, interval: float):
+    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log", interval=interval).start()
+    yield op
+    await op.stop()
+    assert_rbac_covers(emu)
+
+
+@pytest.fixture
+async def watch_only_operator(emu: KubeEmulator, tmp_path: Path):
+    """Status passes once a minute: anything corrected within seconds was corrected by the watches."""
+    async for op in _operator(emu, tmp_path, interval=60):
+        yield op
+
+
+@pytest.fixture
+async def operator(emu: KubeEmulator, tmp_path: Path):
+    async for op in _operator(emu, tmp_path, interval=0.3):
+        yield op
+
+
+# ----------------------------------------------------------------------------------- pure: what is compared
+
+
+def test_server_defaults_are_not_drift():
+    """Every child, stored with a real API server's defaults, needs no patch."""
+    doc = job_doc()
+    doc["spec"]["redis"]["managed"]["resources"]["cpu"] = "0.5"  # stored as "500m"
+    for obj in build(doc):
+        desired = stamp(obj)
+        live = server_defaults(plural_of(obj), copy.deepcopy(desired))
+        body = patch_body(desired)
+        if body is not None:
+            assert differences(live, body) == [], obj["kind"]
+
+
+def plural_of(obj: dict) -> str:
+    return {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
+            "Deployment": "deployments", "PersistentVolumeClaim": "persistentvolumeclaims",
+            "NetworkPolicy": "networkpolicies"}[obj["kind"]]
+
+
+def test_differences_name_what_was_edited():
+    deploy = next(o for o in build(job_doc()) if o["kind"] == "Deployment")
+    body = patch_body(stamp(deploy))
+    assert body is not None
+    live = server_defaults("deployments", copy.deepcopy(stamp(deploy)))
+    live["spec"]["replicas"] = 9
+    live["spec"]["template"]["spec"]["containers"][1]["image"] = "evil:1"
+    live["spec"]["template"]["spec"]["containers"][1]["env"].pop()
+    live["metadata"]["labels"].pop(N.LABEL_JOB)
+    live["metadata"]["annotations"]["someone/else"] = "kept"  # not ours: never drift
+    assert differences(live, body) == [
+        "spec.replicas", "spec.template.spec.containers[1].image", "spec.template.spec.containers[1].env",
+        f"metadata.labels.{N.LABEL_JOB}"]
+    # A desired change that only removes something is caught by the desired-hash annotation.
+    smaller = copy.deepcopy(deploy)
+    smaller["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].pop("cpu")
+    assert differences(live, patch_body(stamp(smaller))), "removal must not look in sync"
+
+
+# ----------------------------------------------------------------------------------- the real operator
+
+slow = pytest.mark.slow
+
+
+@slow
+async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_operator):
+    op = watch_only_operator
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await settled(emu, op)
+    name = N.rollout(JOB)
+    before = emu.get("deployments", NS, name)
+    containers = copy.deepcopy(before["spec"]["template"]["spec"]["containers"])
+    containers[0]["image"] = "attacker/sglang:evil"
+    await request(emu, "PATCH", path("deployments", name),
+                  {"spec": {"replicas": 9, "template": {"spec": {"containers": containers}}}})
+    assert emu.get("deployments", NS, name)["spec"]["replicas"] == 9
+
+    def corrected() -> bool:
+        now = emu.get("deployments", NS, name)
+        return (now["spec"]["replicas"] == 4
+                and now["spec"]["template"]["spec"]["containers"][0]["image"] == before["spec"]["template"]["spec"][
+                    "containers"][0]["image"])
+
+    await wait_for(corrected, timeout=5, what="replicas and image restored", log=op.log)
+    log = op.log.read_text()
+    assert f"deployments {NS}/{name} changed (MODIFIED): waking job {JOB}" in log, "the watch saw the edit"
+    assert f"Deployment {NS}/{name} differs from the desired state at spec.replicas, " \
+           "spec.template.spec.containers[0].image: patching" in log
+
+
+@slow
+async def test_deleted_children_are_recreated(emu, watch_only_operator):
+    op = watch_only_operator
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await settled(emu, op)
+    old = emu.get("deployments", NS, N.rollout(JOB))
+    await request(emu, "DELETE", path("deployments", N.rollout(JOB)))
+    await request(emu, "DELETE", path("configmaps", N.config_map(JOB)))
+    await wait_for(lambda: (emu.get("deployments", NS, N.rollout(JOB)) or {}).get("metadata", {}).get("uid")
+                   not in (None, old["metadata"]["uid"]), timeout=5, what="rollout Deployment re-created", log=op.log)
+    await wait_for(lambda: emu.get("configmaps", NS, N.config_map(JOB)), timeout=5, what="ConfigMap re-created",
+                   log=op.log)
+    assert f"deployments {NS}/{N.rollout(JOB)} changed (DELETED): waking job {JOB}" in op.log.read_text()
+
+
+@slow
+async def test_redis_secret_and_its_users_never_disagree(emu, operator):
+    """Invariant: every pod template that reads the Redis Secret carries the hash of the live Secret,
+    so after any change of the Secret (deleted and re-created with a new password, or rotated by
+    hand) Redis (requirepass) and every client (URL) are rolled onto the same Secret. Secrets are
+    not watched (that needs cluster-wide list/watch on Secrets): the interval's pass corrects them."""
+    op = operator
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+
+    def secret() -> dict | None:
+        return emu.get("secrets", NS, N.redis_secret(JOB))
+
+    def password(s: dict) -> str:
+        return base64.b64decode(s["data"]["password"]).decode()
+
+    def users_agree_with(s: dict) -> bool:
+        want = B.secret_hash(s)
+        return all(template_annotations(emu, p, n).get(N.ANNOTATION_REDIS_AUTH_HASH) == want for p, n in SECRET_USERS)
+
+    first = await wait_for(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
+                           what="consistent from the start", log=op.log)
+    # Redis takes requirepass from the Secret's `password`, clients their URL from its `url`.
+    redis = emu.get("statefulsets", NS, N.redis(JOB))["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": N.redis_secret(JOB),
+                                                                      "key": "password"}}} in redis["env"]
+    for plural, name in SECRET_USERS[1:]:
+        pod = emu.get(plural, NS, name)["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            refs = [e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if e["name"] == ENV_REDIS_URL]
+            assert refs in ([], [{"name": N.redis_secret(JOB), "key": "url"}])
+    assert f":{password(first)}@" in base64.b64decode(first["data"]["url"]).decode()
+
+    # Deleted: re-created with a new password, and Redis, rollout and trainer all roll onto it.
+    await request(emu, "DELETE", path("secrets", N.redis_secret(JOB)))
+    second = await wait_for(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
+                            timeout=5, what="Secret re-created", log=op.log)
+    assert password(second) != password(first)
+    await wait_for(lambda: users_agree_with(second), timeout=5, what="every user rolled onto the new Secret",
+                   log=op.log)
+    assert f":{password(second)}@" in base64.b64decode(second["data"]["url"]).decode()
+
+    # Rotated by hand (same object, new content): the users roll again.
+    new_pw = "rotated-by-hand"
+    url = f"redis://:{new_pw}@{N.redis(JOB)}.{NS}.svc:6379/0"
+    await request(emu, "PATCH", path("secrets", N.redis_secret(JOB)),
+                  {"data": {"password": base64.b64encode(new_pw.encode()).decode(),
+                            "url": base64.b64encode(url.encode()).decode()}})
+    third = secret()
+    assert third is not None and password(third) == new_pw
+    await wait_for(lambda: users_agree_with(third), timeout=5, what="every user rolled onto the rotated Secret",
+                   log=op.log)
+    assert password(secret()) == new_pw, "the operator never overwrites a Secret"
+    hashes = {template_annotations(emu, p, n)[N.ANNOTATION_REDIS_AUTH_HASH] for p, n in SECRET_USERS}
+    assert len(hashes) == 1 and new_pw not in next(iter(hashes))
+
+
+@slow
+async def test_no_patch_when_nothing_drifted(emu, operator):
+    """Many status passes and watch events (status updates included) over objects carrying the API
+    server's defaults: not one PATCH of a child."""
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
+                   what="Initializing", log=operator.log)
+    await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(JOB), {"replicas": 4, "readyReplicas": 4})
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer(JOB), {"replicas": 1, "readyReplicas": 1})
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.redis(JOB), {"replicas": 1, "readyReplicas": 1})
+    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Running",
+                   what="Running", log=operator.log)
+    passes = lambda: sum(1 for r in emu.log if r.verb == "list" and r.resource == "pods")  # noqa: E731 - one a pass
+    start = passes()
+    await wait_for(lambda: passes() >= start + 10, what="ten more passes", log=operator.log)
+    assert child_patches(emu) == [], "a pass over unchanged children sent a PATCH"
+    gets = [r for r in emu.log if r.verb == "get" and r.resource == "deployments"]
+    assert len(gets) >= 10, "the passes did read the live objects"
+    # The owned kinds (not Secrets: least privilege) are watched, streaming only our children.
+    watched = {r.resource.plural: r.params.get("labelSelector") for r in emu
+               if r.params.get("watch") == "true" and r.resource is not None and r.resource.plural in CHILD_PLURALS}
+    assert watched == {p: N.owned_selector() for p in CHILD_PLURALS if p not in ("persistentvolumeclaims", "secrets")}
+
+
+@slow
+async def test_weights_survive_the_job_unless_asked(emu, operator):
+    job = await create_job(emu, job_doc(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0))
+    await wait_for(lambda: emu.get(PLURAL, NS, JOB) is None, what="job deleted by its TTL", log=operator.log)
+    pvc = emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB))
+    assert pvc is not None, "the weights volume outlives the job and its TTL"
+    assert not pvc["metadata"].get("ownerReferences")
+    assert emu.get("deployments", NS, N.rollout(JOB)) is None, "the rest goes with the job"
+    assert job["metadata"]["uid"]
+
+    # A volume that an older operator made the job's (it owned every child) is let go of.
+    await request(emu, "DELETE", path("persistentvolumeclaims", N.shared_pvc(JOB)))
+    job = await create_job(emu, job_doc())
+    owner = lambda: (emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) or {}).get(  # noqa: E731
+        "metadata", {}).get("ownerReferences")
+    await wait_for(lambda: emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)), what="PVC", log=operator.log)
+    ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "AsyncRLJob", "name": JOB, "uid": job["metadata"]["uid"],
+           "controller": True, "blockOwnerDeletion": True}
+    await request(emu, "PATCH", path("persistentvolumeclaims", N.shared_pvc(JOB)),
+                  {"metadata": {"ownerReferences": [ref]}})
+    await wait_for(lambda: not owner(), what="ownerReference removed by a status pass", log=operator.log)
+    await request(emu, "DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{JOB}")
+    assert emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) is not None
+    await request(emu, "DELETE", path("persistentvolumeclaims", N.shared_pvc(JOB)))
+
+    # Asked for (at creation: spec.storage is immutable): owned, and deleted with the job.
+    job = await create_job(emu, job_doc(storage={"size": "1Gi", "deleteWithJob": True}))
+    await wait_for(owner, what="PVC owned by the job", log=operator.log)
+    assert owner() == [{**ref, "uid": job["metadata"]["uid"]}]
+    await request(emu, "DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{JOB}")
+    assert emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) is None
+
+
+@slow
+async def test_redis_data_goes_with_the_job_and_pods_know_the_uid(emu, operator):
+    job = await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    redis = emu.get("statefulsets", NS, N.redis(JOB))
+    assert redis["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert redis["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+    for plural, name in SECRET_USERS[1:]:
+        containers = emu.get(plural, NS, name)["spec"]["template"]["spec"]["containers"]
+        users = [c for c in containers if any(e["name"] == ENV_REDIS_URL for e in c.get("env", []))]
+        assert users
+        for c in users:
+            assert {"name": ENV_JOB_UID, "value": job["metadata"]["uid"]} in c["env"], (name, c["name"])

@@ -1,0 +1,295 @@
+"""How a job ends, with the real operator process against the API emulator and a real Redis:
+the trainer's durable outcome record, trainer restarts and configuration errors (pod statuses
+patched in as a kubelet would), activeDeadlineSeconds, a crash-looping rollout (Degraded), and one
+writer with optimistic concurrency (409 on a stale resourceVersion; a terminal phase is never left)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import kmock
+import pytest
+from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from test_operator_lifecycle import (
+    NS,
+    assert_rbac_covers,
+    children_exist,
+    create_job,
+    job_doc,
+    make_ready,
+    operator_requests,
+    patch_job,
+    phase,
+)
+
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
+from asyncrl.operator import names as N
+from asyncrl.operator.status import fmt_time, now_utc
+from asyncrl.outcome import new_outcome, write_outcome_redis
+from asyncrl.spec import GROUP, PLURAL, VERSION
+from asyncrl.transport.connection import connect
+from asyncrl.transport.names import StreamNames
+
+pytestmark = pytest.mark.slow
+UNREACHABLE_STATUS = "http://127.0.0.1:1"  # the trainer's /status cannot be reached in these tests
+JOB_URL = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/qwen"
+
+
+@pytest.fixture
+async def emu(tmp_path: Path):
+    async with KubeEmulator() as e, kmock.Server(e):
+        e.kubeconfig(tmp_path / "kubeconfig")
+        yield e
+
+
+async def start_operator(tmp_path: Path, **flags) -> OperatorProcess:
+    return await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
+                                 status_url_template=UNREACHABLE_STATUS, **flags).start()
+
+
+@pytest.fixture
+async def operator(emu: KubeEmulator, tmp_path: Path):
+    op = await start_operator(tmp_path)
+    yield op
+    await op.stop()
+    assert_rbac_covers(emu)
+
+
+def status(emu: KubeEmulator, name: str = "qwen") -> dict:
+    return (emu.get(PLURAL, NS, name) or {}).get("status") or {}
+
+
+def conditions(emu: KubeEmulator) -> dict[str, dict]:
+    return {c["type"]: c for c in status(emu).get("conditions", [])}
+
+
+def replicas(emu: KubeEmulator, plural: str, name: str) -> int | None:
+    obj = emu.get(plural, NS, name)
+    return None if obj is None else obj["spec"]["replicas"]
+
+
+def released(emu: KubeEmulator, name: str = "qwen") -> bool:
+    """Trainer and rollout scaled to zero (the GPUs are given back)."""
+    return replicas(emu, "deployments", N.rollout(name)) == 0 and replicas(emu, "statefulsets", N.trainer(name)) == 0
+
+
+def trainer_doc(**trainer) -> dict:
+    doc = job_doc()
+    doc["spec"]["trainer"].update(trainer)
+    return doc
+
+
+async def put_pod(emu: KubeEmulator, name: str, component: str, container: str, **container_status) -> None:
+    """Play kubelet: a pod of the job with one container status."""
+    cs = {"name": container, "ready": False, "restartCount": 0, "image": "x", **container_status}
+    await emu.put_object("", "v1", "pods", {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {N.LABEL_JOB: "qwen", N.LABEL_COMPONENT: component}},
+        "status": {"phase": "Running", "containerStatuses": [cs]}})
+
+
+async def running_job(emu: KubeEmulator, op: OperatorProcess, doc: dict | None = None) -> dict:
+    job = await create_job(emu, doc or job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await make_ready(emu)
+    await wait_for(lambda: phase(emu) == "Running", what="Running", log=op.log)
+    return job
+
+
+# ----------------------------------------------------------------------------------- the outcome record
+
+
+async def test_outcome_record_in_managed_redis_succeeds_the_job_without_status_endpoint(emu, tmp_path):
+    port = free_port()
+    op = await start_operator(tmp_path, redis_url_template=f"redis://:{{password}}@127.0.0.1:{port}/0")
+    redis: LocalRedis | None = None
+    try:
+        job = await create_job(emu, job_doc())
+        await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+        # The job's Redis runs with the password the operator generated into the job's Secret.
+        password = emu.get("secrets", NS, N.redis_secret("qwen"))["stringData"]["password"]
+        redis = LocalRedis(tmp_path / "redis", port=port, password=password).start()
+        await make_ready(emu)
+        await wait_for(lambda: phase(emu) == "Running", what="Running", log=op.log)
+
+        # The trainer records its outcome (and would stay up; its /status is unreachable here).
+        uid = job["metadata"]["uid"]
+        client = await connect(redis.url)
+        record = new_outcome("qwen", uid, "Succeeded", "MaxStepsReached", step=400, policy_version=400,
+                             message="trained 400 steps", weights_path="/shared/weights/v400")
+        assert await write_outcome_redis(client, StreamNames.for_job("qwen", uid), record)
+        await client.aclose()
+
+        await wait_for(lambda: phase(emu) == "Succeeded", what="Succeeded", log=op.log)
+        s = status(emu)
+        assert (s["reason"], s["message"]) == ("MaxStepsReached", "trained 400 steps")
+        assert s["completionTime"]
+        assert s["trainer"] == {"step": 400, "policyVersion": 400} and s["progress"]["percent"] == 100.0
+        assert conditions(emu)["Complete"]["status"] == "True"
+        await wait_for(lambda: released(emu), what="trainer and rollout scaled to zero", log=op.log)
+        assert replicas(emu, "statefulsets", N.redis("qwen")) == 1, "Redis stays until the TTL"
+        assert emu.get("secrets", NS, N.redis_secret("qwen")), "its Secret too"
+    finally:
+        await op.stop()
+        if redis is not None:
+            redis.stop()
+    assert_rbac_covers(emu)
+
+
+async def test_outcome_record_in_external_redis_fails_the_job(emu, tmp_path, redis_server):
+    op = await start_operator(tmp_path)  # external Redis: the URL comes from the job's Secret
+    try:
+        await emu.put_object("", "v1", "secrets", {"apiVersion": "v1", "kind": "Secret", "metadata": {
+            "name": "shared-redis", "namespace": NS}, "stringData": {"url": redis_server.url}})
+        job = await create_job(emu, job_doc(redis={"mode": "external", "external": {"urlSecret": {
+            "name": "shared-redis", "key": "url"}}}))
+        await wait_for(lambda: emu.get("statefulsets", NS, N.trainer("qwen")), what="trainer", log=op.log)
+        assert emu.get("statefulsets", NS, N.redis("qwen")) is None
+        uid = job["metadata"]["uid"]
+        client = await connect(redis_server.url)
+        record = new_outcome("qwen", uid, "Failed", "TooManyBadSteps", step=17, message="5 non-finite losses")
+        assert await write_outcome_redis(client, StreamNames.for_job("qwen", uid), record)
+        await client.aclose()
+        await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=op.log)
+        s = status(emu)
+        assert (s["reason"], s["message"]) == ("TooManyBadSteps", "5 non-finite losses") and s["completionTime"]
+        assert conditions(emu)["Failed"]["status"] == "True"
+        await wait_for(lambda: released(emu), what="GPUs released", log=op.log)
+    finally:
+        await op.stop()
+    assert_rbac_covers(emu)
+
+
+# ----------------------------------------------------------------------------------- failures while running
+
+
+async def test_trainer_restarts_over_backoff_limit_fail_the_job(emu, operator):
+    await running_job(emu, operator, trainer_doc(backoffLimit=1))
+    last = {"terminated": {"exitCode": 1, "reason": "Error", "message": "RuntimeError: CUDA error: an illegal memory"}}
+    await put_pod(emu, "qwen-trainer-0", "trainer", "trainer", restartCount=1, lastState=last)
+    await asyncio.sleep(1.5)  # several passes: backoffLimit restarts are tolerated
+    assert phase(emu) == "Running"
+    assert conditions(emu)["Degraded"]["status"] == "True"
+    await emu.patch_status("", "v1", "pods", NS, "qwen-trainer-0", {"containerStatuses": [
+        {"name": "trainer", "ready": False, "restartCount": 2, "image": "x", "lastState": last,
+         "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]})
+    await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
+    s = status(emu)
+    assert s["reason"] == "BackoffLimitExceeded" and s["completionTime"]
+    assert "restarted 2 times (backoffLimit 1)" in s["message"]
+    assert "last exit code 1 (Error): RuntimeError: CUDA error" in s["message"]
+    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+
+
+async def test_configuration_error_exit_code_fails_at_once(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await put_pod(emu, "qwen-trainer-0", "trainer", "trainer", restartCount=1,
+                  state={"waiting": {"reason": "CrashLoopBackOff"}},
+                  lastState={"terminated": {"exitCode": 78, "reason": "Error",
+                                            "message": "spec.dataset.source: hf:nope not found"}})
+    await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
+    s = status(emu)
+    assert (s["reason"], s["message"]) == ("ConfigurationError", "spec.dataset.source: hf:nope not found")
+    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+
+
+async def test_active_deadline_fails_the_job(emu, operator):
+    await create_job(emu, job_doc(activeDeadlineSeconds=2))
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await make_ready(emu)
+    await wait_for(lambda: phase(emu) == "Failed", what="Failed by activeDeadlineSeconds", log=operator.log)
+    s = status(emu)
+    assert s["reason"] == "DeadlineExceeded" and "2s" in s["message"] and s["completionTime"]
+    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+
+
+async def test_crash_looping_rollout_pod_sets_degraded_without_failing(emu, operator):
+    await running_job(emu, operator)
+    await put_pod(emu, "qwen-rollout-7d9f-abcde", "rollout", "worker", restartCount=5,
+                  state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 2m40s"}},
+                  lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": "engine not reachable"}})
+    await wait_for(lambda: conditions(emu).get("Degraded", {}).get("status") == "True", what="Degraded",
+                   log=operator.log)
+    d = conditions(emu)["Degraded"]
+    assert d["reason"] == "CrashLoopBackOff"
+    assert "qwen-rollout-7d9f-abcde" in d["message"] and "engine not reachable" in d["message"]
+    assert phase(emu) == "Running"
+    assert replicas(emu, "deployments", N.rollout("qwen")) == 4, "a degraded job keeps its GPUs"
+    # The pod recovers: Degraded goes back to False.
+    await emu.patch_status("", "v1", "pods", NS, "qwen-rollout-7d9f-abcde", {"containerStatuses": [
+        {"name": "worker", "ready": True, "restartCount": 5, "image": "x", "state": {"running": {}}}]})
+    await wait_for(lambda: conditions(emu)["Degraded"]["status"] == "False", what="no longer Degraded",
+                   log=operator.log)
+
+
+# ----------------------------------------------------------------------------------- one writer
+
+
+async def test_status_write_with_stale_resource_version_gets_409(emu):
+    job = await create_job(emu, job_doc())
+    rv = job["metadata"]["resourceVersion"]
+    merge = {"Content-Type": "application/merge-patch+json"}
+
+    async def patch(url: str, body: dict) -> int:
+        async with emu.patch(url, json=body, headers=merge) as resp:
+            return resp.status
+
+    precondition = {"metadata": {"resourceVersion": rv}}
+    assert await patch(JOB_URL + "/status", {**precondition, "status": {"phase": "Running"}}) == 200
+    assert await patch(JOB_URL + "/status", {**precondition, "status": {"phase": "Failed"}}) == 409
+    assert await patch(JOB_URL, {"metadata": {"resourceVersion": rv}, "spec": {"suspend": True}}) == 409
+    assert status(emu)["phase"] == "Running" and not emu.get(PLURAL, NS, "qwen")["spec"].get("suspend")
+    current = emu.get(PLURAL, NS, "qwen")["metadata"]["resourceVersion"]
+    assert await patch(JOB_URL, {"metadata": {"resourceVersion": current}, "spec": {"suspend": True}}) == 200
+    assert await patch(JOB_URL + "/status", {"status": {"phase": "Pending"}}) == 200, "no precondition, no check"
+
+
+async def test_terminal_phase_survives_a_racing_status_write(emu, operator):
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await wait_for(lambda: phase(emu) == "Initializing", what="Initializing", log=operator.log)
+
+    # Hold the operator's next status write (Running) in flight...
+    gate = asyncio.Event()
+    emu.gates[("patch", f"{PLURAL}/status")] = gate
+    seen = len(emu.log)
+    await make_ready(emu)
+    await wait_for(lambda: any(r.verb == "patch" and r.resource == f"{PLURAL}/status"
+                               for r in emu.log[seen:] if not r.agent.startswith("kmock")),
+                   what="the operator's status write in flight", log=operator.log)
+    # ...while another writer finishes the job; then let the operator's stale write through.
+    finished = fmt_time(now_utc())
+    await emu.patch_status(GROUP, VERSION, PLURAL, NS, "qwen", {
+        "phase": "Failed", "reason": "Preempted", "message": "the cluster took the GPUs back",
+        "completionTime": finished})
+    del emu.gates[("patch", f"{PLURAL}/status")]
+    gate.set()
+
+    await wait_for(lambda: released(emu), what="GPUs released after the re-read", log=operator.log)
+    await wait_for(lambda: "re-reading" in operator.log.read_text(), what="the conflict in the log", log=operator.log)
+    seen = len(emu.log)
+    await wait_for(lambda: len(emu.log) > seen + 40, what="more passes", log=operator.log)
+    s = status(emu)
+    assert (s["phase"], s["reason"], s["completionTime"]) == ("Failed", "Preempted", finished)
+    assert conditions(emu)["Failed"]["status"] == "True", "the operator's later writes keep the terminal phase"
+    await make_ready(emu)  # children report ready again: still Failed
+    await asyncio.sleep(1.0)
+    assert phase(emu) == "Failed" and released(emu)
+
+
+async def test_spec_change_is_applied_once_by_one_writer(emu, operator):
+    await running_job(emu, operator)
+    seen = len(emu.log)
+    await patch_job(emu, "qwen", {"spec": {"rollout": {"replicas": 2}}})
+    await wait_for(lambda: replicas(emu, "deployments", N.rollout("qwen")) == 2, what="scaled to 2",
+                   log=operator.log)
+    await wait_for(lambda: status(emu).get("observedGeneration") == 2, what="observedGeneration 2",
+                   log=operator.log)
+    await asyncio.sleep(1.0)  # a few more passes
+    patches = [r for r in emu.log[seen:] if r.verb == "patch" and r.resource == "deployments"
+               and not r.agent.startswith(("kmock", "kubectl"))]
+    assert len(patches) == 1, f"the Deployment was patched {len(patches)} times for one spec change"
+    assert ("asyncrl.dev", PLURAL, "patch") not in operator_requests(emu), "kopf writes nothing on the job"

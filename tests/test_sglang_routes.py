@@ -1,0 +1,427 @@
+"""Every SGLang route and request field we use exists in the pinned release's own source.
+
+The pinned wheel's `http_server.py` (route table), `v1_loads.py` (its one included router),
+`io_struct.py` (request models) and `sampling_params.py` are cached by scripts/fetch-sglang-source.sh
+(run by `scripts/setup.sh --tests`) into .tools/sglang-<PINNED_VERSION>/. Checked here:
+  - the probe paths of the rendered rollout Deployment (sglang engine: examples/job.yaml; our hf
+    server: examples/local.yaml), and that the readiness handler cannot wait behind a pause;
+  - every call the sglang adapter makes (path, method, body fields, field types, pause modes,
+    sampling parameters);
+  - tests/sglang_fake.py: only routes and methods the pin has, request fields the pin declares;
+  - the in-process hf server serves every route the adapter calls, readiness included.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from asyncrl.loader import load_job
+from asyncrl.operator.render import render
+from asyncrl.rollout.engines import SamplingParams
+from asyncrl.rollout.engines.sglang import LEGACY_MODEL_INFO_PATH, MODEL_INFO_PATH, PINNED_VERSION, SGLangEngine
+from asyncrl.spec import RolloutSpec
+
+REPO = Path(__file__).resolve().parent.parent
+PIN_DIR = REPO / ".tools" / f"sglang-{PINNED_VERSION}"
+HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
+IO_STRUCT = "sglang/srt/managers/io_struct.py"
+SAMPLING = "sglang/srt/sampling/sampling_params.py"
+FETCH_HINT = "run `bash scripts/fetch-sglang-source.sh` (scripts/setup.sh --tests does)"
+ROUTE_DECORATORS = {"get", "post", "put", "delete", "patch", "head", "options", "api_route"}
+
+
+def pin_file(rel: str) -> Path:
+    path = PIN_DIR / rel
+    if not path.is_file():
+        pytest.fail(f"the pinned SGLang {PINNED_VERSION} source is missing: {path} does not exist; {FETCH_HINT}",
+                    pytrace=False)
+    return path
+
+
+# ---------------------------------------------------------------- reading the pinned source
+
+
+@dataclass
+class Route:
+    methods: set[str] = field(default_factory=set)
+    handlers: list[ast.AsyncFunctionDef | ast.FunctionDef] = field(default_factory=list)
+    body_models: set[str] = field(default_factory=set)
+
+
+def _module_strings(tree: ast.Module) -> dict[str, ast.expr]:
+    """Module-level `NAME = <expr>` assignments (route paths may be named)."""
+    out: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            out[node.targets[0].id] = node.value
+    return out
+
+
+def _path_value(node: ast.expr, names: dict[str, ast.expr]) -> str | None:
+    """A route path: a literal, or `os.environ.get("VAR", "/default")` (its default); None if dynamic."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in names:
+        return _path_value(names[node.id], {})
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"):
+        if len(node.args) >= 2:
+            return _path_value(node.args[1], names)
+        return None
+    return None
+
+
+def _methods(call: ast.Call) -> set[str]:
+    assert isinstance(call.func, ast.Attribute)
+    if call.func.attr not in ("api_route", "add_api_route"):
+        return {call.func.attr.upper()}
+    for kw in call.keywords:
+        if kw.arg == "methods":
+            return {m.upper() for m in ast.literal_eval(kw.value)}
+    return {"GET"}  # FastAPI's default for api_route / add_api_route
+
+
+def _routes_of(source: Path, owner: str, table: dict[str, Route]) -> list[tuple[str, str]]:
+    """Add the routes declared on `owner` (app or router) in `source`; return included routers."""
+    tree = ast.parse(source.read_text(), filename=str(source))
+    names = _module_strings(tree)
+    funcs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in ast.walk(tree):  # walk, not body: routes declared under `if` count too
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for dec in node.decorator_list:
+                if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                        and isinstance(dec.func.value, ast.Name) and dec.func.value.id == owner
+                        and dec.func.attr in ROUTE_DECORATORS):
+                    arg = dec.args[0] if dec.args else next(k.value for k in dec.keywords if k.arg == "path")
+                    path = _path_value(arg, names)
+                    if path is None:
+                        continue  # only routed when an environment variable names it
+                    route = table.setdefault(path, Route())
+                    route.methods |= _methods(dec)
+                    route.handlers.append(node)
+                    for a in node.args.args:
+                        if a.annotation is not None and isinstance(a.annotation, ast.Name) and a.arg == "obj":
+                            route.body_models.add(a.annotation.id)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_api_route"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == owner):
+            path = _path_value(node.args[0], names)
+            if path is not None:
+                route = table.setdefault(path, Route())
+                route.methods |= _methods(node)
+                endpoint = node.args[1] if len(node.args) > 1 else None
+                if isinstance(endpoint, ast.Name) and endpoint.id in funcs:
+                    route.handlers.append(funcs[endpoint.id])
+    included: list[tuple[str, str]] = []  # (module, router variable in it)
+    imports = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                imports[alias.asname or alias.name] = (node.module, alias.name)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "include_router"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == owner):
+            arg = node.args[0]
+            assert isinstance(arg, ast.Name) and arg.id in imports, f"unreadable include_router in {source}"
+            included.append(imports[arg.id])
+    return included
+
+
+_TABLE: dict[str, Route] | None = None
+
+
+def pin_routes() -> dict[str, Route]:
+    """path -> methods and handlers, from the pinned http_server.py and the routers it includes."""
+    global _TABLE
+    if _TABLE is None:
+        table: dict[str, Route] = {}
+        for module, var in _routes_of(pin_file(HTTP_SERVER), "app", table):
+            _routes_of(pin_file(module.replace(".", "/") + ".py"), var, table)
+        _TABLE = table
+    return _TABLE
+
+
+def pin_classes() -> dict[str, ast.ClassDef]:
+    tree = ast.parse(pin_file(IO_STRUCT).read_text())
+    return {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+
+
+def pin_fields(model: str) -> dict[str, ast.expr]:
+    """A request dataclass's fields (with its bases'), name -> annotation."""
+    classes = pin_classes()
+    out: dict[str, ast.expr] = {}
+    todo = [model]
+    while todo:
+        cls = classes[todo.pop()]
+        for stmt in cls.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                out.setdefault(stmt.target.id, stmt.annotation)
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in classes]
+    return out
+
+
+def pin_sampling_params() -> set[str]:
+    tree = ast.parse(pin_file(SAMPLING).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {a.arg for a in init.args.args[1:]} | {a.arg for a in init.args.kwonlyargs}
+
+
+def literal_values(annotation: ast.expr) -> set[Any] | None:
+    if isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name) \
+            and annotation.value.id == "Literal":
+        return set(ast.literal_eval(annotation.slice))
+    return None
+
+
+def value_fits(value: Any, annotation: ast.expr) -> bool:
+    """A light type check for the annotations our calls meet (str, bool, Optional[...], Literal)."""
+    text = ast.unparse(annotation)
+    literals = literal_values(annotation)
+    if literals is not None:
+        return value in literals
+    if text.startswith("Optional[") and value is None:
+        return True
+    inner = text.removeprefix("Optional[").removesuffix("]") if text.startswith("Optional[") else text
+    simple = {"str": str, "bool": bool, "int": int, "float": (int, float)}
+    if inner in simple:
+        if inner != "bool" and isinstance(value, bool):
+            return False
+        return isinstance(value, simple[inner])
+    return True  # richer annotations (Union, List, Dict): not checked here
+
+
+def assert_in_pin(method: str, path: str, what: str) -> Route:
+    routes = pin_routes()
+    assert path in routes, f"{what}: {method} {path} is not a route of SGLang {PINNED_VERSION}"
+    assert method in routes[path].methods, (
+        f"{what}: SGLang {PINNED_VERSION} serves {path} only as {sorted(routes[path].methods)}, not {method}")
+    return routes[path]
+
+
+def _calls(node: ast.AST) -> set[str]:
+    out = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            out.add(f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else "")
+    return out
+
+
+# ---------------------------------------------------------------- the pin itself
+
+
+def test_pin_is_one_version_everywhere():
+    assert f":v{PINNED_VERSION}-" in RolloutSpec().image, "the spec's default engine image is the pinned SGLang"
+    wheel = pin_file("WHEEL").read_text().strip()
+    assert wheel.startswith(f"sglang-{PINNED_VERSION}-"), f"{PIN_DIR} holds {wheel}; {FETCH_HINT}"
+
+
+def test_route_table_is_read():
+    routes = pin_routes()
+    assert len(routes) > 60, f"only {len(routes)} routes read from {HTTP_SERVER}: the parser broke"
+    assert routes["/generate"].methods == {"POST", "PUT"}
+    assert routes["/flush_cache"].methods == {"GET", "POST"}
+    assert routes["/v1/loads"].methods == {"GET"}  # from the included v1_loads router
+    assert "/ready" not in routes, "the pin has no /ready (the probe we used to render)"
+    assert routes["/update_weights_from_disk"].body_models == {"UpdateWeightFromDiskReqInput"}
+
+
+# ---------------------------------------------------------------- the rollout pod's probes
+
+
+def _engine_container(example: str) -> dict[str, Any]:
+    docs = list(yaml.safe_load_all(render(load_job(REPO / "examples" / example), uid="u", redis_password="p")))
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    (engine,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    return engine
+
+
+def _probe_paths(container: dict[str, Any]) -> dict[str, str]:
+    return {kind: p["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+            if "httpGet" in (p := container.get(kind, {}))}
+
+
+def test_sglang_probes_use_routes_of_the_pin():
+    engine = _engine_container("job.yaml")
+    assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
+    paths = _probe_paths(engine)
+    assert paths.get("readinessProbe") == MODEL_INFO_PATH, "readiness is the adapter's ready() route"
+    for kind, path in paths.items():
+        assert_in_pin("GET", path, f"the rollout pod's {kind}")
+    for kind in ("startupProbe", "livenessProbe"):
+        assert kind in engine and ("tcpSocket" in engine[kind] or "httpGet" in engine[kind])
+
+
+def test_readiness_route_does_not_wait_behind_a_pause():
+    """The trainer pauses generation on every step: readiness must not depend on generating.
+
+    The pin's /health generates one token (`generate_request`, which waits while `is_pause`) and
+    answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT; /model_info only reads tokenizer-manager state
+    (no await at all), and uvicorn starts only after the scheduler has loaded the model."""
+    routes = pin_routes()
+    (health,) = routes["/health"].handlers
+    assert "generate_request" in _calls(health)
+    (info,) = routes[MODEL_INFO_PATH].handlers
+    assert not [n for n in ast.walk(info) if isinstance(n, ast.Await)], "readiness handler awaits something"
+    assert not _calls(info) & {"generate_request", "get_internal_state", "send_pyobj"}
+    # The pin's own warmup polls /model_info to know the server is up (`_execute_server_warmup`).
+    assert f'url + "{MODEL_INFO_PATH}"' in pin_file(HTTP_SERVER).read_text()
+
+
+def test_hf_engine_probes_are_routes_of_our_hf_server():
+    from asyncrl.rollout.hf_server import create_app
+
+    engine = _engine_container("local.yaml")
+    assert engine["command"][:2] == ["asyncrl", "engine"]
+    served = _app_routes(create_app(object()))
+    for kind, path in _probe_paths(engine).items():
+        assert "GET" in served.get(path, set()), f"the hf rollout pod's {kind} {path} is not served"
+
+
+# ---------------------------------------------------------------- the adapter's calls
+
+
+@dataclass
+class Recorder:
+    calls: list[tuple[str, str, Any]] = field(default_factory=list)
+    missing: set[str] = field(default_factory=set)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.calls.append((request.method, request.url.path, body))
+        path = request.url.path
+        if path in self.missing:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if path == "/generate":
+            meta = {"id": "r", "finish_reason": {"type": "length", "length": 1}, "weight_version": "3",
+                    "output_token_logprobs": [[-0.5, 11, None]]}
+            return httpx.Response(200, json={"text": "x", "output_ids": [11], "meta_info": meta})
+        if path == "/update_weights_from_disk":
+            return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        if path in (MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH):
+            return httpx.Response(200, json={"model_path": "m", "weight_version": "3"})
+        return httpx.Response(200, json={"message": "ok", "status": "ok"})
+
+
+async def _drive_adapter(missing: frozenset[str] = frozenset()) -> list[tuple[str, str, Any]]:
+    rec = Recorder(missing=set(missing))
+    engine = SGLangEngine("http://sglang:30000", client=httpx.AsyncClient(transport=httpx.MockTransport(rec)))
+    await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20,
+                                                    stop_token_ids=(2,)))
+    await engine.pause("abort")
+    await engine.pause("retract")
+    await engine.update_weights("/shared/weights/v3", 3)
+    await engine.resume()
+    assert await engine.ready()
+    await engine.model_info()
+    assert await engine.weight_version() == 3
+    await engine.close()
+    return rec.calls
+
+
+def adapter_calls() -> list[tuple[str, str, Any]]:
+    # both the normal path and the fallback a server without /model_info takes
+    return asyncio.run(_drive_adapter()) + asyncio.run(_drive_adapter(frozenset({MODEL_INFO_PATH})))
+
+
+def test_adapter_calls_are_routes_of_the_pin_with_its_fields():
+    calls = adapter_calls()
+    sampling_args = pin_sampling_params()
+    for method, path, body in calls:
+        route = assert_in_pin(method, path, "the sglang adapter")
+        if method == "GET":
+            assert body is None
+            continue
+        assert isinstance(body, dict), f"{path}: the pin's handler takes a JSON object"
+        (model,) = route.body_models
+        fields = pin_fields(model)
+        unknown = set(body) - set(fields)
+        assert not unknown, f"{path}: {sorted(unknown)} are not fields of the pin's {model} (silently ignored)"
+        for key, value in body.items():
+            assert value_fits(value, fields[key]), f"{path}: {key}={value!r} does not fit {ast.unparse(fields[key])}"
+        if path == "/generate":
+            assert body["stream"] is False and body["return_logprob"] is True
+            unknown = set(body["sampling_params"]) - sampling_args
+            assert not unknown, f"sampling parameters {sorted(unknown)} are not in the pin's SamplingParams"
+    used = {p for _, p, _ in calls}
+    assert used == {"/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation",
+                    MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH}, f"the adapter's routes changed: {sorted(used)}"
+
+
+def test_adapter_wire_values_the_pin_reads():
+    calls = adapter_calls()
+    modes = literal_values(pin_fields("PauseGenerationReqInput")["mode"])
+    assert modes is not None
+    sent = {body["mode"] for m, p, body in calls if p == "/pause_generation"}
+    assert sent == {"abort", "retract"} and sent <= modes
+    (update,) = {json.dumps(b, sort_keys=True) for _, p, b in calls if p == "/update_weights_from_disk"}
+    assert json.loads(update) == {"model_path": "/shared/weights/v3", "weight_version": "3",
+                                  "abort_all_requests": False}
+    assert "weight_version" in pin_fields("UpdateWeightFromDiskReqInput")
+    assert [b for _, p, b in calls if p == "/continue_generation"] == [{}, {}], "the pin requires a JSON body"
+
+
+# ---------------------------------------------------------------- the fake and the hf server
+
+
+def _app_routes(app: Any, *, only_api: bool = False) -> dict[str, set[str]]:
+    """path -> methods a FastAPI app serves (docs/OpenAPI routes too, unless only_api)."""
+    from fastapi.routing import APIRoute
+
+    out: dict[str, set[str]] = {}
+    for r in app.routes:
+        if only_api:
+            assert isinstance(r, APIRoute), f"a route that is not an API route: {r!r}"
+        out.setdefault(r.path, set()).update(getattr(r, "methods", None) or {"GET"})
+    return out
+
+
+def test_the_fake_serves_only_routes_and_methods_of_the_pin():
+    from tests.sglang_fake import FakeState, create_app
+
+    fake = _app_routes(create_app(FakeState()), only_api=True)
+    pin = pin_routes()
+    lacking = sorted(p for p in fake if p not in pin)
+    assert not lacking, f"the fake serves routes SGLang {PINNED_VERSION} lacks: {lacking}"
+    for path, methods in fake.items():
+        assert methods <= pin[path].methods, f"fake {path}: {sorted(methods)} vs the pin's {sorted(pin[path].methods)}"
+    # fake == the pin restricted to what we emulate; it covers everything the adapter calls
+    assert {(m, p) for m, p, _ in adapter_calls()} <= {(m, p) for p, ms in fake.items() for m in ms}
+    assert "/health" in fake and "/ready" not in fake
+
+
+def test_the_fake_request_models_are_the_pins():
+    from tests.sglang_fake import SAMPLING_KEYS, FakeState, create_app
+
+    app = create_app(FakeState())
+    pin = pin_routes()
+    for path, model in app.state.request_models.items():
+        (pin_model,) = pin[path].body_models
+        fields = pin_fields(pin_model)
+        assert set(model.model_fields) <= set(fields), f"fake {path}: {set(model.model_fields) - set(fields)}"
+        assert model.model_config.get("extra") == "forbid", f"fake {path} must refuse unknown fields"
+    pin_modes = literal_values(pin_fields("PauseGenerationReqInput")["mode"])
+    fake_modes = set(app.state.request_models["/pause_generation"].model_fields["mode"].annotation.__args__)
+    assert fake_modes == pin_modes
+    assert set(SAMPLING_KEYS) - pin_sampling_params() == set()
+
+
+def test_the_hf_server_serves_what_the_adapter_calls():
+    """Our hf server speaks the same surface; its extras beyond the pin are named here."""
+    from asyncrl.rollout.hf_server import create_app
+
+    served = _app_routes(create_app(object()))
+    for method, path, _ in adapter_calls():
+        assert method in served.get(path, set()), f"the hf server does not serve {method} {path}"
+    pin = pin_routes()
+    extras = sorted(p for p in served if p not in pin and p not in ("/openapi.json", "/docs", "/docs/oauth2-redirect",
+                                                                     "/redoc"))
+    assert extras == ["/ready", "/stats"], "asyncrl-only routes of the hf server (docs/rollout.md)"
