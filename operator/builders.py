@@ -458,7 +458,11 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "spec": {
             "replicas": replicas,
             "serviceName": N.trainer(name),
+            # All ranks start together (Parallel) and restart together: OnDelete, and the operator deletes
+            # the whole gang when any pod runs an older template (handlers._restart_stale_trainer_gang);
+            # a rolling update would leave torchrun's ranks on two templates.
             "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": {**N.job_labels(name), **selector},

@@ -273,8 +273,11 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
                          stopped=job.spec.suspend or was_terminal)
     children = B.build_children(job, ctx)
 
-    # Apply them: create what is missing, patch what differs from the desired state.
+    # Apply them: create what is missing, patch what differs from the desired state; a changed trainer
+    # template restarts the whole gang at once.
     applied = await _apply_all(memo.kube, children)
+    if not ctx.stopped:
+        await _restart_stale_trainer_gang(memo.kube, ref, applied.get(N.trainer(ref.name) + "/StatefulSet"), logger)
 
     # Observe: ready replicas, the pods' containers, and (running jobs) the trainer's outcome and report.
     active = not (was_terminal or job.spec.suspend)
@@ -322,6 +325,25 @@ async def _apply_all(k: Kube, children: list[Obj]) -> dict[str, Obj]:
         _, current = await apply(k, obj)
         applied[f"{obj['metadata']['name']}/{obj['kind']}"] = current
     return applied
+
+
+async def _restart_stale_trainer_gang(k: Kube, ref: JobRef, sts: Obj | None, logger: kopf.Logger) -> None:
+    """The trainer StatefulSet updates OnDelete: when any trainer pod runs an older template than the
+    StatefulSet's `updateRevision`, every trainer pod is deleted at once, so all ranks come back
+    together on the new template (the controller re-creates them; Parallel starts them together)."""
+    revision = ((sts or {}).get("status") or {}).get("updateRevision")
+    if not revision:
+        return
+    pods = await k.list("Pod", ref.namespace, N.selector_string(N.selector_labels(ref.name, "trainer")))
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    stale = sorted(p["metadata"]["name"] for p in live
+                   if ((p["metadata"].get("labels") or {}).get("controller-revision-hash") or revision) != revision)
+    if not stale:
+        return
+    logger.info(f"trainer pods {', '.join(stale)} run an older template than {revision}: restarting all "
+                f"{len(live)} ranks together")
+    for pod in live:
+        await k.delete("Pod", ref.namespace, pod["metadata"]["name"])
 
 
 def _ready(obj: Obj | None) -> int | None:

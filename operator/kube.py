@@ -49,7 +49,7 @@ PERMISSIONS: tuple[Rule, ...] = (
     Rule("", "secrets", ("get", "create")),
     Rule("", "services", ("get", "create", "patch", "list", "watch")),
     Rule("", "persistentvolumeclaims", ("get", "create", "patch")),  # patch: metadata only (ownership)
-    Rule("", "pods", ("list",)),
+    Rule("", "pods", ("list", "delete")),
     Rule("apps", "deployments", ("get", "create", "patch", "list", "watch")),
     Rule("apps", "statefulsets", ("get", "create", "patch", "list", "watch")),
     Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch", "list", "watch")),

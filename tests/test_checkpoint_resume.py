@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,7 @@ def test_sigkill_at_random_moments_trains_each_group_at_most_once(tmp_path: Path
         kills = 0
         log = open(tmp_path / "trainer.log", "ab")
         while True:
+            serving_before = _serving_lines(tmp_path / "trainer.log") + 1
             proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
             if kills < 3:
                 delay = rng.uniform(3.0, 20.0)
@@ -116,6 +118,12 @@ def test_sigkill_at_random_moments_trains_each_group_at_most_once(tmp_path: Path
             # it records Succeeded and stays up until SIGTERM.
             outcome = wait_for_outcome(redis.url, JOB, proc, timeout=600, log=tmp_path / "trainer.log")
             assert (outcome.phase, outcome.step) == ("Succeeded", steps), seed
+            # The record may predate this start (the previous one finished, then was killed): wait
+            # until this process serves it, or the SIGTERM lands before its handlers are installed.
+            deadline = time.monotonic() + 300
+            while _serving_lines(tmp_path / "trainer.log") < serving_before:
+                assert proc.poll() is None and time.monotonic() < deadline, (seed, proc.returncode)
+                time.sleep(0.2)
             assert stop_trainer(proc) == 0, (seed, (tmp_path / "trainer.log").read_text()[-3000:])
             break
         trained, pending, length = _redis_state(redis.url)
@@ -128,3 +136,11 @@ def test_sigkill_at_random_moments_trains_each_group_at_most_once(tmp_path: Path
     assert [m["step"] for m in metrics] == list(range(1, steps + 1)), seed  # lost steps were rewritten
     assert (tmp_path / "weights" / f"v{steps}" / "model.safetensors").exists()
     assert not list((tmp_path / "weights").glob(".v*")) and not list((tmp_path / "checkpoints").glob(".step-*"))
+
+
+def _serving_lines(log: Path) -> int:
+    """How many trainer starts so far reached the point of serving an outcome (and handle SIGTERM)."""
+    if not log.exists():
+        return 0
+    text = log.read_text(errors="replace")
+    return text.count("trainer finished: ") + text.count("serving it without loading the model")

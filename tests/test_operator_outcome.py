@@ -293,3 +293,35 @@ async def test_spec_change_is_applied_once_by_one_writer(emu, operator):
                and not r.agent.startswith(("kmock", "kubectl"))]
     assert len(patches) == 1, f"the Deployment was patched {len(patches)} times for one spec change"
     assert ("asyncrl.dev", PLURAL, "patch") not in operator_requests(emu), "kopf writes nothing on the job"
+
+
+async def test_a_changed_trainer_template_restarts_every_rank_at_once(emu, operator):
+    """OnDelete + the operator: one stale rank is enough for the whole gang to be deleted together
+    (a rolling update would run torchrun's ranks on two templates); an up-to-date gang is left alone."""
+    await running_job(emu, operator)
+    sts = emu.get("statefulsets", NS, N.trainer("qwen"))
+    assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"} and sts["spec"]["podManagementPolicy"] == "Parallel"
+
+    async def put_rank(i: int, revision: str) -> None:
+        await emu.put_object("", "v1", "pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"qwen-trainer-{i}", "namespace": NS,
+                         "labels": {**N.selector_labels("qwen", "trainer"), "controller-revision-hash": revision}},
+            "status": {"phase": "Running"}})
+
+    def ranks() -> list[str]:
+        return sorted(p["metadata"]["name"] for p in emu.all("pods", NS)
+                      if (p["metadata"].get("labels") or {}).get(N.LABEL_COMPONENT) == "trainer")
+
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer("qwen"), {"updateRevision": "qwen-trainer-1"})
+    await put_rank(0, "qwen-trainer-1")
+    await put_rank(1, "qwen-trainer-1")
+    await asyncio.sleep(1.0)  # several passes over an up-to-date gang
+    assert ranks() == ["qwen-trainer-0", "qwen-trainer-1"]
+    assert not [r for r in emu.log if r.verb == "delete" and r.resource == "pods"]
+
+    # The template changed: the controller's updateRevision moves on, and a new rank already runs it.
+    await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer("qwen"), {"updateRevision": "qwen-trainer-2"})
+    await put_rank(2, "qwen-trainer-2")
+    await wait_for(lambda: ranks() == [], what="every rank deleted together", log=operator.log)
+    assert "restarting all 3 ranks together" in operator.log.read_text()

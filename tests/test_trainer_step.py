@@ -92,6 +92,8 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
         assert abs(x["reward_mean"] - 0.5) < 1e-9
     report = trainer.get_report()
     assert report.phase == "Succeeded" and report.step == 2 and report.groups_trained == 4
+    # the reason the outcome record will carry, already: /status may be read before it is recorded
+    assert (report.reason, report.message) == ("MaxStepsReached", "reached maxSteps=2")
     assert report.tokens_trained == sum(x["tokens"] for x in lines)
     assert report.reward_history == [0.5, 0.5]
     assert sum(report.staleness.histogram.values()) == report.tokens_trained

@@ -194,3 +194,24 @@ async def test_a_failed_update_names_the_engine_resumes_it_and_keeps_its_record(
         assert fake.state.paused is None
     for rec in (await registry.all_weights()).values():
         assert (rec.version, rec.updating, rec.epoch, rec.in_progress()) == (None, None, 1, False)
+    assert [e.engine_id for e in await registry.list()] == ["pod-0", "pod-1"]  # they answered: still registered
+
+
+async def test_an_engine_nothing_answers_for_is_unregistered(env, tmp_path: Path):
+    """A dead pod's entry (its worker could not deregister) must not fail publish after publish until its
+    heartbeat is too old: the trainer unregisters it; a live worker would register it again."""
+    from asyncrl.net import free_port
+
+    redis, fakes, names = env
+    registry = EngineRegistry(redis, names)
+    (tmp_path / "v1").mkdir()
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    now = time.time()
+    await registry.register(EngineInfo("pod-0", fakes[0].url, 0, True, now))
+    await registry.register(EngineInfo("pod-gone", gone, 0, True, now))
+    with pytest.raises(WeightSyncError) as err:
+        await update_engines("sglang", await registry.list(), tmp_path / "v1", 1, registry=registry, timeout_s=10)
+    assert list(err.value.failures) == [gone] and "unregistered" in err.value.failures[gone]
+    assert [e.engine_id for e in await registry.list()] == ["pod-0"]
+    assert fakes[0].state.control_calls == ["pause:abort", "update:1", "continue"]
+    await update_engines("sglang", await registry.list(), tmp_path / "v1", 1, registry=registry, timeout_s=10)

@@ -51,6 +51,8 @@ log = logging.getLogger("asyncrl.trainer")
 
 HISTORY_LIMIT = 500
 SYNC_FAILURES_BEFORE_FATAL = 3
+SUCCEEDED_REASON = "MaxStepsReached"
+"""The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
 
 
 class NonFiniteWeightsError(TrainerError, RuntimeError):
@@ -146,11 +148,16 @@ class Trainer:
         with self._report_lock:
             return self.report.model_copy(deep=True)
 
-    def _set_phase(self, phase: str, message: str = "") -> None:
+    def _set_phase(self, phase: str, message: str = "", reason: str = "") -> None:
         with self._report_lock:
             self.report.phase = phase  # type: ignore[assignment]
             self.report.message = message
+            if reason:
+                self.report.reason = reason
             self.report.updated_at = time.time()
+
+    def succeeded_message(self) -> str:
+        return f"reached maxSteps={self.spec.trainer.max_steps}"
 
     def set_outcome(self, fields: dict[str, Any]) -> None:
         """Show the recorded outcome (`TrainerOutcome.report_fields()`) in the report."""
@@ -208,9 +215,13 @@ class Trainer:
                 await self.commit()
         if self.state.step > self._committed_step:  # (same decision on every rank: commit() has barriers)
             await self.commit()
-        phase = "Succeeded" if self.state.step >= max_steps else "Stopped"
-        self._set_phase(phase, f"{self.state.step} steps, policy version {self.state.version}")
-        return phase
+        if self.state.step >= max_steps:
+            # With the reason and message the outcome record will carry (trainer/main.py records it
+            # next): the operator ends the job on /status too, whichever of the two it reads first.
+            self._set_phase("Succeeded", self.succeeded_message(), SUCCEEDED_REASON)
+            return "Succeeded"
+        self._set_phase("Stopped", f"{self.state.step} steps, policy version {self.state.version}")
+        return "Stopped"
 
     async def startup_sync(self) -> None:
         """After a resume, put the engines back on this lineage's weights (newer ones were lost)."""

@@ -442,8 +442,9 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
             if phase != "Succeeded":  # stopped by a signal: the restarted pod resumes
                 log.info("trainer stopped at step %d (version %d)", trainer.state.step, trainer.state.version)
                 return 0
-            outcome = outcome_of(trainer, job, runtime, "Succeeded", "MaxStepsReached",
-                                 f"reached maxSteps={trainer.spec.trainer.max_steps}")
+            from asyncrl.trainer.loop import SUCCEEDED_REASON
+
+            outcome = outcome_of(trainer, job, runtime, "Succeeded", SUCCEEDED_REASON, trainer.succeeded_message())
         signals.serve()
         if record is not None:
             outcome = await record.record(outcome)

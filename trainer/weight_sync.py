@@ -14,7 +14,12 @@ AReaL does: pause -> update -> set version -> continue):
                                        here on was produced by vN and is tagged N
 
 A failure still clears the marker and resumes a paused engine (a server is never left paused);
-the failures of all engines are raised together as one WeightSyncError naming each server.
+the failures of all engines are raised together as one WeightSyncError naming each server. An
+engine that nothing answers for at its address (connection refused or not made in time: its pod
+is gone, or its server is restarting) is also removed from the registry: a dead pod's entry would
+otherwise stay until its heartbeat is `max_age_s` old and fail every publish meanwhile (its worker
+deregisters on SIGTERM, but not when it is killed or cannot reach Redis), while a live worker
+registers its engine again at its next heartbeat.
 
 Rollout workers never pause, update or resume an engine: they only observe (the label SGLang puts
 on each answer, or for vLLM the record above; see rollout/worker.py). So the trainer also owns
@@ -33,6 +38,7 @@ from pathlib import Path
 
 from asyncrl.errors import TrainerError
 from asyncrl.rollout.engines import make_engine
+from asyncrl.rollout.engines.base import EngineError
 from asyncrl.transport.versions import EngineInfo, EngineRegistry
 
 log = logging.getLogger("asyncrl.trainer.weight_sync")
@@ -73,13 +79,28 @@ async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: P
         except asyncio.TimeoutError:
             return url, f"no answer within {timeout_s:.0f}s"
         except Exception as exc:  # reported with the server's url
-            return url, f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
+            if registry is not None and engine_id is not None and unreachable(exc):
+                try:
+                    await registry.remove(engine_id)
+                    error += " (unregistered until its worker's next heartbeat)"
+                except Exception as remove_exc:
+                    log.warning("%s: could not unregister the unreachable engine: %s", url, remove_exc)
+            return url, error
 
     results = await asyncio.gather(*(one(e) for e in engines))
     failures = {url: err for url, err in results if err is not None}
     if failures:
         raise WeightSyncError(failures)
     return SyncResult(seconds=time.perf_counter() - start, engines=len(engines))
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether nothing answered at the engine's address (refused, unresolvable, or no connection in time)."""
+    import httpx
+
+    cause = exc.__cause__ if isinstance(exc, EngineError) else exc
+    return isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
 async def _update_one(kind: str, url: str, engine_id: str | None, path: str, version: int,

