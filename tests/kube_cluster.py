@@ -132,7 +132,7 @@ from typing import Any
 
 import aiohttp
 from kmock._internal import enums, references, rendering
-from kube_emulator import STANDARD_RESOURCES, KubeEmulator
+from kube_emulator import STANDARD_RESOURCES, KubeEmulator, wait_for
 
 Obj = dict[str, Any]
 
@@ -1943,16 +1943,7 @@ class KubeCluster:
 
     async def wait(self, check: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
         """Poll `check` (sync or async) until truthy; on timeout fail with the cluster's state (`dump`)."""
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            last = check()
-            if isinstance(last, Awaitable):
-                last = await last
-            if last:
-                return last
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})\n{self.dump()}")
+        return await wait_for(check, timeout=timeout, what=what, interval=0.02, describe=self.dump)
 
     def dump(self) -> str:
         """Pods, container states, recent events, errors and log tails: what a failing test should print."""

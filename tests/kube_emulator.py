@@ -497,8 +497,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 async def wait_for(check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition",
-                   log: Path | None = None) -> Any:
-    """Poll `check` (sync or async) until it returns something truthy, or fail after `timeout`."""
+                   log: Path | None = None, interval: float = 0.05,
+                   describe: Callable[[], str] | None = None) -> Any:
+    """Poll `check` (sync or async) until it returns something truthy, or fail after `timeout` with
+    the tail of `log` and/or `describe()` (e.g. a cluster's state)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
@@ -507,8 +509,10 @@ async def wait_for(check: Callable[[], Any], *, timeout: float = 30.0, what: str
             last = await last
         if last:
             return last
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(interval)
     tail = log.read_text()[-4000:] if log and log.exists() else ""
+    if describe is not None:
+        tail += describe()
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})\n{tail}")
 
 
