@@ -85,6 +85,19 @@ def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
     return tok
 
 
+def vocab_size(path: str) -> int | None:
+    """Embedding rows of the model at `path` from its config alone (no weights loaded); None if the
+    config does not say. Token ids at or above it cannot be trained, so groups holding them are refused."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(path))
+    except OSError:  # no such model: loading it reports that, with the job's own error and exit code
+        return None
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
 def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> Any:
     """Load a causal LM for training or inference from a model path or a weights directory."""
     from transformers import AutoModelForCausalLM

@@ -186,8 +186,8 @@ class AlgorithmSpec(SpecModel):
     """ppo: coupled clip against the behaviour policy; decoupled: AReaL's decoupled objective."""
     proximal: Literal["recompute", "loglinear"] = "loglinear"
     """Proximal policy: recomputed by a forward pass, or A-3PO's log-linear interpolation."""
-    loglinear_on_policy: Literal["current", "behave"] = "current"
-    """What the log-linear proximal is at staleness 0 (paper: current; AReaL code: behave)."""
+    loglinear_on_policy: Literal["current", "behave"] = "behave"
+    """Log-linear proximal at staleness 0: behave (= the policy at the step's start) or current (minibatches 1 only)."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """Lower clip epsilon (and upper when clipEpsHigh is unset)."""
     clip_eps_high: float | None = Field(default=None, gt=0)
@@ -205,7 +205,7 @@ class AlgorithmSpec(SpecModel):
     m2_scope: Literal["all", "harmful"] = "all"
     """Tokens M2 is computed over: all (paper) or harmful ones (released code)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    """How per-token losses are reduced."""
+    """How per-token losses are reduced; seq-mean-token-sum-norm (Dr. GRPO): token sum / (rows x maxNewTokens)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -215,13 +215,38 @@ class AlgorithmSpec(SpecModel):
     micro_batch_tokens: int = Field(default=8192, ge=1)
     """Token budget per forward/backward micro-batch."""
     max_new_tokens: int = Field(default=256, ge=1)
-    """Response length limit."""
+    """Response length limit (and Dr. GRPO's fixed length for seq-mean-token-sum-norm)."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the trainer scores logprobs at the same temperature."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Must be 1.0 (off): training needs the engine's log-probs of the full distribution."""
     top_k: int = Field(default=-1, ge=-1)
-    """-1 = off."""
+    """Must be -1 (off): training needs the engine's log-probs of the full distribution."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+
+    @staticmethod
+    def _untruncated(name: str, value: float, off: float) -> None:
+        # Every engine (sglang, vllm, hf) samples from the top-p/top-k truncated distribution, and
+        # the trainer scores the full softmax at the temperature: the ratios would compare the two.
+        if value == off:
+            return
+        why = ("is not 'off' on every engine (sglang rejects it)" if name == "topK" and value == 0 else
+               "truncates the sampling distribution: the engine would sample from the truncated "
+               "distribution while the trainer scores the full one (softmax at the temperature), so "
+               "the importance ratios would be wrong")
+        raise ValueError(f"{name} {value!r} {why}; training allows {name} {off!r} only (off)")
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p_off(cls, v: float) -> float:
+        cls._untruncated("topP", v, 1.0)
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, v: int) -> int:
+        cls._untruncated("topK", v, -1)
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> AlgorithmSpec:
@@ -235,6 +260,12 @@ class AlgorithmSpec(SpecModel):
             raise ValueError(f"advantageEstimator '{self.advantage_estimator}' needs groupSize >= 2")
         if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
             raise ValueError("clipEpsHigh must be >= clipEps (clip-higher widens the upper bound)")
+        if self.loglinear_on_policy == "current" and self.minibatches > 1:
+            raise ValueError(
+                f"loglinearOnPolicy 'current' requires minibatches 1, got minibatches {self.minibatches}: "
+                "from the second minibatch on the current policy is no longer the proximal (the policy at "
+                "the start of the step), so fresh tokens would go unclipped; allowed: loglinearOnPolicy "
+                "'behave' (any minibatches) or 'current' with minibatches 1")
         return self
 
 
@@ -287,6 +318,10 @@ class TrainerSpec(SpecModel):
     A trainer that exits with code 78 (a configuration error) fails the job at once."""
     status_port: int = Field(default=8000, ge=1, le=65535)
     """Port of the trainer's status endpoint."""
+    max_non_finite_steps: int = Field(default=3, ge=1)
+    """Steps in a row whose every update had a non-finite gradient norm before the job fails
+    (NonFiniteGradients). Such an update is skipped (weights and optimizer state unchanged); the
+    step still consumes its groups and publishes the next policy version."""
     resources: Resources = Field(default_factory=Resources)
 
 
@@ -501,6 +536,14 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "advantageEstimator grpo and rloo need groupSize >= 2"),
     ("spec.algorithm", "!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps",
      "clipEpsHigh must be >= clipEps"),
+    ("spec.algorithm",
+     "!has(self.loglinearOnPolicy) || self.loglinearOnPolicy != 'current' || !has(self.minibatches)"
+     " || self.minibatches == 1",
+     "loglinearOnPolicy 'current' requires minibatches 1 (use 'behave')"),
+    ("spec.algorithm", "!has(self.topP) || self.topP == 1.0",
+     "topP must be 1.0: the trainer scores the full distribution"),
+    ("spec.algorithm", "!has(self.topK) || self.topK == -1",
+     "topK must be -1: the trainer scores the full distribution"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

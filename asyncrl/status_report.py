@@ -28,9 +28,24 @@ class StalenessReport(_Report):
 
 
 class ImportanceWeightReport(_Report):
+    """max / min / mean of one ratio over the last step's tokens."""
+
     max: float = 1.0
     min: float = 1.0
     mean: float = 1.0
+
+
+class BehaviourReport(_Report):
+    """How far the trained tokens are from the policy that sampled them (the staleness correction)."""
+
+    full_ratio: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
+    """pi / pi_behav: the whole stale ratio (what M2PO measures)."""
+    weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
+    """w = pi_prox / pi_behav after its cap: the decoupled loss's behaviour weight."""
+    ess: float = 1.0
+    """Effective sample size of w as a fraction, (sum w)^2 / (n sum w^2): 1 = no reweighting."""
+    kl: float = 0.0
+    """Approximate KL(pi_behav || pi), k3 estimator, mean per token."""
 
 
 class EngineReport(_Report):
@@ -84,6 +99,12 @@ class TrainerReport(_Report):
     staleness: StalenessReport = Field(default_factory=StalenessReport)
     clip_fraction: float = 0.0
     importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
+    """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight")."""
+    behaviour: BehaviourReport = Field(default_factory=BehaviourReport)
+    skipped_updates: int = 0
+    """Optimizer updates skipped since the job started because the gradient norm was not finite."""
+    dead_lettered: int = 0
+    """Trajectory groups moved to the dead-letter stream (undecodable or untrainable) by this trainer."""
     proximal_seconds: float = 0.0
     step_seconds: float = 0.0
     weight_sync_seconds: float = 0.0

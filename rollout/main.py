@@ -35,7 +35,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     import time
 
     from asyncrl.loader import load_job
-    from asyncrl.models import load_tokenizer
+    from asyncrl.models import load_tokenizer, vocab_size
     from asyncrl.rollout.datasets import load_source
     from asyncrl.rollout.engines import make_engine
     from asyncrl.rollout.engines.base import SamplingParams
@@ -75,7 +75,8 @@ async def run_worker(args: argparse.Namespace) -> int:
         sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,
         max_concurrent_requests=spec.rollout.max_concurrent_requests, max_groups=args.max_groups,
         log_every_s=args.log_every,
-        rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas)
+        rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas,
+        vocab_size=vocab_size(spec.model.path))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
                            render=renderer.render, decode=renderer.decode,
                            scorer=RewardScorer.from_name(spec.reward.function, spec.reward.timeout_seconds),

@@ -4,9 +4,12 @@ Read top to bottom:
   run()           takes an admission lease per group (blocks when the global staleness budget is
                   spent: the worker does not buffer), picks the next prompt of its shard, starts
                   the group as a task; a version follower and a registry heartbeat run beside it.
-  _run_group()    samples n completions concurrently, scores them, publishes the whole group with
-                  one XADD, releases the lease as accepted. A group whose sample keeps failing is
-                  dropped (lease released unaccepted, counted), never retried forever.
+  _run_group()    samples n completions concurrently, scores them, checks the group can be trained
+                  (asyncrl.transport.content.check_group: finite logprobs, one per token, ...),
+                  publishes the whole group with one XADD, releases the lease as accepted. A group
+                  whose sample keeps failing, or that fails the check, is dropped (lease released
+                  unaccepted, counted, logged with the reason; its prompt is not retried), never
+                  published: a poison group would only be dead-lettered by the trainer.
   _sample()       one completion as a sequence of segments: when the engine answers "abort" (the
                   trainer paused it to load new weights) the worker re-sends prompt + partial
                   output with max_new_tokens reduced; each segment's tokens carry the version of
@@ -37,6 +40,7 @@ from asyncrl.rollout.datasets import PromptSource, ShardCursor
 from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams, parse_version
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.transport.admission import Admission
+from asyncrl.transport.content import GroupLimits, check_group
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
@@ -78,12 +82,22 @@ class WorkerConfig:
     rollout_replicas: int = 1
     """Number of fixed shards; 0 = one job-wide cursor shared by any number of workers (a
     Kubernetes Deployment's pods have no stable index, and scaling must not restart them)."""
+    vocab_size: int | None = None
+    """The model's vocabulary, when known: token ids at or above it make a group unpublishable."""
+
+    def group_limits(self) -> GroupLimits:
+        """What a publishable group must respect beyond the wire format (see check_group)."""
+        return GroupLimits(vocab_size=self.vocab_size, group_size=self.group_size,
+                           max_response_tokens=self.sampling.max_new_tokens)
 
 
 @dataclass
 class WorkerStats:
     groups_published: int = 0
     groups_dropped: int = 0
+    """Groups not published: a sample failed past its retries, or the group failed check_group."""
+    groups_invalid: int = 0
+    """Of `groups_dropped`: generated but untrainable (e.g. a NaN logprob from the engine)."""
     samples: int = 0
     tokens: int = 0
     requests: int = 0
@@ -143,6 +157,7 @@ class RolloutWorker:
         self.cursor = ShardCursor(cfg.rollout_index, max(1, cfg.rollout_replicas))
         self.cursor_key = cursor_key(self.names, cfg.rollout_index, cfg.rollout_replicas)
         self.stats = WorkerStats()
+        self.limits = cfg.group_limits()
         self.version = 0
         """The newest policy version on the version channel (observed; the worker updates nothing)."""
         self.engine_version: int | None = None
@@ -247,6 +262,12 @@ class RolloutWorker:
                     versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish)
                     for i, (s, r) in enumerate(zip(samples, rewards))],
                 engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
+            problem = check_group(group, self.limits)
+            if problem is not None:  # dropped like a failed generation: the trainer could not train it
+                self.stats.groups_dropped += 1
+                self.stats.groups_invalid += 1
+                log.warning("dropped group for prompt %s (not published): %s", item.prompt_id, problem)
+                return
             await self.producer.publish(group)
             published = True
             self.stats.groups_published += 1
@@ -443,7 +464,7 @@ class RolloutWorker:
 
     def summary(self) -> str:
         s = self.stats
-        return (f"groups={s.groups_published} dropped={s.groups_dropped} tokens={s.tokens} "
+        return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={self.version} engine_version={self.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} "
                 f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)}")

@@ -123,6 +123,10 @@ BREAKERS = {
     "advantageEstimator grpo and rloo need groupSize >= 2":
         {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
     "clipEpsHigh must be >= clipEps": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
+    "loglinearOnPolicy 'current' requires minibatches 1 (use 'behave')":
+        {"algorithm": {"loglinearOnPolicy": "current", "minibatches": 2}},
+    "topP must be 1.0: the trainer scores the full distribution": {"algorithm": {"topP": 0.9}},
+    "topK must be -1: the trainer scores the full distribution": {"algorithm": {"topK": 50}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
 }
 

@@ -82,6 +82,9 @@ def test_ppo_clip_negative_advantage():
     assert stats["importance_weight_max"] == pytest.approx(1.5)
     assert stats["importance_weight_min"] == pytest.approx(0.5)
     assert stats["importance_weight_mean"] == pytest.approx(3.1 / 3)
+    # coupled PPO: the proximal is the behaviour policy, so u = r and w = 1
+    assert stats["full_ratio_max"] == pytest.approx(1.5) and stats["full_ratio_mean"] == pytest.approx(3.1 / 3)
+    assert stats["behav_weight_min"] == stats["behav_weight_max"] == stats["behav_ess"] == 1.0
 
 
 def test_clip_higher():
@@ -134,12 +137,12 @@ def _aggregation_case():
     [
         ("token-mean", -10 / 4),  # (-1 - 2 - 3 - 4) / 4 tokens
         ("seq-mean-token-mean", -3.0),  # mean(-6/3, -4/1) over the 2 non-empty rows
-        ("seq-mean-token-sum-norm", -2.0),  # (-1 - 2 - 3 - 4) / T, T = 5 (not / rows)
+        ("seq-mean-token-sum-norm", -10 / 24),  # (-1 - 2 - 3 - 4) / (3 rows x norm_length 8), not / T
     ],
 )
 def test_aggregations(aggregation, expected):
     lp, lp_b, adv, mask = _aggregation_case()
-    cfg = LossConfig(kind="ppo", aggregation=aggregation)
+    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=8)
     loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     assert float(loss) == pytest.approx(expected, rel=1e-12)
 
@@ -147,9 +150,9 @@ def test_aggregations(aggregation, expected):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_loss_denominator_makes_micro_batches_exact(aggregation):
     lp, lp_b, adv, mask = _aggregation_case()
-    cfg = LossConfig(kind="ppo", aggregation=aggregation)
+    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=8)
     full, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
-    denom = {"token-mean": 4.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum-norm": 5.0}[aggregation]
+    denom = {"token-mean": 4.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum-norm": 3 * 8.0}[aggregation]
     parts = [policy_loss(lp[rows], lp_b[rows], adv[rows], mask[rows], config=cfg,
                          loss_denominator=denom)[0] for rows in (slice(0, 1), slice(1, 3))]
     assert float(sum(parts)) == pytest.approx(float(full), rel=1e-12)
@@ -191,10 +194,16 @@ def test_decoupled_token_mask_cap_keeps_original_denominator():
     assert stats["kept_tokens"] == 3
     assert stats["clip_fraction"] == pytest.approx(0.5)  # t3 and t4
     assert stats["behav_weight_max"] == pytest.approx(2.0)
+    assert stats["behav_weight_min"] == pytest.approx(0.5)
     assert stats["behav_weight_mean"] == pytest.approx(3.5 / 3)  # (2 + 0.5 + 1) / 3 kept tokens
+    # importance weight (AReaL's): the trust-region ratio u = pi/pi_prox: 1.1, 1.0, 1.5, 0.5
+    assert stats["importance_weight_max"] == pytest.approx(1.5)
+    assert stats["importance_weight_min"] == pytest.approx(0.5)
+    assert stats["importance_weight_mean"] == pytest.approx((1.1 + 1.0 + 1.5 + 0.5) / 4)
     # full ratio pi/pi_b = w * u: 2.2, 6, 0.75, 0.5
-    assert stats["importance_weight_max"] == pytest.approx(6.0)
-    assert stats["importance_weight_mean"] == pytest.approx((2.2 + 6 + 0.75 + 0.5) / 4)
+    assert stats["full_ratio_max"] == pytest.approx(6.0)
+    assert stats["full_ratio_min"] == pytest.approx(0.5)
+    assert stats["full_ratio_mean"] == pytest.approx((2.2 + 6 + 0.75 + 0.5) / 4)
     loss.backward()
     # t1 unclipped: d(w * -A u)/dlp = -A w u / 4 = -2.2 / 4 ; t2 masked ; t3, t4 clipped
     assert lp.grad.tolist()[0] == pytest.approx([-0.55, 0.0, 0.0, 0.0], rel=1e-12)
@@ -266,8 +275,8 @@ def test_ppo_kind_ignores_cap_and_proximal():
     ("staleness", "on_policy", "expected"),
     [
         # lp_b = -2, lp = -1: lp_p = lp_b + alpha (lp - lp_b), alpha = 1 - 1/d
-        (0, "current", -1.0),  # d = 0, paper: the current policy
-        (0, "behave", -2.0),  # d = 0, AReaL code: the behaviour policy
+        (0, "behave", -2.0),  # d = 0: the behaviour policy (= the policy at the step's start)
+        (0, "current", -1.0),  # d = 0, "current": the policy being trained (minibatches 1 only)
         (1, "current", -2.0),  # alpha = 0
         (2, "current", -1.5),  # alpha = 1/2
         (4, "current", -1.25),  # alpha = 3/4
@@ -279,6 +288,10 @@ def test_loglinear_proximal_values(staleness, on_policy, expected):
     assert float(prox) == pytest.approx(expected, rel=1e-12)
 
 
+def test_loglinear_proximal_default_is_the_behaviour_policy_at_d0():
+    assert float(loglinear_proximal(row(-2.0), row(-1.0), torch.tensor([[10]]), 10)) == -2.0
+
+
 def test_loglinear_proximal_ignores_ungenerated_positions():
     prox = loglinear_proximal(row(-2.0, -2.0), row(-1.0, -1.0), torch.tensor([[-1, 8]]), 10)
     assert prox.tolist()[0] == pytest.approx([-2.0, -1.5])
@@ -288,8 +301,8 @@ def test_loglinear_proximal_ignores_ungenerated_positions():
     ("staleness", "on_policy", "expected"),
     [
         # one token, A = +1, lp - lp_b = 1 (pi/pi_b = e), eps = 0.2, cap 5
-        (0, "current", -E),  # w = e, u = 1 -> -e (not clipped)
-        (0, "behave", -1.2),  # w = 1, u = e -> max(-e, -1.2) = -1.2
+        (0, "behave", -1.2),  # w = 1, u = e -> max(-e, -1.2) = -1.2 (clipped, like d = 1)
+        (0, "current", -E),  # w = e, u = 1 -> -e (not clipped: exact only before the step's 1st update)
         (1, "current", -1.2),  # same as behave: lp_p = lp_b
         (2, "current", -1.2 * math.exp(0.5)),  # lp_p = lp_b + 0.5: w = u = e^0.5; u clipped at 1.2
         (4, "current", -1.2 * math.exp(0.75)),  # w = e^0.75, u = e^0.25 = 1.284 -> clipped 1.2
@@ -307,21 +320,21 @@ def test_loglinear_loss_by_staleness(staleness, on_policy, expected):
 
 
 def test_partial_rollout_tokens_with_different_versions():
-    # One response generated across a weight update: tokens 1-2 by version 3, tokens 3-4 by
-    # version 5 (= current). lp - lp_b = 1 on every token, A = +1.
-    # d = 2: -1.2 e^0.5 = -1.978845 each ; d = 0 (paper rule): -e = -2.718282 each
-    # mean = (2 * -1.978845 + 2 * -2.718282) / 4 = -2.348563
+    # One response generated across a weight update: tokens 1-2 by version 3 with lp - lp_b = 1,
+    # tokens 3-4 by version 5 (= current) with lp - lp_b = 0.1; A = +1.
+    # d = 2: -1.2 e^0.5 = -1.978845 each (u = e^0.5 clipped) ; d = 0 (behaviour proximal): w = 1,
+    # u = e^0.1 = 1.105 inside the band -> -e^0.1 each ; mean = (2 * -1.978845 + 2 * -1.105171) / 4
     lp_b = torch.full((1, 4), -2.0, dtype=torch.float64)
-    lp = torch.full((1, 4), -1.0, dtype=torch.float64, requires_grad=True)
+    lp = (lp_b + row(1.0, 1.0, 0.1, 0.1)).requires_grad_(True)
     cfg = LossConfig(kind="decoupled", proximal="loglinear")
     loss, stats = policy_loss(lp, lp_b, row(1, 1, 1, 1), ones_like(lp), config=cfg,
                               versions=torch.tensor([[3, 3, 5, 5]]), current_version=5)
-    expected = (2 * -1.2 * math.exp(0.5) + 2 * -E) / 4
+    expected = (2 * -1.2 * math.exp(0.5) + 2 * -math.exp(0.1)) / 4
     assert float(loss) == pytest.approx(expected, rel=1e-12)
     assert stats["staleness_mean"] == 1.0 and stats["staleness_max"] == 2.0
     loss.backward()
-    # d = 2 tokens are clipped (no grad); d = 0 tokens: -A * pi/pi_b / 4 = -e / 4
-    assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -E / 4, -E / 4], rel=1e-12)
+    # d = 2 tokens are clipped (no grad); d = 0 tokens: -A * pi/pi_b / 4 = -e^0.1 / 4
+    assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.0, -math.exp(0.1) / 4, -math.exp(0.1) / 4], rel=1e-12)
 
 
 def test_loglinear_unclipped_gradient_is_the_full_ratio():
@@ -398,14 +411,20 @@ def test_m2po_mask_drops_several_largest():
 
 
 def test_m2po_with_decoupled_applies_behaviour_weight():
-    # decoupled + recompute: r = exp(lp - lp_p) = e^.1 (M2 = .01 <= .04), w = exp(lp_p - lp_b) = 2
-    # loss = -(w r A) = -2 e^.1
+    # decoupled + recompute: u = exp(lp - lp_p) = e^.1, w = exp(lp_p - lp_b) = e^.05; M2 is measured
+    # on the full ratio: (log r)^2 = .15^2 = .0225 <= .04, kept ; loss = -(w u A) = -e^.15
     lp_b = row(-2.0)
-    prox = lp_b + math.log(2.0)
+    prox = lp_b + 0.05
     lp = (prox + 0.1).requires_grad_(True)
     cfg = LossConfig(kind="decoupled", proximal="recompute", m2_threshold=0.04)
-    loss, _ = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg, prox_logprobs=prox)
-    assert float(loss) == pytest.approx(-2 * math.exp(0.1), rel=1e-12)
+    loss, stats = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg, prox_logprobs=prox)
+    assert float(loss) == pytest.approx(-math.exp(0.15), rel=1e-12)
+    assert stats["m2_before"] == pytest.approx(0.15 ** 2, rel=1e-9)
+    # w = 2 instead: log r = log 2 + .1, (log r)^2 = .629 > .04 -> masked, although (log u)^2 = .01
+    far = lp_b + math.log(2.0)
+    loss, stats = policy_loss((far + 0.1).requires_grad_(True), lp_b, row(1.0), ones_like(lp), config=cfg,
+                              prox_logprobs=far)
+    assert float(loss) == 0.0 and stats["m2_masked_fraction"] == 1.0
 
 
 # ------------------------------------------------------------------------------ gradients
@@ -551,10 +570,10 @@ def test_dtypes_are_promoted_not_rejected():
 def test_loss_config_defaults():
     cfg = LossConfig()
     assert cfg.to_dict() == {
-        "kind": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "current",
+        "kind": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "behave",
         "eps_clip": 0.2, "eps_clip_high": None, "dual_clip": None, "behav_cap": 5.0,
         "behav_mode": "mask", "behav_level": "token", "m2_threshold": None, "m2_scope": "all",
-        "aggregation": "token-mean",
+        "aggregation": "token-mean", "norm_length": 256,
     }
     assert cfg.eps_high == 0.2 and LossConfig(eps_clip_high=0.28).eps_high == 0.28
 
@@ -565,7 +584,7 @@ def test_loss_config_defaults():
      dict(eps_clip=1.5), dict(eps_clip_high=-0.1), dict(dual_clip=1.0), dict(behav_cap=0.5),
      dict(behav_cap=1.0),
      dict(behav_mode="drop"), dict(behav_level="batch"), dict(m2_threshold=0.0), dict(m2_scope="some"),
-     dict(aggregation="sum")],
+     dict(aggregation="sum"), dict(norm_length=0), dict(norm_length=8.0)],
 )
 def test_loss_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="LossConfig"):
@@ -577,12 +596,12 @@ def test_loss_config_from_spec():
         loss="decoupled", proximal="recompute", loglinear_on_policy="behave", clip_eps=0.1,
         clip_eps_high=0.3, dual_clip=3.0, behaviour_cap=2.0, behaviour_cap_mode="clamp",
         behaviour_cap_level="sequence", m2_threshold=0.04, m2_scope="harmful",
-        aggregation="seq-mean-token-sum-norm",
+        aggregation="seq-mean-token-sum-norm", max_new_tokens=1024,
     )
     assert LossConfig.from_spec(spec) == LossConfig(
         kind="decoupled", proximal="recompute", loglinear_on_policy="behave", eps_clip=0.1,
         eps_clip_high=0.3, dual_clip=3.0, behav_cap=2.0, behav_mode="clamp", behav_level="sequence",
-        m2_threshold=0.04, m2_scope="harmful", aggregation="seq-mean-token-sum-norm",
+        m2_threshold=0.04, m2_scope="harmful", aggregation="seq-mean-token-sum-norm", norm_length=1024,
     )
     defaults = LossConfig.from_spec(AlgorithmSpec())
     assert defaults == LossConfig()  # the job's defaults and the loss defaults agree
@@ -601,6 +620,7 @@ def test_loss_config_from_spec():
         ("behaviour_cap", "behav_cap", 0.5, False), ("behaviour_cap", "behav_cap", 1.0, False),
         ("behaviour_cap", "behav_cap", 1.01, True),
         ("m2_threshold", "m2_threshold", 0.0, False), ("m2_threshold", "m2_threshold", 0.04, True),
+        ("max_new_tokens", "norm_length", 0, False), ("max_new_tokens", "norm_length", 1, True),
     ],
 )
 def test_loss_config_bounds_agree_with_the_spec(spec_field, config_field, value, valid):
@@ -648,6 +668,7 @@ def test_stage_compute_ratios():
     lp = row(-1.0, 10.0).requires_grad_(True)
     r = compute_ratios(lp, row(-1.5, -20.0), row(-2.0, -20.0))
     assert r.log_u.tolist() == [[0.5, 30.0]] and r.log_w.tolist() == [[0.5, 0.0]]
+    assert r.log_r.tolist() == [[1.0, 30.0]] and not r.log_r.requires_grad  # the full ratio, log u + log w
     assert r.u.tolist()[0] == pytest.approx([math.exp(0.5), math.exp(LOG_RATIO_LIMIT)], rel=1e-15)
     assert r.u.requires_grad and not r.log_w.requires_grad
     (grad,) = torch.autograd.grad(r.u.sum(), lp)
@@ -691,16 +712,16 @@ def test_stage_clipped_surrogate():
 
 
 def test_stage_m2po_trust_region():
-    # log u = .3, -.6, .1, 0 ; A = +1, +1, -1, +1 (same as _m2_case)
-    log_u, adv = row(0.3, -0.6, 0.1, 0.0), row(1.0, 1.0, -1.0, 1.0)
+    # log r (full ratio pi/pi_b) = .3, -.6, .1, 0 ; A = +1, +1, -1, +1 (same as _m2_case)
+    log_r, adv = row(0.3, -0.6, 0.1, 0.0), row(1.0, 1.0, -1.0, 1.0)
     keep = torch.ones(1, 4, dtype=torch.bool)
-    every = m2po_trust_region(log_u, adv, keep, LossConfig(m2_threshold=0.04))
+    every = m2po_trust_region(log_r, adv, keep, LossConfig(m2_threshold=0.04))
     assert every.dropped.tolist() == [[False, True, False, False]]
     assert every.before == pytest.approx(0.115) and every.after == pytest.approx(0.1 / 3)
-    harmful = m2po_trust_region(log_u, adv, keep, LossConfig(m2_threshold=0.04, m2_scope="harmful"))
-    assert harmful.dropped.tolist() == [[True, False, False, False]]  # only t1: A > 0 and u > 1
+    harmful = m2po_trust_region(log_r, adv, keep, LossConfig(m2_threshold=0.04, m2_scope="harmful"))
+    assert harmful.dropped.tolist() == [[True, False, False, False]]  # only t1: A > 0 and r > 1
     assert harmful.before == pytest.approx(0.09) and harmful.after == 0.0
-    off = m2po_trust_region(log_u, adv, keep, LossConfig())
+    off = m2po_trust_region(log_r, adv, keep, LossConfig())
     assert not off.dropped.any() and off.before == off.after == 0.0
 
 
@@ -710,7 +731,8 @@ def test_stage_aggregate():
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     assert float(aggregate(per_token, mask, "token-mean")) == -2.5  # -10 / 4 tokens
     assert float(aggregate(per_token, mask, "seq-mean-token-mean")) == -3.0  # mean(-2, -4)
-    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm")) == -2.0  # -10 / T
+    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", norm_length=5)) == -10 / 15  # 3 rows x 5
+    assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm")) == -10 / (3 * 256)  # default length
     assert float(aggregate(per_token, mask, "token-mean", 8.0)) == -1.25
     assert float(aggregate(per_token, mask, "seq-mean-token-sum-norm", 20.0)) == -0.5
     lp = per_token.clone().requires_grad_(True)
@@ -719,27 +741,36 @@ def test_stage_aggregate():
 
 
 def test_stage_loss_metrics():
-    # 3 masked tokens of 4: pi/pi_b = 2, 0.5, 1 ; token 2 capped (dropped), token 3 clipped;
-    # w as used = 2 on token 1 ; staleness 0, 2, 3 ; M2 dropped token 1
-    lp_b = row(-2.0, -2.0, -2.0, -2.0)
-    x = PolicyInputs(lp=lp_b + torch.log(row(2.0, 0.5, 1.0, 1.0)), lp_b=lp_b, adv=row(1.0, 1.0, 1.0, 0.0),
-                     mask=torch.tensor([[True, True, True, False]]))
-    no = torch.zeros(1, 4, dtype=torch.bool)
-    weight = BehaviourWeight(w=row(2.0, 0.0, 1.0, 0.0), keep=torch.tensor([[True, False, True, False]]),
-                             capped=torch.tensor([[False, True, False, False]]))
+    # 4 masked tokens of 5: pi/pi_b = r = 2, 0.5, 1, 1.5 ; w before the cap = 2, 6, 0.8, 1, so
+    # u = r / w = 1, 1/12, 1.25, 1.5. Token 2 capped (w = 6 > 5), token 4 dropped by M2PO: kept
+    # tokens 1 and 3 with w = 2 and 0.8. Token 3 clipped. Staleness 0, 2, 3, 1.
+    lp_b = row(-2.0, -2.0, -2.0, -2.0, -2.0)
+    x = PolicyInputs(lp=lp_b + torch.log(row(2.0, 0.5, 1.0, 1.5, 1.0)), lp_b=lp_b, adv=row(1.0, 1.0, 1.0, 1.0, 0.0),
+                     mask=torch.tensor([[True, True, True, True, False]]))
+    ratios = compute_ratios(x.lp, lp_b + torch.log(row(2.0, 6.0, 0.8, 1.0, 1.0)), lp_b)
+    no = torch.zeros(1, 5, dtype=torch.bool)
+    weight = BehaviourWeight(w=row(2.0, 0.0, 0.8, 1.0, 0.0), keep=torch.tensor([[True, False, True, True, False]]),
+                             capped=torch.tensor([[False, True, False, False, False]]))
     terms = LossTerms(
-        loss=torch.tensor(-0.75, dtype=torch.float64), keep=torch.tensor([[False, False, True, False]]),
-        weight=weight, surrogate=Surrogate(per_token=row(0, 0, 0, 0), clipped=torch.tensor([[0, 0, 1, 0]]) > 0,
-                                           dual_clipped=no),
-        m2=M2Mask(dropped=torch.tensor([[True, False, False, False]]), before=0.5, after=0.25), proximal_s=0.125)
-    stats = loss_metrics(x, terms, torch.tensor([[5, 3, 2, -1]]), 5)
+        loss=torch.tensor(-0.75, dtype=torch.float64), keep=torch.tensor([[True, False, True, False, False]]),
+        ratios=ratios, weight=weight,
+        surrogate=Surrogate(per_token=row(0, 0, 0, 0, 0), clipped=torch.tensor([[0, 0, 1, 0, 0]]) > 0,
+                            dual_clipped=no),
+        m2=M2Mask(dropped=torch.tensor([[False, False, False, True, False]]), before=0.5, after=0.25),
+        proximal_s=0.125)
+    stats = loss_metrics(x, terms, torch.tensor([[5, 3, 2, 4, -1]]), 5)
     assert set(stats) == set(STAT_KEYS)
+    k3 = [(rho - 1) - math.log(rho) for rho in (1 / 2.0, 1 / 0.5, 1 / 1.0, 1 / 1.5)]  # rho = pi_b / pi
     expected = {
-        "loss": -0.75, "tokens": 3.0, "kept_tokens": 1.0, "clip_fraction": 1 / 3, "dual_clip_fraction": 0.0,
-        "behav_filtered_fraction": 1 / 3, "importance_weight_max": 2.0, "importance_weight_min": 0.5,
-        "importance_weight_mean": 3.5 / 3, "behav_weight_max": 1.0, "behav_weight_mean": 1.0,
-        "staleness_mean": 5 / 3, "staleness_max": 3.0, "m2_before": 0.5, "m2_after": 0.25,
-        "m2_masked_fraction": 1 / 3, "proximal_s": 0.125,
+        "loss": -0.75, "tokens": 4.0, "kept_tokens": 2.0, "clip_fraction": 1 / 4, "dual_clip_fraction": 0.0,
+        "behav_filtered_fraction": 1 / 4,
+        "importance_weight_max": 1.5, "importance_weight_min": 1 / 12,
+        "importance_weight_mean": (1 + 1 / 12 + 1.25 + 1.5) / 4,
+        "full_ratio_max": 2.0, "full_ratio_min": 0.5, "full_ratio_mean": 5.0 / 4,
+        "behav_weight_max": 2.0, "behav_weight_min": 0.8, "behav_weight_mean": 1.4,
+        "behav_weight_sq_mean": (4 + 0.64) / 2, "behav_ess": 2.8 ** 2 / (2 * 4.64), "behav_kl": sum(k3) / 4,
+        "staleness_mean": 6 / 4, "staleness_max": 3.0, "m2_before": 0.5, "m2_after": 0.25,
+        "m2_masked_fraction": 1 / 4, "proximal_s": 0.125,
     }
     assert stats == pytest.approx(expected, rel=1e-12)
     without_versions = loss_metrics(x, terms, None, None)

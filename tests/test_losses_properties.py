@@ -115,3 +115,33 @@ def test_m2po_mask_equals_the_greedy_loop(values, tau):
     assert math.isclose(after, mean(squares[k:]), rel_tol=1e-9, abs_tol=1e-12)
     kept_sq = sorted(v * v for v, d in zip(values, dropped[0].tolist()) if not d)
     assert kept_sq == sorted(squares[k:]), "drops the largest ones"
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=batches(), aggregation=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]),
+       pad=st.integers(1, 5), norm_length=st.integers(1, 64))
+def test_padding_columns_never_change_the_loss(data, aggregation, pad, norm_length):
+    # The width of a batch is set by its longest row, so padding must not move any aggregation.
+    lp, lp_b, adv, mask = data
+    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=norm_length)
+    narrow, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
+    widen = lambda t, fill: torch.cat([t, torch.full((t.shape[0], pad), fill, dtype=t.dtype)], dim=1)  # noqa: E731
+    wide, _ = policy_loss(widen(lp, float("nan")), widen(lp_b, float("-inf")), widen(adv, 1e9),
+                          widen(mask, False), config=cfg)
+    assert torch.allclose(wide, narrow, rtol=1e-12, atol=1e-15)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=batches(), kind=st.sampled_from(["ppo", "decoupled"]), staleness=st.integers(0, 16),
+       proximal=st.sampled_from(["recompute", "loglinear"]))
+def test_m2_is_the_second_moment_of_the_full_stale_ratio(data, kind, staleness, proximal):
+    # M2PO measures (log pi/pi_b)^2 whatever the proximal: scope "all", no behaviour cap, so every
+    # masked token is a candidate and M2 before masking is their plain mean.
+    lp, lp_b, adv, mask = data
+    cfg = LossConfig(kind=kind, proximal=proximal, m2_threshold=0.04, behav_cap=None)
+    versions = torch.full(lp.shape, 20 - staleness)
+    prox = (lp_b + lp) / 2 if proximal == "recompute" else None
+    _, stats = policy_loss(lp, lp_b, adv, mask, config=cfg, versions=versions, current_version=20,
+                           prox_logprobs=prox)
+    expected = float(((lp - lp_b)[mask] ** 2).mean()) if bool(mask.any()) else 0.0
+    assert math.isclose(stats["m2_before"], expected, rel_tol=1e-9, abs_tol=1e-15)

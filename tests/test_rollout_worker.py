@@ -53,8 +53,8 @@ async def env(redis_url):
 
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
-                index=0, replicas=1, max_retries=2, engine_id="pod-0"):
-    engine = SGLangEngine(fake.url)
+                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None):
+    engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
                        max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
@@ -167,6 +167,32 @@ async def test_engine_errors_are_retried_then_the_group_is_dropped(env):
     snap = await worker.admission.snapshot()
     assert snap.running == 0 and snap.accepted == 0
     assert await redis.xlen(names.trajectories) == 0
+
+
+class NaNLogprobEngine(SGLangEngine):
+    """The fake's answers with the last token's logprob NaN (what vLLM's adapter makes of a missing one)."""
+
+    async def generate(self, input_ids, params):
+        result = await super().generate(input_ids, params)
+        result.logprobs[-1] = float("nan")
+        return result
+
+
+async def test_untrainable_groups_are_dropped_not_published(env, caplog):
+    """Issue 16: a group the trainer could not train is never published; it is dropped like a group
+    whose generation failed (counted, logged with the reason, lease released unaccepted, prompt
+    passed over), so it can neither crash the trainer nor hold an admission slot."""
+    redis, fake, names = env
+    worker = make_worker(redis, fake, names, n=2, max_groups=2, engine=NaNLogprobEngine(fake.url))
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
+        stats = await asyncio.wait_for(worker.run(), 30)
+    assert stats.groups_published == 0 and stats.groups_dropped == stats.groups_invalid == 2
+    assert await redis.xlen(names.trajectories) == 0
+    snap = await worker.admission.snapshot()
+    assert snap.running == 0 and snap.accepted == 0
+    assert await redis.get(cursor_key(names, 0, 1)) == b"2"
+    assert "not published" in caplog.text and "behav_logprobs[5] is NaN" in caplog.text
+    assert "invalid=2" in worker.summary()
 
 
 async def test_stop_releases_in_flight_groups_and_unregisters(env):

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from asyncrl.loader import load_jobs_text
-from asyncrl.spec import AsyncRLJob, AsyncRLJobSpec, parse_quantity
+from asyncrl.spec import AlgorithmSpec, AsyncRLJob, AsyncRLJobSpec, parse_quantity
 
 MINIMAL = """
 apiVersion: asyncrl.dev/v1alpha1
@@ -21,7 +21,7 @@ def test_minimal_job_is_valid_with_sane_defaults():
     (job,) = load_jobs_text(MINIMAL)
     s = job.spec
     assert s.algorithm.loss == "decoupled" and s.algorithm.proximal == "loglinear"
-    assert s.algorithm.loglinear_on_policy == "current"
+    assert s.algorithm.loglinear_on_policy == "behave"  # the proximal at d = 0 is the behaviour policy
     assert s.staleness.max_head_offpolicyness == 4
     assert s.rollout.engine == "sglang" and s.redis.mode == "managed" and s.redis.managed.append_only
     assert s.max_concurrent_groups() == s.algorithm.batch_size * 5
@@ -71,3 +71,33 @@ def test_status_accepts_fields_from_newer_operators():
     data = job.to_wire() | {"status": {"phase": "Running", "futureField": 1, "statusURL": "http://x"}}
     parsed = AsyncRLJob.model_validate(data)
     assert parsed.status.phase == "Running" and parsed.status.status_url == "http://x"
+
+
+def test_loglinear_current_needs_a_single_minibatch():
+    # "current" puts the d = 0 proximal at the policy being trained: the policy at the start of the
+    # step only until the step's first update, so it is exact with one minibatch and wrong after.
+    assert AlgorithmSpec(loglinear_on_policy="current", minibatches=1).minibatches == 1
+    assert AlgorithmSpec(loglinear_on_policy="behave", minibatches=4).minibatches == 4
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm={"loglinearOnPolicy": "current", "minibatches": 4})
+    message = str(err.value)
+    assert "loglinearOnPolicy 'current' requires minibatches 1" in message and "got minibatches 4" in message
+    assert "'behave'" in message  # the allowed values
+
+
+@pytest.mark.parametrize(("field", "value", "off"), [
+    ("topP", 0.9, "topP 1.0"), ("topK", 50, "topK -1"), ("topK", 1, "topK -1"), ("topK", 0, "topK -1"),
+])
+def test_truncated_sampling_is_rejected(field, value, off):
+    # the engine would sample from a truncated distribution that the trainer never scores
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm={field: value})
+    message = str(err.value)
+    assert f"{field} {value!r}" in message and f"training allows {off} only (off)" in message
+    if value != 0:
+        assert "truncates the sampling distribution" in message and "importance ratios" in message
+
+
+def test_untruncated_sampling_is_accepted():
+    spec = AsyncRLJobSpec(model={"path": "m"}, algorithm={"topP": 1.0, "topK": -1})
+    assert (spec.algorithm.top_p, spec.algorithm.top_k) == (1.0, -1) == (AlgorithmSpec().top_p, AlgorithmSpec().top_k)

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.status_report import (
+    BehaviourReport,
     EngineReport,
     ImportanceWeightReport,
     StalenessReport,
@@ -59,6 +60,10 @@ def make_report(steps: int = 30) -> TrainerReport:
         staleness=StalenessReport(mean=0.75, max=2, limit=2, dropped=3, histogram={"0": 10000, "1": 15000, "2": 5000}),
         clip_fraction=0.02,
         importance_weight=ImportanceWeightReport(max=1.7, min=0.4, mean=0.99),
+        behaviour=BehaviourReport(full_ratio=ImportanceWeightReport(max=2.5, min=0.3, mean=1.01),
+                                  weight=ImportanceWeightReport(max=1.4, min=0.8, mean=1.0), ess=0.93, kl=0.004),
+        skipped_updates=2,
+        dead_lettered=1,
         proximal_seconds=0.5,
         step_seconds=5.0,
         weight_sync_seconds=0.2,
@@ -130,6 +135,8 @@ async def test_status_serves_the_report_document(client: httpx.AsyncClient, box:
     assert set(body["staleness"]) >= {"mean", "max", "limit", "dropped", "histogram"}
     assert body["staleness"]["histogram"] == {"0": 10000, "1": 15000, "2": 5000}
     assert set(body["importance_weight"]) == {"max", "min", "mean"}
+    assert body["behaviour"]["full_ratio"]["max"] == 2.5 and body["behaviour"]["ess"] == 0.93
+    assert (body["skipped_updates"], body["dead_lettered"]) == (2, 1)
     assert body["rollout"][1] == {"url": "http://engine-b:30000", "weight_version": 29, "ready": False}
     assert len(body["reward_history"]) == 30
 
@@ -170,6 +177,12 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
     assert g("asyncrl_trainer_importance_weight", stat="max") == 1.7
     assert g("asyncrl_trainer_importance_weight", stat="min") == 0.4
     assert g("asyncrl_trainer_importance_weight", stat="mean") == 0.99
+    assert g("asyncrl_trainer_full_ratio", stat="max") == 2.5
+    assert g("asyncrl_trainer_behaviour_weight", stat="min") == 0.8
+    assert g("asyncrl_trainer_behaviour_ess") == 0.93
+    assert g("asyncrl_trainer_behaviour_kl") == 0.004
+    assert g("asyncrl_trainer_skipped_updates_total") == 2
+    assert g("asyncrl_trainer_dead_lettered_groups_total") == 1
     assert g("asyncrl_trainer_proximal_seconds") == 0.5
     assert g("asyncrl_trainer_step_seconds") == 5.0
     assert g("asyncrl_trainer_weight_sync_seconds") == 0.2

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
 from asyncrl.transport.connection import connect
@@ -108,9 +109,31 @@ async def test_malformed_and_truncated_payloads_go_to_dead_letter(transport_redi
         assert dead[ids[name]].error and dead[ids[name]].consumer == "t"
     assert "schema version 2" in dead[ids["schema"]].error
     assert "'data'" in dead[ids["no-data"]].error
-    assert consumer.stats.dead_lettered == 4
+    assert consumer.stats.dead_lettered == 4 and consumer.stats.undecodable == 3
     await consumer.ack(got)
     assert await consumer.pending_count() == 0 and await r.xlen(NAMES.trajectories) == 0
+
+
+async def test_untrainable_group_goes_to_dead_letter_with_the_reason(transport_redis, make_trajectory_group):
+    """A group that decodes but cannot be trained (issue 16: a NaN behaviour logprob) is never
+    delivered: dead-lettered with the reason and its raw bytes, acked, counted."""
+    r = transport_redis
+    poison = make_trajectory_group("poison", n_samples=3)
+    poison.samples[2].behav_logprobs = np.array([-0.5, -0.5, np.nan, -0.5], dtype=np.float32)
+    producer = TrajectoryProducer(r, NAMES)
+    poison_id = await producer.publish(poison)
+    await producer.publish(make_trajectory_group("good"))
+    consumer = TrajectoryConsumer(r, NAMES, "t")
+    got = await drain(consumer)
+    assert gids(got) == ["good"]
+    [dead] = await read_dead_letters(r, NAMES)
+    assert dead.source_id == poison_id and dead.consumer == "t"
+    assert dead.error == "untrainable: group 'poison': sample 2: behav_logprobs[2] is NaN"
+    assert decode_group(dead.payload).group_id == "poison"
+    assert (consumer.stats.dead_lettered, consumer.stats.untrainable, consumer.stats.undecodable) == (1, 1, 0)
+    await consumer.ack(got)
+    assert await consumer.pending_count() == 0 and await r.xlen(NAMES.trajectories) == 0
+    assert await r.smembers(NAMES.trained) == {b"good"}  # dead-lettered, not trained
 
 
 async def test_producer_retry_duplicates_are_trained_once(transport_redis, make_trajectory_group):

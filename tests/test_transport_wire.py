@@ -180,6 +180,22 @@ def test_unknown_top_level_keys_are_kept_not_rejected():
     assert out.extra == {"future_field": "x"} and out == make_group()
 
 
+def test_content_is_checked_apart_from_the_format():
+    """Backward compatible: schema 1 is unchanged and a group the trainer cannot train (NaN logprob,
+    empty prompt) still round-trips; `content.check_group`, run by producer and consumer, rejects it."""
+    from asyncrl.transport.content import check_group
+
+    g = make_group(prompt_len=0)
+    g.samples[0].behav_logprobs[1] = np.nan
+    out = decode_group(encode_group(g))
+    assert out == g
+    assert check_group(out) == ("group 'g-1': empty prompt "
+                                "(the first response token must be scored by a prompt position)")
+    out.prompt_ids = np.arange(3, dtype=np.int32)
+    assert check_group(out) == "group 'g-1': sample 0: behav_logprobs[1] is NaN"
+    assert check_group(decode_group(encode_group(make_group()))) is None
+
+
 def test_non_bytes_payload_is_rejected():
     with pytest.raises(WireFormatError):
         decode_group("a string")  # type: ignore[arg-type]

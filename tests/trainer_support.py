@@ -25,12 +25,14 @@ def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, e
              max_steps: int = 2, checkpoint_interval: int = 1, max_new_tokens: int = 8,
              micro_batch_tokens: int = 8192, minibatches: int = 1, proximal: str = "loglinear",
              lr: float = 1e-5, grad_clip: float = 1.0, seed: int = 0,
-             algorithm: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A small valid job document; `algorithm` adds or overrides spec.algorithm fields (camelCase)."""
+             algorithm: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
+             trainer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A small valid job document; `algorithm`, `model` and `trainer` add or override fields of
+    spec.algorithm, spec.model and spec.trainer (camelCase)."""
     return {
         "apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob", "metadata": {"name": name},
         "spec": {
-            "model": {"path": MODEL, "dtype": "float32"},
+            "model": {"path": MODEL, "dtype": "float32", **(model or {})},
             "dataset": {"source": "builtin:arithmetic", "difficulty": 1, "seed": seed},
             "reward": {"function": "exact-number"},
             "algorithm": {"groupSize": group_size, "batchSize": batch_size, "minibatches": minibatches,
@@ -40,7 +42,7 @@ def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, e
             "staleness": {"maxHeadOffpolicyness": eta},
             "rollout": {"replicas": 1, "engine": "hf", "gpusPerReplica": 0, "maxConcurrentRequests": 16},
             "trainer": {"gpusPerReplica": 0, "device": "cpu", "maxSteps": max_steps,
-                        "checkpointInterval": checkpoint_interval},
+                        "checkpointInterval": checkpoint_interval, **(trainer or {})},
             "seed": seed,
         },
     }

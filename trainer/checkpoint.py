@@ -1,8 +1,8 @@
 """Trainer checkpoints: everything needed to continue exactly where a committed step left off.
 
 A checkpoint is a directory `step-{N}` holding the model and optimizer state dicts, the RNG
-states and `state.json` (policy version, step, the trainer report, the ids of every group this
-lineage has trained). It is written into a temporary sibling and renamed (`asyncrl.files`), so a
+states and `state.json` (policy version, step, counters, the trainer report, the ids of every group
+this lineage has trained). It is written into a temporary sibling and renamed (`asyncrl.files`), so a
 trainer killed mid-write leaves the previous checkpoint intact. The trainer acknowledges stream entries only
 after the checkpoint that contains their update is on disk: after a crash, the entries trained
 since are still pending, are re-read and trained again on the restored weights, so in the
@@ -37,6 +37,8 @@ class TrainerState:
     groups_trained: int = 0
     tokens_trained: int = 0
     dropped: int = 0
+    skipped_updates: int = 0
+    """Optimizer updates skipped for a non-finite gradient norm in this lineage."""
     trained_group_ids: list[str] = field(default_factory=list)
     """Every group id trained in this lineage, in order (how tests prove at-most-once)."""
     report: dict[str, Any] = field(default_factory=dict)

@@ -80,7 +80,8 @@ def wrap_model(model: Any, ctx: DistContext) -> Any:
 
 
 def unwrap(model: Any) -> Any:
-    """The underlying module (for saving weights and state dicts)."""
+    """The underlying module: for saving weights and state dicts, and for the HF attributes a DDP
+    wrapper hides (`base_model_prefix`, the LM head: trainer/logprobs.py)."""
     return getattr(model, "module", model)
 
 

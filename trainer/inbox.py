@@ -4,8 +4,12 @@ Groups are read (this consumer's own pending entries first after a restart, then
 buffer; once B fresh groups are buffered, the B oldest (by oldest token version, then creation time
 and id) form the batch and the rest stay buffered, still pending in Redis, for the next step.
 A group more than `max_head_offpolicyness` (eta) versions behind the trainer is dropped: admission
-gets its capacity back and it is acknowledged at once. Trained groups are acknowledged only at the
-next checkpoint (`ack_trained`, from `Trainer.commit`; checkpoint.py says why).
+gets its capacity back and it is acknowledged at once. A group that cannot be trained (it does not
+decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob, lengths that disagree, ...)
+never reaches the buffer: the consumer dead-letters it with the reason and acknowledges it, also
+when it was still pending from before a restart, so it cannot crash-loop the trainer; admission
+gets its capacity back here too. Trained groups are acknowledged only at the next checkpoint
+(`ack_trained`, from `Trainer.commit`; checkpoint.py says why).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class GroupInbox:
         self.read_block_ms = read_block_ms
         self.buffer: list[Delivery] = []       # read, fresh, not yet trained (still pending in Redis)
         self.uncommitted: list[Delivery] = []  # trained since the last checkpoint (acked at the next one)
+        self.dead_lettered = 0                 # entries the consumer dead-lettered (admission told)
 
     async def drop_stale(self, version: int) -> int:
         """Drop buffered groups too old for `version`: admission frees their capacity, they are acked."""
@@ -67,11 +72,24 @@ class GroupInbox:
         """Read up to the missing number of groups (blocking briefly); a group already buffered is skipped."""
         deliveries = await self.consumer.read(count=max(self.batch_size - len(self.buffer), 1),
                                               block_ms=self.read_block_ms)
+        await self.release_dead_lettered()
         known = {d.group.group_id for d in self.buffer}
         for d in deliveries:
             if d.group.group_id not in known:
                 self.buffer.append(d)
                 known.add(d.group.group_id)
+
+    async def release_dead_lettered(self) -> int:
+        """Give admission back the capacity of entries the consumer dead-lettered since the last call.
+
+        They were published (counted as accepted) but will never be trained; like over-stale groups,
+        without this producers would be short of those slots for the rest of the job.
+        """
+        new = self.consumer.stats.dead_lettered - self.dead_lettered
+        if new > 0:
+            await self.admission.record_dead_lettered(new)
+            self.dead_lettered += new
+        return max(new, 0)
 
     async def ack_trained(self) -> int:
         """Acknowledge every group trained since the last call (after a checkpoint); returns how many."""

@@ -4,20 +4,26 @@ The trainer must score tokens exactly as the engine sampled them: `log_softmax(l
 The full `[N, L, V]` logits tensor is never built: the decoder's hidden states go through the
 LM head in chunks of positions (only the positions asked for), each chunk upcast to float32,
 log-softmaxed and gathered. Entropy is a metric here (no entropy bonus), so it is computed
-without grad from the same chunk.
+without grad from the same chunk. A DDP-wrapped model takes the same path: its HF attributes are
+looked up on the wrapped module, and its own forward still runs (that is where DDP prepares the
+gradient all-reduce), with the LM head applied to no position.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.trainer.distributed import unwrap
+
 
 def _logit_transform_free(model: Any) -> bool:
-    """True when logits are exactly `lm_head(last_hidden_state)` (no soft-capping or scaling)."""
+    """True when logits are exactly `lm_head(last_hidden_state)` (no soft-capping or scaling);
+    `model` is the HF model itself (`unwrap`ped: a DDP wrapper hides these attributes)."""
     cfg = getattr(model, "config", None)
     for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
         value = getattr(cfg, attr, None)
@@ -116,15 +122,34 @@ def _hidden_states(model: Any, input_ids: Tensor, attention_mask: Tensor) -> tup
     """(head, hidden[:, :-1]): the base model's last hidden states and its LM head, or, for models
     that transform logits after the head, the model's own logits with an identity head."""
     attn = attention_mask.long()
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-    if _logit_transform_free(model):
-        base = getattr(model, model.base_model_prefix)
-        hidden = base(input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                      use_cache=False).last_hidden_state[:, :-1]
-        return model.get_output_embeddings(), hidden
+    inputs = {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+              "use_cache": False}
+    inner = unwrap(model)
+    if _logit_transform_free(inner) and (inner is model or _skips_head(inner)):
+        return inner.get_output_embeddings(), _base_hidden(model, inner, inputs)[:, :-1]
     # generic fallback: the model's own logits (materialised once)
-    logits = model(input_ids=input_ids, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
-    return torch.nn.Identity(), logits[:, :-1]
+    return torch.nn.Identity(), model(**inputs).logits[:, :-1]
+
+
+def _skips_head(model: Any) -> bool:
+    """True when the HF model's forward can apply its LM head to no position (`logits_to_keep`)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _base_hidden(model: Any, inner: Any, inputs: dict[str, Any]) -> Tensor:
+    """The base model's last hidden state. A wrapper's (DDP's) forward must run: it prepares the
+    gradient all-reduce, which calling the base model directly would skip on this rank. So it runs
+    with the LM head on no position, and the base model's output is taken from a forward hook."""
+    base = getattr(inner, inner.base_model_prefix)
+    if model is inner:
+        return base(**inputs).last_hidden_state
+    captured: list[Tensor] = []
+    handle = base.register_forward_hook(lambda _module, _args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device))
+    finally:
+        handle.remove()
+    return captured[0]
 
 
 def _chunked_head(head: Any, hidden: Tensor, targets: Tensor, temperature: float, *, with_entropy: bool,

@@ -10,10 +10,14 @@ One step:
   4. for each minibatch, each rank forwards/backwards its shard in micro-batches under a token
      budget (plan.py); every micro-batch loss is normalised by the whole minibatch's denominator
      over all ranks, so the gradient is the exact token-mean of the minibatch; DDP sums the shards;
-     gradient clipping; AdamW;
-  5. rank 0 publishes version+1 (weights dir, event, engines paused/updated/resumed, admission);
-     non-finite weights are never published: they end training (NonFiniteWeightsError), as do
-     SYNC_FAILURES_BEFORE_FATAL failed weight syncs in a row; either stops every rank;
+     gradient clipping; AdamW, skipped when the gradient norm is not finite (weights and optimizer
+     state untouched, counted); `maxNonFiniteSteps` steps in a row whose every update was skipped
+     end training (NonFiniteGradientsError);
+  5. rank 0 publishes version+1 (weights dir, event, engines paused/updated/resumed, admission),
+     also after a step whose updates were all skipped (same weights, next version: the groups were
+     consumed, and admission's budget grows with the version); non-finite weights are never
+     published: they end training (NonFiniteWeightsError), as do SYNC_FAILURES_BEFORE_FATAL failed
+     weight syncs in a row; either stops every rank;
   6. every K steps (and at the end) a checkpoint is written and only then are the groups trained
      since the previous checkpoint acknowledged (see checkpoint.py for why).
 The report (served at /status) and metrics.jsonl (step_metrics.py) are updated after each step.
@@ -24,6 +28,7 @@ What to train comes from the validated job spec; `RunConfig` holds only what the
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +55,9 @@ from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engine
 log = logging.getLogger("asyncrl.trainer")
 
 HISTORY_LIMIT = 500
+# Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
+_SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
+                           for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
 SYNC_FAILURES_BEFORE_FATAL = 3
 SUCCEEDED_REASON = "MaxStepsReached"
 """The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
@@ -59,6 +67,12 @@ class NonFiniteWeightsError(TrainerError, RuntimeError):
     """The updated weights hold NaN or Inf: they are not published and training ends (Failed)."""
 
     reason = "NonFiniteWeights"
+
+
+class NonFiniteGradientsError(TrainerError, RuntimeError):
+    """Every update of `maxNonFiniteSteps` steps in a row had a non-finite gradient norm (Failed)."""
+
+    reason = "NonFiniteGradients"
 
 
 class TrainerFailed(TrainerError):
@@ -72,6 +86,12 @@ class TrainerFailed(TrainerError):
 def failure_reason(exc: BaseException) -> str:
     """The CamelCase reason of a fatal trainer error (its `reason`, else its class name)."""
     return str(getattr(exc, "reason", "") or type(exc).__name__)
+
+
+def finite_or_zero(value: float) -> float:
+    """`value`, or 0.0 when it is NaN or infinite: the report is served as strict JSON (a step whose
+    loss was not finite had its updates skipped; metrics.jsonl's `skipped_updates` says so)."""
+    return value if math.isfinite(value) else 0.0
 
 
 def non_finite_parameters(model: Any, limit: int = 5) -> list[str]:
@@ -137,6 +157,7 @@ class Trainer:
         self._report_lock = threading.Lock()
         self.stop_requested = False
         self._sync_failures = 0
+        self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
         self._committed_step = self.state.step
         self._last_step_end = time.time()
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
@@ -194,8 +215,9 @@ class Trainer:
     async def run(self) -> str:
         """Train until max_steps (-> "Succeeded") or a stop request (-> "Stopped").
 
-        A fatal TrainerError (non-finite weights, too many failed weight syncs) propagates on every
-        rank; the caller records the job as Failed (trainer/main.py)."""
+        A fatal TrainerError (non-finite weights, too many steps without a finite gradient, too many
+        failed weight syncs) propagates on every rank; the caller records the job as Failed
+        (trainer/main.py)."""
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
         await self.startup_sync()
         while self.state.step < max_steps:
@@ -207,6 +229,7 @@ class Trainer:
             # 3-4. Train: advantages, proximal, minibatch updates (identical on every rank).
             self._set_phase("Training")
             record = self.train_step(groups)
+            self._count_skipped(record)  # (fails after maxNonFiniteSteps all-skipped steps in a row)
             # 5. Publish version + 1 (finite weights only); then counters, report, metrics.jsonl.
             await self.publish_next()
             self.finish_step(groups, record)
@@ -263,10 +286,27 @@ class Trainer:
         log.info("dropped %d over-stale group(s) (maxHeadOffpolicyness=%d)", count,
                  self.spec.staleness.max_head_offpolicyness)
 
+    def _count_skipped(self, record: dict[str, Any]) -> None:
+        """Add the step's skipped updates to the running total (`skipped_updates_total` in
+        metrics.jsonl); after `maxNonFiniteSteps` steps in a row whose every update was skipped the
+        model is not learning any more: fail (every rank counts the same, see `train_step`)."""
+        skipped, limit = record["skipped_updates"], self.spec.trainer.max_non_finite_steps
+        self.state.skipped_updates += skipped
+        record["skipped_updates_total"] = self.state.skipped_updates
+        self._all_skipped_steps = self._all_skipped_steps + 1 if 0 < skipped == record["updates"] else 0
+        if self._all_skipped_steps >= limit:
+            raise NonFiniteGradientsError(
+                f"every update of the last {limit} step(s) had a non-finite gradient norm "
+                f"(maxNonFiniteSteps={limit}); the weights of policy version {self.state.version} are unchanged")
+
     # ------------------------------------------------------------------ one update
 
     def train_step(self, groups: list[Any]) -> dict[str, Any]:
-        """One training step on `groups` (identical on every rank); returns the step's metrics."""
+        """One training step on `groups` (identical on every rank); returns the step's metrics.
+
+        An update whose gradient norm is NaN or Inf is skipped: AdamW would spread it into every
+        parameter. The norm is taken after DDP's all-reduce, of gradients that are then identical on
+        every rank (a NaN on one rank reaches all of them), so every rank skips the same updates."""
         algo, version = self.spec.algorithm, self.state.version
         stats = StepStats()  # (starts the step's compute clock)
 
@@ -283,6 +323,7 @@ class Trainer:
         stats.proximal_seconds += time.perf_counter() - t_prox
 
         # Minibatch updates: forward, loss, backward per micro-batch, then clip and step.
+        skipped = 0
         for m, plan in enumerate(plans):
             self.optimizer.zero_grad(set_to_none=True)
             micro_batches = plan.micro_batches or [[]]
@@ -301,13 +342,20 @@ class Trainer:
                     # DDP averages gradients over ranks; multiplying by world makes it the exact sum.
                     (loss * self.ctx.world_size).backward()
                     stats.add_micro_batch(loss, loss_stats, entropy, batch)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.optimizer.grad_clip)
-            stats.grad_norms.append(float(grad_norm))
-            self.optimizer.step()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.optimizer.grad_clip))
+            stats.grad_norms.append(grad_norm)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # (the gradients are zeroed before the next update and after the last)
+                skipped += 1
+                log.warning("step %d, minibatch %d/%d: gradient norm %s: update skipped (weights and optimizer "
+                            "state unchanged)", self.state.step + 1, m + 1, len(plans), grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
 
         # Metrics: means over all ranks; staleness, rewards and lengths of the whole batch.
-        return summarize_step(stats, seqs, groups, version, self.ctx)
+        record = summarize_step(stats, seqs, groups, version, self.ctx)
+        record["updates"], record["skipped_updates"] = len(plans), skipped
+        return record
 
     def _recomputed_proximal(self, seqs: list[TrainSequence],
                              plans: list[MinibatchPlan]) -> dict[tuple[int, int], torch.Tensor]:
@@ -326,9 +374,13 @@ class Trainer:
                            advantages=[seqs[i].advantage for i in rows]).to(self.ctx.device)
 
     def _forward(self, batch: TrainBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature."""
+        """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature.
+
+        With `model.gradientCheckpointing` the LM head's chunk logits are recomputed in backward
+        too: with the decoder's activations checkpointed they are the largest activation left."""
         return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.spec.algorithm.temperature,
-                              mask=batch.loss_mask, with_entropy=with_entropy)
+                              mask=batch.loss_mask, with_entropy=with_entropy,
+                              checkpoint_head=self.spec.model.gradient_checkpointing)
 
     # ------------------------------------------------------------------ publish and commit
 
@@ -405,9 +457,10 @@ class Trainer:
         now = time.time()
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
+        shown = {k: finite_or_zero(record[k]) for k in ("loss", "clip_fraction", *_SHOWN_RATIO_STATS)}
         step_record = StepRecord(step=st.step, policy_version=st.version, reward_mean=record["reward_mean"],
                                  staleness_mean=record["staleness_mean"], staleness_max=record["staleness_max"],
-                                 loss=record["loss"], clip_fraction=record["clip_fraction"],
+                                 loss=shown["loss"], clip_fraction=shown["clip_fraction"],
                                  tokens=record["tokens"], step_seconds=wall,
                                  proximal_seconds=record["proximal_seconds"], time=now)
         with self._report_lock:
@@ -423,10 +476,14 @@ class Trainer:
             r.staleness.dropped = st.dropped
             for lag, n in record["staleness_histogram"].items():
                 r.staleness.histogram[str(lag)] = r.staleness.histogram.get(str(lag), 0) + n
-            r.clip_fraction = record["clip_fraction"]
-            r.importance_weight.max = record["importance_weight_max"]
-            r.importance_weight.min = record["importance_weight_min"]
-            r.importance_weight.mean = record["importance_weight_mean"]
+            r.clip_fraction = shown["clip_fraction"]
+            for target, prefix in ((r.importance_weight, "importance_weight"),
+                                   (r.behaviour.full_ratio, "full_ratio"), (r.behaviour.weight, "behav_weight")):
+                for stat in ("max", "min", "mean"):
+                    setattr(target, stat, shown[f"{prefix}_{stat}"])
+            r.behaviour.ess, r.behaviour.kl = shown["behav_ess"], shown["behav_kl"]
+            r.skipped_updates = st.skipped_updates
+            r.dead_lettered = self.inbox.dead_lettered if self.inbox is not None else 0
             r.proximal_seconds, r.step_seconds = record["proximal_seconds"], wall
             r.history.append(step_record)
             del r.history[:-HISTORY_LIMIT]

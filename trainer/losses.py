@@ -41,11 +41,16 @@ AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-
 # gradient through the ratio; they are pathological and the behaviour cap drops them by default.
 LOG_RATIO_LIMIT = 20.0
 
+# Dr. GRPO's fixed length when none is given: the job spec's default maxNewTokens.
+DEFAULT_NORM_LENGTH = 256
+
 STAT_KEYS: tuple[str, ...] = (
     "loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
     "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
-    "importance_weight_mean", "behav_weight_max", "behav_weight_mean", "staleness_mean",
-    "staleness_max", "m2_before", "m2_after", "m2_masked_fraction", "proximal_s",
+    "importance_weight_mean", "full_ratio_max", "full_ratio_min", "full_ratio_mean",
+    "behav_weight_max", "behav_weight_min", "behav_weight_mean", "behav_weight_sq_mean",
+    "behav_ess", "behav_kl", "staleness_mean", "staleness_max", "m2_before", "m2_after",
+    "m2_masked_fraction", "proximal_s",
 )
 
 
@@ -140,6 +145,8 @@ class LossConfig:
 
     `kind="ppo"` ignores `proximal`/`loglinear_on_policy`/behaviour cap (the behaviour policy is
     the proximal, w = 1). `behav_cap=None` removes the behaviour weight entirely (w = 1).
+    `norm_length` is Dr. GRPO's fixed length (the job's `maxNewTokens`): `seq-mean-token-sum-norm`
+    divides the token sum by rows x norm_length, so the loss does not depend on padding.
 
     Why a class of its own rather than `asyncrl.spec.AlgorithmSpec`: this module stays pure math,
     usable without a job spec (no pydantic model, no camelCase aliases, none of the spec's
@@ -152,7 +159,7 @@ class LossConfig:
 
     kind: LossKind = "decoupled"
     proximal: ProximalMethod = "loglinear"
-    loglinear_on_policy: OnPolicyRule = "current"
+    loglinear_on_policy: OnPolicyRule = "behave"
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
     dual_clip: float | None = None
@@ -162,6 +169,7 @@ class LossConfig:
     m2_threshold: float | None = None
     m2_scope: M2Scope = "all"
     aggregation: Aggregation = "token-mean"
+    norm_length: int = DEFAULT_NORM_LENGTH
 
     def __post_init__(self) -> None:
         choices = {
@@ -183,6 +191,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.behav_cap must be > 1, got {self.behav_cap!r}")
         if self.m2_threshold is not None and not self.m2_threshold > 0:
             raise ValueError(f"LossConfig.m2_threshold must be > 0, got {self.m2_threshold!r}")
+        if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, int) or self.norm_length < 1:
+            raise ValueError(f"LossConfig.norm_length must be an int >= 1, got {self.norm_length!r}")
 
     @property
     def eps_high(self) -> float:
@@ -197,7 +207,7 @@ class LossConfig:
             "eps_clip": "clip_eps", "eps_clip_high": "clip_eps_high", "dual_clip": "dual_clip",
             "behav_cap": "behaviour_cap", "behav_mode": "behaviour_cap_mode",
             "behav_level": "behaviour_cap_level", "m2_threshold": "m2_threshold",
-            "m2_scope": "m2_scope", "aggregation": "aggregation",
+            "m2_scope": "m2_scope", "aggregation": "aggregation", "norm_length": "max_new_tokens",
         }
         missing = [src for src in mapping.values() if not hasattr(spec, src)]
         if missing:
@@ -219,15 +229,18 @@ def loglinear_proximal(
     versions: Tensor,
     current_version: int,
     *,
-    on_policy: OnPolicyRule = "current",
+    on_policy: OnPolicyRule = "behave",
 ) -> Tensor:
     """A-3PO's staleness-aware proximal log-probs, detached: `lp_b + alpha * (lp - lp_b)`.
 
     d = current_version - version; alpha = 1 - 1/d for d >= 1 (d = 1 gives the behaviour policy,
-    large d approaches the current policy). At d = 0 the proximal is the current policy
-    (`on_policy="current"`, the paper) or the behaviour policy (`"behave"`, AReaL's code).
-    Positions with a negative version (prompt, padding) get the behaviour log-prob. Cost: a few
-    elementwise ops, no forward pass.
+    large d approaches the current policy). The proximal is the policy at the start of the step,
+    so at d = 0 (a token of that very version) it is the behaviour policy (`on_policy="behave"`:
+    the A-3PO paper and AReaL's code). `"current"` puts it at the current policy instead, which is
+    the same thing only while no update of the step has happened yet: exact with one minibatch
+    per step; from the second minibatch on it would leave fresh tokens unclipped (the job spec
+    rejects it with minibatches > 1). Positions with a negative version (prompt, padding) get the
+    behaviour log-prob. Cost: a few elementwise ops, no forward pass.
     """
     if on_policy not in ("current", "behave"):
         raise ValueError(f"on_policy must be 'current' or 'behave', got {on_policy!r}")
@@ -358,17 +371,19 @@ class Ratios:
     log_u: Tensor  # lp - lp_p, with grad through lp
     u: Tensor  # exp(log_u), clamped: the trust-region ratio
     log_w: Tensor  # lp_p - lp_b, detached: the behaviour weight before its cap
+    log_r: Tensor  # lp - lp_b = log u + log w, detached: the full stale ratio pi / pi_b
 
 
 def compute_ratios(lp: Tensor, lp_p: Tensor, lp_b: Tensor) -> Ratios:
     """Split the importance ratio: u carries the gradient and the trust region, w corrects staleness.
 
     Only `u` is differentiated (`lp_p` is detached); `w` is a constant weight, as in AReaL's
-    decoupled objective. Log-ratios are clamped before `exp` (`LOG_RATIO_LIMIT`).
+    decoupled objective. Log-ratios are clamped before `exp` (`LOG_RATIO_LIMIT`). The full ratio
+    `r = w u` is kept apart (detached) for M2PO and the metrics.
     """
     log_w = (lp_p - lp_b).detach()
     log_u = lp - lp_p.detach()
-    return Ratios(log_u=log_u, u=_clamped_exp(log_u), log_w=log_w)
+    return Ratios(log_u=log_u, u=_clamped_exp(log_u), log_w=log_w, log_r=(lp - lp_b).detach())
 
 
 @dataclass(frozen=True)
@@ -449,30 +464,37 @@ class M2Mask:
     after: float
 
 
-def m2po_trust_region(log_u: Tensor, adv: Tensor, keep: Tensor, config: LossConfig) -> M2Mask:
-    """M2PO's trust region: mask the largest `(log u)^2` of the candidates until their mean <= tau.
+def m2po_trust_region(log_r: Tensor, adv: Tensor, keep: Tensor, config: LossConfig) -> M2Mask:
+    """M2PO's trust region: mask the largest `(log r)^2` of the candidates until their mean <= tau.
 
-    Candidates are the kept tokens (scope "all", the paper) or only those whose ratio already moved
-    the way A pushes it (scope "harmful", the released code: the tokens PPO would clip).
+    `log r = lp - lp_b` is the full stale ratio pi / pi_b in every loss kind (the paper, AReaL).
+    Not `log u = lp - lp_p`: with the log-linear proximal that is `log r / d`, so M2 would shrink
+    by d^2 and mask nothing at high staleness, and with a recomputed proximal and one minibatch it
+    is exactly 0. Candidates are the kept tokens (scope "all", the paper) or only those whose full
+    ratio already moved the way A pushes it (scope "harmful", the released code).
     """
     if config.m2_threshold is None:
         return M2Mask(dropped=torch.zeros_like(keep), before=0.0, after=0.0)
     if config.m2_scope == "all":
         candidates = keep
     else:
-        candidates = keep & (((adv > 0) & (log_u > 0)) | ((adv < 0) & (log_u < 0)))
-    dropped, before, after = m2po_mask(log_u, candidates, config.m2_threshold)
+        candidates = keep & (((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0)))
+    dropped, before, after = m2po_mask(log_r, candidates, config.m2_threshold)
     return M2Mask(dropped=dropped, before=before, after=after)
 
 
 def aggregate(
-    per_token: Tensor, mask: Tensor, aggregation: Aggregation, loss_denominator: float | None = None
+    per_token: Tensor, mask: Tensor, aggregation: Aggregation, loss_denominator: float | None = None,
+    *, norm_length: int = DEFAULT_NORM_LENGTH,
 ) -> Tensor:
     """Reduce the per-token losses; denominators count the original mask (dropped tokens count).
 
-    `loss_denominator` replaces this call's normaliser so micro-batch losses sum to the minibatch
-    loss. Denominators stay tensors (no device sync). An empty batch, or an explicit 0 normaliser,
-    gives 0 that is still in the graph, so a trainer can always call `backward()`.
+    `seq-mean-token-sum-norm` (Dr. GRPO) divides the sum over all tokens by rows x `norm_length`,
+    a fixed length (the job's maxNewTokens), never by the padded width, which depends on the
+    longest row of the batch. `loss_denominator` replaces this call's normaliser so micro-batch
+    losses sum to the minibatch loss. Denominators stay tensors (no device sync). An empty batch,
+    or an explicit 0 normaliser, gives 0 that is still in the graph, so a trainer can always call
+    `backward()`.
     """
     row_tokens = mask.sum(dim=1)
     total = per_token.sum()
@@ -483,8 +505,8 @@ def aggregate(
         total = (per_token.sum(dim=1) / row_tokens.clamp(min=1).to(per_token.dtype)).sum()
         denom = ((row_tokens > 0).sum().clamp(min=1).to(per_token.dtype) if loss_denominator is None
                  else loss_denominator)
-    else:  # seq-mean-token-sum-norm (Dr. GRPO): divide by the padded length T
-        denom = float(per_token.shape[1]) if loss_denominator is None else loss_denominator
+    else:  # seq-mean-token-sum-norm (Dr. GRPO): rows x a fixed length, whatever the padding
+        denom = float(per_token.shape[0] * norm_length) if loss_denominator is None else loss_denominator
     return total / denom if (isinstance(denom, Tensor) or denom > 0) else total * 0.0
 
 
@@ -494,6 +516,7 @@ class LossTerms:
 
     loss: Tensor
     keep: Tensor  # tokens in the numerator: the mask minus the behaviour cap and M2PO drops
+    ratios: Ratios
     weight: BehaviourWeight
     surrogate: Surrogate
     m2: M2Mask
@@ -504,15 +527,52 @@ class LossTerms:
 _DEVICE_STAT_KEYS: tuple[str, ...] = (
     "loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
     "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
-    "importance_weight_mean", "behav_weight_max", "behav_weight_mean",
-    "staleness_mean", "staleness_max", "m2_masked_fraction",
+    "importance_weight_mean", "full_ratio_max", "full_ratio_min", "full_ratio_mean",
+    "behav_weight_max", "behav_weight_min", "behav_weight_mean", "behav_weight_sq_mean",
+    "behav_ess", "behav_kl", "staleness_mean", "staleness_max", "m2_masked_fraction",
 )
+
+# exp() of float64 log-ratios for the metrics only: e^700 is finite in float64.
+_METRIC_LOG_LIMIT = 700.0
 
 
 def _masked_max(x: Tensor, sel: Tensor) -> Tensor:
     """float64 max of `x` over `sel`: -inf when `sel` is empty, 0 when `x` is (zeroed later)."""
     inf = torch.tensor(float("inf"), dtype=torch.float64, device=x.device)
     return torch.where(sel, x, -inf).amax() if x.numel() else inf.new_zeros(())
+
+
+def _max_min_mean(x: Tensor, sel: Tensor) -> list[Tensor]:
+    """[max, min, mean] of float64 `x` over `sel` (non-finite when `sel` is empty)."""
+    count = sel.sum().to(torch.float64)
+    return [_masked_max(x, sel), -_masked_max(-x, sel), torch.where(sel, x, 0.0).sum() / count]
+
+
+def _ratio_exp(log_ratio: Tensor) -> Tensor:
+    """A detached ratio in float64 for metrics (not clamped at LOG_RATIO_LIMIT: we want to see it)."""
+    return log_ratio.detach().to(torch.float64).clamp(max=_METRIC_LOG_LIMIT).exp()
+
+
+def behaviour_kl_k3(log_r: Tensor, mask: Tensor) -> Tensor:
+    """Approximate KL between the current and the behaviour policy, k3 estimator, float64 scalar.
+
+    `mean over mask of (rho - 1) - log rho` with `rho = pi_behav / pi = exp(-log_r)`: >= 0 on every
+    token (no cancelling of signs as with the plain mean of log-ratios, k1) and `(log rho)^2 / 2`
+    to second order when the two policies are close. Non-finite for an empty mask.
+    """
+    log_rho = -log_r.detach().to(torch.float64)
+    k3 = log_rho.clamp(max=_METRIC_LOG_LIMIT).exp() - 1.0 - log_rho
+    return torch.where(mask, k3, 0.0).sum() / mask.sum().to(torch.float64)
+
+
+def behaviour_ess(w: Tensor, keep: Tensor) -> Tensor:
+    """Effective sample size of the behaviour weights as a fraction, `(sum w)^2 / (n sum w^2)`.
+
+    Over the kept tokens (n of them), with w as used (after its cap): 1 when every weight is equal
+    (fresh data, or ppo), towards 1/n when one token carries all the weight. Non-finite when empty.
+    """
+    wk = torch.where(keep, w.detach().to(torch.float64), 0.0)
+    return wk.sum().pow(2) / (keep.sum().to(torch.float64) * wk.pow(2).sum())
 
 
 def _staleness(mask: Tensor, versions: Tensor | None, current_version: int | None) -> tuple[Tensor, Tensor]:
@@ -529,13 +589,17 @@ def loss_metrics(
     """STAT_KEYS as Python floats: float64, detached, one device sync, non-finite (empty) -> 0.
 
     Fractions are over the original mask count, so per-call stats weight by `tokens`.
+    `importance_weight_*` is the trust-region ratio u = pi / pi_prox (AReaL's "importance
+    weight"), `full_ratio_*` the full stale ratio r = pi / pi_behav = w u, both over the mask;
+    `behav_weight_*` is w as used and `behav_ess` its effective sample size, over kept tokens
+    (weight those by `kept_tokens`; `behav_weight_sq_mean` makes a step's ESS exact from
+    per-call stats: mean_w^2 / mean_w2); `behav_kl` is `behaviour_kl_k3` over the mask.
     """
     f64 = torch.float64
     with torch.no_grad():
         m, keep = x.mask, terms.keep
         n = m.sum().to(f64).clamp(min=1)
-        iw = (x.lp - x.lp_b).detach().to(f64).clamp(max=700.0).exp()  # pi / pi_behav
-        wk = terms.weight.w.detach().to(f64)
+        wk = torch.where(keep, terms.weight.w.detach().to(f64), 0.0)
         st_mask, st = _staleness(m, versions, current_version)
         n_st, n_keep = st_mask.sum().to(f64), keep.sum().to(f64)
         values = torch.stack([
@@ -545,11 +609,12 @@ def loss_metrics(
             terms.surrogate.clipped.sum().to(f64) / n,
             terms.surrogate.dual_clipped.sum().to(f64) / n,
             terms.weight.capped.sum().to(f64) / n,
-            _masked_max(iw, m),
-            -_masked_max(-iw, m),
-            torch.where(m, iw, 0.0).sum() / n,
-            _masked_max(wk, keep),
-            torch.where(keep, wk, 0.0).sum() / n_keep.clamp(min=1),
+            *_max_min_mean(_ratio_exp(terms.ratios.log_u), m),
+            *_max_min_mean(_ratio_exp(terms.ratios.log_r), m),
+            *_max_min_mean(wk, keep),
+            wk.pow(2).sum() / n_keep,
+            behaviour_ess(wk, keep),
+            behaviour_kl_k3(terms.ratios.log_r, m),
             torch.where(st_mask, st, 0.0).sum() / n_st.clamp(min=1),
             _masked_max(st, st_mask),
             terms.m2.dropped.sum().to(f64) / n,
@@ -656,8 +721,8 @@ def policy_loss(
 
     `loss_denominator` replaces this call's own normaliser so that micro-batch losses add up to the
     exact minibatch loss: the total mask count of the minibatch (token-mean), its number of
-    non-empty sequences (seq-mean-token-mean), or the length normaliser (seq-mean-token-sum-norm;
-    default the padded length T). Default None: this call alone.
+    non-empty sequences (seq-mean-token-mean), or its rows x `config.norm_length`
+    (seq-mean-token-sum-norm). Default None: this call alone.
     """
     # ---- 0. checks (a ValueError naming the argument, before any arithmetic), then sanitised inputs
     if not isinstance(config, LossConfig):
@@ -679,14 +744,15 @@ def policy_loss(
     # ---- 4. clipped objective: PPO clip and dual clip (M2PO instead: the unclipped -A u)
     surrogate = clipped_surrogate(x.adv, ratios.u, weight.keep, config)
 
-    # ---- 5. M2PO mask: drop the largest (log u)^2 until their mean is <= tau
-    m2 = m2po_trust_region(ratios.log_u, x.adv, weight.keep, config)
+    # ---- 5. M2PO mask: drop the largest (log r)^2 (full ratio pi/pi_b) until their mean is <= tau
+    m2 = m2po_trust_region(ratios.log_r, x.adv, weight.keep, config)
     keep = weight.keep & ~m2.dropped
     per_token = torch.where(keep, weight.w * surrogate.per_token, x.lp.new_zeros(()))
 
     # ---- 6. aggregation over the original mask count (or the caller's minibatch denominator)
-    loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator)
+    loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator, norm_length=config.norm_length)
 
     # ---- 7. metrics: float64, detached, one device sync
-    terms = LossTerms(loss=loss, keep=keep, weight=weight, surrogate=surrogate, m2=m2, proximal_s=prox.seconds)
+    terms = LossTerms(loss=loss, keep=keep, ratios=ratios, weight=weight, surrogate=surrogate, m2=m2,
+                      proximal_s=prox.seconds)
     return loss, loss_metrics(x, terms, versions, version)

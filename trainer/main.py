@@ -346,16 +346,21 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
 async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:
     """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry
     (on `redis` when given, else a new client)."""
+    from asyncrl.models import vocab_size
     from asyncrl.trainer.inbox import StreamIO  # (Redis clients: see the note at the top)
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
+    from asyncrl.transport.content import GroupLimits
     from asyncrl.transport.streams import TrajectoryConsumer
     from asyncrl.transport.versions import EngineRegistry, VersionChannel
 
     spec = job.spec
     names = runtime.stream_names(job.metadata.name)
     redis = redis if redis is not None else await connect(runtime.redis_url)
-    consumer = TrajectoryConsumer(redis, names, runtime.pod_name)
+    # Groups the training step could not use go to the dead-letter stream, not into a batch.
+    limits = GroupLimits(vocab_size=vocab_size(spec.model.path), group_size=spec.algorithm.group_size,
+                         max_response_tokens=spec.algorithm.max_new_tokens)
+    consumer = TrajectoryConsumer(redis, names, runtime.pod_name, limits=limits)
     await consumer.ensure_group()
     admission = Admission(redis, names, batch_size=spec.algorithm.batch_size,
                           max_head_offpolicyness=spec.staleness.max_head_offpolicyness,

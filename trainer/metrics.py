@@ -84,6 +84,8 @@ class TrainerMetrics:
         self._groups_seen = 0
         self._tokens_seen = 0
         self._dropped_seen = 0
+        self._skipped_seen = 0
+        self._dead_seen = 0
 
         self.info = Info(f"{PREFIX}_job", "The job this trainer runs.", registry=r)
         self.phase = Enum(f"{PREFIX}_phase", "Trainer phase.", states=PHASES, registry=r)
@@ -102,7 +104,17 @@ class TrainerMetrics:
         self.staleness_histogram = _StalenessHistogram()
         r.register(self.staleness_histogram)
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped in the last step.")
-        self.importance_weight = gauge("importance_weight", "Importance weights of the last step.", ["stat"])
+        self.importance_weight = gauge("importance_weight", "Trust-region ratio u = pi/pi_prox of the last step.",
+                                       ["stat"])
+        self.full_ratio = gauge("full_ratio", "Stale ratio pi/pi_behav of the last step.", ["stat"])
+        self.behaviour_weight = gauge("behaviour_weight", "Behaviour weight w = pi_prox/pi_behav of the last step.",
+                                      ["stat"])
+        self.behaviour_ess = gauge("behaviour_ess", "Effective sample size of w (fraction) in the last step.")
+        self.behaviour_kl = gauge("behaviour_kl", "Approximate KL(pi_behav || pi) per token in the last step.")
+        self.skipped_updates = Counter(f"{PREFIX}_skipped_updates", "Updates skipped for a non-finite gradient.",
+                                       registry=r)
+        self.dead_lettered = Counter(f"{PREFIX}_dead_lettered_groups", "Groups moved to the dead-letter stream.",
+                                     registry=r)
         self.proximal_seconds = gauge("proximal_seconds", "Proximal logprob time of the last step.")
         self.step_seconds = gauge("step_seconds", "Wall time of the last step.")
         self.weight_sync_seconds = gauge("weight_sync_seconds", "Weight publish+sync time of the last step.")
@@ -135,8 +147,15 @@ class TrainerMetrics:
             self.staleness_limit.set(report.staleness.limit)
             self.staleness_histogram.set(report.staleness.histogram, report.staleness.limit)
             self.clip_fraction.set(report.clip_fraction)
-            for stat in ("max", "min", "mean"):
-                self.importance_weight.labels(stat=stat).set(getattr(report.importance_weight, stat))
+            for gauge_, source in ((self.importance_weight, report.importance_weight),
+                                   (self.full_ratio, report.behaviour.full_ratio),
+                                   (self.behaviour_weight, report.behaviour.weight)):
+                for stat in ("max", "min", "mean"):
+                    gauge_.labels(stat=stat).set(getattr(source, stat))
+            self.behaviour_ess.set(report.behaviour.ess)
+            self.behaviour_kl.set(report.behaviour.kl)
+            self._skipped_seen = _advance(self.skipped_updates, self._skipped_seen, report.skipped_updates)
+            self._dead_seen = _advance(self.dead_lettered, self._dead_seen, report.dead_lettered)
             self.proximal_seconds.set(report.proximal_seconds)
             self.step_seconds.set(report.step_seconds)
             self.weight_sync_seconds.set(report.weight_sync_seconds)

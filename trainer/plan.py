@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from asyncrl.spec import AlgorithmSpec
-from asyncrl.trainer.losses import compute_advantages, normalize_advantages
+from asyncrl.trainer.losses import LossConfig, compute_advantages, normalize_advantages
 
 
 @dataclass
@@ -70,12 +70,13 @@ def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[Tr
 def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec, *, rank: int = 0,
               world_size: int = 1) -> list[MinibatchPlan]:
     """The step's minibatches with this rank's micro-batches and each minibatch's normaliser."""
+    config = LossConfig.from_spec(algo)  # the one spec -> loss mapping, so normaliser and loss agree
     plans = []
     for rows in minibatch_rows([len(g.samples) for g in groups], algo.minibatches):
         local = plan_microbatches([seqs[i].length for i in rows], algo.micro_batch_tokens,
                                   rank=rank, world_size=world_size)
         plans.append(MinibatchPlan(rows, [[rows[j] for j in micro] for micro in local],
-                                   loss_denominator(seqs, rows, algo.aggregation)))
+                                   loss_denominator(seqs, rows, config)))
     return plans
 
 
@@ -109,10 +110,15 @@ def plan_microbatches(lengths: list[int], budget: int, *, rank: int = 0, world_s
     return micro
 
 
-def loss_denominator(seqs: list[TrainSequence], rows: list[int], aggregation: str) -> float:
-    """The whole minibatch's normaliser (over all ranks), so micro-batch losses add up exactly."""
-    if aggregation == "token-mean":
+def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossConfig) -> float:
+    """The whole minibatch's normaliser (over all ranks), so micro-batch losses add up exactly.
+
+    token-mean: response tokens; seq-mean-token-mean: non-empty responses; seq-mean-token-sum-norm
+    (Dr. GRPO): rows x the fixed length `config.norm_length` (maxNewTokens), what `aggregate` uses
+    for a single call, never a padded width (which would depend on the longest row).
+    """
+    if config.aggregation == "token-mean":
         return float(sum(len(seqs[i].response_ids) for i in rows))
-    if aggregation == "seq-mean-token-mean":
+    if config.aggregation == "seq-mean-token-mean":
         return float(sum(1 for i in rows if len(seqs[i].response_ids)))
-    return float(max(seqs[i].length for i in rows) - 1)  # seq-mean-token-sum-norm: padded T
+    return float(len(rows) * config.norm_length)

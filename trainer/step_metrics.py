@@ -1,9 +1,11 @@
 """One step's figures: accumulated per micro-batch, reduced over ranks, appended to metrics.jsonl.
 
 Means are token-weighted sums over this rank's micro-batches, summed over ranks and divided once
-(so they do not depend on how the batch was cut); the loss is the sum of the micro-batch losses
-(each already normalised by its whole minibatch) averaged over the minibatches. Staleness, rewards
-and lengths come from the broadcast batch, so they are identical on every rank without a reduction.
+(so they do not depend on how the batch was cut): loss-mask stats by `tokens`, behaviour-weight
+stats by `kept_tokens`, and the behaviour ESS is formed from those sums, not averaged. The loss is
+the sum of the micro-batch losses (each already normalised by its whole minibatch) averaged over
+the minibatches. Staleness, rewards and lengths come from the broadcast batch, so they are
+identical on every rank without a reduction.
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ from asyncrl.trainer.batch import TrainBatch
 from asyncrl.trainer.plan import TrainSequence
 
 LOSS_STATS = ("clip_fraction", "dual_clip_fraction", "behav_filtered_fraction", "importance_weight_mean",
-              "m2_before", "m2_after", "m2_masked_fraction")
-"""Stats of `policy_loss` that become token-weighted step means."""
-MEANS = ("loss", *LOSS_STATS, "entropy")
+              "full_ratio_mean", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction")
+"""Stats of `policy_loss` over the loss mask: token-weighted step means."""
+KEPT_STATS = ("behav_weight_mean", "behav_weight_sq_mean")
+"""Stats of `policy_loss` over the kept tokens: step means weighted by `kept_tokens`."""
+EXTREMES = ("importance_weight", "full_ratio", "behav_weight")
+"""`policy_loss`'s `<name>_max`/`<name>_min` pairs: step max and min over micro-batches and ranks."""
+MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy")
 """Everything summed over ranks, in this order (the same list on every rank)."""
+STEP_LOSS_KEYS = ("loss", "clip_fraction", "dual_clip_fraction", "behav_filtered_fraction",
+                  *(f"{name}_{stat}" for name in EXTREMES for stat in ("mean", "max", "min")),
+                  "behav_ess", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction", "entropy")
+"""The step record's figures from the loss (and entropy), as they go to metrics.jsonl."""
 
 
 @dataclass
@@ -60,25 +70,39 @@ class StepStats:
         self.sums["loss"] += float(loss.detach())
         self.sums["loss#w"] += 1.0
         self.proximal_seconds += float(loss_stats.get("proximal_s", 0.0))
+        kept = float(loss_stats.get("kept_tokens", ntok))
         for key in LOSS_STATS:
             if key in loss_stats:
                 self.add(key, float(loss_stats[key]), ntok)
+        for key in KEPT_STATS:
+            if key in loss_stats:
+                self.add(key, float(loss_stats[key]), kept)
+        for name in EXTREMES:
+            # an empty selection reports 0 for its max and min: not an extreme
+            if (kept if name == "behav_weight" else ntok) and f"{name}_max" in loss_stats:
+                self.extreme(name, float(loss_stats[f"{name}_max"]))
+                self.extreme(name, float(loss_stats[f"{name}_min"]))
         if ntok:
-            self.extreme("importance_weight", float(loss_stats.get("importance_weight_max", 1.0)))
-            self.extreme("importance_weight", float(loss_stats.get("importance_weight_min", 1.0)))
             self.add("entropy", float(entropy[batch.loss_mask].mean()), ntok)
 
     def reduce(self, ctx: D.DistContext) -> dict[str, float]:
-        """Means, importance-weight extremes and proximal seconds over all ranks (a collective call)."""
+        """Means, ratio extremes, the behaviour ESS and proximal seconds over all ranks (collective)."""
         n = len(MEANS)
         summed = D.all_reduce_sum([self.sums[k] for k in MEANS] + [self.sums[k + "#w"] for k in MEANS]
                                   + [self.proximal_seconds], ctx)
         values = {k: summed[i] / summed[n + i] if summed[n + i] else 0.0 for i, k in enumerate(MEANS)}
         # (each micro-batch loss is already normalised by its whole minibatch, so they add up)
         values["loss"] = summed[0] / max(len(self.grad_norms), 1)
-        iw_max, neg_iw_min = D.all_reduce_max([self.maxes.get("importance_weight", 1.0),
-                                               -self.mins.get("importance_weight", 1.0)], ctx)
-        values["importance_weight_max"], values["importance_weight_min"] = iw_max, -neg_iw_min
+        # ESS = (sum w)^2 / (n sum w^2) = mean_w^2 / mean_w2 over every kept token of the step
+        mean_w, mean_w2 = values["behav_weight_mean"], values["behav_weight_sq_mean"]
+        values["behav_ess"] = mean_w * mean_w / mean_w2 if mean_w2 > 0 else 0.0
+        # max and -min in one collective (a rank that saw nothing sends -inf); 1.0, the on-policy
+        # ratio, when no rank saw anything
+        extremes = D.all_reduce_max([x for name in EXTREMES for x in (self.maxes.get(name, -math.inf),
+                                                                      -self.mins.get(name, math.inf))], ctx)
+        for i, name in enumerate(EXTREMES):
+            hi, neg_lo = extremes[2 * i], extremes[2 * i + 1]
+            values[f"{name}_max"], values[f"{name}_min"] = (hi, -neg_lo) if math.isfinite(hi) else (1.0, 1.0)
         values["proximal_seconds"] = summed[-1] / ctx.world_size
         return values
 
@@ -91,9 +115,7 @@ def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any
     n_tokens = sum(lags.values())
     rewards = [s.reward for s in seqs]
     return {
-        **{k: values[k] for k in ("loss", "clip_fraction", "dual_clip_fraction", "behav_filtered_fraction",
-                                  "importance_weight_mean", "importance_weight_max", "importance_weight_min",
-                                  "m2_before", "m2_after", "m2_masked_fraction", "entropy")},
+        **{k: values[k] for k in STEP_LOSS_KEYS},
         "grad_norm": float(np.mean(stats.grad_norms)) if stats.grad_norms else 0.0,
         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "response_length": float(np.mean([len(s.response_ids) for s in seqs])) if seqs else 0.0,

@@ -1,11 +1,12 @@
 """Trajectory transport on Redis Streams, the weight-version channel and global admission.
 
-See docs/transport.md. Submodules: wire (format), names (keys), connection, streams, versions,
-admission.
+See docs/transport.md. Submodules: wire (format), content (is a group trainable?), names (keys),
+connection, streams, versions, admission.
 """
 
 from .admission import Admission, AdmissionSnapshot, admission_capacity, is_too_stale
 from .connection import RedisUnavailableError, connect
+from .content import GroupLimits, check_group
 from .names import StreamNames
 from .streams import Delivery, TrajectoryConsumer, TrajectoryProducer
 from .versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
@@ -18,6 +19,7 @@ __all__ = [
     "Delivery",
     "EngineInfo",
     "EngineRegistry",
+    "GroupLimits",
     "RedisUnavailableError",
     "StreamNames",
     "TrajectoryConsumer",
@@ -28,6 +30,7 @@ __all__ = [
     "VersionEvent",
     "WireFormatError",
     "admission_capacity",
+    "check_group",
     "connect",
     "decode_group",
     "encode_group",

@@ -20,7 +20,8 @@ Accounting (all in the job's `admission` hash and `admission-leases` sorted set)
   (`set_version`), which admits B more. When the trainer drops n groups as too stale they were
   accepted but never trained, so `record_dropped(n)` subtracts them from `accepted`; otherwise
   producers would be short of n slots forever and the trainer could wait for a batch that the
-  bound never lets anyone produce.
+  bound never lets anyone produce. The same holds for groups the trainer dead-letters (undecodable
+  or untrainable): `record_dead_lettered(n)` (counted apart, in `dead_lettered`).
 - eta = 0 is synchronous RL: only B groups per version can be produced.
 """
 
@@ -86,19 +87,20 @@ end
 return 0
 """
 
-# ARGV: n -> accepted after the change (never below 0)
+# ARGV: n, counter ('dropped' | 'dead_lettered') -> accepted after the change (never below 0)
 _DROPPED_LUA = _PROLOGUE + """
 local n = tonumber(ARGV[1])
 local new = math.max(accepted - n, 0)
 redis.call('HSET', state, 'accepted', new)
-redis.call('HINCRBY', state, 'dropped', n)
+redis.call('HINCRBY', state, ARGV[2], n)
 return new
 """
 
-# -> {version, accepted, running, dropped}
+# -> {version, accepted, running, dropped, dead_lettered}
 _SNAPSHOT_LUA = _PROLOGUE + """
 return {version, accepted, redis.call('ZCARD', leases),
-        tonumber(redis.call('HGET', state, 'dropped') or '0')}
+        tonumber(redis.call('HGET', state, 'dropped') or '0'),
+        tonumber(redis.call('HGET', state, 'dead_lettered') or '0')}
 """
 
 
@@ -118,6 +120,7 @@ class AdmissionSnapshot:
     running: int
     capacity: int
     dropped: int = 0
+    dead_lettered: int = 0
 
 
 class Admission:
@@ -177,20 +180,29 @@ class Admission:
 
     async def record_dropped(self, n: int) -> int:
         """Trainer: `n` accepted groups were dropped as too stale; give their capacity back."""
+        return await self._give_back(n, "dropped")
+
+    async def record_dead_lettered(self, n: int) -> int:
+        """Trainer: `n` accepted groups went to the dead-letter stream (never trained); give their
+        capacity back. Two dead-lettered copies of one publish (a producer retry) give back two
+        slots for one: the bound is loosened by one group, never tightened."""
+        return await self._give_back(n, "dead_lettered")
+
+    async def _give_back(self, n: int, counter: str) -> int:
         if n < 0:
             raise ValueError("n must be >= 0")
         if n == 0:
             return (await self.snapshot()).accepted
-        return int(await self._dropped(keys=self._keys, args=[n]))
+        return int(await self._dropped(keys=self._keys, args=[n, counter]))
 
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
-        version, accepted, running, dropped = (int(x) for x in await self._snapshot(keys=self._keys, args=[]))
+        version, accepted, running, dropped, dead = (int(x) for x in await self._snapshot(keys=self._keys, args=[]))
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
                                  max_head_offpolicyness=self.max_head_offpolicyness,
                                  max_concurrent=self.max_concurrent)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running,
-                                 capacity=max(cap, 0), dropped=dropped)
+                                 capacity=max(cap, 0), dropped=dropped, dead_lettered=dead)
 
 
 def is_too_stale(group: TrajectoryGroup, current_version: int, max_head_offpolicyness: int) -> bool:

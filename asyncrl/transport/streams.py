@@ -10,8 +10,10 @@ Guarantees (with one consumer group per stream, `names.consumer_group`):
   same read (a producer that retried a publish after a lost reply leaves two copies);
 - memory stays bounded: acked entries are XDEL'd and the stream is XTRIM'd by MINID up to the
   oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries);
-- a payload that does not decode goes to the dead-letter stream with the error text and the raw
-  bytes, and is acked, instead of crashing the trainer.
+- a payload that does not decode, or decodes to a group that cannot be trained (`content.check_group`:
+  NaN logprobs, lengths that disagree, ...), goes to the dead-letter stream with the reason and the
+  raw bytes, and is acked, instead of crashing the trainer. This holds for this consumer's own
+  pending entries re-read after a restart too, so a poison group cannot crash-loop the trainer.
 
 Limitation: with two live consumers, an entry reclaimed from a consumer that is slow rather than
 dead is held by both until one acks. Pick `min_idle_ms` well above the longest training step.
@@ -20,6 +22,7 @@ dead is held by both until one acks. Pick `min_idle_ms` well above the longest t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,8 +31,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from .content import GroupLimits, check_group
 from .names import StreamNames
 from .wire import TrajectoryGroup, WireFormatError, decode_group, encode_group
+
+log = logging.getLogger("asyncrl.transport.streams")
 
 DATA_FIELD = b"data"
 GID_FIELD = b"gid"
@@ -111,6 +117,11 @@ class ConsumerStats:
     reclaimed: int = 0
     duplicates_skipped: int = 0
     dead_lettered: int = 0
+    """Entries moved to the dead-letter stream, for any reason (the two below, or no `data`)."""
+    undecodable: int = 0
+    """Of `dead_lettered`: payloads that are not the wire format."""
+    untrainable: int = 0
+    """Of `dead_lettered`: groups that decoded but failed `check_group` (e.g. a NaN logprob)."""
     acked: int = 0
     acked_already_trained: int = 0
 
@@ -136,14 +147,20 @@ class TrajectoryProducer:
 
 
 class TrajectoryConsumer:
-    """A trainer's reader with a stable `consumer` name (the pod name) in the job's group."""
+    """A trainer's reader with a stable `consumer` name (the pod name) in the job's group.
 
-    def __init__(self, redis: aioredis.Redis, names: StreamNames, consumer: str) -> None:
+    `limits` is what the trainer knows about trainable groups (vocabulary, group size, longest
+    response); every decoded group is checked against it before it is delivered.
+    """
+
+    def __init__(self, redis: aioredis.Redis, names: StreamNames, consumer: str, *,
+                 limits: GroupLimits | None = None) -> None:
         if not consumer:
             raise ValueError("consumer name must be non-empty and stable across restarts")
         self.redis = redis
         self.names = names
         self.consumer = consumer
+        self.limits = limits or GroupLimits()
         self.stats = ConsumerStats()
         self._group_ready = False
         self._pending_cursor: str | None = "0"  # own pending entries first, then new ones
@@ -248,7 +265,7 @@ class TrajectoryConsumer:
         return reply[0][1]
 
     async def _settle(self, entries: list) -> list[Delivery]:
-        """Decode entries; dead-letter bad ones, skip duplicates; return the rest."""
+        """Decode and check entries; dead-letter bad ones, skip duplicates; return the rest."""
         decoded: list[tuple[str, TrajectoryGroup]] = []
         discard: list[str] = []
         for raw_id, fields in entries:
@@ -262,9 +279,17 @@ class TrajectoryConsumer:
                                         + ", ".join(sorted(_s(k) for k in fields)), b"")
                 continue
             try:
-                decoded.append((entry_id, decode_group(payload)))
+                group = decode_group(payload)
             except WireFormatError as exc:
+                self.stats.undecodable += 1
                 await self._dead_letter(entry_id, str(exc), payload)
+                continue
+            problem = check_group(group, self.limits)
+            if problem is not None:
+                self.stats.untrainable += 1
+                await self._dead_letter(entry_id, f"untrainable: {problem}", payload)
+                continue
+            decoded.append((entry_id, group))
         deliveries: list[Delivery] = []
         if decoded:
             gids = [g.group_id for _, g in decoded]
@@ -292,10 +317,12 @@ class TrajectoryConsumer:
         return deliveries
 
     async def _dead_letter(self, entry_id: str, error: str, payload: bytes) -> None:
+        """Move an entry to the dead-letter stream with `error`, ack and delete it (one script)."""
         await self._dead(keys=[self.names.trajectories, self.names.dead_letter],
                          args=[self.names.consumer_group, entry_id, error, payload, self.consumer,
                                repr(time.time())])
         self.stats.dead_lettered += 1
+        log.warning("dead-lettered trajectory entry %s: %s", entry_id, error)
 
 
 @dataclass
