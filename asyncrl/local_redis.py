@@ -41,7 +41,7 @@ def find_server_binary() -> Path:
 
 @dataclass
 class LocalRedis:
-    """A server process bound to 127.0.0.1 with its data (AOF) in `data_dir`."""
+    """A server process bound to 127.0.0.1 with its data (AOF, fsynced at every write) in `data_dir`."""
 
     data_dir: Path
     port: int = 0
@@ -64,7 +64,9 @@ class LocalRedis:
                 "--dir", str(self.data_dir.resolve()), "--save", "", "--daemonize", "no",
                 "--logfile", str((self.data_dir / "server.log").resolve())]
         if self.append_only:
-            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+            # always: acknowledged writes survive a kill of the server (everysec can lose the last
+            # second: published groups, acks and trained marks; operator/builders.py ships the same)
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

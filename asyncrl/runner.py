@@ -255,7 +255,10 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class Progress:
-    """The live line: step, version, reward, staleness, tokens/s (rich when a terminal, else plain)."""
+    """The live line: step, version, reward, staleness, tokens/s (rich when a terminal, else plain),
+    and `DEGRADED <reason>: <message>` while the trainer waits out an outage (its /status
+    `degraded`): training standing still must not look like a slow step. A plain line is printed
+    again when that changes, not only when the step or phase does."""
 
     def __init__(self, max_steps: int, plain: bool):
         from rich.console import Console
@@ -263,7 +266,7 @@ class Progress:
         self.console = Console(stderr=False)
         self.plain = plain or not self.console.is_terminal
         self.max_steps = max_steps
-        self._last: tuple[int, str] | None = None
+        self._last: tuple[int, str, str] | None = None
         self._seen_status = False
         self._progress = None
         if not self.plain:
@@ -281,7 +284,7 @@ class Progress:
         if status is None:
             if self._seen_status:
                 return  # the trainer just exited (or is busy): keep the last line
-            line, step, phase = phase_hint, 0, phase_hint
+            line, step, phase, degraded = phase_hint, 0, phase_hint, ""
         else:
             st = status.get("staleness", {})
             reward = status.get("reward_mean")
@@ -290,11 +293,15 @@ class Progress:
             line += (f"  staleness {st.get('mean', 0):.2f}/{st.get('max', 0)} (eta {st.get('limit', 0)},"
                      f" dropped {st.get('dropped', 0)})  {status.get('tokens_per_second', 0):.0f} tok/s")
             step, phase = int(status.get("step", 0)), str(status.get("phase", ""))
+            outage = status.get("degraded") or {}
+            degraded = (f"DEGRADED {outage.get('reason') or 'DependencyUnavailable'}: {outage.get('message', '')}"
+                        if outage.get("status") else "")
+            line += f"  {degraded}" if degraded else ""
             self._seen_status = True
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=phase or "starting", info=line)
-        elif (step, phase) != self._last:
-            self._last = (step, phase)
+        elif (step, phase, degraded.split(":")[0]) != self._last:
+            self._last = (step, phase, degraded.split(":")[0])
             print(f"[{phase}] step {step}/{self.max_steps}  {line}", flush=True)
 
     def stop(self) -> None:

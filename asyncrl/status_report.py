@@ -54,6 +54,41 @@ class EngineReport(_Report):
     ready: bool = False
 
 
+class OutageReport(_Report):
+    """One dependency the trainer cannot reach right now (asyncrl.health.Outage)."""
+
+    dependency: str
+    """"redis" or "engine". A plain string, not a Literal: an operator older than the trainer must
+    still read the report (and see the outage) when a new kind of dependency appears."""
+    target: str = ""
+    """Where: host:port/db for Redis, the URL for an engine (never a password)."""
+    since: float = 0.0
+    """Unix time of the first failed attempt of this outage."""
+    seconds: float = 0.0
+    """How long it had lasted when the document was served."""
+    last_error: str = ""
+    failures: int = 0
+    """Failed attempts so far."""
+    window_s: float = 0.0
+    """How long a request keeps retrying before it fails and the trainer gives up (and restarts)."""
+
+
+class DegradedReport(_Report):
+    """The trainer is waiting out an outage (issue 15): training is paused, not failed. Set on the
+    served report only while an outage lasts (trainer/status_api.py fills it in from the process's
+    Health board); the operator turns it into the job's `Degraded` condition."""
+
+    status: bool = True
+    reason: str = ""
+    """RedisUnavailable or EngineUnavailable (Redis wins when both are down)."""
+    message: str = ""
+    """Each outage: what, where, for how long, the last error, the window."""
+    since: float | None = None
+    """Unix time the oldest current outage began."""
+    outages: list[OutageReport] = Field(default_factory=list)
+    """Oldest first."""
+
+
 class StepRecord(_Report):
     """One line of metrics.jsonl and one point of the dashboard's charts."""
 
@@ -114,3 +149,7 @@ class TrainerReport(_Report):
     """Recent steps (bounded), for the dashboard's charts."""
     started_at: float = 0.0
     updated_at: float = 0.0
+    degraded: DegradedReport | None = None
+    """Set while the trainer waits out an outage of a dependency; None (absent from /status) when
+    nothing is down. Typed here, not bolted onto the JSON, so the operator's mirror, which reads
+    /status into this model, carries it to the job's status."""

@@ -17,7 +17,9 @@ How a job ends, in the order `compute_status` asks:
    of one container fail it (BackoffLimitExceeded);
 7. `spec.activeDeadlineSeconds` after startTime: DeadlineExceeded;
 8. otherwise the children decide: Pending, Initializing, Running, or StartupDeadlineExceeded.
-A crash-looping rollout (or trainer, below its backoff limit) pod only sets the `Degraded` condition.
+A crash-looping rollout (or trainer, below its backoff limit) pod only sets the `Degraded` condition,
+and so does a trainer that reports it is waiting out an outage of Redis or an engine (its /status
+`degraded`, `dependency_outage`): the job rides it out, and the condition says what and since when.
 
 The status is built as `asyncrl.spec.AsyncRLJobStatus`, the model the CRD's status schema is
 generated from, and written as its camelCase dump: one definition of what `.status` holds.
@@ -32,6 +34,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from asyncrl.health import REASONS
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import mirror_outcome, mirror_report
@@ -234,6 +237,8 @@ class Readiness:
     stream: Check
     weights: Check
     degraded: Check
+    outage: Check | None = None
+    """The trainer is waiting out an outage (`dependency_outage`); also in `degraded`."""
 
     @property
     def all_ready(self) -> bool:
@@ -276,16 +281,17 @@ def _weights(report: TrainerReport | None) -> Check:
     return Check("False", "Lagging", f"oldest engine weights: {lowest}, trainer: {report.policy_version}")
 
 
-NOT_DEGRADED = Check("False", "NoCrashLoop", "no rollout or trainer container is crash-looping")
+NOT_DEGRADED = Check("False", "Healthy",
+                     "no rollout or trainer container is crash-looping and the trainer reaches its dependencies")
 
 
-def degraded(containers: list[ContainerRun]) -> Check:
-    """`Degraded`: a rollout or trainer container crash-loops (the job goes on; the trainer's
-    backoffLimit is what fails it). The reason is the pod's own: OOMKilled when the kernel killed
-    it, else CrashLoopBackOff, else the last termination's reason."""
+def crash_loop(containers: list[ContainerRun]) -> Check | None:
+    """A rollout or trainer container crash-loops (the job goes on; the trainer's backoffLimit is
+    what fails it), with the pod's own reason: OOMKilled when the kernel killed it, else
+    CrashLoopBackOff, else the last termination's reason. None: none does."""
     looping = [c for c in containers if c.component in ("rollout", "trainer") and c.crash_looping]
     if not looping:
-        return NOT_DEGRADED
+        return None
     first = looping[0]
     if first.exit_reason == "OOMKilled":
         reason = "OOMKilled"
@@ -293,6 +299,42 @@ def degraded(containers: list[ContainerRun]) -> Check:
         reason = first.waiting_reason or first.exit_reason or "Restarting"
     more = f" (and {len(looping) - 1} more)" if len(looping) > 1 else ""
     return Check("True", reason, f"{first.component} {first.describe()}{more}")
+
+
+def _epoch(seconds: float) -> str:
+    return fmt_time(datetime.fromtimestamp(seconds, timezone.utc))
+
+
+def dependency_outage(report: TrainerReport | None) -> Check | None:
+    """The trainer is waiting out an outage (its report's `degraded`): RedisUnavailable or
+    EngineUnavailable, and a message naming each unreachable target, since when (a time, not a
+    duration: the message, and so the status, stays the same from one pass to the next while the
+    outage lasts), the last error and how long the trainer keeps waiting. None: nothing is down,
+    or no report (an unreachable trainer says nothing about its dependencies)."""
+    degraded = report.degraded if report is not None else None
+    if degraded is None or not degraded.status:
+        return None
+    parts = []
+    for o in degraded.outages:
+        name = "Redis" if o.dependency == "redis" else o.dependency
+        text = f"{name} {o.target} unreachable since {_epoch(o.since)}"
+        text += f" ({o.last_error})" if o.last_error else ""
+        parts.append(text + (f", retrying for up to {o.window_s:.0f}s" if o.window_s else ""))
+    if not parts:  # a report with no outage listed: its own words
+        parts.append(degraded.message or "a dependency is unreachable")
+    first = degraded.outages[0].dependency if degraded.outages else ""
+    reason = degraded.reason or REASONS.get(first, "DependencyUnavailable")
+    return Check("True", reason, "the trainer is waiting: " + "; ".join(parts))
+
+
+def degraded(containers: list[ContainerRun], report: TrainerReport | None = None) -> Check:
+    """`Degraded`: the job goes on but something is wrong: a container crash-loops (`crash_loop`)
+    or the trainer waits out an outage (`dependency_outage`). Both at once: the crash loop's reason
+    (the pod's own, the more specific), and both in the message."""
+    looping, outage = crash_loop(containers), dependency_outage(report)
+    if looping is not None and outage is not None:
+        return Check("True", looping.reason, f"{looping.message}; {outage.message}")
+    return looping or outage or NOT_DEGRADED
 
 
 def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
@@ -304,7 +346,8 @@ def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
         # Without a valid spec nothing was created: there is no Redis of ours to wait for either.
         stream=_ready(obs.redis_ready, 1) if managed_redis else EXTERNAL_REDIS,
         weights=_weights(obs.report),
-        degraded=degraded(obs.containers),
+        degraded=degraded(obs.containers, obs.report),
+        outage=dependency_outage(obs.report),
     )
 
 
@@ -386,6 +429,8 @@ def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, read
     problem = obs.problems[0] if obs.problems else None
     why = problem.describe() if problem else ready.waiting()
     if ready.all_ready:
+        if ready.outage is not None:  # every pod is up, yet training waits: say on what
+            return Verdict("Running", ready.outage.reason, ready.outage.message)
         return Verdict("Running", "Running", "rollout, trainer and Redis are ready")
     if prev_phase == "Running":  # losing a pod does not go back to Initializing; the reason says why
         return Verdict("Running", problem.reason if problem else "Degraded", why)

@@ -6,6 +6,9 @@ ASYNCRL_ENGINE_ADVERTISE_URL (or --advertise-url) is the engine URL registered f
 when it differs from the one the worker uses (e.g. http://$POD_IP:30000 vs http://127.0.0.1:30000).
 The trainer pauses, updates and resumes the engine at that URL for every new version; the worker
 only generates with it and reports the version it observes.
+Outages of Redis (--redis-outage-s, or ASYNCRL_REDIS_OUTAGE_S) and of the engine
+(--engine-outage-s) are waited out, Degraded in the log meanwhile, instead of ending the worker
+(Redis) or dropping its groups (engine); default 180 s each.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-groups", type=int, help="stop after this many groups (default: run until SIGTERM)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine")
     parser.add_argument("--log-every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--redis-outage-s", type=float, default=None,
+                        help="seconds a Redis command waits through an outage before the worker gives up "
+                             "(default $ASYNCRL_REDIS_OUTAGE_S or 180)")
+    parser.add_argument("--engine-outage-s", type=float, default=180.0,
+                        help="seconds a request waits for an unreachable engine before its group is dropped "
+                             "(default 180)")
 
 
 async def run_worker(args: argparse.Namespace) -> int:
@@ -44,9 +53,10 @@ async def run_worker(args: argparse.Namespace) -> int:
     from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
     from asyncrl.runtime import Runtime
     from asyncrl.transport.admission import Admission
-    from asyncrl.transport.connection import connect
+    from asyncrl.transport.connection import connect, set_outage_window
 
     log = logging.getLogger("asyncrl.rollout")
+    set_outage_window(args.redis_outage_s)  # (every client of this process; None: the environment's)
     job = load_job(args.config)
     spec = job.spec
     rt = Runtime.from_env()
@@ -74,7 +84,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         job=job.metadata.name, engine_id=args.engine_id or rt.pod_name, group_size=alg.group_size,
         sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,
         max_concurrent_requests=spec.rollout.max_concurrent_requests, max_groups=args.max_groups,
-        log_every_s=args.log_every,
+        log_every_s=args.log_every, engine_outage_s=args.engine_outage_s,
         rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas,
         vocab_size=vocab_size(spec.model.path))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),

@@ -13,7 +13,10 @@ Read top to bottom:
   _sample()       one completion as a sequence of segments: when the engine answers "abort" (the
                   trainer paused it to load new weights) the worker re-sends prompt + partial
                   output with max_new_tokens reduced; each segment's tokens carry the version of
-                  the weights that produced them, so a response may span several versions.
+                  the weights that produced them, so a response may span several versions. An
+                  engine that cannot be reached (restarting, rescheduled) is waited for, with
+                  capped exponential backoff and jitter, for `engine_outage_s`: a transient
+                  outage delays the group instead of dropping it.
   _segment_version() where that version comes from: the label the engine puts on its answer
                   (SGLang, our hf server), or, for engines without one (vLLM), the trainer's record
                   for this engine in the EngineRegistry, read before and after the segment.
@@ -22,6 +25,10 @@ engine (trainer/weight_sync.py). The worker observes: the version channel (the p
 for its log line), its engine's weight version (registered with each heartbeat).
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
 unaccepted, remove the engine from the registry.
+Outages: Redis commands block through an outage of up to the client's window (the client's retry
+policy, asyncrl/transport/connection.py), engine requests through `engine_outage_s`; meanwhile the
+worker is Degraded: the outage is logged when it starts, while it lasts and when it ends, and the
+progress line says `degraded=redis(12s)` (asyncrl.health.HEALTH).
 """
 
 from __future__ import annotations
@@ -34,8 +41,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import httpx
 import numpy as np
 
+from asyncrl.health import HEALTH, Health, backoff_delay
 from asyncrl.rollout.datasets import PromptSource, ShardCursor
 from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams, parse_version
 from asyncrl.rollout.rewards import RewardScorer
@@ -51,6 +60,21 @@ log = logging.getLogger("asyncrl.rollout.worker")
 UPDATE_POLL_S = 0.05
 """How often a segment for an engine without weight labels re-reads the trainer's record while the
 trainer is updating that engine."""
+DEFAULT_ENGINE_OUTAGE_S = 180.0
+"""How long a request waits for an unreachable engine before its group is dropped (a restarting
+SGLang server reloads its model in well under this)."""
+_OUTAGE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
+                  httpx.RemoteProtocolError)
+_OUTAGE_STATUS = frozenset({502, 503, 504})
+
+
+def engine_unreachable(exc: BaseException) -> bool:
+    """Whether an engine error means the server is not there right now (refused, reset, gone
+    mid-answer, or a proxy saying so), as opposed to a server that answered with an error: the
+    first is waited out, the second is retried `max_retries` times and then drops the group."""
+    if not isinstance(exc, EngineError):
+        return False
+    return isinstance(exc.__cause__, _OUTAGE_ERRORS) or exc.status in _OUTAGE_STATUS
 
 
 @dataclass
@@ -71,9 +95,14 @@ class WorkerConfig:
     """The URL the trainer uses to reach this worker's engine (registered in EngineRegistry)."""
     max_concurrent_requests: int = 64
     max_retries: int = 3
-    """Engine errors tolerated per sample before the group is dropped."""
+    """Engine errors tolerated per sample before the group is dropped (an unreachable engine is
+    waited for instead, see `engine_outage_s`)."""
     backoff_s: float = 0.5
     backoff_max_s: float = 10.0
+    """Base and cap of the exponential backoff between retries (jittered for outages)."""
+    engine_outage_s: float = DEFAULT_ENGINE_OUTAGE_S
+    """How long a sample waits for an unreachable engine (engine_unreachable) before the group is
+    dropped; the worker is Degraded meanwhile."""
     heartbeat_s: float = 5.0
     log_every_s: float = 10.0
     max_groups: int | None = None
@@ -140,8 +169,10 @@ def cursor_key(names: StreamNames, index: int, replicas: int) -> str:
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
                  render: Any, decode: Any, scorer: RewardScorer, admission: Admission,
-                 names: StreamNames | None = None):
+                 names: StreamNames | None = None, health: Health = HEALTH):
         self.cfg = cfg
+        self.health = health
+        """Where outages are recorded (the process's board: the Redis client reports to it too)."""
         self.engine = engine
         self.redis = redis
         self.source = source
@@ -300,6 +331,8 @@ class RolloutWorker:
         vers: list[int] = []
         failures = 0
         stalled = 0
+        unreachable_since: float | None = None  # this sample's wait for an unreachable engine
+        waits = 0
         while True:
             remaining = budget - len(ids)
             if remaining <= 0:
@@ -313,11 +346,24 @@ class RolloutWorker:
                 version = await self._segment_version(result, before)
             except (EngineError, _RegistryUnavailable) as exc:
                 self.stats.request_errors += 1
+                if engine_unreachable(exc):
+                    now = time.monotonic()
+                    unreachable_since = now if unreachable_since is None else unreachable_since
+                    self.health.failing("engine", self.engine.url, exc, self.cfg.engine_outage_s)
+                    waits += 1
+                    delay = backoff_delay(waits, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
+                    if now + delay - unreachable_since <= self.cfg.engine_outage_s:
+                        await asyncio.sleep(delay)
+                        continue
+                    raise _Dropped(f"engine unreachable for {now - unreachable_since:.0f}s "
+                                   f"(engine_outage_s={self.cfg.engine_outage_s:.0f}): {exc}") from exc
                 failures += 1
                 if (isinstance(exc, EngineError) and not exc.retryable) or failures > self.cfg.max_retries:
                     raise _Dropped(f"engine failed {failures} time(s): {exc}") from exc
                 await asyncio.sleep(min(self.cfg.backoff_s * 2 ** (failures - 1), self.cfg.backoff_max_s))
                 continue
+            unreachable_since, waits = None, 0
+            self.health.recovered("engine", self.engine.url)
             if version is None:  # unlabelled engine, weights unknown: generate the segment again
                 self.stats.discarded += 1
                 continue
@@ -410,6 +456,8 @@ class RolloutWorker:
             try:
                 observed = time.time()  # before reading: the trainer's record wins if it is newer
                 ready = await self.engine.ready()
+                if ready:
+                    self.health.recovered("engine", self.engine.url)
                 try:
                     await self._observe_engine()
                 except (EngineError, _RegistryUnavailable) as exc:
@@ -467,9 +515,10 @@ class RolloutWorker:
         return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={self.version} engine_version={self.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} "
-                f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)}")
+                f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)} "
+                f"degraded={self.health.summary()}")
 
     async def _log_progress(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.log_every_s)
-            log.info("rollout %s", self.summary())
+            (log.warning if self.health.degraded() else log.info)("rollout %s", self.summary())

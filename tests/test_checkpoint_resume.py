@@ -44,7 +44,8 @@ def test_checkpoint_round_trip_is_atomic_and_bounded(tmp_path: Path) -> None:
     opt.step()
     (tmp_path / ".step-000009-stray").mkdir()  # a writer killed mid-checkpoint left this
     for step in (1, 2, 3):
-        save_checkpoint(tmp_path, model, opt, TrainerState(step=step, version=step, trained_group_ids=[f"g{step}"]))
+        save_checkpoint(tmp_path, model, opt, TrainerState(step=step, version=step, window_start_step=step - 1,
+                                                           window_group_ids=[f"g{step}"]))
     assert [s for s, _ in checkpoint_dirs(tmp_path)] == [2, 3]  # keeps the newest two
     assert not list(tmp_path.glob(".step-*"))
     expected_rand = torch.rand(3)  # the RNG stream right after the checkpoint ...
@@ -53,7 +54,8 @@ def test_checkpoint_round_trip_is_atomic_and_bounded(tmp_path: Path) -> None:
     model2 = torch.nn.Linear(4, 3)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
     state = load_checkpoint(latest_checkpoint(tmp_path), model2, opt2)
-    assert state.step == 3 and state.version == 3 and state.trained_group_ids == ["g3"]
+    assert state.step == 3 and state.version == 3
+    assert (state.window_start_step, state.window_group_ids) == (2, ["g3"])
     assert torch.equal(model.weight, model2.weight)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
     # ... is restored: the RNG state saved at step 3 was taken before expected_rand was drawn.
@@ -61,10 +63,10 @@ def test_checkpoint_round_trip_is_atomic_and_bounded(tmp_path: Path) -> None:
 
 
 def _lineage(ckpt_root: Path) -> list[str]:
-    from asyncrl.trainer.checkpoint import latest_checkpoint, read_state
+    """Group ids the newest checkpoint's weights were trained on (its lineage log), in order."""
+    from asyncrl.trainer.checkpoint import lineage_group_ids
 
-    latest = latest_checkpoint(ckpt_root)
-    return read_state(latest).trained_group_ids if latest else []
+    return lineage_group_ids(ckpt_root)
 
 
 def _redis_state(url: str) -> tuple[set[str], int, int]:

@@ -313,11 +313,10 @@ async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
 
 def lineage(e2e: E2E, job: str) -> list[str]:
     """Group ids trained in the lineage of the newest checkpoint on the job's volume."""
-    from asyncrl.trainer.checkpoint import latest_checkpoint, read_state
+    from asyncrl.trainer.checkpoint import latest_checkpoint, lineage_group_ids
 
-    latest = latest_checkpoint(e2e.shared(job) / "checkpoints")
-    assert latest is not None, "no checkpoint on the weights volume"
-    return list(read_state(latest).trained_group_ids)
+    assert latest_checkpoint(e2e.shared(job) / "checkpoints") is not None, "no checkpoint on the weights volume"
+    return lineage_group_ids(e2e.shared(job) / "checkpoints")
 
 
 def checkpointed(e2e: E2E, job: str) -> bool:

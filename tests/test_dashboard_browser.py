@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.health import Health
 from asyncrl.status_report import (
     EngineReport,
     ImportanceWeightReport,
@@ -162,8 +163,14 @@ def box() -> Box:
 
 
 @pytest.fixture
-async def live(box: Box) -> AsyncIterator[str]:
-    server = StatusServer(create_app(box, token=TOKEN))
+def board() -> Health:
+    """The server's own Health board (the process-wide one may hold another test's outage)."""
+    return Health()
+
+
+@pytest.fixture
+async def live(box: Box, board: Health) -> AsyncIterator[str]:
+    server = StatusServer(create_app(box, token=TOKEN, health=board))
     url = await server.start()
     yield url
     await server.stop()
@@ -188,6 +195,7 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
 
     # the big numbers
     assert (await page.text_content("#phase")) == "Training"
+    assert not await page.locator("#degraded").is_visible()  # healthy: no banner
     assert (await page.text_content("#k-step")) == "30 / 40"
     assert (await page.text_content("#k-version")) == "v30"
     assert (await page.text_content("#k-reward")) == f"{box.report.reward_mean:.3f}"
@@ -228,6 +236,31 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert (await page.text_content("#phase")) == "Succeeded"
     d = await page.locator("#reward-chart path.series.reward").get_attribute("d")
     assert d.count("M") + d.count("L") == 31
+
+
+async def test_dashboard_shows_a_degraded_banner_while_an_outage_lasts(live: str, page, board: Health) -> None:
+    """The banner appears (on screen, amber, with the reason and what is unreachable) while the
+    trainer's board lists an outage, and goes away once it recovers, without a reload."""
+    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+    banner = page.locator("#degraded")
+    assert not await banner.is_visible()
+
+    board.failing("redis", "j-redis.ns.svc:6379/0", "ConnectionError: Connection refused", 180.0)
+    await page.wait_for_selector("#degraded", state="visible", timeout=20_000)
+    assert (await page.text_content("#degraded-reason")) == "RedisUnavailable"
+    text = await banner.text_content()
+    assert "Degraded" in text and "j-redis.ns.svc:6379/0" in text and "Connection refused" in text
+    assert "training waits since" in text
+    box = await banner.bounding_box()
+    assert box is not None and box["width"] > 600 and box["height"] > 20, box
+    amber, total = ink(await banner.screenshot(), lambda r, g, b: r > 230 and 180 < g < 250 and b < 215)
+    assert amber > 0.3 * total, (amber, total)  # the banner's background, not a blank strip
+    assert (await page.text_content("#phase")) == "Training"  # the rest of the page still renders
+
+    board.recovered("redis", "j-redis.ns.svc:6379/0")
+    await page.wait_for_selector("#degraded", state="hidden", timeout=20_000)
+    await page.wait_for_function("document.body.dataset.degraded === undefined", timeout=20_000)
 
 
 async def test_dashboard_without_token_is_refused_and_says_how(live: str, page) -> None:

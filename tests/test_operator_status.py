@@ -301,3 +301,63 @@ def test_live_report_reason_ends_the_job_when_no_record_was_read():
     assert (s["phase"], s["reason"], s["message"]) == ("Failed", "WeightSyncFailed", "engine 2 rejected the weights")
     s = compute_status(view(), {}, Observed(report=TrainerReport(phase="Succeeded", step=10, policy_version=10)), T0)
     assert (s["reason"], s["message"]) == ("TrainingComplete", "trained 10 steps (policy version 10)")
+
+
+def outage_report(*outages: tuple[str, str, float], reason: str = "RedisUnavailable") -> TrainerReport:
+    """The trainer's /status document while it waits out outages, parsed as the operator's mirror
+    parses it (TrainerReport.model_validate of the JSON): (dependency, target, since) each."""
+    since = min(o[2] for o in outages)
+    return TrainerReport.model_validate({
+        "job": "j", "phase": "Waiting", "step": 3,
+        "degraded": {"status": True, "reason": reason, "message": "Redis ... unreachable for 12s", "since": since,
+                     "outages": [{"dependency": dep, "target": target, "since": at, "seconds": 12.0,
+                                  "last_error": "ConnectionError: Connection refused", "failures": 7,
+                                  "window_s": 180.0} for dep, target, at in outages]}})
+
+
+def test_an_outage_the_trainer_waits_out_is_the_degraded_condition():
+    """The trainer's /status `degraded` becomes Degraded=True with its reason and a message naming
+    what is unreachable and since when; the job stays Running (its reason says why it waits) and the
+    condition and message do not change from pass to pass while the outage lasts; recovery clears it."""
+    t_down = (T0 + timedelta(seconds=30)).timestamp()
+    s = compute_status(view(), {}, ready(), T0)
+    assert conds(s)["Degraded"]["status"] == "False" and conds(s)["Degraded"]["reason"] == "Healthy"
+    down = Observed(rollout_ready=2, trainer_ready=1, redis_ready=1,
+                    report=outage_report(("redis", "j-redis.ns.svc:6379/0", t_down)))
+    s1 = compute_status(view(), s, down, T0 + timedelta(seconds=40))
+    d = conds(s1)["Degraded"]
+    assert (d["status"], d["reason"]) == ("True", "RedisUnavailable")
+    assert d["message"] == ("the trainer is waiting: Redis j-redis.ns.svc:6379/0 unreachable since "
+                            "2026-01-01T00:00:30Z (ConnectionError: Connection refused), retrying for up to 180s")
+    assert d["lastTransitionTime"] == "2026-01-01T00:00:40Z"
+    assert (s1["phase"], s1["reason"], s1["message"]) == ("Running", "RedisUnavailable", d["message"])
+    assert s1["trainer"]["step"] == 3, "the rest of the report is mirrored as before"
+    s2 = compute_status(view(), s1, down, T0 + timedelta(seconds=70))
+    assert conds(s2)["Degraded"] == d and (s2["reason"], s2["message"]) == (s1["reason"], s1["message"])
+    # Back: Degraded=False, the job's reason is Running again.
+    healthy = Observed(rollout_ready=2, trainer_ready=1, redis_ready=1, report=TrainerReport(phase="Training", step=4))
+    s3 = compute_status(view(), s2, healthy, T0 + timedelta(seconds=80))
+    assert (conds(s3)["Degraded"]["status"], conds(s3)["Degraded"]["reason"]) == ("False", "Healthy")
+    assert conds(s3)["Degraded"]["lastTransitionTime"] == "2026-01-01T00:01:20Z"
+    assert (s3["phase"], s3["reason"]) == ("Running", "Running")
+
+
+def test_engine_outages_and_a_crash_loop_at_once():
+    t = (T0 + timedelta(seconds=5)).timestamp()
+    engines = outage_report(("engine", "http://10.0.0.7:30000", t), ("engine", "http://10.0.0.8:30000", t + 1),
+                            reason="EngineUnavailable")
+    check = S.degraded([], engines)
+    assert (check.status, check.reason) == ("True", "EngineUnavailable")
+    assert "engine http://10.0.0.7:30000 unreachable since 2026-01-01T00:00:05Z" in check.message
+    assert "http://10.0.0.8:30000 unreachable since 2026-01-01T00:00:06Z" in check.message
+    # A report that names no reason (an older trainer): the first outage's dependency decides.
+    bare = engines.model_copy(update={"degraded": engines.degraded.model_copy(update={"reason": ""})})
+    assert S.degraded([], bare).reason == "EngineUnavailable"
+    # A crash loop and an outage: the pod's reason (the more specific), both in the message.
+    looping = runs(trainer_pod("j-rollout-x", "rollout", restartCount=4,
+                               state={"waiting": {"reason": "CrashLoopBackOff"}}))
+    both = S.degraded(looping, outage_report(("redis", "r:6379/0", t)))
+    assert (both.status, both.reason) == ("True", "CrashLoopBackOff")
+    assert "j-rollout-x" in both.message and "Redis r:6379/0 unreachable since" in both.message
+    # No report (the trainer's endpoint did not answer) or a healthy one: not degraded by an outage.
+    assert S.degraded([], None) == S.degraded([], TrainerReport()) == S.NOT_DEGRADED

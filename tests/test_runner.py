@@ -76,7 +76,10 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
     recorded = read_outcome_file(run_dir / "weights", "")
     assert recorded is not None and (recorded.phase, recorded.step, recorded.policy_version) == ("Succeeded", 3, 3)
     state = json.loads((run_dir / "checkpoints" / "step-000003" / "state.json").read_text())
-    lineage = state["trained_group_ids"]
+    from asyncrl.trainer.checkpoint import lineage_group_ids
+
+    lineage = lineage_group_ids(run_dir / "checkpoints")
+    assert state["groups_trained"] == 6
     assert len(lineage) == len(set(lineage)) == 6
     # The engine was moved to every new version by the trainer.
     assert [e["weight_version"] for e in state["report"]["rollout"]] == [3]

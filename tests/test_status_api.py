@@ -13,10 +13,13 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncrl.health import Health
 from asyncrl.status_report import (
     BehaviourReport,
+    DegradedReport,
     EngineReport,
     ImportanceWeightReport,
+    OutageReport,
     StalenessReport,
     StepRecord,
     TrainerReport,
@@ -93,8 +96,11 @@ async def box() -> ReportBox:
     return ReportBox(make_report())
 
 
-async def _start(get_report: Callable[[], TrainerReport], token: str | None = None) -> StatusServer:
-    server = StatusServer(create_app(get_report, token=token), "127.0.0.1", 0)
+async def _start(get_report: Callable[[], TrainerReport], token: str | None = None,
+                 health: Health | None = None) -> StatusServer:
+    """A server on a free port. Its Health board is its own (an empty one unless given): the
+    process-wide board may hold an outage left by another test in this process."""
+    server = StatusServer(create_app(get_report, token=token, health=health or Health()), "127.0.0.1", 0)
     await server.start()
     return server
 
@@ -125,7 +131,10 @@ async def test_status_serves_the_report_document(client: httpx.AsyncClient, box:
     assert resp.status_code == 200
     assert resp.headers["content-type"].startswith("application/json")
     body = resp.json()
-    assert body == box.report.model_dump(mode="json")
+    # Healthy: exactly the report, `degraded` absent rather than null (as before the field existed).
+    assert body == box.report.model_dump(mode="json", exclude={"degraded"})
+    assert "degraded" not in body
+    assert TrainerReport.model_validate(body) == box.report  # the document round-trips through the model
     for key in (
         "phase", "step", "policy_version", "max_steps", "groups_trained", "tokens_trained",
         "tokens_per_second", "reward_mean", "reward_history", "staleness", "clip_fraction",
@@ -209,6 +218,81 @@ async def test_metrics_follow_the_report_between_scrapes(client: httpx.AsyncClie
     assert math.isnan(m[("asyncrl_trainer_reward_mean", ())])
     engines = {labels for name, labels in m if name == "asyncrl_trainer_engine_ready"}
     assert engines == {(("engine", "http://engine-a:30000"),)}  # the vanished engine's series is gone
+
+
+async def test_an_outage_on_the_board_makes_status_and_metrics_say_degraded(box: ReportBox) -> None:
+    """While the Health board lists an outage, /status carries a typed `degraded` that the operator's
+    mirror (fetch_report: TrainerReport.model_validate of /status) keeps, and /metrics says which
+    dependency is down and for how long; once it recovers, both go back to healthy."""
+    from asyncrl.operator.mirror import fetch_report
+
+    board = Health()
+    server = await _start(box, health=board)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            m = _samples((await c.get("/metrics")).text)
+            for dependency in ("redis", "engine"):  # the series exist while healthy: alerts need no absent()
+                assert m[("asyncrl_trainer_degraded", (("dependency", dependency),))] == 0
+                assert m[("asyncrl_trainer_outage_seconds", (("dependency", dependency),))] == 0
+
+            before = time.time()
+            board.failing("redis", "redis.ns.svc:6379/0", ConnectionRefusedError("Connection refused"), 180.0)
+            board.failing("redis", "redis.ns.svc:6379/0", ConnectionRefusedError("Connection refused"), 180.0)
+            body = (await c.get("/status")).json()
+            d = body["degraded"]
+            assert (d["status"], d["reason"]) == (True, "RedisUnavailable")
+            assert "redis.ns.svc:6379/0" in d["message"] and "Connection refused" in d["message"]
+            assert before - 1 <= d["since"] <= time.time()
+            [o] = d["outages"]
+            assert (o["dependency"], o["target"], o["failures"], o["window_s"]) == (
+                "redis", "redis.ns.svc:6379/0", 2, 180.0)
+            assert o["last_error"] == "ConnectionRefusedError: Connection refused" and o["seconds"] >= 0
+            assert {k: v for k, v in body.items() if k != "degraded"} == box.report.model_dump(
+                mode="json", exclude={"degraded"}), "the rest of the document is the report"
+
+            mirrored = await fetch_report(server.url)  # what the operator reads into the job's status
+            assert isinstance(mirrored.degraded, DegradedReport)
+            assert mirrored.degraded.reason == "RedisUnavailable"
+            assert mirrored.degraded.outages[0].target == "redis.ns.svc:6379/0"
+
+            m = _samples((await c.get("/metrics")).text)
+            assert m[("asyncrl_trainer_degraded", (("dependency", "redis"),))] == 1
+            assert m[("asyncrl_trainer_degraded", (("dependency", "engine"),))] == 0
+            assert 0 <= m[("asyncrl_trainer_outage_seconds", (("dependency", "redis"),))] <= time.time() - before + 1
+            assert m[("asyncrl_trainer_outage_seconds", (("dependency", "engine"),))] == 0
+
+            board.recovered("redis", "redis.ns.svc:6379/0")
+            body = (await c.get("/status")).json()
+            assert "degraded" not in body and (await fetch_report(server.url)).degraded is None
+            m = _samples((await c.get("/metrics")).text)
+            assert m[("asyncrl_trainer_degraded", (("dependency", "redis"),))] == 0
+            assert m[("asyncrl_trainer_outage_seconds", (("dependency", "redis"),))] == 0
+    finally:
+        await server.stop()
+
+
+async def test_the_board_not_the_report_says_what_is_down(box: ReportBox) -> None:
+    """A report that carries an old `degraded` (restored, or set by mistake) is served healthy when
+    the board is empty; without a board (health=None) the report is served as it is."""
+    stale = DegradedReport(reason="EngineUnavailable", message="old", since=1.0,
+                           outages=[OutageReport(dependency="engine", target="http://e:30000", since=1.0, seconds=5.0)])
+    box.report = box.report.model_copy(update={"degraded": stale})
+    server = await _start(box)  # an empty board
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            assert "degraded" not in (await c.get("/status")).json()
+    finally:
+        await server.stop()
+    bare = StatusServer(create_app(box, health=None), "127.0.0.1", 0)
+    await bare.start()
+    try:
+        async with httpx.AsyncClient(base_url=bare.url, timeout=10) as c:
+            assert (await c.get("/status")).json()["degraded"]["reason"] == "EngineUnavailable"
+            m = _samples((await c.get("/metrics")).text)  # /metrics agrees with /status
+            assert m[("asyncrl_trainer_degraded", (("dependency", "engine"),))] == 1
+            assert m[("asyncrl_trainer_outage_seconds", (("dependency", "engine"),))] == 5.0
+    finally:
+        await bare.stop()
 
 
 async def test_healthz_and_dashboard(client: httpx.AsyncClient) -> None:

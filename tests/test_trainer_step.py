@@ -65,9 +65,12 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
     # Every trained group is acknowledged (marked trained, entry deleted), nothing left pending.
     assert trained == {g.group_id for g in fresh}
     assert pending == 0 and length == 0
-    assert sorted(trainer.state.trained_group_ids) == sorted(trained)
+    from asyncrl.trainer.checkpoint import lineage_group_ids
+
+    lineage = lineage_group_ids(tmp_path / "ckpt")  # what the newest checkpoint was trained on
+    assert sorted(lineage) == sorted(trained) and len(lineage) == len(set(lineage))
     # Oldest first: groups were created in order, so step 1 trained the first two.
-    assert trainer.state.trained_group_ids[:2] == ["g0000", "g0001"]
+    assert lineage[:2] == ["g0000", "g0001"]
 
     # Weights: complete HF directories, no temporary leftovers; v1 kept (previous), v2 newest.
     weights = tmp_path / "weights"
@@ -128,7 +131,9 @@ def test_over_stale_groups_are_dropped_counted_and_acked(tmp_path: Path, redis_u
     trainer, phase = asyncio.run(go())
     assert phase == "Succeeded"
     assert trainer.state.dropped == 1
-    assert trainer.state.trained_group_ids == ["new0000", "new0001"]
+    from asyncrl.trainer.checkpoint import lineage_group_ids
+
+    assert lineage_group_ids(tmp_path / "ckpt") == ["new0000", "new0001"]
     assert trainer.get_report().staleness.dropped == 1
     names = StreamNames.for_job(JOB)
 

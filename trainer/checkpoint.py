@@ -1,17 +1,49 @@
 """Trainer checkpoints: everything needed to continue exactly where a committed step left off.
 
 A checkpoint is a directory `step-{N}` holding the model and optimizer state dicts, the RNG
-states and `state.json` (policy version, step, counters, the trainer report, the ids of every group
-this lineage has trained). It is written into a temporary sibling and renamed (`asyncrl.files`), so a
-trainer killed mid-write leaves the previous checkpoint intact. The trainer acknowledges stream entries only
-after the checkpoint that contains their update is on disk: after a crash, the entries trained
-since are still pending, are re-read and trained again on the restored weights, so in the
-surviving lineage every group counts at most once and no acknowledged group is lost.
+states and `state.json` (policy version, step, counters, the trainer report, and the ids of the
+groups trained in its *window*: the steps since the checkpoint before it). It is written into a
+temporary sibling and renamed (`asyncrl.files`), so a trainer killed mid-write leaves the previous
+checkpoint intact.
+
+Exactly once across the commit window. `Trainer.commit` writes the checkpoint, then acknowledges
+the window's stream entries (one atomic Lua script: SADD the Redis `trained` set, XACK, XDEL;
+asyncrl/transport/streams.py). On resume the checkpoint is authoritative: before reading anything,
+the restored window's group ids go through that same ack script (`TrajectoryConsumer.ack_committed`),
+which marks them trained and acknowledges this consumer's pending entries that carry them, so they
+are never trained again. Wherever a kill lands, Redis and the newest checkpoint agree:
+  - before the rename: the newest checkpoint is the previous one, whose window was acknowledged
+    (at its own commit, or at the resume from it); the steps since are lost, their entries still
+    pending, re-read and trained once in the surviving lineage;
+  - after the rename, before the ack: the restart acknowledges the window instead of training it
+    again (without this, it re-read its pending entries and trained them twice);
+  - during the ack: the script is atomic (also in the AOF), so this is one of the two other cases;
+  - during the resume's ack: the same script, redone by the next restart (it is idempotent).
+
+Why the window is enough (bounded memory, incremental state). Invariant, at every instant: (a) the
+Redis `trained` set holds no group trained outside the newest checkpoint's lineage (a window is
+acknowledged only after its checkpoint is renamed; over-stale groups aside, which the inbox drops
+and acknowledges, so marks trained, without training them), and (b) every group of that lineage that Redis does not mark
+trained is in the newest checkpoint's window. (b) holds because the ack of window k completes (at
+its commit, or at the resume from checkpoint k) before any step of window k+1 is trained, so when
+checkpoint k+1 lands only window k+1 can be unacknowledged. So resume needs the newest window's ids
+and nothing older: `state.json` holds at most `checkpointInterval x batchSize` ids (not the whole
+lineage, ~52 MB per million groups rewritten at every checkpoint), and `groups_trained` keeps the
+total. (a state.json of an older version, with every id of the lineage, is read as one big window:
+marking already-trained groups trained again is harmless.)
+
+The lineage itself, for audits and the tests that prove at-most-once, is appended, never rewritten:
+`trained-groups.jsonl` next to the checkpoints, one line per checkpoint holding its window
+(`{"step": n, "window_start_step": m, "group_ids": [...]}`, ~35 bytes per group, on disk only),
+written and fsynced just before the checkpoint. Lines of steps after the newest checkpoint belong to
+a lost timeline; the resumed trainer cuts them off (`truncate_trained_log`) and `lineage_group_ids`
+ignores them, so what it returns is exactly what the newest checkpoint's weights were trained on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -22,10 +54,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.files import atomic_directory, remove_stray_temp_dirs
+from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
+TRAINED_LOG = "trained-groups.jsonl"
+"""The lineage's trained group ids, one line per checkpoint, next to the checkpoints (see the top)."""
 
 
 @dataclass
@@ -35,14 +69,23 @@ class TrainerState:
     step: int = 0
     version: int = 0
     groups_trained: int = 0
+    """Every group trained in this lineage (the count; the ids are in TRAINED_LOG)."""
     tokens_trained: int = 0
     dropped: int = 0
     skipped_updates: int = 0
     """Optimizer updates skipped for a non-finite gradient norm in this lineage."""
-    trained_group_ids: list[str] = field(default_factory=list)
-    """Every group id trained in this lineage, in order (how tests prove at-most-once)."""
+    window_start_step: int = 0
+    """The step of the checkpoint this window follows (the one committed or resumed from last)."""
+    window_group_ids: list[str] = field(default_factory=list)
+    """Groups trained in steps (window_start_step, step], in order: what this checkpoint's commit
+    acknowledges, and what a resume from it acknowledges again (see the top: enough, and bounded)."""
     report: dict[str, Any] = field(default_factory=dict)
     """The TrainerReport at the checkpoint (history, staleness histogram)."""
+
+    def start_window(self) -> None:
+        """The window is acknowledged (committed, or settled on resume): the next one starts here."""
+        self.window_start_step = self.step
+        self.window_group_ids = []
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -50,6 +93,9 @@ class TrainerState:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainerState:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if "window_group_ids" not in data and "trained_group_ids" in data:
+            # written before windows existed: every id of the lineage, a superset of the window
+            known["window_group_ids"] = list(data["trained_group_ids"])
         return cls(**known)
 
 
@@ -100,6 +146,73 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
         shutil.rmtree(old, ignore_errors=True)
     remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
     return target
+
+
+def _read_log(root: Path, up_to_step: int | None = None) -> tuple[list[tuple[int, list[str]]], int]:
+    """The log's leading complete lines (of steps <= `up_to_step`, when given) as (step, ids), and
+    the byte offset where they end. Reading stops at a partial or unreadable line (a writer killed
+    mid-line) and at the first line past `up_to_step`: lines are in step order."""
+    path = Path(root) / TRAINED_LOG
+    lines: list[tuple[int, list[str]]] = []
+    end = 0
+    if not path.exists():
+        return lines, end
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            try:
+                entry = json.loads(raw)
+                step, ids = int(entry["step"]), [str(g) for g in entry["group_ids"]]
+            except (ValueError, KeyError, TypeError):
+                break
+            if up_to_step is not None and step > up_to_step:
+                break
+            lines.append((step, ids))
+            end += len(raw)
+    return lines, end
+
+
+def append_trained(root: Path, state: TrainerState) -> None:
+    """Append `state`'s window to the lineage log as one line and fsync it: called just before the
+    checkpoint of `state` is written, so when that checkpoint exists, so does its line (on disk:
+    also after a power cut). A line whose checkpoint never landed is cut off by the next resume."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    line = {"step": state.step, "window_start_step": state.window_start_step,
+            "group_ids": list(state.window_group_ids)}
+    path = root / TRAINED_LOG
+    new = not path.exists()
+    with open(path, "a") as fh:
+        fh.write(json.dumps(line) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    if new:
+        fsync_dir(root)  # (the file's directory entry)
+
+
+def truncate_trained_log(root: Path, step: int) -> None:
+    """On resume from step `step`: cut off the lines of later steps (a lost timeline) and a partial
+    last line. Lines are in step order (each life appends after the step it resumed from), so this
+    truncates the file's tail in place, never rewrites it."""
+    path = Path(root) / TRAINED_LOG
+    if not path.exists():
+        return
+    _, end = _read_log(root, step)
+    if end != path.stat().st_size:
+        os.truncate(path, end)
+
+
+def lineage_group_ids(root: Path, step: int | None = None) -> list[str]:
+    """Every group id trained in the lineage of the newest checkpoint under `root` (or of steps up
+    to `step`), in training order: the log's lines up to that step. [] without a checkpoint."""
+    if step is None:
+        latest = latest_checkpoint(root)
+        if latest is None:
+            return []
+        step = read_state(latest).step
+    lines, _ = _read_log(root, step)
+    return [g for _, ids in lines for g in ids]
 
 
 def read_state(path: Path) -> TrainerState:

@@ -3,6 +3,10 @@
 Self-contained on purpose: the trainer pods usually have no route to a CDN, so styles, charts
 (inline SVG drawn by a few lines of JS) and polling of `status` all live in this one page. If the
 page was opened as `/?token=...`, the same token is sent as a bearer header on every poll.
+
+While the trainer waits out an outage (the report's `degraded`), an amber banner under the header
+says Degraded, why (RedisUnavailable, EngineUnavailable), since when and the trainer's own words:
+the charts alone would only show training standing still, which looks the same as a slow step.
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ DASHBOARD_HTML = r"""<!doctype html>
   #message { margin: -6px 0 12px; color: var(--muted); }
   #message.failed { color: #991b1b; font-weight: 600; }
   #message:empty { display: none; }
+  .degraded { display: flex; gap: 10px; align-items: baseline; margin: 0 0 12px; padding: 10px 14px;
+              background: #fef3c7; border: 1px solid #f59e0b; border-left: 6px solid #d97706; border-radius: 10px; color: #78350f; }
+  .degraded[hidden] { display: none; }
+  .degraded strong { font-size: 15px; white-space: nowrap; }
+  .degraded .why { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
+  .degraded .what { flex: 1; word-break: break-word; }
   .kpis { display: grid; grid-template-columns: repeat(6, minmax(0, 1fr)); gap: 12px; margin-bottom: 14px; }
   .card { background: var(--card); border: 1px solid var(--line); border-radius: 10px; padding: 12px 14px; }
   .kpi .label { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: .6px; }
@@ -76,6 +86,9 @@ DASHBOARD_HTML = r"""<!doctype html>
 <main>
   <div class="progress" title="step / max steps"><div id="progress"></div></div>
   <div id="message"></div>
+  <div class="degraded" id="degraded" data-testid="degraded" role="alert" hidden>
+    <strong>Degraded</strong><span class="why" id="degraded-reason"></span><span class="what" id="degraded-text"></span>
+  </div>
   <section class="kpis">
     <div class="card kpi"><div class="label">Step</div><div class="value" id="k-step">–</div><div class="sub" id="k-step-sub">&nbsp;</div></div>
     <div class="card kpi"><div class="label">Policy version</div><div class="value" id="k-version">–</div><div class="sub" id="k-version-sub">&nbsp;</div></div>
@@ -227,6 +240,7 @@ function render(r) {
   const ph = $("phase"); ph.textContent = r.phase; ph.className = "badge " + r.phase;
   setText("message", r.message || (r.phase === "Failed" ? "trainer failed" : ""));
   $("message").className = r.phase === "Failed" ? "failed" : "";
+  renderDegraded(r.degraded);
   $("progress").style.width = r.max_steps > 0 ? Math.min(100, 100 * r.step / r.max_steps) + "%" : "0";
   setHTML("k-step", String(r.step), r.max_steps > 0 ? ` / ${r.max_steps}` : "");
   setText("k-step-sub", r.max_steps > 0 ? `${(100 * r.step / r.max_steps).toFixed(0)}% done` : "no step limit");
@@ -283,6 +297,17 @@ function render(r) {
     const s = tr.insertCell(); s.textContent = e.ready ? "ready" : "not ready"; s.className = e.ready ? "ready" : "notready";
   }
   document.body.dataset.step = String(r.step);
+}
+
+// Absent (or status false) when nothing is down: the banner hides again.
+function renderDegraded(d) {
+  const banner = $("degraded");
+  if (!d || !d.status) { banner.hidden = true; delete document.body.dataset.degraded; return; }
+  banner.hidden = false;
+  setText("degraded-reason", d.reason || "DependencyUnavailable");
+  const since = d.since ? ` since ${new Date(d.since * 1000).toLocaleTimeString()}` : "";
+  setText("degraded-text", `training waits${since}: ${d.message || "a dependency is unreachable"}`);
+  document.body.dataset.degraded = d.reason || "true";
 }
 
 function setConn(ok, text) { $("conn-dot").className = "dot " + (ok ? "ok" : "bad"); setText("conn-text", text); }

@@ -9,11 +9,21 @@ decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob, lengths
 never reaches the buffer: the consumer dead-letters it with the reason and acknowledges it, also
 when it was still pending from before a restart, so it cannot crash-loop the trainer; admission
 gets its capacity back here too. Trained groups are acknowledged only at the next checkpoint
-(`ack_trained`, from `Trainer.commit`; checkpoint.py says why).
+(`ack_trained`, from `Trainer.commit`; checkpoint.py says why), and a resumed trainer first
+acknowledges the window its checkpoint already trained (`ack_restored`), before any read.
+
+Nothing is stranded in a running trainer: every `pending_check_s` seconds a read also re-reads
+this consumer's own pending list (`TrajectoryConsumer.recover_pending`: entries Redis delivered in
+a reply the client lost) and reclaims entries idle for `reclaim_idle_ms` in any consumer's list
+(`reclaim`: a previous pod of another name). Without it such entries wait for the next restart and,
+at eta=0, hold admission capacity that no producer gets back. Entries buffered or trained here are
+in flight in the consumer, so neither pass hands them out twice.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +47,19 @@ class GroupInbox:
     """The groups rank 0 has read but not yet acknowledged, and the reads and acks that move them."""
 
     def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
-                 max_head_offpolicyness: int, read_block_ms: int = 1000) -> None:
+                 max_head_offpolicyness: int, read_block_ms: int = 1000, pending_check_s: float = 30.0,
+                 reclaim_idle_ms: int = 600_000) -> None:
         self.consumer = consumer
         self.admission = admission
         self.batch_size = batch_size
         self.max_head_offpolicyness = max_head_offpolicyness
         self.read_block_ms = read_block_ms
+        self.pending_check_s = pending_check_s
+        """How often a read also re-reads the own pending list and reclaims idle entries."""
+        self.reclaim_idle_ms = reclaim_idle_ms
+        """Idle time after which another consumer's entry is taken over: far above a step (streams.py)."""
+        # (a restarted consumer reads its own pending list first anyway: the first pass can wait)
+        self._last_pending_check = time.monotonic()
         self.buffer: list[Delivery] = []       # read, fresh, not yet trained (still pending in Redis)
         self.uncommitted: list[Delivery] = []  # trained since the last checkpoint (acked at the next one)
         self.dead_lettered = 0                 # entries the consumer dead-lettered (admission told)
@@ -69,9 +86,17 @@ class GroupInbox:
         return [d.group for d in batch]
 
     async def read(self) -> None:
-        """Read up to the missing number of groups (blocking briefly); a group already buffered is skipped."""
-        deliveries = await self.consumer.read(count=max(self.batch_size - len(self.buffer), 1),
-                                              block_ms=self.read_block_ms)
+        """Read up to the missing number of groups (blocking briefly); a group already buffered is skipped.
+
+        Every `pending_check_s` seconds, first recover entries stranded in the own pending list and
+        reclaim idle ones (see the top)."""
+        deliveries: list[Delivery] = []
+        if time.monotonic() - self._last_pending_check >= self.pending_check_s:
+            deliveries += await self.consumer.recover_pending()
+            deliveries += await self.consumer.reclaim(self.reclaim_idle_ms)
+            self._last_pending_check = time.monotonic()
+        deliveries += await self.consumer.read(count=max(self.batch_size - len(self.buffer), 1),
+                                               block_ms=self.read_block_ms)
         await self.release_dead_lettered()
         known = {d.group.group_id for d in self.buffer}
         for d in deliveries:
@@ -90,6 +115,12 @@ class GroupInbox:
             await self.admission.record_dead_lettered(new)
             self.dead_lettered += new
         return max(new, 0)
+
+    async def ack_restored(self, group_ids: Iterable[str]) -> int:
+        """On resume, before any read: acknowledge the groups the restored checkpoint trained in its
+        window (pending if the last life was killed between its checkpoint and its ack), so they
+        are not trained again; returns how many pending entries that acknowledged."""
+        return await self.consumer.ack_committed(group_ids)
 
     async def ack_trained(self) -> int:
         """Acknowledge every group trained since the last call (after a checkpoint); returns how many."""

@@ -19,7 +19,9 @@ One step:
      published: they end training (NonFiniteWeightsError), as do SYNC_FAILURES_BEFORE_FATAL failed
      weight syncs in a row; either stops every rank;
   6. every K steps (and at the end) a checkpoint is written and only then are the groups trained
-     since the previous checkpoint acknowledged (see checkpoint.py for why).
+     since the previous checkpoint (its window) acknowledged; a resumed trainer first acknowledges
+     the window of the checkpoint it resumed from, so a kill between a checkpoint and its ack
+     trains nothing twice (checkpoint.py says why this holds wherever the kill lands).
 The report (served at /status) and metrics.jsonl (step_metrics.py) are updated after each step.
 How the run ends (the recorded outcome, trainer/main.py) is decided from what `run` returns or raises.
 What to train comes from the validated job spec; `RunConfig` holds only what the spec does not say.
@@ -43,7 +45,12 @@ from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import EngineReport, StepRecord, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch, build_batch
-from asyncrl.trainer.checkpoint import TrainerState, save_checkpoint
+from asyncrl.trainer.checkpoint import (
+    TrainerState,
+    append_trained,
+    save_checkpoint,
+    truncate_trained_log,
+)
 from asyncrl.trainer.inbox import GroupInbox, StreamIO
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.losses import LossConfig, policy_loss
@@ -124,6 +131,10 @@ class RunConfig:
     read_block_ms: int = 1000
     engine_max_age_s: float = 30.0
     """Engines whose registry heartbeat is older than this are ignored."""
+    pending_check_s: float = 30.0
+    """How often rank 0 re-reads its own pending list and reclaims idle entries (inbox.py)."""
+    reclaim_idle_ms: int = 600_000
+    """Another consumer's entry idle this long is taken over (far above the longest step)."""
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, job: AsyncRLJob) -> RunConfig:
@@ -148,7 +159,8 @@ class Trainer:
         self.io = io
         self.inbox = None if io is None else GroupInbox(
             io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
-            max_head_offpolicyness=self.spec.staleness.max_head_offpolicyness, read_block_ms=cfg.read_block_ms)
+            max_head_offpolicyness=self.spec.staleness.max_head_offpolicyness, read_block_ms=cfg.read_block_ms,
+            pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms)
         self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
         self.report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
@@ -219,6 +231,7 @@ class Trainer:
         failed weight syncs) propagates on every rank; the caller records the job as Failed
         (trainer/main.py)."""
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
+        await self.settle_restored()
         await self.startup_sync()
         while self.state.step < max_steps:
             # 1-2. Batch: rank 0 reads B fresh groups, every rank gets the same list.
@@ -245,6 +258,23 @@ class Trainer:
             return "Succeeded"
         self._set_phase("Stopped", f"{self.state.step} steps, policy version {self.state.version}")
         return "Stopped"
+
+    async def settle_restored(self) -> None:
+        """Make Redis agree with the checkpoint this run starts from, before anything is read.
+
+        Rank 0 cuts the lineage log back to the checkpoint's step (later lines are a lost timeline)
+        and acknowledges the checkpoint's window through the ack script: if the last life was
+        killed after the checkpoint landed but before its ack, those groups are still pending and
+        would otherwise be read and trained a second time. Then every rank starts a new window."""
+        if self.ctx.is_main:
+            truncate_trained_log(self.cfg.checkpoint_dir, self.state.step)
+            if self.inbox is not None and self.state.window_group_ids:
+                acked = await self.inbox.ack_restored(self.state.window_group_ids)
+                if acked:
+                    log.warning("acknowledged %d pending group(s) that checkpoint step %d already trained "
+                                "(the last run was stopped between its checkpoint and its ack)",
+                                acked, self.state.step)
+        self.state.start_window()
 
     async def startup_sync(self) -> None:
         """After a resume, put the engines back on this lineage's weights (newer ones were lost)."""
@@ -453,7 +483,7 @@ class Trainer:
         st.step += 1
         st.groups_trained += len(groups)
         st.tokens_trained += record["tokens"]
-        st.trained_group_ids.extend(record["group_ids"])
+        st.window_group_ids.extend(record["group_ids"])
         now = time.time()
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
@@ -495,16 +525,20 @@ class Trainer:
                  record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
 
     async def commit(self) -> None:
-        """Checkpoint (rank 0 writes), then acknowledge every group trained since the last one."""
+        """Checkpoint (rank 0 writes; its window holds the groups trained since the last one), then
+        acknowledge them; the next window starts. A kill at any instant in between is safe: the
+        resumed trainer acknowledges the window again (`settle_restored`; checkpoint.py)."""
         D.barrier(self.ctx)
         if self.ctx.is_main:
             with self._report_lock:
                 self.state.report = self.report.model_dump(mode="json")
+            append_trained(self.cfg.checkpoint_dir, self.state)  # (the lineage log first, fsynced)
             path = save_checkpoint(self.cfg.checkpoint_dir, D.unwrap(self.model), self.optimizer, self.state)
             acked = await self.inbox.ack_trained() if self.inbox is not None else 0
             with self._report_lock:
                 self.report.last_checkpoint = str(path)
             log.info("checkpoint %s; acknowledged %d group(s)", path, acked)
+        self.state.start_window()
         self._committed_step = self.state.step
         D.barrier(self.ctx)
 

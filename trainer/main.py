@@ -75,6 +75,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="exit once the outcome is recorded (0 Succeeded, 1 Failed) instead of serving it "
                              "until SIGTERM; for scripts and tests, never in a StatefulSet (it would restart)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--redis-outage-s", type=float, default=None,
+                        help="seconds a Redis command waits through an outage (Degraded on /status meanwhile) "
+                             "before the trainer gives up and restarts (default $ASYNCRL_REDIS_OUTAGE_S or 180)")
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -89,6 +92,13 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    from asyncrl.transport.connection import outage_window, set_outage_window  # (Redis: see the top)
+
+    try:  # every Redis client of this process waits out outages this long (a bad value: config error)
+        set_outage_window(getattr(args, "redis_outage_s", None))
+        outage_window()
+    except ValueError as exc:
+        return config_error(exc)
     try:
         job = load_job(args.config)
     except SpecError as exc:

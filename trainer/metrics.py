@@ -4,6 +4,11 @@ The report is the single source of truth (the trainer writes it, `/status` serve
 metrics are refreshed from it at scrape time instead of being updated from inside the training
 loop: nothing can drift between `/status` and `/metrics`. Everything lives in a dedicated
 CollectorRegistry so several apps (tests, an embedded server) never clash in the global registry.
+
+Degraded (an outage being waited out, the report's `degraded`) is exported as
+`asyncrl_trainer_degraded{dependency}` 0/1 and `asyncrl_trainer_outage_seconds{dependency}`, with
+a series for each known dependency (redis, engine) even when healthy: an alert on `== 1` or on the
+outage's length then needs no `absent()` and never mistakes "no series" for "no outage".
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncrl.status_report import StepRecord, TrainerReport
+from asyncrl.status_report import DegradedReport, StepRecord, TrainerReport
 
 PREFIX = "asyncrl_trainer"
 PHASES = ["Starting", "Waiting", "Training", "Publishing", "Succeeded", "Failed", "Stopped"]
 STEP_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, math.inf)
+DEPENDENCIES = ("redis", "engine")
+"""Dependencies whose Degraded series always exist (others appear while they are down)."""
 SYNC_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, math.inf)
 
 
@@ -128,6 +135,10 @@ class TrainerMetrics:
         self.engine_ready = gauge("engine_ready", "1 when the rollout engine is ready.", ["engine"])
         self.engine_lag = gauge("engine_version_lag", "Policy version minus the engine's weight version.", ["engine"])
         self.updated = gauge("report_updated_timestamp_seconds", "When the trainer last updated its report.")
+        self.degraded = gauge("degraded", "1 while the trainer waits out an outage of this dependency (Degraded).",
+                              ["dependency"])
+        self.outage_seconds = gauge("outage_seconds", "How long the current outage of this dependency has lasted "
+                                    "(0: reachable).", ["dependency"])
 
     def update(self, report: TrainerReport) -> None:
         """Bring every metric in line with `report` (idempotent; call before each scrape)."""
@@ -164,6 +175,7 @@ class TrainerMetrics:
             for record in report.history:
                 self._observe_step(record)
             self._set_engines(report)
+            self._set_degraded(report.degraded)
             self.updated.set(report.updated_at)
 
     def observe_step(self, record: StepRecord) -> None:
@@ -189,6 +201,18 @@ class TrainerMetrics:
             self.engine_ready.labels(engine=engine.url).set(1 if engine.ready else 0)
             if engine.weight_version is not None:
                 self.engine_lag.labels(engine=engine.url).set(report.policy_version - engine.weight_version)
+
+
+    def _set_degraded(self, degraded: DegradedReport | None) -> None:
+        # Several targets of one dependency (two engines): down if any is, for as long as the oldest.
+        longest: dict[str, float] = dict.fromkeys(DEPENDENCIES, -1.0)
+        for outage in degraded.outages if degraded is not None and degraded.status else []:
+            longest[outage.dependency] = max(longest.get(outage.dependency, -1.0), outage.seconds)
+        for gauge in (self.degraded, self.outage_seconds):
+            gauge.clear()  # a dependency that is not known and no longer down loses its series
+        for dependency, seconds in longest.items():
+            self.degraded.labels(dependency=dependency).set(1 if seconds >= 0 else 0)
+            self.outage_seconds.labels(dependency=dependency).set(max(seconds, 0.0))
 
 
 def _advance(counter: Counter, seen: int, total: int) -> int:

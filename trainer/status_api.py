@@ -1,9 +1,18 @@
 """The trainer's read-only HTTP status endpoint: /status (JSON), /metrics (Prometheus), /healthz, /.
 
 `create_app` builds the FastAPI app around a `get_report` callable so the trainer keeps a single
-source of truth (its TrainerReport) and the server never touches training state. `StatusServer`
-runs uvicorn inside the trainer's own asyncio loop (or in a helper thread when the loop is busy
-with compute) and stops it cleanly, without taking over the process's signal handlers.
+source of truth (its TrainerReport) and the server never touches training state.
+
+While the trainer waits out an outage (Redis, see asyncrl/transport/connection.py), /status and
+/metrics say so: the report's `degraded` (`DegradedReport`: status, reason RedisUnavailable or
+EngineUnavailable, message, since, outages) is filled in at request time from the process's Health
+board, not by the training loop, because the loop is blocked inside the very Redis command that
+waits and cannot update its report. It goes through the TrainerReport model (`with_health`), so
+what is served is what the operator's mirror parses; the key is absent while nothing is down, so
+a healthy trainer's document is exactly what it was before (readers that do not know it ignore it).
+
+`StatusServer` runs uvicorn inside the trainer's own asyncio loop (or in a helper thread when the
+loop is busy with compute) and stops it cleanly, without taking over the process's signal handlers.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
 
-from asyncrl.status_report import TrainerReport
+from asyncrl.health import HEALTH, Health
+from asyncrl.status_report import DegradedReport, TrainerReport
 
 from .dashboard import DASHBOARD_HTML
 from .metrics import TrainerMetrics
@@ -41,8 +51,11 @@ def create_app(
     *,
     token: str | None = None,
     metrics: TrainerMetrics | None = None,
+    health: Health | None = HEALTH,
 ) -> FastAPI:
-    """Build the status app. `get_report` must be cheap and thread-safe (return a snapshot)."""
+    """Build the status app. `get_report` must be cheap and thread-safe (return a snapshot);
+    `health`: the board whose outages make /status and /metrics say Degraded (None: the report's
+    own `degraded` is served as it is)."""
     app = FastAPI(
         title="asyncrl trainer status",
         docs_url=None,
@@ -54,7 +67,7 @@ def create_app(
 
     def report_or_503() -> TrainerReport | JSONResponse:
         try:
-            return get_report()
+            return with_health(get_report(), health)
         except Exception as exc:  # the trainer's bug must not kill its status endpoint
             log.exception("status report provider failed")
             return JSONResponse(
@@ -66,7 +79,7 @@ def create_app(
         report = report_or_503()
         if isinstance(report, Response):
             return report
-        return JSONResponse(report.model_dump(mode="json"), headers=NO_STORE)
+        return JSONResponse(status_document(report), headers=NO_STORE)
 
     @app.get("/metrics")
     async def metrics_route() -> Response:
@@ -91,6 +104,25 @@ def create_app(
     if token:
         app.add_middleware(_BearerAuth, token=token)
     return app
+
+
+def with_health(report: TrainerReport, health: Health | None = HEALTH) -> TrainerReport:
+    """The report as served: its `degraded` set from `health`'s current outages, or cleared when
+    there are none (the board is the only authority on what is down now: a report restored from a
+    checkpoint must not carry an old outage). A copy; the trainer's own report is left alone."""
+    if health is None:
+        return report
+    condition = health.condition()
+    degraded = DegradedReport.model_validate(condition) if condition["status"] else None
+    if degraded is None and report.degraded is None:
+        return report
+    return report.model_copy(update={"degraded": degraded})
+
+
+def status_document(report: TrainerReport) -> dict[str, Any]:
+    """The /status JSON of a served report (`with_health`): its dump, without `degraded` while
+    nothing is down (absent rather than null, as before the field existed)."""
+    return report.model_dump(mode="json", exclude={"degraded"} if report.degraded is None else None)
 
 
 class _BearerAuth(BaseHTTPMiddleware):

@@ -4,10 +4,18 @@ Guarantees (with one consumer group per stream, `names.consumer_group`):
 - nothing unacked is lost: entries stay in the group's pending list until `ack`, a restarted
   consumer with the same name re-reads its own pending entries first, and `reclaim` takes over
   entries a dead consumer left idle (XAUTOCLAIM);
+- nothing is stranded in a running consumer: `recover_pending` re-reads its own pending list and
+  delivers entries it holds but never handed out. A lost XREADGROUP reply does that (redis-py
+  retried the command; Redis had already delivered the entries, the client never saw them), and
+  the entries would otherwise wait for the next restart. The trainer's inbox calls it, and
+  `reclaim`, periodically;
 - nothing is trained twice: `ack` adds the group ids to the job's `trained` set in the same
-  atomic script that XACKs and deletes the entries, and `read`/`reclaim` skip (and ack) any copy
-  whose group id is already trained, already in flight in this consumer, or repeated within the
-  same read (a producer that retried a publish after a lost reply leaves two copies);
+  atomic script that XACKs and deletes the entries, and `read`/`reclaim`/`recover_pending` skip
+  (and ack) any copy whose group id is already trained, already in flight in this consumer, or
+  repeated within the same read (a producer that retried a publish after a lost reply leaves two
+  copies). A trainer resumed from a checkpoint that was written but whose ack never ran hands the
+  checkpoint's window to `ack_committed` (same script) before reading: trainer/checkpoint.py says
+  why that closes the commit window;
 - memory stays bounded: acked entries are XDEL'd and the stream is XTRIM'd by MINID up to the
   oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries);
 - a payload that does not decode, or decodes to a group that cannot be trained (`content.check_group`:
@@ -54,7 +62,8 @@ local function id_lt(a, b)
 end
 """
 
-# KEYS: stream, trained. ARGV: group, then (entry_id, group_id) pairs.
+# KEYS: stream, trained. ARGV: group, then (entry_id, group_id) pairs; an empty entry_id marks
+# the group trained without an entry (`ack_committed`: its entry is not in this consumer's list).
 # Marks the group ids trained, acks and deletes the entries, then trims everything below
 # min(oldest still-pending id, newest acked id): such entries were delivered (ids are delivered
 # in order) and are not pending, so they are acked. Returns the group ids that were already trained.
@@ -65,9 +74,11 @@ local newest = nil
 for i = 2, #ARGV, 2 do
   local id, gid = ARGV[i], ARGV[i + 1]
   if redis.call('SADD', trained, gid) == 0 then table.insert(already, gid) end
-  redis.call('XACK', stream, group, id)
-  redis.call('XDEL', stream, id)
-  if newest == nil or id_lt(newest, id) then newest = id end
+  if id ~= '' then
+    redis.call('XACK', stream, group, id)
+    redis.call('XDEL', stream, id)
+    if newest == nil or id_lt(newest, id) then newest = id end
+  end
 end
 if newest ~= nil then
   local summary = redis.call('XPENDING', stream, group)
@@ -85,6 +96,27 @@ for i = 2, #ARGV do
   redis.call('XDEL', KEYS[1], ARGV[i])
 end
 return #ARGV - 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, start (exclusive), count. Up to `count` entries of the
+# consumer's pending list after `start`, as a flat list id1, gid1, id2, gid2, ... (gid '' when the
+# entry was deleted or has no gid field): ids and group ids only, never the payloads.
+_OWN_PENDING_LUA = """
+local rows = redis.call('XPENDING', KEYS[1], ARGV[1], '(' .. ARGV[3], '+', tonumber(ARGV[4]), ARGV[2])
+local out = {}
+for _, row in ipairs(rows) do
+  local gid = ''
+  local entry = redis.call('XRANGE', KEYS[1], row[1], row[1])
+  if entry[1] then
+    local fields = entry[1][2]
+    for i = 1, #fields, 2 do
+      if fields[i] == 'gid' then gid = fields[i + 1] end
+    end
+  end
+  table.insert(out, row[1])
+  table.insert(out, gid)
+end
+return out
 """
 
 # KEYS: stream, dead_letter. ARGV: group, entry_id, error, payload, consumer, time.
@@ -124,6 +156,10 @@ class ConsumerStats:
     """Of `dead_lettered`: groups that decoded but failed `check_group` (e.g. a NaN logprob)."""
     acked: int = 0
     acked_already_trained: int = 0
+    recovered: int = 0
+    """Entries found in this consumer's own pending list that it had never handed out (lost replies)."""
+    acked_committed: int = 0
+    """Pending entries acknowledged on resume because the restored checkpoint had trained them."""
 
 
 class TrajectoryProducer:
@@ -168,6 +204,7 @@ class TrajectoryConsumer:
         self._ack = redis.register_script(_ACK_LUA)
         self._discard = redis.register_script(_DISCARD_LUA)
         self._dead = redis.register_script(_DEAD_LETTER_LUA)
+        self._own_pending = redis.register_script(_OWN_PENDING_LUA)
 
     async def ensure_group(self) -> None:
         """Create the consumer group (and the stream) if missing; idempotent.
@@ -238,12 +275,81 @@ class TrajectoryConsumer:
         self.stats.acked_already_trained += len(already)
         return [_s(g) for g in already]
 
+    async def ack_committed(self, group_ids: Iterable[str]) -> int:
+        """On resume: the restored checkpoint trained `group_ids`; acknowledge them, never train them.
+
+        One call of the ack script marks every id trained and acks and deletes this consumer's
+        pending entries that carry one (copies included); an id whose entry is not in this list
+        (already acked, or pending under another consumer name) is marked trained only, so whoever
+        reads or reclaims it later skips it. Call before the first `read`. Returns how many pending
+        entries it acknowledged (0 unless the previous life was killed between its checkpoint and
+        its ack; trainer/checkpoint.py).
+        """
+        wanted = set(group_ids)
+        if not wanted:
+            return 0
+        if not self._group_ready:
+            await self.ensure_group()
+        args: list[str] = [self.names.consumer_group]
+        found: set[str] = set()
+        for entry_id, gid in await self._own_pending_ids():
+            if gid in wanted:
+                args += [entry_id, gid]
+                found.add(gid)
+        entries = (len(args) - 1) // 2
+        for gid in sorted(wanted - found):
+            args += ["", gid]
+        await self._ack(keys=[self.names.trajectories, self.names.trained], args=args)
+        for i in range(1, len(args), 2):
+            if args[i] and self._inflight.get(args[i + 1]) == args[i]:
+                del self._inflight[args[i + 1]]
+        self.stats.acked_committed += entries
+        return entries
+
+    async def recover_pending(self) -> list[Delivery]:
+        """Deliver the entries of this consumer's own pending list that it never handed out.
+
+        Redis puts an entry in the pending list when it answers XREADGROUP; if that reply is lost
+        (redis-py retries the command on a connection error, and the retry reads *new* entries),
+        the entry is held by this consumer and seen by nobody until a restart. The list is read
+        as ids and group ids only (a script: no payloads); entries in flight here are skipped, the
+        rest are claimed by this consumer (XCLAIM, which returns their fields) and go through the
+        usual checks (a copy of a trained or in-flight group is acked, not delivered).
+        """
+        if not self._group_ready:
+            await self.ensure_group()
+        held = set(self._inflight.values())
+        lost: list[Any] = [entry_id for entry_id, _ in await self._own_pending_ids() if entry_id not in held]
+        if not lost:
+            return []
+        claimed: Any = await self.redis.xclaim(self.names.trajectories, self.names.consumer_group,
+                                               self.consumer, 0, lost)
+        deliveries = await self._settle(list(claimed or []))
+        self.stats.recovered += len(deliveries)
+        if deliveries:
+            log.warning("recovered %d entr%s pending for %s but never handed out (a lost read reply)",
+                        len(deliveries), "y" if len(deliveries) == 1 else "ies", self.consumer)
+        return deliveries
+
     async def pending_count(self) -> int:
         """Entries delivered to any consumer of the group and not yet acked."""
         summary = await self.redis.xpending(self.names.trajectories, self.names.consumer_group)
         return int(summary["pending"])
 
     # ------------------------------------------------------------------------------- internals
+
+    async def _own_pending_ids(self, page: int = 1000) -> list[tuple[str, str]]:
+        """(entry id, group id) of every entry in this consumer's pending list, oldest first."""
+        out: list[tuple[str, str]] = []
+        start = "0-0"
+        while True:
+            flat = await self._own_pending(keys=[self.names.trajectories],
+                                           args=[self.names.consumer_group, self.consumer, start, page])
+            rows = [(_s(flat[i]), _s(flat[i + 1])) for i in range(0, len(flat), 2)]
+            out += rows
+            if len(rows) < page:
+                return out
+            start = rows[-1][0]
 
     async def _xreadgroup(self, entry_id: str, count: int, block: int | None) -> list:
         reply: Any = None  # redis-py's reply type depends on RESP2/RESP3
