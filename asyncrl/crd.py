@@ -75,9 +75,11 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         for name, prop in out["properties"].items():
             # Default nested objects to {} so the API server applies their inner defaults; CEL rules
             # then see fully defaulted objects, exactly as pydantic does.
-            # Objects with required fields of their own (e.g. redis.external) stay absent instead.
+            # Objects with required fields of their own (e.g. redis.external) stay absent instead, and
+            # so do optional (nullable) ones: absent is not empty there (a podTemplate or an env
+            # valueFrom defaulted to {} would change the spec's hash or break exactly-one-of rules).
             if (name not in required and prop.get("type") == "object" and "properties" in prop
-                    and not prop.get("required")):
+                    and not prop.get("required") and not prop.get("nullable")):
                 prop.setdefault("default", {})
     return out
 

@@ -11,13 +11,13 @@ test suite evaluates both on the same objects so the two cannot drift apart.
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-GROUP = "asyncrl.dev"
+from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
+from asyncrl.spec_base import GROUP, SpecModel, StatusModel, parse_quantity
+
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "AsyncRLJob"
@@ -36,42 +36,6 @@ ConditionType = Literal["RolloutReady", "TrainerReady", "StreamReady", "WeightsS
                         "Failed"]
 CONDITION_TYPES: tuple[ConditionType, ...] = get_args(ConditionType)
 ConditionStatus = Literal["True", "False", "Unknown"]
-
-
-def parse_quantity(value: str | int | float) -> Decimal:
-    """Parse a Kubernetes resource quantity ("500m", "16Gi", "2"), raising ValueError if invalid."""
-    from kubernetes.utils.quantity import parse_quantity as _parse
-
-    if isinstance(value, bool):
-        raise ValueError("a quantity must be a string or a number, not a boolean")
-    try:
-        return _parse(value)
-    except Exception as err:  # the client raises ValueError or decimal errors
-        raise ValueError(
-            f"{value!r} is not a Kubernetes quantity (e.g. '500m', '2', '16Gi', '1.5G')"
-        ) from err
-
-
-class SpecModel(BaseModel):
-    """Base: camelCase aliases, unknown keys are errors, assignment re-validates."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        validate_assignment=True,
-        use_attribute_docstrings=True,
-    )
-
-    def to_wire(self) -> dict[str, Any]:
-        """The camelCase dict as it appears in YAML/the API server (defaults included)."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
-
-class StatusModel(SpecModel):
-    """Status objects accept what newer operator versions may add (the API server prunes anyway)."""
-
-    model_config = ConfigDict(extra="ignore")
 
 
 # ----------------------------------------------------------------------------------- resources
@@ -296,6 +260,8 @@ class RolloutSpec(SpecModel):
     max_concurrent_requests: int = Field(default=64, ge=1)
     """Requests in flight per worker."""
     resources: Resources = Field(default_factory=Resources)
+    pod_template: RolloutPodTemplate | None = None
+    """Scheduling, identity, env and volumes added to the rollout pods (both containers)."""
 
 
 class TrainerSpec(SpecModel):
@@ -323,6 +289,8 @@ class TrainerSpec(SpecModel):
     (NonFiniteGradients). Such an update is skipped (weights and optimizer state unchanged); the
     step still consumes its groups and publishes the next policy version."""
     resources: Resources = Field(default_factory=Resources)
+    pod_template: TrainerPodTemplate | None = None
+    """Scheduling, identity, env and volumes added to the trainer pods."""
 
 
 class SecretKeyRef(SpecModel):
@@ -337,11 +305,13 @@ class ManagedRedis(SpecModel):
 
     image: str = "redis:7.4-alpine"
     append_only: bool = True
-    """AOF persistence with appendfsync everysec (recommended: nothing acked is lost on restart)."""
+    """AOF persistence with appendfsync always (recommended: nothing acknowledged is lost, even on a kill)."""
     storage: str = "2Gi"
     """PVC size for the AOF."""
     storage_class_name: str | None = None
     resources: Resources = Field(default_factory=Resources)
+    pod_template: RedisPodTemplate | None = None
+    """Scheduling, identity, env and volumes added to the Redis pod (part of spec.redis: immutable)."""
 
     @field_validator("storage")
     @classmethod

@@ -98,12 +98,19 @@ class StatusConflict(Exception):
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
     """Keep kopf's bookkeeping in annotations (should kopf ever need any: with only an event handler
-    it writes none), our own Events only, one replica."""
+    it writes none), our own Events only, no peering."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # our own Events only, not every log line
-    settings.peering.standalone = True  # one replica, Recreate: no peering objects needed
+    # No kopf peering: with --leader-elect, kopf runs only in the replica that holds the Lease
+    # (asyncrl.operator.leader says why a Lease and not kopf's peering).
+    settings.peering.standalone = True
+    # No watch on CustomResourceDefinitions or Namespaces: kopf finds the AsyncRLJob resource by API
+    # discovery at startup (which needs no RBAC), so the operator needs no cluster-scoped permission
+    # and, with --namespace, no ClusterRole at all. The CRD must exist when the operator starts
+    # (the chart installs it first); one installed later is seen after a restart.
+    settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     for name, default in (("jobs", dict), ("workers", dict), ("outcomes", OutcomeReader)):
         if name not in memo:

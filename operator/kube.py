@@ -27,24 +27,35 @@ Obj = dict[str, Any]
 log = logging.getLogger(__name__)
 
 
+# Where a rule applies, and so which chart object grants it: JOBS in every namespace the operator
+# watches (a ClusterRole when it watches all of them, else one Role per watched namespace), OPERATOR
+# only in the operator's own namespace (its leader-election Lease: a Role there). Nothing is
+# cluster-scoped: kopf finds its resources by discovery, with no CRD or Namespace watch.
+JOBS, OPERATOR = "jobs", "operator"
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One RBAC rule: API group, resource (with /subresource), verbs."""
+    """One RBAC rule: API group, resource (with /subresource), verbs, and where it applies."""
 
     group: str
     resource: str
     verbs: tuple[str, ...]
+    scope: str = JOBS
 
 
-# Everything the operator does, kopf's own calls included (watching jobs, patching their
-# status and kopf's progress annotations, posting Events). Compared 1:1 with the chart's ClusterRole.
+# Everything the operator does, kopf's own calls included (watching jobs, patching their status,
+# posting Events), and what admission requires of it: `update` on asyncrljobs/finalizers, because
+# the children's ownerReferences set blockOwnerDeletion (refused without it where the
+# OwnerReferencesPermissionEnforcement admission plugin runs, e.g. OpenShift). The chart's RBAC is
+# exactly this table (tests/test_chart_rbac.py, also against the requests of a real operator).
 # list/watch on the owned kinds: kopf watches the children (server-side label selector
 # names.owned_selector()) so a hand edit or deletion is corrected within seconds.
 PERMISSIONS: tuple[Rule, ...] = (
-    Rule(GROUP, PLURAL, ("list", "watch", "patch", "delete")),
+    Rule(GROUP, PLURAL, ("list", "watch", "delete")),  # delete: ttlSecondsAfterFinished
     Rule(GROUP, f"{PLURAL}/status", ("patch",)),
+    Rule(GROUP, f"{PLURAL}/finalizers", ("update",)),  # admission (blockOwnerDeletion), see above
     Rule("", "events", ("create",)),
-    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch")),  # kopf: resource discovery
     Rule("", "configmaps", ("get", "create", "patch", "list", "watch")),
     Rule("", "secrets", ("get", "create")),
     Rule("", "services", ("get", "create", "patch", "list", "watch")),
@@ -53,6 +64,9 @@ PERMISSIONS: tuple[Rule, ...] = (
     Rule("apps", "deployments", ("get", "create", "patch", "list", "watch")),
     Rule("apps", "statefulsets", ("get", "create", "patch", "list", "watch")),
     Rule("networking.k8s.io", "networkpolicies", ("get", "create", "patch", "list", "watch")),
+    Rule("policy", "poddisruptionbudgets", ("get", "create", "patch")),
+    # Leader election (asyncrl.operator.leader): one Lease in the operator's own namespace.
+    Rule("coordination.k8s.io", "leases", ("get", "create", "update"), OPERATOR),
 )
 
 # kind -> (group, version, plural)
@@ -65,6 +79,8 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "Deployment": ("apps", "v1", "deployments"),
     "StatefulSet": ("apps", "v1", "statefulsets"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "Lease": ("coordination.k8s.io", "v1", "leases"),
     "AsyncRLJob": (GROUP, VERSION, PLURAL),
 }
 
@@ -79,6 +95,7 @@ PATCHABLE: dict[str, tuple[str, ...] | None] = {
     "ConfigMap": ("data",),
     "Service": ("spec",),
     "NetworkPolicy": ("spec",),
+    "PodDisruptionBudget": ("spec",),
     "Deployment": ("spec",),
     "StatefulSet": ("spec.replicas", "spec.template", "spec.updateStrategy",
                     "spec.persistentVolumeClaimRetentionPolicy"),
@@ -176,6 +193,13 @@ class Kube:
         g, v, p = KINDS[kind]
         return await self._call("patch", "PATCH", g, v, p, namespace, name, subresource=subresource, body=body,
                                 content_type="application/merge-patch+json")
+
+    async def replace(self, obj: Obj) -> Obj:
+        """PUT the whole object. With `metadata.resourceVersion` set it is a compare-and-swap: the API
+        server answers 409 when the object changed since that version (leader election relies on it)."""
+        g, v, p = KINDS[obj["kind"]]
+        meta = obj["metadata"]
+        return await self._call("update", "PUT", g, v, p, meta["namespace"], meta["name"], body=obj)
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         g, v, p = KINDS[kind]

@@ -24,7 +24,8 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
 OPERATOR_POD_LABELS = {LABEL_NAME: "asyncrl", LABEL_COMPONENT: "operator"}
-"""Labels of the operator's own pod (charts/asyncrl/templates/deployment.yaml): jobs' Redis admits it."""
+"""Labels of the operator's own pod (charts/asyncrl/templates/deployment.yaml): jobs' NetworkPolicies admit it
+(Redis, where it reads the trainer's outcome; the trainer's status port, which it mirrors)."""
 MANAGED_BY = "asyncrl-operator"
 
 ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-hash"

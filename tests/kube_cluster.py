@@ -11,8 +11,9 @@ accepts an object:
   CrashLoopBackOff, pod status (`phase`, `conditions`, `containerStatuses`) is written back, pod deletion is
   graceful (SIGTERM, grace period, SIGKILL);
 - kube-proxy and DNS: Service names resolve to a local TCP proxy that forwards to a Ready pod;
-- `kubectl get pods|deploy|sts|svc|pvc|all`: the columns kubectl shows (registered in the emulator's
-  `printers`) and the discovery short names (po, deploy, sts, svc, pvc, cm, ...) with the `all` category.
+- `kubectl get pods|deploy|sts|svc|pvc|netpol|pdb|all`: the columns kubectl shows (registered in the
+  emulator's `printers`) and the discovery short names (po, deploy, sts, svc, pvc, cm, netpol, pdb, ...)
+  with the `all` category. NetworkPolicies and PodDisruptionBudgets are stored and listed, not enforced.
 
 Usage::
 
@@ -95,12 +96,12 @@ Not emulated: images (nothing is pulled or isolated; processes run as the test u
 filesystem), init and ephemeral containers, lifecycle hooks (postStart/preStop), grpc probes, resource
 limits (no OOMKilled, `resourceFieldRef` env is a config error), ConfigMap/Secret volume updates after
 start, projected service-account tokens, service links env vars (`<SVC>_SERVICE_HOST`), Endpoints/
-EndpointSlice objects, NetworkPolicy, node selection/taints, ReplicaSet/Job/DaemonSet controllers,
-`minReadySeconds`, `kubectl logs/exec/port-forward` (use `log()`, `service_port()`), UDP, ports not
-declared by a pod (they are not remapped, so two pods would collide), a process that leaves its container's
-process group and also drops `KUBE_CLUSTER_CONTAINER` from its environment survives container death; if the
-test process itself is killed (no teardown), container main processes die with it (PR_SET_PDEATHSIG) but
-their children may not.
+EndpointSlice objects, NetworkPolicy enforcement and PodDisruptionBudget status, node selection/taints,
+ReplicaSet/Job/DaemonSet controllers, `minReadySeconds`, `kubectl logs/exec/port-forward` (use `log()`,
+`service_port()`), UDP, ports not declared by a pod (they are not remapped, so two pods would collide), a
+process that leaves its container's process group and also drops `KUBE_CLUSTER_CONTAINER` from its
+environment survives container death; if the test process itself is killed (no teardown), container main
+processes die with it (PR_SET_PDEATHSIG) but their children may not.
 """
 
 from __future__ import annotations
@@ -1747,6 +1748,26 @@ def _claim_cells(c: Obj) -> list[Any]:
             ((c.get("status") or {}).get("capacity") or {}).get("storage", "")]
 
 
+def _selector_text(selector: Obj | None) -> str:
+    """A label selector as kubectl prints it (`metav1.FormatLabelSelector`): `k=v,k2=v2`, `k in (a,b)`."""
+    selector = selector or {}
+    parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for expr in selector.get("matchExpressions") or []:
+        op, values = expr.get("operator", ""), ",".join(expr.get("values") or [])
+        parts.append({"In": f"{expr['key']} in ({values})", "NotIn": f"{expr['key']} notin ({values})",
+                      "Exists": expr["key"], "DoesNotExist": f"!{expr['key']}"}.get(op, f"{expr['key']} {op}"))
+    return ",".join(parts) or "<none>"
+
+
+def _network_policy_cells(np: Obj) -> list[Any]:
+    return [_selector_text((np.get("spec") or {}).get("podSelector"))]
+
+
+def _disruption_budget_cells(pdb: Obj) -> list[Any]:
+    spec, status = pdb.get("spec") or {}, pdb.get("status") or {}
+    return [spec.get("minAvailable", "N/A"), spec.get("maxUnavailable", "N/A"), status.get("disruptionsAllowed", 0)]
+
+
 def _columns(*specs: tuple[str, str]) -> list[Obj]:
     return [{"name": n, "type": t, "format": "", "description": n} for n, t in specs]
 
@@ -1756,7 +1777,7 @@ SHORT_NAMES: dict[str, tuple[set[str], bool]] = {
     "v1/pods": ({"po"}, True), "v1/services": ({"svc"}, True), "v1/persistentvolumeclaims": ({"pvc"}, False),
     "v1/configmaps": ({"cm"}, False), "v1/events": ({"ev"}, False), "v1/namespaces": ({"ns"}, False),
     "apps/v1/deployments": ({"deploy"}, True), "apps/v1/statefulsets": ({"sts"}, True),
-    "networking.k8s.io/v1/networkpolicies": ({"netpol"}, False),
+    "networking.k8s.io/v1/networkpolicies": ({"netpol"}, False), "policy/v1/poddisruptionbudgets": ({"pdb"}, False),
 }
 
 PRINTERS: dict[str, tuple[list[Obj], Callable[[Obj], list[Any]]]] = {
@@ -1767,7 +1788,24 @@ PRINTERS: dict[str, tuple[list[Obj], Callable[[Obj], list[Any]]]] = {
     "services": (_columns(("Type", "string"), ("Cluster-IP", "string"), ("External-IP", "string"),
                           ("Port(s)", "string")), _service_cells),
     "persistentvolumeclaims": (_columns(("Status", "string"), ("Capacity", "string")), _claim_cells),
+    # stored and listed, not enforced (module doc): `kubectl get netpol,pdb` shows what a job asked for
+    "networkpolicies": (_columns(("Pod-Selector", "string")), _network_policy_cells),
+    "poddisruptionbudgets": (_columns(("Min Available", "string"), ("Max Unavailable", "string"),
+                                      ("Allowed Disruptions", "integer")), _disruption_budget_cells),
 }
+
+
+def register_kubectl_tables(emu: KubeEmulator) -> None:
+    """Give `kubectl get` on `emu` the columns, short names and `all` category above (idempotent): what
+    a cluster shows; also for tests that need the tables but run no pods."""
+    printers = getattr(emu, "printers", None)
+    if isinstance(printers, dict):
+        printers.update(PRINTERS)
+    for key, (short, in_all) in SHORT_NAMES.items():
+        info = emu.resources[key]
+        info.shortnames.update(short)
+        if in_all:
+            info.categories.add("all")
 
 
 # ----------------------------------------------------------------------------------- the cluster
@@ -1808,14 +1846,7 @@ class KubeCluster:
 
     async def start(self) -> None:
         self.options.root.mkdir(parents=True, exist_ok=True)
-        printers = getattr(self.emu, "printers", None)
-        if isinstance(printers, dict):
-            printers.update(PRINTERS)
-        for key, (short, in_all) in SHORT_NAMES.items():
-            info = self.emu.resources[key]
-            info.shortnames.update(short)
-            if in_all:
-                info.categories.add("all")
+        register_kubectl_tables(self.emu)
         await self.kubelet.start()
         self._task = asyncio.create_task(self._loop(), name="kube-cluster")
 

@@ -14,7 +14,7 @@ what they need:
 - core discovery says `groupVersion: v1` (kmock says `/v1`);
 - PUT (replace), finalizers, and a minimal cascading garbage collector over ownerReferences;
 - `Accept: ...;as=Table` answers with a Table from the CRD's printer columns (kubectl get);
-- a request log (verb, group, resource) for the RBAC test, and gates to hold a request mid-flight.
+- a request log (verb, group, resource, bearer token) for the RBAC test, and gates to hold a request mid-flight.
 
 Still missing (not needed by our tests): schema defaulting/validation, CEL, openapi, protobuf,
 server-side apply, field selectors, watch bookmarks and resourceVersion-resumed watches.
@@ -52,6 +52,8 @@ STANDARD_RESOURCES: dict[tuple[str, str, str], tuple[str, bool, tuple[str, ...]]
     ("apps", "v1", "deployments"): ("Deployment", True, ("status", "scale")),
     ("apps", "v1", "statefulsets"): ("StatefulSet", True, ("status", "scale")),
     ("networking.k8s.io", "v1", "networkpolicies"): ("NetworkPolicy", True, ()),
+    ("policy", "v1", "poddisruptionbudgets"): ("PodDisruptionBudget", True, ("status",)),
+    ("coordination.k8s.io", "v1", "leases"): ("Lease", True, ()),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", False, ("status",)),
     (GROUP, VERSION, PLURAL): (KIND, True, ("status", "scale")),
 }
@@ -72,6 +74,7 @@ class LoggedRequest:
     resource: str  # plural, or plural/subresource
     namespace: str | None
     name: str | None
+    token: str = ""  # the bearer token: which client (of several kubeconfigs) sent it
 
 
 def _err(status: int, reason: str, message: str) -> k8s.KubernetesError:
@@ -196,7 +199,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         verb = self._verb(request)
         resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
         agent = request.headers.get("User-Agent", "")
-        self.log.append(LoggedRequest(verb, agent, res.group, resource, request.namespace, request.name))
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        self.log.append(LoggedRequest(verb, agent, res.group, resource, request.namespace, request.name, token))
         gate = self.gates.get((verb, resource))
         if gate is not None:
             await gate.wait()
@@ -470,13 +474,14 @@ class KubeEmulator(kmock.KubernetesEmulator):
         async with self._lock:
             return await self._create(fake)
 
-    def kubeconfig(self, path: Any) -> None:
-        """Write a kubeconfig pointing at this emulator (plain HTTP, no auth)."""
+    def kubeconfig(self, path: Any, *, token: str = "emulator") -> None:
+        """Write a kubeconfig pointing at this emulator (plain HTTP; the token is not checked, only
+        logged, so clients with different kubeconfigs can be told apart in `log`)."""
         server = self.servers[0]
         text = json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator", "preferences": {},
             "clusters": [{"name": "emulator", "cluster": {"server": f"http://{server.host}:{server.port}"}}],
-            "users": [{"name": "tester", "user": {"token": "emulator"}}],
+            "users": [{"name": "tester", "user": {"token": token}}],
             "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "tester",
                                                           "namespace": "default"}}],
         })
@@ -520,10 +525,11 @@ class OperatorProcess:
     """`asyncrl operator` as a subprocess talking to the emulator through a kubeconfig."""
 
     def __init__(self, kubeconfig: Path, log: Path, *, interval: float = 0.3, status_url_template: str | None = None,
-                 redis_url_template: str | None = None):
+                 redis_url_template: str | None = None, extra_args: tuple[str, ...] = ()):
         self.kubeconfig, self.log, self.interval = kubeconfig, log, interval
         self.status_url_template = status_url_template
         self.redis_url_template = redis_url_template
+        self.extra_args = extra_args
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> OperatorProcess:
@@ -535,6 +541,7 @@ class OperatorProcess:
             args += ["--status-url-template", self.status_url_template]
         if self.redis_url_template:
             args += ["--redis-url-template", self.redis_url_template]
+        args += list(self.extra_args)
         out = open(self.log, "ab")
         self.proc = await asyncio.create_subprocess_exec(*args, env=env, cwd=str(REPO), stdout=out,
                                                          stderr=subprocess.STDOUT)

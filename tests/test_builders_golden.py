@@ -37,7 +37,8 @@ def test_render_command_prints_every_child():
     assert res.stdout == (GOLDEN / "render-job.yaml").read_text()
     kinds = [d["kind"] for d in yaml.safe_load_all(res.stdout)]
     assert kinds == ["ConfigMap", "Secret", "Service", "StatefulSet", "NetworkPolicy", "PersistentVolumeClaim",
-                     "Service", "Service", "StatefulSet", "Deployment"]
+                     "Service", "Service", "NetworkPolicy", "StatefulSet", "PodDisruptionBudget",
+                     "NetworkPolicy", "Deployment"]
 
 
 def test_render_reports_invalid_files(tmp_path: Path):

@@ -168,7 +168,12 @@ def test_vllm_engine_reports_logprobs_after_temperature_and_exposes_weight_reloa
 def test_external_redis_and_existing_claim():
     objs = build(VARIANTS["external-redis-existing-claim"])
     kinds = [o["kind"] for o in objs]
-    assert "Secret" not in kinds and "NetworkPolicy" not in kinds and "PersistentVolumeClaim" not in kinds
+    assert "Secret" not in kinds and "PersistentVolumeClaim" not in kinds
+    # No Redis of ours, so no Redis policy: exactly the two that guard the engine and the trainer.
+    policies = {o["metadata"]["name"]: o["spec"]["podSelector"]["matchLabels"]
+                for o in objs if o["kind"] == "NetworkPolicy"}
+    assert policies == {"qwen25-gsm8k-trainer": N.selector_labels("qwen25-gsm8k", "trainer"),
+                        "qwen25-gsm8k-rollout": N.selector_labels("qwen25-gsm8k", "rollout")}
     assert next(o for o in objs if o["kind"] == "StatefulSet")["metadata"]["name"].endswith("trainer")
     pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
     env = {e["name"]: e for e in pod["containers"][1]["env"]}
@@ -181,7 +186,7 @@ def test_managed_redis_aof_and_network_policy():
     redis = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("redis"))
     args = redis["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--appendonly" in args and args[args.index("--appendonly") + 1] == "yes"
-    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--appendfsync") + 1] == "always"  # everysec loses acked writes on a kill
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
     netpol = next(o for o in objs if o["kind"] == "NetworkPolicy")
     assert netpol["spec"]["podSelector"]["matchLabels"] == N.selector_labels("qwen25-gsm8k", "redis")
@@ -189,6 +194,78 @@ def test_managed_redis_aof_and_network_policy():
     assert netpol["spec"]["ingress"][0]["from"] == [
         {"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}},
         {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}]
+
+
+def _policy(objs: list[dict], component: str) -> dict:
+    return next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["labels"][N.LABEL_COMPONENT]
+                == component)
+
+
+OPERATOR_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_engine_port_admits_only_the_jobs_own_pods(variant):
+    """The engine's admin API (pause, weight updates, vLLM's /collective_rpc) has no auth: a policy on
+    the rollout pods admits the job's pods, on the engine port only, and nothing else."""
+    objs = build(VARIANTS[variant])
+    job = VARIANTS[variant]["metadata"]["name"]
+    policy = _policy(objs, "rollout")
+    assert policy["metadata"]["name"] == N.rollout(job)
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": N.selector_labels(job, "rollout")},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: job}}}],
+                     "ports": [{"protocol": "TCP", "port": B.ENGINE_PORT}]}]}
+    deploy = next(o for o in objs if o["kind"] == "Deployment")
+    engine = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert [p["containerPort"] for p in engine["ports"]] == [B.ENGINE_PORT], "the port the policy names"
+    assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+
+
+def test_trainer_ports_admit_the_job_and_the_operator_on_status_only():
+    objs = build(example(**{"trainer.statusPort": 8123, "trainer.replicas": 2}))
+    policy = _policy(objs, "trainer")
+    sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("-trainer"))
+    assert policy["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ranks, job, operator = policy["spec"]["ingress"]
+    # rank to rank: every port (NCCL and Gloo use ephemeral ones after the c10d rendezvous)
+    assert ranks == {"from": [{"podSelector": {"matchLabels": N.selector_labels("qwen25-gsm8k", "trainer")}}]}
+    assert job == {"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}}],
+                   "ports": [{"protocol": "TCP", "port": B.RDZV_PORT}, {"protocol": "TCP", "port": 8123}]}
+    assert operator == {"from": [OPERATOR_PEER], "ports": [{"protocol": "TCP", "port": 8123}]}
+    ports = {p["name"]: p["containerPort"] for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert ports == {"status": 8123, "rdzv": B.RDZV_PORT}, "the ports the policy names"
+    assert f"--rdzv-endpoint={N.trainer('qwen25-gsm8k')}-0.{N.trainer('qwen25-gsm8k')}.ns.svc:{B.RDZV_PORT}" \
+        in sts["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_network_policies_come_before_the_pods_they_guard(variant):
+    """Applied in order: a pod never runs before the policy that closes its ports exists."""
+    kinds = [(o["kind"], o["metadata"]["labels"][N.LABEL_COMPONENT]) for o in build(VARIANTS[variant])]
+    assert kinds.index(("NetworkPolicy", "trainer")) < kinds.index(("StatefulSet", "trainer"))
+    assert kinds.index(("NetworkPolicy", "rollout")) < kinds.index(("Deployment", "rollout"))
+
+
+def test_redis_password_is_on_no_argv():
+    """The password comes from the Secret through env into an in-memory config file; neither the pod
+    spec nor the process's arguments (`ps`) carry it or a reference that expands to it."""
+    redis = next(o for o in build(VARIANTS["cluster"]) if o["kind"] == "StatefulSet"
+                 and o["metadata"]["name"].endswith("-redis"))
+    pod = redis["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    argv = [*c["command"], *c["args"]]
+    assert not any("REDIS_PASSWORD" in a and "$(" in a for a in argv), "kubelet would expand it into argv"
+    assert "--requirepass" not in argv and "requirepass" not in " ".join(c["args"])
+    assert c["command"][:2] == ["sh", "-c"] and "exec redis-server " + B.REDIS_CONF in c["command"][2]
+    assert {"name": B.REDIS_CONF_VOLUME, "mountPath": B.REDIS_CONF_DIR} in c["volumeMounts"]
+    assert {"name": B.REDIS_CONF_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in pod["volumes"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": N.redis_secret("qwen25-gsm8k"),
+                                                                  "key": "password"}
+    assert "pw" not in yaml.safe_dump(redis), "the rendered password is only in the Secret"
 
 
 def test_suspend_scales_to_zero_and_keeps_redis():

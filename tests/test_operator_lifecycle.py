@@ -12,7 +12,7 @@ from kube_emulator import KubeEmulator, OperatorProcess, wait_for
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.operator.kube import allowed
+from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,10 +65,7 @@ def expected_children(name: str = "qwen", **spec_changes) -> list[tuple[str, str
 
     job = parse_job(job_doc(name, **spec_changes))
     objs = B.build_children(job, B.BuildContext(owner_uid="x", namespace=NS))
-    plural = {"ConfigMap": "configmaps", "Secret": "secrets", "Service": "services", "StatefulSet": "statefulsets",
-              "Deployment": "deployments", "PersistentVolumeClaim": "persistentvolumeclaims",
-              "NetworkPolicy": "networkpolicies"}
-    return [(plural[o["kind"]], o["metadata"]["name"]) for o in objs]
+    return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in objs]
 
 
 def children_exist(emu: KubeEmulator, name: str = "qwen"):
@@ -223,9 +220,9 @@ async def test_restart_mid_reconcile_creates_no_duplicates(emu, tmp_path):
         await wait_for(lambda: phase(emu) == "Initializing", what="Initializing", log=log)
     finally:
         await second.stop()
-    owned = [(plural, o["metadata"]["name"]) for plural in
-             ("configmaps", "secrets", "services", "statefulsets", "deployments", "persistentvolumeclaims",
-              "networkpolicies") for o in emu.all(plural, NS)]
+    # every kind the operator can write, not only those it should have written
+    kinds = [plural for kind, (_, _, plural) in KINDS.items() if kind not in ("Pod", "Lease", "AsyncRLJob")]
+    owned = [(plural, o["metadata"]["name"]) for plural in kinds for o in emu.all(plural, NS)]
     assert sorted(owned) == sorted(expected_children()), "exactly the desired children, each once"
     assert_rbac_covers(emu)
 

@@ -1,0 +1,156 @@
+"""A reconciled job's NetworkPolicies, as the API server stores them (a real operator process against
+the test cluster's API server, `kubectl get netpol` against it too).
+
+Nothing here enforces a policy (the test cluster does not, see tests/kube_cluster.py): what is shown
+is that the operator creates them with selectors that match the live workloads' pods and ports that
+are the containers' own, that kubectl lists them, and that a hand-opened policy is closed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import kmock
+import pytest
+import yaml
+from kube_cluster import register_kubectl_tables
+from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+from asyncrl.operator.kube import allowed
+from asyncrl.spec import GROUP, PLURAL, VERSION
+
+REPO = Path(__file__).resolve().parent.parent
+KUBECTL = REPO / ".tools" / "bin" / "kubectl"
+NS = "rl"
+JOB = "qwen"
+STATUS_PORT = 8123  # not the default: the trainer policy must follow the spec
+pytestmark = pytest.mark.slow
+
+
+def job_doc() -> dict:
+    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc["metadata"].update(name=JOB, namespace=NS)
+    doc["spec"]["trainer"]["statusPort"] = STATUS_PORT
+    doc["spec"]["trainer"]["replicas"] = 2
+    return doc
+
+
+@pytest.fixture
+async def emu(tmp_path: Path):
+    async with KubeEmulator() as e, kmock.Server(e):
+        register_kubectl_tables(e)
+        e.kubeconfig(tmp_path / "kubeconfig")
+        yield e
+
+
+@pytest.fixture
+async def operator(emu: KubeEmulator, tmp_path: Path):
+    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log").start()
+    yield op
+    await op.stop()
+    used = {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
+    assert sorted(u for u in used if not allowed(*u)) == [], "calls outside PERMISSIONS"
+
+
+def policies(emu: KubeEmulator) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p for p in emu.all("networkpolicies", NS)}
+
+
+def selects(policy: dict, workload: dict) -> bool:
+    """The policy's podSelector (matchLabels only, as ours are) matches the workload's pod template."""
+    want = policy["spec"]["podSelector"]["matchLabels"]
+    have = workload["spec"]["template"]["metadata"]["labels"]
+    return want.items() <= have.items()
+
+
+def admits(policy: dict, labels: dict, port: int) -> bool:
+    """Would an ingress rule of the policy admit a pod of the policy's namespace with `labels` on `port`?
+    (matchLabels peers; a namespaceSelector peer counts only with `anywhere`: see `admits_operator`.)"""
+    for rule in policy["spec"].get("ingress") or []:
+        ports = [p["port"] for p in rule.get("ports") or []]
+        if ports and port not in ports:
+            continue
+        for peer in rule.get("from") or []:
+            if "namespaceSelector" not in peer and peer["podSelector"]["matchLabels"].items() <= labels.items():
+                return True
+    return False
+
+
+def admits_operator(policy: dict, port: int) -> bool:
+    """An ingress rule admits the operator's pod (its labels, any namespace) on `port`."""
+    return any(peer == {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
+               for rule in policy["spec"].get("ingress") or []
+               if port in [p["port"] for p in rule.get("ports") or []]
+               for peer in rule.get("from") or [])
+
+
+async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_redis(emu, operator, tmp_path):
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc()) as resp:
+        assert resp.status == 201, await resp.text()
+    names = {N.redis_network_policy(JOB), N.trainer(JOB), N.rollout(JOB)}
+    await wait_for(lambda: set(policies(emu)) == names and emu.get("deployments", NS, N.rollout(JOB)),
+                   what="the job's three NetworkPolicies", log=operator.log)
+    stored = policies(emu)
+    uid = emu.get(PLURAL, NS, JOB)["metadata"]["uid"]
+    for p in stored.values():
+        assert p["metadata"]["ownerReferences"][0]["uid"] == uid, "the job owns it: it goes with the job"
+        assert p["spec"]["policyTypes"] == ["Ingress"]
+
+    redis, trainer, rollout = (emu.get("statefulsets", NS, N.redis(JOB)), emu.get("statefulsets", NS, N.trainer(JOB)),
+                               emu.get("deployments", NS, N.rollout(JOB)))
+    workloads = {"redis": redis, "trainer": trainer, "rollout": rollout}
+    guards = {"redis": stored[N.redis_network_policy(JOB)], "trainer": stored[N.trainer(JOB)],
+              "rollout": stored[N.rollout(JOB)]}
+    for component, policy in guards.items():  # each selects its own workload's pods and no other's
+        assert [c for c, w in workloads.items() if selects(policy, w)] == [component], policy["metadata"]["name"]
+
+    pod_labels = {c: w["spec"]["template"]["metadata"]["labels"] for c, w in workloads.items()}
+    stranger = {"app": "curious", N.LABEL_JOB: "another-job"}
+    engine_port = rollout["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    trainer_container = trainer["spec"]["template"]["spec"]["containers"][0]
+    trainer_ports = {p["name"]: p["containerPort"] for p in trainer_container["ports"]}
+    assert trainer_ports == {"status": STATUS_PORT, "rdzv": B.RDZV_PORT}
+
+    # The engine port: the trainer (and any pod of the job), not another job's pod, not the operator.
+    assert admits(guards["rollout"], pod_labels["trainer"], engine_port)
+    assert not admits(guards["rollout"], stranger, engine_port)
+    assert not admits_operator(guards["rollout"], engine_port)
+    assert not admits(guards["rollout"], pod_labels["trainer"], B.RDZV_PORT), "only the engine port is open"
+    # The trainer: c10d and status from the job's pods; every port between ranks (NCCL); the operator on
+    # the status port only; nothing from another job.
+    for port in (B.RDZV_PORT, STATUS_PORT):
+        assert admits(guards["trainer"], pod_labels["rollout"], port)
+        assert not admits(guards["trainer"], stranger, port)
+    assert admits(guards["trainer"], pod_labels["trainer"], 41234), "NCCL's ephemeral ports between ranks"
+    assert not admits(guards["trainer"], pod_labels["rollout"], 41234)
+    assert admits_operator(guards["trainer"], STATUS_PORT) and not admits_operator(guards["trainer"], B.RDZV_PORT)
+    # Redis: as before, the job's pods and the operator, on 6379.
+    assert admits(guards["redis"], pod_labels["trainer"], B.REDIS_PORT)
+    assert admits_operator(guards["redis"], B.REDIS_PORT) and not admits(guards["redis"], stranger, B.REDIS_PORT)
+
+    # Opened by hand (an ingress rule that admits everything): the operator closes it again.
+    url = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{N.trainer(JOB)}"
+    async with emu.patch(url, json={"spec": {"ingress": [{}]}},
+                         headers={"Content-Type": "application/merge-patch+json"}) as resp:
+        assert resp.status == 200, await resp.text()
+    closed = guards["trainer"]["spec"]
+    await wait_for(lambda: (emu.get("networkpolicies", NS, N.trainer(JOB)) or {}).get("spec") == closed,
+                   what="the opened trainer policy put back", log=operator.log)
+
+    if not KUBECTL.exists():
+        pytest.skip("kubectl is not installed (scripts/install-k8s-tools.sh)")
+    proc = await asyncio.create_subprocess_exec(
+        str(KUBECTL), "get", "netpol", "-n", NS, env=dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig")),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    rows = [line.split() for line in out.decode().strip().splitlines()]
+    assert rows[0] == ["NAME", "POD-SELECTOR", "AGE"]
+    assert sorted(r[:2] for r in rows[1:]) == sorted(
+        [name, ",".join(f"{k}={v}" for k, v in sorted(guards[c]["spec"]["podSelector"]["matchLabels"].items()))]
+        for c, name in (("redis", N.redis_network_policy(JOB)), ("trainer", N.trainer(JOB)),
+                        ("rollout", N.rollout(JOB))))
