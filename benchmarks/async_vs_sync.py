@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(job: Path, eta: int, steps: int, seed: int, run_dir: Path, extra: list[str]) -> list[dict]:
-    asyncrl = Path(sys.executable).parent / "asyncrl"
-    cmd = [str(asyncrl), "run", str(job), "--eta", str(eta), "--max-steps", str(steps), "--seed", str(seed),
+    from asyncrl.runner import asyncrl_command
+
+    cmd = [*asyncrl_command(), "run", str(job), "--eta", str(eta), "--max-steps", str(steps), "--seed", str(seed),
            "--run-dir", str(run_dir), "--pin", "--no-progress", *extra]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

@@ -9,7 +9,7 @@ interleaved (raw, ours, raw, ours, ...) and medians compared, because this machi
 Prints one JSON object: groups_per_s, mb_per_s, encode_us_per_group, decode_us_per_group,
 ratio_vs_raw (ours / raw groups per second), and the figures behind them.
 
-    .venv/bin/python benchmarks/transport.py              # starts a local Redis (AOF everysec)
+    .venv/bin/python benchmarks/transport.py              # starts a local Redis (AOF, appendfsync always)
     .venv/bin/python benchmarks/transport.py --redis-url redis://host:6379/0
 """
 
@@ -172,14 +172,14 @@ async def main_async(args: argparse.Namespace) -> dict:
                    "response_tokens": args.response_tokens, "prompt_tokens": args.prompt_tokens,
                    "read_count": args.read_count, "repeats": args.repeats,
                    "redis": "external" if args.redis_url
-                   else ("local, no AOF" if args.no_aof else "local, AOF everysec")},
+                   else ("local, no AOF" if args.no_aof else "local, AOF always")},
     }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting a local one")
-    p.add_argument("--no-aof", action="store_true", help="local Redis without AOF (default: everysec)")
+    p.add_argument("--no-aof", action="store_true", help="local Redis without AOF (default: AOF, appendfsync always)")
     p.add_argument("--groups-per-producer", type=int, default=300)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--response-tokens", type=int, default=1024)

@@ -276,3 +276,28 @@ def test_reward_wraps_asyncrls_and_records_the_prompt_order():
                  prompt_id=["a", "a", "b", "b"], trainer_state=None)
     assert got == [1.0, 0.0, 0.0, 1.0] and batches == [["a", "b"]]
     assert reward.__name__ == "exact_number"
+
+
+def test_matched_versions_are_the_late_versions_every_system_reaches():
+    assert vs.matched_versions(28) == (19, 25)  # 7 versions; an eta-2 run's last step trains version 25
+    assert vs.matched_versions(4) == (1, 1)
+    assert vs.matched_versions(2) == (0, 0)
+
+
+def test_reward_at_versions_compares_the_generating_policy_not_the_step():
+    # The same learning curve, one run synchronous and one lagging by exactly 2 versions:
+    # per step the lagging run looks worse; per generating version the two are the same.
+    curve = [i / 10 for i in range(10)]  # reward of version v's samples is v / 10
+    sync = [{"step": i + 1, "wall_s": 10.0 * (i + 1), "reward_mean": curve[i], "staleness_mean": 0.0}
+            for i in range(10)]
+    lagging = [{"step": i + 1, "wall_s": 10.0 * (i + 1), "reward_mean": curve[max(i - 2, 0)],
+                "staleness_mean": float(min(i, 2))} for i in range(10)]
+    lo, hi = vs.matched_versions(10)
+    assert (lo, hi) == (6, 7)
+    assert vs.reward_at_versions(sync, lo, hi) == pytest.approx(0.65)
+    assert vs.reward_at_versions(lagging, lo, hi) == pytest.approx(0.65)
+    assert vs.last_quarter([r["reward_mean"] for r in lagging]) < vs.last_quarter(curve)
+    assert vs.reward_at_versions(sync, 20, 30) is None  # no step trained those versions
+    out = vs.summarize({"trl": {0: {"records": sync}}, "asyncrl-eta2-loglinear": {0: {"records": lagging}}}, [0])
+    assert out["matched_versions"] == [6, 7]
+    assert out["systems"]["asyncrl-eta2-loglinear"]["reward_matched_versions"]["mean"] == pytest.approx(0.65)
