@@ -57,6 +57,9 @@ from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
 log = logging.getLogger("asyncrl.rollout.worker")
 
+SIDE_TASK_STOP_S = 10.0
+"""How long a stopping worker waits for its heartbeat, progress and version-following tasks."""
+
 UPDATE_POLL_S = 0.05
 """How often a segment for an engine without weight labels re-reads the trainer's record while the
 trainer is updating that engine."""
@@ -237,7 +240,12 @@ class RolloutWorker:
                 await asyncio.gather(*list(self._groups), return_exceptions=True)
             for task in side:
                 task.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
+            # bounded: a helper stuck in a client that swallowed its cancellation must not hold the
+            # shutdown (and the cursor save below) for a whole outage window
+            _, stuck = await asyncio.wait(side, timeout=SIDE_TASK_STOP_S)
+            if stuck:
+                log.warning("stopping without waiting for %s (did not stop within %.0fs)",
+                            ", ".join(t.get_name() for t in stuck), SIDE_TASK_STOP_S)
             await self._save_cursor()
             try:
                 await self.registry.remove(self.cfg.engine_id)

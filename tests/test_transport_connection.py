@@ -189,3 +189,34 @@ def test_trainer_and_rollout_take_the_window_on_the_command_line():
         args = parser.parse_args(["--config", "job.yaml", "--redis-outage-s", "240", *extra])
         assert args.redis_outage_s == 240
     assert args.engine_outage_s == 30
+
+
+async def test_a_cancelled_caller_is_not_retried_through_the_outage_window() -> None:
+    """A cancellation that the client library turns into a connection error (it closes the socket
+    and raises) must still cancel the caller at once, not be retried for the whole window: a worker
+    shutting down waited on such a retry (seen in CI: its version follower outlived the 60 s test)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from asyncrl.health import Health
+    from asyncrl.transport.connection import OutageRetry
+
+    attempts = 0
+
+    async def do() -> None:
+        nonlocal attempts
+        attempts += 1
+        try:
+            await asyncio.sleep(3600)  # a blocking read
+        except asyncio.CancelledError:
+            raise RedisConnectionError("connection closed while reading") from None
+
+    async def fail(error: Exception) -> None:
+        return None
+
+    retry = OutageRetry(window_s=60.0, target="test", health=Health())
+    task = asyncio.create_task(retry.call_with_retry(do, fail))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5.0)
+    assert task in done, "the cancelled call was retried instead of cancelled"
+    assert task.cancelled() and attempts == 1

@@ -105,6 +105,13 @@ class _Backoff(AbstractBackoff):
         return hash((self.base, self.cap))
 
 
+def _being_cancelled() -> bool:
+    """True inside a task that has a cancellation request pending (Python 3.11+; else False)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling and cancelling())
+
+
 class OutageRetry(Retry):
     """redis-py's Retry, bounded by time (the outage window) rather than a count.
 
@@ -144,6 +151,11 @@ class OutageRetry(Retry):
                 except self._supported_errors as error:
                     if is_retryable and not is_retryable(error):
                         raise
+                    if _being_cancelled():
+                        # the caller is being cancelled (e.g. a worker shutting down) and the library
+                        # turned that into a connection error: waiting out an "outage" would swallow
+                        # the cancellation for up to the window
+                        raise asyncio.CancelledError() from error
                     failures += 1
                     if self.health is not None:
                         self.health.failing("redis", self.target, error, self.window_s)
