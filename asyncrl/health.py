@@ -38,6 +38,11 @@ def backoff_delay(failures: int, *, base: float = BACKOFF_BASE_S, cap: float = B
 # ------------------------------------------------------------------------------------ Degraded
 
 
+def dependency_name(dependency: str) -> str:
+    """How a dependency is named in log lines and condition messages ("Redis", "engine")."""
+    return "Redis" if dependency == "redis" else dependency
+
+
 @dataclass(frozen=True)
 class Outage:
     """One dependency this process cannot reach right now (what Degraded shows)."""
@@ -57,7 +62,7 @@ class Outage:
         return max((time.time() if now is None else now) - self.since, 0.0)
 
     def describe(self, now: float | None = None) -> str:
-        name = "Redis" if self.dependency == "redis" else self.dependency
+        name = dependency_name(self.dependency)
         return (f"{name} {self.target} unreachable for {self.seconds(now):.0f}s ({self.last_error}); "
                 f"retrying for up to {self.window_s:.0f}s")
 
@@ -114,7 +119,7 @@ class Health:
             outage = self._outages.pop(key, None)
             self._logged.pop(key, None)
         if outage is not None:
-            name = "Redis" if dependency == "redis" else dependency
+            name = dependency_name(dependency)
             log.info("%s %s reachable again after %.1fs (%d failed attempt(s))%s", name, target,
                      outage.seconds(), outage.failures, "" if self.degraded() else ": no longer degraded")
         return outage

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from asyncrl.health import REASONS
+from asyncrl.health import REASONS, dependency_name
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import mirror_outcome, mirror_report
@@ -316,8 +316,7 @@ def dependency_outage(report: TrainerReport | None) -> Check | None:
         return None
     parts = []
     for o in degraded.outages:
-        name = "Redis" if o.dependency == "redis" else o.dependency
-        text = f"{name} {o.target} unreachable since {_epoch(o.since)}"
+        text = f"{dependency_name(o.dependency)} {o.target} unreachable since {_epoch(o.since)}"
         text += f" ({o.last_error})" if o.last_error else ""
         parts.append(text + (f", retrying for up to {o.window_s:.0f}s" if o.window_s else ""))
     if not parts:  # a report with no outage listed: its own words

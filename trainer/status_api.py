@@ -6,7 +6,7 @@ source of truth (its TrainerReport) and the server never touches training state.
 While the trainer waits out an outage (Redis, see asyncrl/transport/connection.py), /status and
 /metrics say so: the report's `degraded` (`DegradedReport`: status, reason RedisUnavailable or
 EngineUnavailable, message, since, outages) is filled in at request time from the process's Health
-board, not by the training loop, because the loop is blocked inside the very Redis command that
+board (asyncrl/health.py), not by the training loop, because the loop is blocked inside the very Redis command that
 waits and cannot update its report. It goes through the TrainerReport model (`with_health`), so
 what is served is what the operator's mirror parses; the key is absent while nothing is down, so
 a healthy trainer's document is exactly what it was before (readers that do not know it ignore it).
