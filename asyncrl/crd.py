@@ -23,6 +23,8 @@ PRINTER_COLUMNS = [
     {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.summary",
      "description": "Ready/desired rollout replicas"},
     {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
+    {"name": "Eval", "type": "string", "jsonPath": ".status.evaluation.summary",
+     "description": "held-out pass@1 and the policy version it was measured on"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

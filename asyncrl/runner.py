@@ -62,6 +62,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0,
                         help="seconds the engines may take to become ready")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live line")
+    parser.add_argument("--no-evaluation", action="store_true",
+                        help="leave out the job's spec.evaluation (held-out evaluation during training)")
 
 
 # ----------------------------------------------------------------------------- children
@@ -191,6 +193,8 @@ def prepare_job(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         spec["dataset"]["seed"] = args.seed
     if args.eta is not None:
         spec["staleness"]["maxHeadOffpolicyness"] = args.eta
+    if getattr(args, "no_evaluation", False):
+        spec.pop("evaluation", None)
     spec["trainer"]["device"] = spec["trainer"].get("device", "auto")
     data.pop("status", None)
     return AsyncRLJob.model_validate(data), data
@@ -241,24 +245,63 @@ def quarter_means(rewards: list[float]) -> tuple[float, float] | None:
     return sum(rewards[:q]) / q, sum(rewards[-q:]) / q
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
     out = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
-            continue
+            continue  # a line cut short by a crash
+        if isinstance(record, dict):
+            out.append(record)
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-step lines of metrics.jsonl. Lines with an "event" key (held-out evaluations:
+    {"event": "eval", ...}) are skipped: they are not steps and carry no step's figures."""
+    return [m for m in _metrics_lines(run_dir) if "event" not in m]
+
+
+def read_evaluations(run_dir: Path) -> list[dict[str, Any]]:
+    """The held-out evaluation lines of metrics.jsonl ({"event": "eval", **EvalRecord, "step": N})."""
+    return [m for m in _metrics_lines(run_dir) if m.get("event") == "eval" and "pass_at_1" in m]
+
+
+def newest_evaluation(evaluations: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation of the highest policy version (the later of equals): results may arrive out
+    of version order."""
+    newest = None
+    for record in evaluations:
+        if newest is None or int(record.get("policy_version", 0)) >= int(newest.get("policy_version", 0)):
+            newest = record
+    return newest
+
+
+def eval_trend(evaluations: list[dict[str, Any]]) -> dict[str, float]:
+    """{"v0": pass@1, "v28": pass@1}: the lowest and the highest policy version evaluated (one
+    entry when only one was), for run.json and the last line."""
+    by_version = {int(r.get("policy_version", 0)): float(r.get("pass_at_1", 0.0)) for r in evaluations}
+    if not by_version:
+        return {}
+    ends = sorted({min(by_version), max(by_version)})
+    return {f"v{v}": round(by_version[v], 4) for v in ends}
+
+
+def eval_summary(record: dict[str, Any]) -> str:
+    """"0.42@v14": pass@1 of an evaluation and its policy version (as the job's Eval column)."""
+    return f"{float(record.get('pass_at_1', 0.0)):.2f}@v{record.get('policy_version', 0)}"
 
 
 class Progress:
     """The live line: step, version, reward, staleness, tokens/s (rich when a terminal, else plain),
-    and `DEGRADED <reason>: <message>` while the trainer waits out an outage (its /status
+    `eval 0.42@v14` (pass@1 of the newest held-out evaluation, on policy version 14) once there is
+    one, and `DEGRADED <reason>: <message>` while the trainer waits out an outage (its /status
     `degraded`): training standing still must not look like a slow step. A plain line is printed
-    again when that changes, not only when the step or phase does."""
+    again when that changes or a new evaluation arrives, not only when the step or phase does."""
 
     def __init__(self, max_steps: int, plain: bool):
         from rich.console import Console
@@ -266,7 +309,7 @@ class Progress:
         self.console = Console(stderr=False)
         self.plain = plain or not self.console.is_terminal
         self.max_steps = max_steps
-        self._last: tuple[int, str, str] | None = None
+        self._last: tuple[int, str, str, str] | None = None
         self._seen_status = False
         self._progress = None
         if not self.plain:
@@ -284,7 +327,7 @@ class Progress:
         if status is None:
             if self._seen_status:
                 return  # the trainer just exited (or is busy): keep the last line
-            line, step, phase, degraded = phase_hint, 0, phase_hint, ""
+            line, step, phase, degraded, evaluated = phase_hint, 0, phase_hint, "", ""
         else:
             st = status.get("staleness", {})
             reward = status.get("reward_mean")
@@ -292,6 +335,9 @@ class Progress:
                     else f"v{status.get('policy_version', 0)}  reward -")
             line += (f"  staleness {st.get('mean', 0):.2f}/{st.get('max', 0)} (eta {st.get('limit', 0)},"
                      f" dropped {st.get('dropped', 0)})  {status.get('tokens_per_second', 0):.0f} tok/s")
+            newest = newest_evaluation(status.get("evaluations") or [])
+            evaluated = eval_summary(newest) if newest is not None else ""
+            line += f"  eval {evaluated}" if evaluated else ""
             step, phase = int(status.get("step", 0)), str(status.get("phase", ""))
             outage = status.get("degraded") or {}
             degraded = (f"DEGRADED {outage.get('reason') or 'DependencyUnavailable'}: {outage.get('message', '')}"
@@ -300,8 +346,8 @@ class Progress:
             self._seen_status = True
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=phase or "starting", info=line)
-        elif (step, phase, degraded.split(":")[0]) != self._last:
-            self._last = (step, phase, degraded.split(":")[0])
+        elif (step, phase, degraded.split(":")[0], evaluated) != self._last:
+            self._last = (step, phase, degraded.split(":")[0], evaluated)
             print(f"[{phase}] step {step}/{self.max_steps}  {line}", flush=True)
 
     def stop(self) -> None:
@@ -450,10 +496,14 @@ def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None,
     qm = quarter_means(rewards)
     if qm:
         summary["reward_first_quarter"], summary["reward_last_quarter"] = qm
+    evaluated = eval_trend(read_evaluations(run_dir))
+    if evaluated:
+        summary["eval_pass_at_1"] = evaluated
     (run_dir / "run.json").write_text(json.dumps(summary, indent=2))
     print(f"asyncrl run: {summary['outcome']} after {len(metrics)} steps"
           + (f" ({outcome.reason})" if outcome else "")
           + (f"; reward first quarter {qm[0]:.3f} -> last quarter {qm[1]:.3f}" if qm else "")
+          + (f"; held-out pass@1 {' -> '.join(f'{p:.2f}@{v}' for v, p in evaluated.items())}" if evaluated else "")
           + f"; final weights {summary['final_weights']}; run directory {run_dir}", flush=True)
     if verdict == "succeeded":
         return 0

@@ -29,6 +29,7 @@ SHORT_NAMES = ["arj"]
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
+BUILTIN_SPLITS = ("train", "test")
 JobPhase = Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
 TERMINAL_PHASES: tuple[JobPhase, ...] = ("Succeeded", "Failed")
@@ -89,7 +90,7 @@ class DatasetSpec(SpecModel):
     format: Literal["auto", "gsm8k", "prompt-answer"] = "auto"
     """Record layout for JSONL: gsm8k (`question`/`answer` with `#### n`) or `prompt`/`answer`."""
     split: str = "train"
-    """Split name for HF datasets."""
+    """Split name for HF datasets; for builtin:arithmetic, train or test (disjoint problem sets)."""
     prompt_template: str | None = None
     """Python format string with `{prompt}`; rendered inside the model's chat template."""
     system_prompt: str | None = None
@@ -105,6 +106,13 @@ class DatasetSpec(SpecModel):
         if v.startswith("builtin:") and v != "builtin:arithmetic":
             raise ValueError(f"unknown builtin dataset {v!r}; allowed: builtin:arithmetic")
         return v
+
+    @model_validator(mode="after")
+    def _builtin_split(self) -> DatasetSpec:
+        if self.source.startswith("builtin:") and self.split not in BUILTIN_SPLITS:
+            raise ValueError(f"split {self.split!r} of {self.source}: allowed {', '.join(BUILTIN_SPLITS)} "
+                             "(disjoint problem sets)")
+        return self
 
 
 class RewardSpec(SpecModel):
@@ -361,6 +369,93 @@ class StorageSpec(SpecModel):
         return v
 
 
+class EvalDatasetSpec(DatasetSpec):
+    """Held-out prompts: a DatasetSpec whose split defaults to test."""
+
+    split: str = "test"
+    """Split name for HF datasets; for builtin:arithmetic, test (default) or train."""
+
+
+class EvaluationSpec(SpecModel):
+    """Held-out evaluation while training: the rollout engines answer held-out prompts on named
+    policy versions between training groups. Eval samples are never trained and never counted by
+    admission; results go to /status, /metrics, metrics.jsonl, the dashboard and the job status."""
+
+    dataset: EvalDatasetSpec = Field(default_factory=EvalDatasetSpec)
+    """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a JSONL path
+    (e.g. GSM8K test.jsonl) or hf:<dataset id> with its split."""
+    reward: RewardSpec | None = None
+    """How an eval answer is scored; unset = the job's reward."""
+    every_steps: int = Field(default=10, ge=1)
+    """Evaluate policy versions 0, N, 2N, ... and the final version."""
+    prompts: int = Field(default=64, ge=1)
+    """Held-out prompts per evaluation (the whole dataset when it has fewer); the same ones each time."""
+    samples_per_prompt: int = Field(default=1, ge=1)
+    """k answers per prompt: pass@1 is their mean, pass@k is reported too when k > 1."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature of eval answers; 0 = greedy (the default)."""
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    """Answer length limit; unset = algorithm.maxNewTokens."""
+    max_concurrent_requests: int = Field(default=8, ge=1)
+    """Eval requests in flight per engine, so training requests keep the rest of the engine."""
+    final_timeout_seconds: int = Field(default=600, ge=0)
+    """How long the trainer waits at the end for the final version's evaluation before the job
+    ends (0 = do not wait: the final version may stay unevaluated)."""
+
+    @model_validator(mode="after")
+    def _sampled(self) -> EvaluationSpec:
+        if self.samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(f"samplesPerPrompt {self.samples_per_prompt} needs temperature > 0: greedy answers to "
+                             "one prompt are identical; allowed: samplesPerPrompt 1 with temperature 0, or "
+                             "temperature > 0")
+        return self
+
+
+class TensorBoardSpec(SpecModel):
+    """TensorBoard event files (needs the `tensorboard` extra: pip install 'asyncrl[tensorboard]')."""
+
+    log_dir: str | None = None
+    """Where the event files go; unset = `tensorboard/` in the run directory (on a cluster: on the
+    job's volume, beside the checkpoints)."""
+
+
+class WandbKeyRef(SecretKeyRef):
+    """The Secret key holding a Weights & Biases API key."""
+
+    key: str = Field(default="WANDB_API_KEY", min_length=1)
+
+
+class WandbSpec(SpecModel):
+    """Weights & Biases (needs the `wandb` extra: pip install 'asyncrl[wandb]')."""
+
+    project: str = Field(min_length=1)
+    entity: str | None = None
+    mode: Literal["online", "offline"] = "online"
+    """offline: write the run under the run directory for a later `wandb sync`."""
+    tags: list[str] = Field(default_factory=list)
+    api_key_secret: WandbKeyRef | None = None
+    """On a cluster: the Secret key holding WANDB_API_KEY (set as the trainer's environment)."""
+
+
+class MlflowSpec(SpecModel):
+    """MLflow (needs the `mlflow` extra: pip install 'asyncrl[mlflow]')."""
+
+    tracking_uri: str | None = None
+    """Tracking server URL; unset = a file store `mlruns/` in the run directory."""
+    experiment: str = Field(default="asyncrl", min_length=1)
+    credentials_secret: str | None = None
+    """On a cluster: a Secret whose keys (MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD or
+    MLFLOW_TRACKING_TOKEN) become the trainer's environment."""
+
+
+class LoggingSpec(SpecModel):
+    """Experiment trackers that receive the per-step figures of /status (and the eval results)."""
+
+    tensorboard: TensorBoardSpec | None = None
+    wandb: WandbSpec | None = None
+    mlflow: MlflowSpec | None = None
+
+
 class AsyncRLJobSpec(SpecModel):
     """What to train, on what, and how."""
 
@@ -373,6 +468,10 @@ class AsyncRLJobSpec(SpecModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     redis: RedisSpec = Field(default_factory=RedisSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
+    evaluation: EvaluationSpec | None = None
+    """Held-out evaluation during training; unset = none."""
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    """Experiment trackers (TensorBoard, Weights & Biases, MLflow); none by default."""
     suspend: bool = False
     """Scale rollout and trainer to zero, keeping Redis and volumes; unset to resume."""
     startup_deadline_seconds: int = Field(default=900, ge=1)
@@ -466,6 +565,19 @@ class ProgressStatus(StatusModel):
     tokens_per_second: float = 0.0
 
 
+class EvaluationStatus(StatusModel):
+    """The newest held-out evaluation, mirrored from the trainer's /status."""
+
+    policy_version: int | None = None
+    reward_mean: float | None = None
+    pass_at_1: float | None = None
+    pass_at_k: float | None = None
+    """pass@k with k = evaluation.samplesPerPrompt (only when k > 1)."""
+    k: int = 1
+    summary: str = ""
+    """pass@1 and its version, e.g. "0.42@v14", for the printer column."""
+
+
 class AsyncRLJobStatus(StatusModel):
     """Observed state of the job, written by the operator."""
 
@@ -480,6 +592,8 @@ class AsyncRLJobStatus(StatusModel):
     rollout: RolloutStatus = Field(default_factory=RolloutStatus)
     staleness: StalenessStatus = Field(default_factory=StalenessStatus)
     progress: ProgressStatus = Field(default_factory=ProgressStatus)
+    evaluation: EvaluationStatus | None = None
+    """Set once the first held-out evaluation is done (spec.evaluation)."""
     status_url: str | None = Field(default=None, alias="statusURL")
 
 
@@ -514,6 +628,9 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "topP must be 1.0: the trainer scores the full distribution"),
     ("spec.algorithm", "!has(self.topK) || self.topK == -1",
      "topK must be -1: the trainer scores the full distribution"),
+    ("spec.evaluation",
+     "!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1 || (has(self.temperature) && self.temperature > 0.0)",
+     "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TrainerPhase = Literal["Starting", "Waiting", "Training", "Publishing", "Succeeded", "Failed", "Stopped"]
+TrainerPhase = Literal["Starting", "Waiting", "Training", "Publishing", "Evaluating", "Succeeded", "Failed",
+                      "Stopped"]
 
 
 class _Report(BaseModel):
@@ -107,6 +108,35 @@ class StepRecord(_Report):
     """Unix time the step finished."""
 
 
+class EvalRecord(_Report):
+    """One held-out evaluation of one policy version (spec.evaluation): a line of metrics.jsonl
+    (with "event": "eval"), a point of the dashboard's eval chart, an entry of /status."""
+
+    policy_version: int
+    """The version the evaluation was asked for (the weights the engine served when it began)."""
+    reward_mean: float
+    """Mean reward over every eval answer."""
+    pass_at_1: float
+    """Mean over prompts of the fraction of correct answers (reward >= 1 counts as correct)."""
+    pass_at_k: float | None = None
+    """Fraction of prompts with at least one correct answer among k (only when k > 1)."""
+    k: int = 1
+    """Answers per prompt (evaluation.samplesPerPrompt)."""
+    prompts: int = 0
+    samples: int = 0
+    on_version: float = 1.0
+    """Fraction of answers generated wholly by `policy_version`: an answer cut short by a weight
+    update is generated again from the start, on the newer weights."""
+    response_length: float = 0.0
+    """Mean answer length in tokens."""
+    seconds: float = 0.0
+    """Wall time of the evaluation."""
+    engine_id: str = ""
+    """The rollout engine that answered."""
+    time: float = 0.0
+    """Unix time the evaluation finished."""
+
+
 class TrainerReport(_Report):
     """What the trainer publishes about itself at `GET /status`."""
 
@@ -149,6 +179,8 @@ class TrainerReport(_Report):
     """Recent steps (bounded), for the dashboard's charts."""
     started_at: float = 0.0
     updated_at: float = 0.0
+    evaluations: list[EvalRecord] = Field(default_factory=list)
+    """Held-out evaluations so far (spec.evaluation), oldest first, bounded."""
     degraded: DegradedReport | None = None
     """Set while the trainer waits out an outage of a dependency; None (absent from /status) when
     nothing is down. Typed here, not bolted onto the JSON, so the operator's mirror, which reads

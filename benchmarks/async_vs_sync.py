@@ -2,7 +2,8 @@
 
 Both runs use `asyncrl run --pin`: the engine and rollout worker on one half of the cores, the
 trainer on the other (as if they were separate GPU pools, which is what asynchrony exploits: in
-synchronous mode each pool idles while the other works). From the trainer's metrics.jsonl:
+synchronous mode each pool idles while the other works). Both leave out the job's held-out
+evaluation (`--no-evaluation`): the figures time training alone. From the trainer's metrics.jsonl:
 
   groups_per_s   groups trained per second over steps 2..N (step 1 includes start-up)
   train_s        compute + publish seconds per step; rollout_s: the rest of the step (the trainer
@@ -31,13 +32,14 @@ def run(job: Path, eta: int, steps: int, seed: int, run_dir: Path, extra: list[s
     from asyncrl.runner import asyncrl_command
 
     cmd = [*asyncrl_command(), "run", str(job), "--eta", str(eta), "--max-steps", str(steps), "--seed", str(seed),
-           "--run-dir", str(run_dir), "--pin", "--no-progress", *extra]
+           "--run-dir", str(run_dir), "--pin", "--no-progress", "--no-evaluation", *extra]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"run with eta={eta} failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     print(f"eta={eta}: {steps} steps in {time.monotonic() - t0:.0f}s ({run_dir})", file=sys.stderr)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [m for m in lines if "event" not in m]  # per-step lines only (eval results have an "event")
 
 
 def figures(metrics: list[dict], batch_size: int) -> dict[str, float]:

@@ -9,7 +9,7 @@ Per seed, one at a time, trains the job (default examples/local.yaml) with:
   asyncrl-eta2-recompute  asyncrl run --eta 2 with algorithm.proximal recompute
 
 asyncrl runs go through benchmarks/async_vs_sync.py's `run` (`asyncrl run --pin`: engine + rollout on
-one half of the cores, trainer on the other). TRL runs in one process on all cores.
+one half of the cores, trainer on the other; held-out evaluation off). TRL runs in one process on all cores.
 
 Clocks: TRL's starts at the trainer's on_train_begin (model loaded); asyncrl's at the earlier of the
 trainer's step clock start (model and optimizer built) and the rollout worker's start, so generation

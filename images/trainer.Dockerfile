@@ -10,7 +10,9 @@ COPY asyncrl ./asyncrl
 COPY operator ./operator
 COPY trainer ./trainer
 COPY rollout ./rollout
-RUN pip install ".[trainer]" && rm -rf /src
+# The experiment trackers (spec.logging: TensorBoard, W&B, MLflow client) come with the image (~235 MB):
+# a job cannot add a package to a running pod, and a configured tracker without one fails the job.
+RUN pip install ".[trainer,trackers]" && rm -rf /src
 
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin asyncrl || true
 USER 1000:1000

@@ -170,6 +170,22 @@ def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
     ]
 
 
+def _tracker_env(job: AsyncRLJob) -> tuple[list[Obj], list[Obj]]:
+    """The trainer's experiment-tracker credentials from the job's Secrets, as (env, envFrom):
+    WANDB_API_KEY from spec.logging.wandb.apiKeySecret, and every key of
+    spec.logging.mlflow.credentialsSecret (MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN). A missing
+    Secret keeps the pod from starting (CreateContainerConfigError) rather than training untracked."""
+    lg = job.spec.logging
+    env: list[Obj] = []
+    env_from: list[Obj] = []
+    if lg.wandb is not None and lg.wandb.api_key_secret is not None:
+        ref = lg.wandb.api_key_secret
+        env.append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if lg.mlflow is not None and lg.mlflow.credentials_secret is not None:
+        env_from.append({"secretRef": {"name": lg.mlflow.credentials_secret}})
+    return env, env_from
+
+
 def _shared_claim(job: AsyncRLJob) -> str:
     return job.spec.storage.claim_name or N.shared_pvc(job.metadata.name)
 
@@ -425,6 +441,9 @@ def trainer_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     Nothing else may connect: torchrun's rendezvous store takes no credentials, and the operator sets
     no token on the status endpoint. A Prometheus that scrapes the trainer's /metrics (on the status
     port) needs a NetworkPolicy of its own that admits it: policies add up, none can take away.
+    Egress is not restricted (policyTypes: Ingress only): the trainer reaches the experiment trackers'
+    servers (W&B, an MLflow tracking server) and model hubs; a namespace whose default policy denies
+    egress must allow those itself.
     """
     name = job.metadata.name
     status = job.spec.trainer.status_port
@@ -580,16 +599,19 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     t = job.spec.trainer
     selector = N.selector_labels(name, "trainer")
     replicas = 0 if ctx.stopped else t.replicas
+    tracker_env, tracker_env_from = _tracker_env(job)
     container: Obj = {
         "name": "trainer",
         "image": t.image or ctx.trainer_image,
         "command": trainer_command(job, ctx.namespace),
-        "env": _common_env(job, ctx),
+        "env": [*_common_env(job, ctx), *tracker_env],
         "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
                   {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "volumeMounts": [*_MOUNTS, _DSHM],
         "securityContext": _container_security(read_only_root=False),
     }
+    if tracker_env_from:  # (Kubernetes gives `env` precedence: these keys cannot shadow the operator's)
+        container["envFrom"] = tracker_env_from
     resources = _resources(t.resources, t.gpus_per_replica)
     if resources:
         container["resources"] = resources

@@ -26,8 +26,15 @@ from redis.exceptions import RedisError
 
 from asyncrl.errors import OperatorError
 from asyncrl.outcome import TrainerOutcome, read_outcome_redis
-from asyncrl.spec import AsyncRLJobSpec, AsyncRLJobStatus, ProgressStatus, StalenessStatus, TrainerStatus
-from asyncrl.status_report import TrainerReport
+from asyncrl.spec import (
+    AsyncRLJobSpec,
+    AsyncRLJobStatus,
+    EvaluationStatus,
+    ProgressStatus,
+    StalenessStatus,
+    TrainerStatus,
+)
+from asyncrl.status_report import EvalRecord, TrainerReport
 from asyncrl.transport.connection import make_client
 from asyncrl.transport.names import StreamNames
 
@@ -76,9 +83,31 @@ def mirror_outcome(status: AsyncRLJobStatus, outcome: TrainerOutcome, spec: Asyn
         status.progress = ProgressStatus(percent=percent)
 
 
+def newest_evaluation(evaluations: list[EvalRecord]) -> EvalRecord | None:
+    """The evaluation of the highest policy version (the latest of equals): results can arrive out
+    of version order when several engines evaluate, and the column should show the newest model."""
+    newest = None
+    for record in evaluations:
+        if newest is None or record.policy_version >= newest.policy_version:
+            newest = record
+    return newest
+
+
+def evaluation_status(record: EvalRecord) -> EvaluationStatus:
+    """One evaluation as the job's `status.evaluation`; summary "0.42@v14" is the `Eval` column."""
+    return EvaluationStatus(
+        policy_version=record.policy_version, reward_mean=round(record.reward_mean, 6),
+        pass_at_1=round(record.pass_at_1, 6),
+        pass_at_k=None if record.pass_at_k is None or record.k <= 1 else round(record.pass_at_k, 6),
+        k=record.k, summary=f"{record.pass_at_1:.2f}@v{record.policy_version}")
+
+
 def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRLJobSpec) -> None:
-    """Set the parts of `status` that come from the report: trainer, staleness, progress and
-    rollout.minWeightVersion. The spec fills in what an early report may not know yet (max steps, eta)."""
+    """Set the parts of `status` that come from the report: trainer, staleness, progress,
+    rollout.minWeightVersion and, once there is one, the newest evaluation. The spec fills in what
+    an early report may not know yet (max steps, eta). A report without evaluations leaves
+    `status.evaluation` as it was (absent until the first; a restarted trainer's empty list does
+    not erase the last one written)."""
     status.trainer = TrainerStatus(step=report.step, policy_version=report.policy_version,
                                    last_checkpoint=report.last_checkpoint or None)
     s = report.staleness
@@ -92,6 +121,9 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     engines = [e.weight_version for e in report.rollout if e.weight_version is not None]
     if engines:
         status.rollout.min_weight_version = min(engines)
+    newest = newest_evaluation(report.evaluations)
+    if newest is not None:
+        status.evaluation = evaluation_status(newest)
 
 
 # ----------------------------------------------------------------------------------- outcome record

@@ -480,12 +480,14 @@ def _rollout(ref: JobRef, spec: AsyncRLJobSpec | None, obs: Observed) -> Rollout
 
 def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: TrainerReport | None,
              spec: AsyncRLJobSpec | None, outcome: TrainerOutcome | None = None) -> None:
-    """trainer, staleness, progress and rollout.minWeightVersion: from this pass's report, else the
-    last ones written; the outcome record has the final step. trainer and progress stay absent
-    until the trainer has reported."""
+    """trainer, staleness, progress, rollout.minWeightVersion and evaluation: from this pass's
+    report, else the last ones written; the outcome record has the final step. trainer and progress
+    stay absent until the trainer has reported, evaluation until its first held-out evaluation."""
     kept = before.model_fields_set
     if "trainer" in kept:
         status.trainer = before.trainer
+    if before.evaluation is not None:
+        status.evaluation = before.evaluation
     if "staleness" in kept:
         status.staleness = before.staleness
     if "progress" in kept:

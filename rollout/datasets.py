@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
@@ -143,19 +144,34 @@ class ArithmeticSource:
     NAMES: ClassVar[tuple[str, ...]] = ("Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Ivy")
     THINGS: ClassVar[tuple[str, ...]] = ("apples", "books", "marbles", "stamps", "coins", "shells")
 
-    def __init__(self, seed: int = 0, difficulty: int = 1, instruction: str = DEFAULT_ARITHMETIC_INSTRUCTION):
+    TEST_BUCKETS: ClassVar[int] = 10
+    """One problem in this many (by a stable hash of its text) belongs to split test, the rest to
+    train: the two splits never share a problem, whatever the seeds."""
+
+    def __init__(self, seed: int = 0, difficulty: int = 1, instruction: str = DEFAULT_ARITHMETIC_INSTRUCTION,
+                 split: str = "train"):
         if not 1 <= difficulty <= 5:
             raise DatasetError(f"builtin:arithmetic difficulty must be 1..5, got {difficulty}")
-        self.seed, self.difficulty, self.instruction = seed, difficulty, instruction
+        if split not in ("train", "test"):
+            raise DatasetError(f"builtin:arithmetic split must be train or test, got {split!r}")
+        self.seed, self.difficulty, self.instruction, self.split = seed, difficulty, instruction, split
 
     def __len__(self) -> int:
         return 2**31 - 1
 
+    @classmethod
+    def split_of(cls, question: str) -> str:
+        return "test" if zlib.crc32(question.encode()) % cls.TEST_BUCKETS == 0 else "train"
+
     def item(self, position: int) -> PromptItem:
-        rng = random.Random(f"arith:{self.seed}:{self.difficulty}:{position}")
-        q, a = getattr(self, f"_level{self.difficulty}")(rng)
+        tag = "" if self.split == "train" else f"{self.split}:"
+        rng = random.Random(f"arith:{tag}{self.seed}:{self.difficulty}:{position}")
+        while True:  # draw until the problem is of this split (same rng: deterministic)
+            q, a = getattr(self, f"_level{self.difficulty}")(rng)
+            if self.split_of(q) == self.split:
+                break
         text = f"{q} {self.instruction}".strip()
-        return PromptItem(f"arith-{self.seed}-{self.difficulty}-{position}", text, str(a))
+        return PromptItem(f"arith-{tag.replace(':', '-')}{self.seed}-{self.difficulty}-{position}", text, str(a))
 
     def _level1(self, rng: random.Random) -> tuple[str, int]:
         x, y = rng.randint(10, 99), rng.randint(10, 99)
@@ -193,7 +209,7 @@ def load_source(spec: DatasetSpec) -> PromptSource:
     """The prompt source a DatasetSpec names."""
     src = spec.source
     if src == "builtin:arithmetic":
-        return ArithmeticSource(seed=spec.seed, difficulty=spec.difficulty)
+        return ArithmeticSource(seed=spec.seed, difficulty=spec.difficulty, split=spec.split)
     if src.startswith("builtin:"):
         raise DatasetError(f"unknown builtin dataset {src!r}; allowed: builtin:arithmetic")
     if src.startswith("hf:"):

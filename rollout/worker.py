@@ -3,7 +3,8 @@
 Read top to bottom:
   run()           takes an admission lease per group (blocks when the global staleness budget is
                   spent: the worker does not buffer), picks the next prompt of its shard, starts
-                  the group as a task; a version follower and a registry heartbeat run beside it.
+                  the group as a task; a version follower, a registry heartbeat and (with
+                  `evaluation`) the evaluator run beside it.
   _run_group()    samples n completions concurrently, scores them, checks the group can be trained
                   (asyncrl.transport.content.check_group: finite logprobs, one per token, ...),
                   publishes the whole group with one XADD, releases the lease as accepted. A group
@@ -20,11 +21,24 @@ Read top to bottom:
   _segment_version() where that version comes from: the label the engine puts on its answer
                   (SGLang, our hf server), or, for engines without one (vLLM), the trainer's record
                   for this engine in the EngineRegistry, read before and after the segment.
+  _evaluator()    (only with `evaluation`, spec.evaluation) a side task serving the trainer's held-out
+                  evaluation requests (asyncrl.transport.evaluation): claims one (its own unfinished
+                  one first, then one a dead worker left, then a new one), answers the held-out
+                  prompts on the same engine beside the training groups (rollout.evaluation.evaluate:
+                  its own `max_concurrent_requests`, no admission lease, nothing published to the
+                  trajectory stream, nothing trained), touches the request while it runs so no
+                  other worker takes it over, and completes it with the EvalRecord. Answers are
+                  labelled like segments (_segment_version); engine errors are retried like a
+                  sample's. A failed pass is logged and left pending, retried after a backoff (a
+                  backoff longer than `takeover_ms` lets another worker take it over).
 The worker never pauses, updates or resumes its engine: the trainer alone does that, for every
 engine (trainer/weight_sync.py). The worker observes: the version channel (the policy version,
 for its log line), its engine's weight version (registered with each heartbeat).
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
-unaccepted, remove the engine from the registry.
+unaccepted, cancel a running evaluation (its request stays pending: this worker after a restart,
+or another one after `takeover_ms`, serves it), remove the engine from the registry. The wait for
+a lease and the side tasks are cancelled again until they end (cancel_and_wait: Python 3.11 can
+lose a cancellation in the Redis client, which left a stopping worker polling for a lease forever).
 Outages: Redis commands block through an outage of up to the client's window (the client's retry
 policy, asyncrl/transport/connection.py), engine requests through `engine_outage_s`; meanwhile the
 worker is Degraded: the outage is logged when it starts, while it lasts and when it ends, and the
@@ -38,6 +52,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,11 +60,13 @@ import httpx
 import numpy as np
 
 from asyncrl.health import HEALTH, Health, backoff_delay
-from asyncrl.rollout.datasets import PromptSource, ShardCursor
+from asyncrl.rollout.datasets import PromptItem, PromptSource, ShardCursor
 from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams, parse_version
+from asyncrl.rollout.evaluation import EvalSettings, evaluate
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.content import GroupLimits, check_group
+from asyncrl.transport.evaluation import EvalChannel, EvalRequest
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
@@ -58,8 +75,10 @@ from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 log = logging.getLogger("asyncrl.rollout.worker")
 
 SIDE_TASK_STOP_S = 10.0
-"""How long a stopping worker waits for its heartbeat, progress and version-following tasks."""
+"""How long a stopping worker waits for its heartbeat, progress, version-following and evaluator tasks."""
 
+CANCEL_AGAIN_S = 1.0
+"""How often a stopping worker repeats the cancellation of a task that has not ended (see cancel_and_wait)."""
 UPDATE_POLL_S = 0.05
 """How often a segment for an engine without weight labels re-reads the trainer's record while the
 trainer is updating that engine."""
@@ -69,6 +88,24 @@ SGLang server reloads its model in well under this)."""
 _OUTAGE_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError, httpx.WriteError,
                   httpx.RemoteProtocolError)
 _OUTAGE_STATUS = frozenset({502, 503, 504})
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None = None) -> set[asyncio.Task]:
+    """Cancel `tasks` and wait until they end (or `timeout` s); returns those still running.
+
+    The cancellation is repeated every CANCEL_AGAIN_S: on Python 3.11, asyncio.wait_for, which
+    redis-py sends every command through, loses a cancellation that arrives just as the command
+    completes (CPython gh-86296), and a polling loop such as Admission.acquire then runs on forever."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        wait = CANCEL_AGAIN_S if deadline is None else min(CANCEL_AGAIN_S, deadline - time.monotonic())
+        if wait <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=wait)
+    return pending
 
 
 def engine_unreachable(exc: BaseException) -> bool:
@@ -124,6 +161,48 @@ class WorkerConfig:
 
 
 @dataclass
+class WorkerEvaluation:
+    """Held-out evaluation served by a worker (from spec.evaluation; no record = the worker serves none)."""
+
+    items: list[PromptItem]
+    """The held-out prompts, the same at every version (rollout.evaluation.load_eval_items)."""
+    settings: EvalSettings
+    scorer: RewardScorer
+    """Scores eval answers (evaluation.reward, else the job's reward); closed with the worker."""
+    render: Callable[[str], list[int]] | None = None
+    """question -> prompt ids for eval prompts (rollout.evaluation.eval_prompt_format); None = the
+    worker's own (the training format)."""
+    block_ms: int = 2000
+    """How long one claim waits for a new request (below the Redis client's socket timeout)."""
+    takeover_ms: int = 60_000
+    """A request untouched this long (its worker died) is taken over by another worker."""
+    touch_s: float = 5.0
+    """How often a running evaluation tells Redis it is alive (well below `takeover_ms`)."""
+    retry_s: float = 5.0
+    retry_max_s: float = 120.0
+    """Base and cap of the backoff after a failed evaluation, before the request is tried again."""
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError("evaluation needs held-out prompts; items is empty")
+        if not 0 < self.touch_s * 1000 < self.takeover_ms:
+            raise ValueError(f"evaluation touch_s ({self.touch_s}) must be > 0 and below takeover_ms "
+                             f"({self.takeover_ms}) / 1000, or a running evaluation is taken over")
+
+
+@dataclass
+class _EvalProgress:
+    """The running evaluation, for the progress line (`eval=v7 30/64`)."""
+
+    version: int
+    total: int
+    done: int = 0
+
+    def answered(self) -> None:
+        self.done += 1
+
+
+@dataclass
 class WorkerStats:
     groups_published: int = 0
     groups_dropped: int = 0
@@ -141,6 +220,10 @@ class WorkerStats:
     discarded: int = 0
     """Segments of such an engine generated again: an update ran beside them and which weights
     produced them is unknown (rare: needs an update to begin while the segment's answer is on its way)."""
+    evaluations: int = 0
+    """Evaluation requests completed (results handed to the trainer)."""
+    evaluations_failed: int = 0
+    """Evaluation passes that failed (their request was left pending and tried again)."""
     started: float = field(default_factory=time.monotonic)
 
     def tokens_per_second(self) -> float:
@@ -163,6 +246,31 @@ class _RegistryUnavailable(Exception):
     """The trainer's record of an unlabelled engine could not be read (retried like an engine error)."""
 
 
+@dataclass
+class _Tries:
+    """One request's error budget so far (see RolloutWorker._after_error)."""
+
+    failures: int = 0
+    unreachable_since: float | None = None
+    waits: int = 0
+
+
+class _EvalEngine:
+    """The worker's engine as an evaluation sees it (rollout.evaluation.Generator): errors retried
+    like a sample's, each answer labelled with the version of the weights that produced it."""
+
+    def __init__(self, worker: RolloutWorker) -> None:
+        self.worker = worker
+
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
+        return await self.worker._eval_generate(input_ids, params)
+
+
+async def _tagged_version(result: GenerateResult) -> int | None:
+    """The version _eval_generate put on an answer."""
+    return result.weight_version
+
+
 def cursor_key(names: StreamNames, index: int, replicas: int) -> str:
     """Redis key of a shard's resumable cursor (same hash tag as the job's other keys)."""
     shard = "shared" if replicas == 0 else f"{index}-of-{replicas}"
@@ -172,7 +280,8 @@ def cursor_key(names: StreamNames, index: int, replicas: int) -> str:
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
                  render: Any, decode: Any, scorer: RewardScorer, admission: Admission,
-                 names: StreamNames | None = None, health: Health = HEALTH):
+                 names: StreamNames | None = None, health: Health = HEALTH,
+                 evaluation: WorkerEvaluation | None = None):
         self.cfg = cfg
         self.health = health
         """Where outages are recorded (the process's board: the Redis client reports to it too)."""
@@ -183,6 +292,8 @@ class RolloutWorker:
         self.decode = decode
         self.scorer = scorer
         self.admission = admission
+        self.evaluation = evaluation
+        """Held-out evaluation to serve (read when run() starts); None: none."""
         self.names = names or StreamNames.for_job(cfg.job)
         self.producer = TrajectoryProducer(redis, self.names)
         self.versions = VersionChannel(redis, self.names)
@@ -204,6 +315,7 @@ class RolloutWorker:
         self._saves: set[asyncio.Future] = set()
         self._done_locals: set[int] = set()
         self._low_water = 0
+        self._eval_progress: _EvalProgress | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -217,6 +329,8 @@ class RolloutWorker:
         side = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._log_progress(), name="progress"),
                 asyncio.create_task(self._follow_versions(), name="versions")]
+        if self.evaluation is not None:
+            side.append(asyncio.create_task(self._evaluator(), name="evaluator"))
         started = 0
         try:
             while not self._stop.is_set() and (self.cfg.max_groups is None or started < self.cfg.max_groups):
@@ -238,11 +352,9 @@ class RolloutWorker:
                 task.cancel()
             if self._groups:
                 await asyncio.gather(*list(self._groups), return_exceptions=True)
-            for task in side:
-                task.cancel()
             # bounded: a helper stuck in a client that swallowed its cancellation must not hold the
             # shutdown (and the cursor save below) for a whole outage window
-            _, stuck = await asyncio.wait(side, timeout=SIDE_TASK_STOP_S)
+            stuck = await cancel_and_wait(side, timeout=SIDE_TASK_STOP_S)
             if stuck:
                 log.warning("stopping without waiting for %s (did not stop within %.0fs)",
                             ", ".join(t.get_name() for t in stuck), SIDE_TASK_STOP_S)
@@ -252,6 +364,8 @@ class RolloutWorker:
             except Exception as exc:  # Redis gone during shutdown: nothing left to clean
                 log.warning("could not remove engine %s from the registry: %s", self.cfg.engine_id, exc)
             self.scorer.close()
+            if self.evaluation is not None and self.evaluation.scorer is not self.scorer:
+                self.evaluation.scorer.close()
             log.info("rollout worker stopped: %s", self.summary())
         return self.stats
 
@@ -265,8 +379,7 @@ class RolloutWorker:
             stopper.cancel()
         if task in done:
             return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait({task})
         if task.done() and not task.cancelled() and task.exception() is None:
             # it finished while being cancelled: hand back what it acquired
             result = task.result()
@@ -337,10 +450,8 @@ class RolloutWorker:
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
-        failures = 0
+        tries = _Tries()
         stalled = 0
-        unreachable_since: float | None = None  # this sample's wait for an unreachable engine
-        waits = 0
         while True:
             remaining = budget - len(ids)
             if remaining <= 0:
@@ -353,25 +464,9 @@ class RolloutWorker:
                     result = await self.engine.generate(prompt_ids + ids, params)
                 version = await self._segment_version(result, before)
             except (EngineError, _RegistryUnavailable) as exc:
-                self.stats.request_errors += 1
-                if engine_unreachable(exc):
-                    now = time.monotonic()
-                    unreachable_since = now if unreachable_since is None else unreachable_since
-                    self.health.failing("engine", self.engine.url, exc, self.cfg.engine_outage_s)
-                    waits += 1
-                    delay = backoff_delay(waits, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
-                    if now + delay - unreachable_since <= self.cfg.engine_outage_s:
-                        await asyncio.sleep(delay)
-                        continue
-                    raise _Dropped(f"engine unreachable for {now - unreachable_since:.0f}s "
-                                   f"(engine_outage_s={self.cfg.engine_outage_s:.0f}): {exc}") from exc
-                failures += 1
-                if (isinstance(exc, EngineError) and not exc.retryable) or failures > self.cfg.max_retries:
-                    raise _Dropped(f"engine failed {failures} time(s): {exc}") from exc
-                await asyncio.sleep(min(self.cfg.backoff_s * 2 ** (failures - 1), self.cfg.backoff_max_s))
+                await self._after_error(exc, tries)
                 continue
-            unreachable_since, waits = None, 0
-            self.health.recovered("engine", self.engine.url)
+            self._reached(tries)
             if version is None:  # unlabelled engine, weights unknown: generate the segment again
                 self.stats.discarded += 1
                 continue
@@ -386,6 +481,133 @@ class RolloutWorker:
             stalled = 0 if result.output_ids else stalled + 1
             if stalled > self.cfg.max_retries + 5:  # aborted again and again with no progress
                 raise _Dropped(f"aborted {stalled} times in a row without progress")
+
+    async def _after_error(self, exc: EngineError | _RegistryUnavailable, tries: _Tries) -> None:
+        """Wait before a failed request is sent again, or raise _Dropped past its budget: an
+        unreachable engine is waited for up to `engine_outage_s` (capped, jittered backoff), other
+        errors are retried `max_retries` times (none for an error the same request would hit again)."""
+        self.stats.request_errors += 1
+        if engine_unreachable(exc):
+            now = time.monotonic()
+            tries.unreachable_since = now if tries.unreachable_since is None else tries.unreachable_since
+            self.health.failing("engine", self.engine.url, exc, self.cfg.engine_outage_s)
+            tries.waits += 1
+            delay = backoff_delay(tries.waits, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
+            if now + delay - tries.unreachable_since <= self.cfg.engine_outage_s:
+                await asyncio.sleep(delay)
+                return
+            raise _Dropped(f"engine unreachable for {now - tries.unreachable_since:.0f}s "
+                           f"(engine_outage_s={self.cfg.engine_outage_s:.0f}): {exc}") from exc
+        tries.failures += 1
+        if (isinstance(exc, EngineError) and not exc.retryable) or tries.failures > self.cfg.max_retries:
+            raise _Dropped(f"engine failed {tries.failures} time(s): {exc}") from exc
+        await asyncio.sleep(min(self.cfg.backoff_s * 2 ** (tries.failures - 1), self.cfg.backoff_max_s))
+
+    def _reached(self, tries: _Tries) -> None:
+        """The engine answered: a later outage of this request starts its own wait."""
+        tries.unreachable_since, tries.waits = None, 0
+        self.health.recovered("engine", self.engine.url)
+
+    # ------------------------------------------------------------------ held-out evaluation
+
+    async def _evaluator(self) -> None:
+        """Serve evaluation requests one at a time, for as long as the worker runs."""
+        assert self.evaluation is not None
+        ev = self.evaluation
+        channel = EvalChannel(self.redis, self.names)
+        redis_failures = failed = 0
+        ready = False
+        while not self._stop.is_set():
+            try:
+                if not ready:
+                    await channel.ensure_group()
+                    ready = True
+                request = await channel.claim(self.cfg.engine_id, block_ms=ev.block_ms, min_idle_ms=ev.takeover_ms)
+                redis_failures = 0
+            except Exception as exc:  # Redis: retried like the version channel
+                redis_failures += 1
+                ready = False  # (the stream may have been deleted with its group)
+                delay = backoff_delay(redis_failures, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
+                log.warning("evaluation requests unavailable (retrying in %.1fs): %s", delay, exc)
+                await asyncio.sleep(delay)
+                continue
+            if request is None:
+                continue
+            if await self._serve_evaluation(channel, request):
+                failed = 0
+                continue
+            failed += 1
+            await asyncio.sleep(backoff_delay(failed, base=ev.retry_s, cap=ev.retry_max_s))
+
+    async def _serve_evaluation(self, channel: EvalChannel, request: EvalRequest) -> bool:
+        """Evaluate `request.version` and complete the request; False: the pass failed, the request
+        stays pending (tried again by this worker, or by another after `takeover_ms`)."""
+        assert self.evaluation is not None
+        ev = self.evaluation
+        progress = _EvalProgress(request.version, len(ev.items) * ev.settings.samples_per_prompt)
+        self._eval_progress = progress
+        fresh = asyncio.create_task(self._keep_fresh(channel, request), name="evaluation-touch")
+        log.info("evaluating version %d: %d prompts x %d answers", request.version, len(ev.items),
+                 ev.settings.samples_per_prompt)
+        try:
+            record = await evaluate(_EvalEngine(self), ev.items, render=ev.render or self.render, decode=self.decode,
+                                    scorer=ev.scorer, settings=ev.settings, version=request.version,
+                                    version_of=_tagged_version, engine_id=self.cfg.engine_id,
+                                    on_answer=progress.answered)
+        except Exception as exc:  # EvaluationError, _Dropped (engine failing past its budget), ...
+            self.stats.evaluations_failed += 1
+            log.warning("evaluation of version %d failed after %d/%d answers (left pending, tried again): "
+                        "%s: %s", request.version, progress.done, progress.total, type(exc).__name__, exc)
+            return False
+        finally:
+            fresh.cancel()
+            self._eval_progress = None
+        redis_failures = 0
+        while True:  # the record is in hand: retry handing it in rather than evaluating again
+            try:
+                entry = await channel.complete(request, record)
+                break
+            except Exception as exc:
+                redis_failures += 1
+                delay = backoff_delay(redis_failures, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
+                log.warning("could not hand in the evaluation of version %d (retrying in %.1fs): %s",
+                            request.version, delay, exc)
+                await asyncio.sleep(delay)
+        self.stats.evaluations += 1
+        pass_k = f" pass@{record.k}={record.pass_at_k:.3f}" if record.pass_at_k is not None else ""
+        log.info("evaluated version %d: reward=%.3f pass@1=%.3f%s on_version=%.2f answers=%d seconds=%.1f%s",
+                 record.policy_version, record.reward_mean, record.pass_at_1, pass_k, record.on_version,
+                 record.samples, record.seconds,
+                 "" if entry is not None else " (not published: another worker completed it first)")
+        return True
+
+    async def _keep_fresh(self, channel: EvalChannel, request: EvalRequest) -> None:
+        """Touch the request while it is evaluated, so no other worker takes it over."""
+        assert self.evaluation is not None
+        while True:
+            await asyncio.sleep(self.evaluation.touch_s)
+            try:
+                await channel.touch(self.cfg.engine_id, request)
+            except Exception as exc:
+                log.warning("could not touch evaluation request %s: %s", request.entry_id, exc)
+
+    async def _eval_generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
+        """One eval request on the engine, outside the training slots, labelled with the version of
+        its weights (`weight_version`: as a segment's, _segment_version; an answer whose weights
+        cannot be named is generated again); engine errors retried like a sample's (_after_error)."""
+        tries = _Tries()
+        while True:
+            try:
+                before = None if self.labelled else await self._settled_record()
+                result = await self.engine.generate(input_ids, params)
+                version = await self._segment_version(result, before)
+            except (EngineError, _RegistryUnavailable) as exc:
+                await self._after_error(exc, tries)
+                continue
+            self._reached(tries)
+            if version is not None:
+                return replace(result, weight_version=version)
+            self.stats.discarded += 1
 
     # ------------------------------------------------------------------ observing weight versions
 
@@ -524,7 +746,16 @@ class RolloutWorker:
                 f"tok/s={s.tokens_per_second():.1f} version={self.version} engine_version={self.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} "
                 f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)} "
-                f"degraded={self.health.summary()}")
+                f"{self._eval_summary()}degraded={self.health.summary()}")
+
+    def _eval_summary(self) -> str:
+        """`evals=2 eval=v7 30/64 ` (the running one), or nothing when the worker serves no evaluation."""
+        if self.evaluation is None:
+            return ""
+        s, running = self.stats, self._eval_progress
+        failed = f" eval_failed={s.evaluations_failed}" if s.evaluations_failed else ""
+        now = f" eval=v{running.version} {running.done}/{running.total}" if running else ""
+        return f"evals={s.evaluations}{failed}{now} "
 
     async def _log_progress(self) -> None:
         while True:

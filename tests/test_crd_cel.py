@@ -39,6 +39,15 @@ def at(obj: dict, dotted: str) -> Any:
     return obj
 
 
+def present(obj: dict, dotted: str) -> bool:
+    """Whether the object a rule is attached to exists (the API server skips rules of absent ones)."""
+    try:
+        at(obj, dotted)
+    except KeyError:
+        return False
+    return True
+
+
 def schema_at(dotted: str) -> dict:
     node = SCHEMA
     for key in dotted.split("."):
@@ -76,7 +85,7 @@ def violations(obj: dict, old: dict | None = None) -> list[str]:
     old = defaulted(SCHEMA, old) if old is not None else None
     out = []
     for path, rule, message in cel_rules():
-        if "oldSelf" in rule and old is None:
+        if ("oldSelf" in rule and old is None) or not present(obj, path):
             continue
         if not evaluate(rule, at(obj, path), at(old, path) if old is not None else None):
             out.append(message)
@@ -128,6 +137,8 @@ BREAKERS = {
     "topP must be 1.0: the trainer scores the full distribution": {"algorithm": {"topP": 0.9}},
     "topK must be -1: the trainer scores the full distribution": {"algorithm": {"topK": 50}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
+    "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)":
+        {"evaluation": {"samplesPerPrompt": 4}},
 }
 
 

@@ -1,4 +1,5 @@
-"""The dashboard rendered in headless Chromium against a live status server (30 synthetic steps).
+"""The dashboard rendered in headless Chromium against a live status server (30 synthetic steps,
+held-out evaluations every 7 versions).
 
 Needs /usr/bin/chromium (scripts/install-browser.sh). The screenshot is decoded with a tiny PNG
 reader below (no Pillow dependency) to check the charts' regions actually hold drawn pixels.
@@ -20,6 +21,7 @@ import pytest
 from asyncrl.health import Health
 from asyncrl.status_report import (
     EngineReport,
+    EvalRecord,
     ImportanceWeightReport,
     StalenessReport,
     StepRecord,
@@ -43,10 +45,18 @@ def _chromium_installed() -> None:
     assert CHROMIUM.exists(), "no /usr/bin/chromium: run scripts/install-browser.sh"
 
 
+def evaluation(version: int, pass_at_1: float, k: int = 1, pass_at_k: float | None = None) -> EvalRecord:
+    return EvalRecord(policy_version=version, reward_mean=round(pass_at_1 * 0.9 + 0.05, 4), pass_at_1=pass_at_1,
+                      pass_at_k=pass_at_k, k=k, prompts=64, samples=64 * k, on_version=0.97,
+                      response_length=11.5, seconds=41.0, engine_id="engine-0", time=1_700_000_000.0 + 30 * version)
+
+
 def synthetic_report(steps: int = 30) -> TrainerReport:
-    """A plausible run: reward climbing with noise, staleness growing up to eta=2, two engines."""
+    """A plausible run: reward climbing with noise, staleness growing up to eta=2, two engines,
+    held-out pass@1 measured on versions 0, 7, 14, ... up to the last multiple of 7 below `steps`."""
     rnd = random.Random(0)
     t0 = 1_700_000_000.0
+    evaluations = [evaluation(v, round(0.05 + 0.012 * v, 4)) for v in range(0, steps, 7)]
     history = [
         StepRecord(
             step=s,
@@ -89,6 +99,7 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         history=history,
         started_at=t0,
         updated_at=t0 + 26 * steps,
+        evaluations=evaluations,
     )
 
 
@@ -151,6 +162,10 @@ def bluish(r: int, g: int, b: int) -> bool:
 
 def orangish(r: int, g: int, b: int) -> bool:
     return r > 180 and r - b > 80 and g < 200
+
+
+def greenish(r: int, g: int, b: int) -> bool:
+    return g > 120 and g - r > 60 and g - b > 20  # --eval #059669, not the violet reward or cyan pass@k
 
 
 def not_white(r: int, g: int, b: int) -> bool:
@@ -230,12 +245,76 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     if os.environ.get("ASYNCRL_DASHBOARD_SCREENSHOT"):
         await page.screenshot(path=os.environ["ASYNCRL_DASHBOARD_SCREENSHOT"], full_page=True)
 
-    # polling picks up the trainer's next report
+    # the held-out evaluations: their own chart, one point per evaluated version (0, 7, 14, 21, 28)
+    assert await page.locator("#eval-none").is_hidden()
+    assert await page.locator("#eval-chart circle.eval-pass1").count() == 5
+    assert await page.locator("#eval-chart circle.eval-reward").count() == 5
+    assert await page.locator("#eval-chart circle.eval-passk").count() == 0  # k = 1: no pass@k
+    assert await page.locator("#eval-legend-k").is_hidden()
+    assert "policy version" in (await page.text_content("#eval-chart"))
+    bbox = await page.locator("#eval-chart path.series.eval-pass1").bounding_box()
+    assert bbox is not None and bbox["width"] > 300 and bbox["height"] > 20, bbox
+    green, total = ink(await page.locator("#eval-chart").screenshot(), greenish)
+    assert green > 0.002 * total, (green, total)
+    newest = box.report.evaluations[-1]
+    assert newest.policy_version == 28
+    assert (await page.text_content("#eval-newest")) == f"pass@1 {newest.pass_at_1:.2f}@v28"
+    latest = await page.text_content("#eval-latest")
+    assert "v28" in latest and f"{newest.pass_at_1:.3f}" in latest and f"{newest.reward_mean:.3f}" in latest
+    assert "64 × 1" in latest and "97%" in latest
+
+    # polling picks up the trainer's next report (and its new evaluation)
     box.report = synthetic_report(31).model_copy(update={"phase": "Succeeded"})
+    box.report.evaluations.append(evaluation(31, 0.61))
     await page.wait_for_function("document.body.dataset.step === '31'", timeout=20_000)
     assert (await page.text_content("#phase")) == "Succeeded"
     d = await page.locator("#reward-chart path.series.reward").get_attribute("d")
     assert d.count("M") + d.count("L") == 31
+    d = await page.locator("#eval-chart path.series.eval-pass1").get_attribute("d")
+    assert d.count("M") + d.count("L") == 6
+    assert (await page.text_content("#eval-newest")) == "pass@1 0.61@v31"
+
+
+async def test_dashboard_draws_pass_at_k_and_one_point_per_version(live: str, page, box: Box) -> None:
+    """samplesPerPrompt k > 1: a pass@k series and legend entry; a version evaluated twice (a
+    restarted trainer asks again) is one point, its newest result; the newest is the highest version,
+    whatever order the results arrived in."""
+    box.report = synthetic_report().model_copy(update={"evaluations": [
+        evaluation(0, 0.10, k=4, pass_at_k=0.25), evaluation(20, 0.30, k=4, pass_at_k=0.55),
+        evaluation(10, 0.15, k=4, pass_at_k=0.35), evaluation(10, 0.20, k=4, pass_at_k=0.40)]})
+    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+    assert await page.locator("#eval-chart circle.eval-pass1").count() == 3
+    assert await page.locator("#eval-chart circle.eval-passk").count() == 3
+    assert await page.locator("#eval-legend-k").is_visible()
+    assert (await page.text_content("#eval-legend-k")) == "pass@4"
+    assert (await page.text_content("#eval-newest")) == "pass@1 0.30@v20"
+    latest = await page.text_content("#eval-latest")
+    assert "pass@4" in latest and "0.550" in latest and "64 × 4" in latest
+    # the pass@1 points climb left to right: v0 0.10, v10 0.20 (the newer of its two), v20 0.30
+    ys = [float(await c.get_attribute("cy")) for c in await page.locator("#eval-chart circle.eval-pass1").all()]
+    xs = [float(await c.get_attribute("cx")) for c in await page.locator("#eval-chart circle.eval-pass1").all()]
+    assert xs == sorted(xs) and ys == sorted(ys, reverse=True)  # SVG y grows downwards
+    assert abs((ys[0] - ys[1]) - (ys[1] - ys[2])) < 0.5  # 0.10 -> 0.20 -> 0.30: equal steps, not 0.15
+
+
+async def test_dashboard_without_evaluations_says_so(live: str, page, box: Box) -> None:
+    """A job without spec.evaluation (or before its first result): no empty chart frame, a sentence."""
+    box.report = synthetic_report().model_copy(update={"evaluations": []})
+    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+    assert await page.locator("#eval-chart").is_hidden()
+    assert await page.locator("#eval-none").is_visible()
+    assert "no evaluation yet" in (await page.text_content("#eval-none"))
+    assert "no evaluation yet" in (await page.text_content("#eval-latest"))
+    assert (await page.text_content("#eval-newest")) == ""
+    # the first result arrives: the chart appears without a reload
+    box.report = synthetic_report().model_copy(update={"evaluations": [evaluation(0, 0.05)]})
+    await page.wait_for_function("document.body.dataset.evaluations === '1'", timeout=20_000)
+    assert await page.locator("#eval-chart").is_visible()
+    assert await page.locator("#eval-none").is_hidden()
+    assert await page.locator("#eval-chart circle.eval-pass1").count() == 1
+    assert (await page.text_content("#eval-newest")) == "pass@1 0.05@v0"
 
 
 async def test_dashboard_shows_a_degraded_banner_while_an_outage_lasts(live: str, page, board: Health) -> None:
@@ -279,6 +358,8 @@ async def test_dashboard_with_empty_report_shows_waiting(page, tmp_path: Path) -
         assert "waiting for the first step" in (await page.text_content("#reward-chart"))
         assert "no rollout engines" in (await page.text_content("#engines"))
         assert (await page.text_content("#k-reward")) == "–"
+        assert await page.locator("#eval-chart").is_hidden()
+        assert "no evaluation yet" in (await page.text_content("#eval-none"))
     finally:
         await server.stop()
 

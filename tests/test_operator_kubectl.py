@@ -14,6 +14,7 @@ from test_operator_lifecycle import assert_rbac_covers
 
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
+from asyncrl.status_report import EvalRecord
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -41,7 +42,10 @@ async def run_kubectl(kubeconfig: Path, *args: str) -> str:
 
 async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
     cfg = tmp_path / "kubeconfig"
-    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(synthetic_report()) as trainer:
+    evals = [EvalRecord(policy_version=v, reward_mean=p, pass_at_1=p, prompts=256, samples=256)
+             for v, p in ((30, 0.71), (40, 0.7349))]
+    report = synthetic_report().model_copy(update={"evaluations": evals})
+    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(report) as trainer:
         emu.kubeconfig(cfg)
         op = await OperatorProcess(cfg, tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
@@ -68,8 +72,9 @@ async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
 
             table = await run_kubectl(cfg, "get", "arj", "-n", NS)
             header, row = table.strip().splitlines()
-            assert header.split() == ["NAME", "PHASE", "STEP", "VERSION", "STALENESS", "ROLLOUT", "REWARD", "AGE"]
-            assert row.split()[:7] == [NAME, "Running", "42", "42", "1.75", "4/4", "0.625"]
+            assert header.split() == ["NAME", "PHASE", "STEP", "VERSION", "STALENESS", "ROLLOUT", "REWARD", "EVAL",
+                                      "AGE"]
+            assert row.split()[:8] == [NAME, "Running", "42", "42", "1.75", "4/4", "0.625", "0.73@v40"]
 
             out = await run_kubectl(cfg, "scale", f"asyncrljob/{NAME}", "-n", NS, "--replicas=2")
             assert "scaled" in out

@@ -10,12 +10,20 @@ from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, sy
 from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
 
 from asyncrl.spec import PLURAL
+from asyncrl.status_report import EvalRecord, TrainerReport
 
 pytestmark = pytest.mark.slow
 
 
+def evaluated_report() -> TrainerReport:
+    """synthetic_report() with held-out evaluations of versions 0, 20 and 40 (pass@1 0.417 at v40)."""
+    evals = [EvalRecord(policy_version=v, reward_mean=p + 0.02, pass_at_1=p, prompts=64, samples=64)
+             for v, p in ((0, 0.05), (20, 0.3), (40, 0.4167))]
+    return synthetic_report().model_copy(update={"evaluations": evals})
+
+
 async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
-    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(synthetic_report()) as trainer:
+    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(evaluated_report()) as trainer:
         emu.kubeconfig(tmp_path / "kubeconfig")
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
@@ -33,12 +41,14 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert s["staleness"] == {"mean": 1.75, "max": 4, "limit": 4, "dropped": 3}
             assert s["progress"] == {"percent": 10.5, "rewardMean": 0.625, "tokensPerSecond": 1234.5}
             assert s["rollout"]["minWeightVersion"] == 41
+            assert s["evaluation"] == {"policyVersion": 40, "rewardMean": 0.4367, "passAt1": 0.4167, "k": 1,
+                                       "summary": "0.42@v40"}
             assert s["statusURL"] == "http://qwen-status.rl.svc:8000"
             conds = {c["type"]: c for c in s["conditions"]}
             assert conds["WeightsSynced"]["status"] == "False" and conds["WeightsSynced"]["reason"] == "Lagging"
 
             # The trainer finishes: the job succeeds, GPUs are released, Complete is True.
-            trainer.report = synthetic_report().model_copy(update={"phase": "Succeeded", "step": 400})
+            trainer.report = evaluated_report().model_copy(update={"phase": "Succeeded", "step": 400})
             await wait_for(lambda: status().get("phase") == "Succeeded", what="Succeeded", log=op.log)
             s = status()
             assert s["reason"] == "TrainingComplete" and s["completionTime"]

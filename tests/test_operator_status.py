@@ -361,3 +361,42 @@ def test_engine_outages_and_a_crash_loop_at_once():
     assert "j-rollout-x" in both.message and "Redis r:6379/0 unreachable since" in both.message
     # No report (the trainer's endpoint did not answer) or a healthy one: not degraded by an outage.
     assert S.degraded([], None) == S.degraded([], TrainerReport()) == S.NOT_DEGRADED
+
+
+def eval_record(version: int, pass_at_1: float, **extra: object) -> dict[str, object]:
+    """One entry of the trainer's /status `evaluations`, as JSON (what the mirror parses)."""
+    return {"policy_version": version, "reward_mean": pass_at_1 + 0.01, "pass_at_1": pass_at_1, "k": 1,
+            "prompts": 64, "samples": 64, **extra}
+
+
+def running(report: TrainerReport) -> Observed:
+    return Observed(rollout_ready=2, trainer_ready=1, redis_ready=1, report=report)
+
+
+def test_the_newest_evaluation_is_mirrored_for_the_eval_column():
+    """status.evaluation (what the `Eval` printer column shows) is absent until the trainer reports
+    an evaluation, then holds the one of the highest policy version: summary pass@1 to 2 decimals
+    @ version; pass@k only when k > 1."""
+    s0 = compute_status(view(), {}, running(TrainerReport(phase="Training", step=3)), T0)
+    assert "evaluation" not in s0
+    report = TrainerReport.model_validate({"phase": "Training", "step": 16, "policy_version": 16, "evaluations": [
+        eval_record(0, 0.05), eval_record(14, 0.4167), eval_record(7, 0.3)]})  # v14 finished before v7
+    s1 = compute_status(view(), s0, running(report), T0 + timedelta(seconds=10))
+    assert s1["evaluation"] == {"policyVersion": 14, "rewardMean": 0.4267, "passAt1": 0.4167, "k": 1,
+                                "summary": "0.42@v14"}
+    # The trainer does not answer this pass: the last evaluation written stays, as the step does.
+    s2 = compute_status(view(), s1, ready(), T0 + timedelta(seconds=20))
+    assert s2["evaluation"] == s1["evaluation"] and s2["trainer"]["step"] == 16
+    # A restarted trainer whose report has no evaluations yet does not erase it either.
+    s3 = compute_status(view(), s2, running(TrainerReport(phase="Training", step=17)),
+                        T0 + timedelta(seconds=30))
+    assert s3["evaluation"] == s1["evaluation"] and s3["trainer"]["step"] == 17
+    # k = 4 answers per prompt: pass@k is mirrored; the same version evaluated again: the later result.
+    sampled = TrainerReport.model_validate({"phase": "Training", "step": 21, "evaluations": [
+        eval_record(20, 0.25, k=4, pass_at_k=0.5), eval_record(20, 0.2567, k=4, pass_at_k=0.625)]})
+    s4 = compute_status(view(), s3, running(sampled), T0 + timedelta(seconds=40))
+    assert s4["evaluation"] == {"policyVersion": 20, "rewardMean": 0.2667, "passAt1": 0.2567, "passAtK": 0.625,
+                                "k": 4, "summary": "0.26@v20"}
+    from asyncrl.spec import AsyncRLJobStatus
+
+    assert AsyncRLJobStatus.model_validate(s4).evaluation.summary == "0.26@v20"  # the CRD's own model reads it

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -179,3 +180,83 @@ def test_a_rerun_in_a_finished_run_directory(tmp_path: Path, redis_url: str) -> 
     record(new_outcome("t-rerun", "", "Failed", "WeightSyncFailed", step=1))
     assert _previous_attempt(redis_url, names, weights, 3) is None
     assert read_outcome_file(weights, "") is None
+
+
+def _status(**extra: object) -> dict[str, object]:
+    """The trainer's /status document as the runner polls it (JSON), with a few steps done."""
+    return {"phase": "Training", "step": 9, "policy_version": 9, "reward_mean": 0.25, "tokens_per_second": 80.0,
+            "staleness": {"mean": 0.5, "max": 1, "limit": 2, "dropped": 0}, **extra}
+
+
+def _eval(version: int, pass_at_1: float) -> dict[str, object]:
+    return {"policy_version": version, "reward_mean": pass_at_1, "pass_at_1": pass_at_1, "k": 1, "prompts": 64}
+
+
+def test_progress_line_shows_the_newest_evaluation(capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval <pass@1>@v<version>` of the highest version evaluated, once there is one; a plain line
+    is printed again when a new evaluation arrives although step and phase stay the same."""
+    from asyncrl.runner import Progress
+
+    progress = Progress(max_steps=28, plain=True)
+    progress.update(_status())
+    progress.update(_status(evaluations=[_eval(0, 0.140625)]))
+    progress.update(_status(evaluations=[_eval(0, 0.140625)]))  # nothing new: no line
+    progress.update(_status(evaluations=[_eval(0, 0.140625), _eval(7, 0.4167), _eval(14, 0.3)][::-1]))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
+    assert "eval" not in lines[0]
+    assert lines[1].startswith("[Training] step 9/28  v9  reward 0.250") and lines[1].endswith("  eval 0.14@v0")
+    assert lines[2].endswith("  eval 0.30@v14")  # the highest version, not the last listed
+
+
+def test_progress_line_puts_the_evaluation_before_a_degraded_notice(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncrl.runner import Progress
+
+    progress = Progress(max_steps=28, plain=True)
+    progress.update(_status(evaluations=[_eval(7, 0.5)],
+                            degraded={"status": True, "reason": "EngineUnavailable", "message": "engine down"}))
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "eval 0.50@v7  DEGRADED EngineUnavailable: engine down" in line
+
+
+def _write_metrics(run_dir: Path, lines: Sequence[dict[str, object] | str]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text(
+        "".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+
+
+def _step(step: int, reward: float) -> dict[str, object]:
+    return {"step": step, "policy_version": step, "reward_mean": reward, "staleness_mean": 0.5, "staleness_max": 1}
+
+
+def test_read_metrics_skips_evaluation_lines(tmp_path: Path) -> None:
+    """metrics.jsonl holds eval lines ({"event": "eval", ...}, which have a reward_mean and a step
+    too) beside the per-step lines: steps, rewards and the final version come from step lines only."""
+    from asyncrl.runner import eval_trend, read_evaluations, read_metrics
+
+    _write_metrics(tmp_path, [
+        {"event": "eval", **_eval(0, 0.14), "step": 0}, _step(1, 0.1), _step(2, 0.2),
+        {"event": "eval", **_eval(2, 0.5), "step": 3}, _step(3, 0.3), '{"step": 4, "policy_ver',  # cut short
+    ])
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [e["policy_version"] for e in read_evaluations(tmp_path)] == [0, 2]
+    assert eval_trend(read_evaluations(tmp_path)) == {"v0": 0.14, "v2": 0.5}
+    assert read_metrics(tmp_path / "absent") == [] and read_evaluations(tmp_path / "absent") == []
+
+
+def test_run_summary_counts_steps_not_evaluations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """run.json and the last line: steps, the final version and the reward quarters from the step
+    lines; the held-out pass@1 of the first and last version evaluated beside them."""
+    from asyncrl.outcome import new_outcome
+    from asyncrl.runner import _finish
+
+    _write_metrics(tmp_path, [{"event": "eval", **_eval(0, 0.14), "step": 0}]
+                   + [_step(s, 0.1 * s) for s in range(1, 5)]
+                   + [{"event": "eval", **_eval(4, 0.375), "step": 4}])
+    done = new_outcome("t", "", "Succeeded", "MaxStepsReached", step=4, policy_version=4)
+    assert _finish(tmp_path, None, done, "http://127.0.0.1:1", False) == 0
+    summary = json.loads((tmp_path / "run.json").read_text())
+    assert summary["steps"] == 4 and summary["final_policy_version"] == 4
+    assert (summary["reward_first_quarter"], summary["reward_last_quarter"]) == pytest.approx((0.1, 0.4))
+    assert summary["eval_pass_at_1"] == {"v0": 0.14, "v4": 0.375}
+    assert "held-out pass@1 0.14@v0 -> 0.38@v4" in capsys.readouterr().out

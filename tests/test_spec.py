@@ -101,3 +101,28 @@ def test_truncated_sampling_is_rejected(field, value, off):
 def test_untruncated_sampling_is_accepted():
     spec = AsyncRLJobSpec(model={"path": "m"}, algorithm={"topP": 1.0, "topK": -1})
     assert (spec.algorithm.top_p, spec.algorithm.top_k) == (1.0, -1) == (AlgorithmSpec().top_p, AlgorithmSpec().top_k)
+
+
+def test_an_evaluation_dataset_without_a_split_is_the_held_out_one():
+    """`evaluation.dataset` written without `split` must not evaluate on training data, neither when
+    pydantic fills the default nor when the API server does (the CRD's structural default)."""
+    from asyncrl.crd import build_crd
+    from asyncrl.spec import EvaluationSpec
+
+    assert EvaluationSpec.model_validate({"dataset": {"source": "builtin:arithmetic"}}).dataset.split == "test"
+    assert EvaluationSpec().dataset.split == "test"
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    dataset = schema["properties"]["spec"]["properties"]["evaluation"]["properties"]["dataset"]
+    assert dataset["properties"]["split"]["default"] == "test"
+    training = schema["properties"]["spec"]["properties"]["dataset"]
+    assert training["properties"]["split"]["default"] == "train"
+
+
+def test_the_eval_prompt_format_falls_back_to_the_training_one():
+    from asyncrl.rollout.evaluation import eval_prompt_format
+    from asyncrl.spec import DatasetSpec, EvaluationSpec
+
+    train = DatasetSpec(prompt_template="Q: {prompt}", system_prompt="Be terse.")
+    assert eval_prompt_format(EvaluationSpec(), train) == ("Q: {prompt}", "Be terse.")
+    own = EvaluationSpec.model_validate({"dataset": {"promptTemplate": "Solve {prompt}"}})
+    assert eval_prompt_format(own, train) == ("Solve {prompt}", "Be terse.")

@@ -7,6 +7,12 @@ page was opened as `/?token=...`, the same token is sent as a bearer header on e
 While the trainer waits out an outage (the report's `degraded`), an amber banner under the header
 says Degraded, why (RedisUnavailable, EngineUnavailable), since when and the trainer's own words:
 the charts alone would only show training standing still, which looks the same as a slow step.
+
+Held-out evaluations (the report's `evaluations`, spec.evaluation) get their own chart against
+policy version, not step: an evaluation is of a version, and lands a few steps after it was
+published. Training reward is measured on sampled answers to training prompts; pass@1 on held-out
+prompts is the figure that says whether the model got better, so it is not folded into the reward
+chart. Until the first evaluation the card says so instead of drawing an empty frame.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   :root {
     --bg: #f4f6f9; --card: #ffffff; --ink: #111827; --muted: #6b7280; --line: #e5e7eb;
     --reward: #2563eb; --stale: #ea580c; --stalemax: #b91c1c; --limit: #9ca3af; --ok: #15803d;
+    --eval: #059669; --evalreward: #7c3aed; --evalk: #0891b2;
   }
   * { box-sizing: border-box; }
   body { margin: 0; background: var(--bg); color: var(--ink);
@@ -35,6 +42,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   .badge { padding: 3px 10px; border-radius: 999px; font-weight: 600; font-size: 13px; color: #fff; background: #6b7280; }
   .badge.Training { background: #2563eb; } .badge.Publishing { background: #7c3aed; }
   .badge.Waiting { background: #d97706; } .badge.Succeeded { background: #15803d; }
+  .badge.Evaluating { background: #059669; }
   .badge.Failed { background: #dc2626; } .badge.Stopped, .badge.Starting { background: #6b7280; }
   main { padding: 16px 22px 24px; max-width: 1400px; margin: 0 auto; }
   .progress { height: 6px; background: var(--line); border-radius: 3px; overflow: hidden; margin: 0 0 14px; }
@@ -64,6 +72,10 @@ DASHBOARD_HTML = r"""<!doctype html>
   .chart .grid { stroke: var(--line); stroke-width: 1; }
   .chart .empty { font-size: 13px; }
   .bottom { display: grid; grid-template-columns: 1fr 1fr 1.3fr; gap: 12px; }
+  .evals { display: grid; grid-template-columns: 2fr 1fr; gap: 12px; margin-bottom: 14px; }
+  .evals [hidden] { display: none; }
+  .evals .none { color: var(--muted); padding: 28px 0; text-align: center; }
+  .newest { font-weight: 600; color: var(--eval); font-variant-numeric: tabular-nums; margin-left: 8px; }
   table { width: 100%; border-collapse: collapse; font-variant-numeric: tabular-nums; }
   td, th { padding: 5px 6px; border-bottom: 1px solid var(--line); text-align: left; font-size: 13px; }
   th { color: var(--muted); font-weight: 500; font-size: 12px; }
@@ -72,7 +84,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   .kv td:last-child { text-align: right; font-weight: 600; white-space: nowrap; }
   .ready { color: var(--ok); font-weight: 600; } .notready { color: #dc2626; font-weight: 600; }
   .url { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; word-break: break-all; }
-  @media (max-width: 1100px) { .kpis { grid-template-columns: repeat(3, 1fr); } .charts, .bottom { grid-template-columns: 1fr; } }
+  @media (max-width: 1100px) { .kpis { grid-template-columns: repeat(3, 1fr); } .charts, .bottom, .evals { grid-template-columns: 1fr; } }
 </style>
 </head>
 <body>
@@ -107,6 +119,20 @@ DASHBOARD_HTML = r"""<!doctype html>
       <h2>Staleness per step (policy versions behind)</h2>
       <div class="legend"><span><i style="background:var(--stale)"></i>mean</span><span><i style="background:var(--stalemax)"></i>max</span><span><i style="background:var(--limit)"></i>limit η</span></div>
       <svg class="chart" id="staleness-chart" data-testid="staleness-chart" role="img" aria-label="staleness over steps"></svg>
+    </div>
+  </section>
+  <section class="evals">
+    <div class="card">
+      <h2>Held-out evaluation per policy version<span class="newest" id="eval-newest" data-testid="eval-newest"></span></h2>
+      <div id="eval-body" hidden>
+      <div class="legend"><span><i style="background:var(--eval)"></i>pass@1</span><span id="eval-legend-k" hidden><i style="background:var(--evalk)"></i><span id="eval-legend-k-text">pass@k</span></span><span><i style="background:var(--evalreward)"></i>reward mean</span></div>
+      <svg class="chart" id="eval-chart" data-testid="eval-chart" role="img" aria-label="held-out pass@1 and reward per policy version"></svg>
+      </div>
+      <div class="none" id="eval-none" data-testid="eval-none">no evaluation yet (held-out evaluation runs when the job sets spec.evaluation)</div>
+    </div>
+    <div class="card">
+      <h2>Newest evaluation</h2>
+      <table class="kv"><tbody id="eval-latest" data-testid="eval-latest"></tbody></table>
     </div>
   </section>
   <section class="bottom">
@@ -171,7 +197,7 @@ function lineChart(svg, series, opts) {
   const m = { l: 46, r: 14, t: 12, b: 28 };
   const pts = series.flatMap((s) => s.points);
   if (pts.length === 0) {
-    el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, svg).textContent = "waiting for the first step…";
+    el("text", { x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty" }, svg).textContent = opts.empty || "waiting for the first step…";
     return;
   }
   const xs = pts.map((p) => p[0]);
@@ -192,7 +218,7 @@ function lineChart(svg, series, opts) {
   }
   const xt = niceTicks(x0, x1, 6).filter((t) => Number.isInteger(t));
   for (const t of xt) el("text", { x: X(t), y: H - m.b + 16, "text-anchor": "middle" }, svg).textContent = t;
-  el("text", { x: W - m.r, y: H - 2, "text-anchor": "end" }, svg).textContent = "step";
+  el("text", { x: W - m.r, y: H - 2, "text-anchor": "end" }, svg).textContent = opts.xLabel || "step";
   for (const h of opts.hlines || []) {
     el("line", { x1: m.l, x2: W - m.r, y1: Y(h.y), y2: Y(h.y), stroke: h.color, "stroke-width": 1.5, "stroke-dasharray": h.dash || "" }, svg);
     if (h.label) el("text", { x: W - m.r - 2, y: Y(h.y) - 4, "text-anchor": "end" }, svg).textContent = h.label;
@@ -210,7 +236,7 @@ function lineChart(svg, series, opts) {
     }
     el("path", { d, fill: "none", stroke: s.color, "stroke-width": s.width || 2, "stroke-dasharray": s.dash || "",
                  "stroke-linejoin": "round", "stroke-linecap": "round", class: "series " + (s.cls || "") }, svg);
-    if (s.dots && s.points.length <= 80) for (const [x, y] of s.points) el("circle", { cx: X(x), cy: Y(y), r: 2.6, fill: s.color }, svg);
+    if (s.dots && s.points.length <= 80) for (const [x, y] of s.points) el("circle", { cx: X(x), cy: Y(y), r: s.r || 2.6, fill: s.color, class: "dot " + (s.cls || "") }, svg);
   }
 }
 
@@ -296,7 +322,47 @@ function render(r) {
     const lag = tr.insertCell(); lag.textContent = e.weight_version === null ? "–" : String(r.policy_version - e.weight_version); lag.className = "num";
     const s = tr.insertCell(); s.textContent = e.ready ? "ready" : "not ready"; s.className = e.ready ? "ready" : "notready";
   }
+  renderEvaluations(r.evaluations || []);
   document.body.dataset.step = String(r.step);
+}
+
+// One point per policy version (a version evaluated twice, e.g. after a trainer restart, shows
+// its newest result); the newest evaluation is the one of the highest version.
+function renderEvaluations(evals) {
+  const byVersion = new Map();
+  for (const e of evals) byVersion.set(e.policy_version, e);
+  const pts = [...byVersion.values()].sort((a, b) => a.policy_version - b.policy_version);
+  const chart = $("eval-chart"), body = $("eval-body"), none = $("eval-none"), tb = $("eval-latest");
+  tb.textContent = "";
+  if (!pts.length) {
+    body.hidden = true; none.hidden = false; setText("eval-newest", "");
+    const c = tb.insertRow().insertCell(); c.colSpan = 2; c.textContent = "no evaluation yet"; c.style.color = "var(--muted)";
+    delete document.body.dataset.evaluations;
+    return;
+  }
+  body.hidden = false; none.hidden = true;  // (an <svg> has no `hidden` property: hide its HTML parent)
+  const withK = pts.filter((e) => e.k > 1 && e.pass_at_k !== null && e.pass_at_k !== undefined);
+  const kText = withK.length ? `pass@${withK[withK.length - 1].k}` : "";
+  $("eval-legend-k").hidden = !withK.length; setText("eval-legend-k-text", kText);
+  lineChart(chart, [
+    { points: pts.map((e) => [e.policy_version, e.reward_mean]), color: "var(--evalreward)", width: 1.5, dash: "5 4", dots: true, r: 2, cls: "eval-reward" },
+    { points: withK.map((e) => [e.policy_version, e.pass_at_k]), color: "var(--evalk)", width: 2, dots: true, cls: "eval-passk" },
+    { points: pts.map((e) => [e.policy_version, e.pass_at_1]), color: "var(--eval)", width: 2.5, dots: true, r: 3.2, cls: "eval-pass1" },
+  ], { yMin: 0, yMaxAtLeast: 1, xLabel: "policy version", empty: "no evaluation yet" });
+  const n = pts[pts.length - 1];
+  setText("eval-newest", `pass@1 ${fmt(n.pass_at_1, 2)}@v${n.policy_version}`);
+  const rows = [
+    ["policy version", "v" + n.policy_version],
+    ["pass@1", fmt(n.pass_at_1, 3)],
+    ...(n.k > 1 && n.pass_at_k !== null && n.pass_at_k !== undefined ? [[`pass@${n.k}`, fmt(n.pass_at_k, 3)]] : []),
+    ["reward mean", fmt(n.reward_mean, 3)],
+    ["prompts × answers", `${n.prompts} × ${n.k}`],
+    ["answered on that version", fmt(100 * n.on_version, 0) + "%"],
+    ["mean answer length", fmt(n.response_length, 1) + " tokens"],
+    ["took", secs(n.seconds) + (n.engine_id ? ` on ${n.engine_id}` : "")],
+  ];
+  for (const [k, v] of rows) { const tr = tb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
+  document.body.dataset.evaluations = String(pts.length);
 }
 
 // Absent (or status false) when nothing is down: the banner hides again.

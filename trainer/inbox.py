@@ -18,6 +18,11 @@ a reply the client lost) and reclaims entries idle for `reclaim_idle_ms` in any 
 (`reclaim`: a previous pod of another name). Without it such entries wait for the next restart and,
 at eta=0, hold admission capacity that no producer gets back. Entries buffered or trained here are
 in flight in the consumer, so neither pass hands them out twice.
+
+With spec.evaluation, rank 0 also reads the held-out evaluation results (`EvalInbox`, over
+asyncrl/transport/evaluation.py's `EvalChannel`). It keeps no state across restarts: a new trainer
+reads the results stream from its start, and what an earlier life already handled (the restored
+report's evaluations, the eval lines left in metrics.jsonl) is told apart from what is new.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.status_report import EvalRecord
 from asyncrl.transport.admission import Admission, is_too_stale
 from asyncrl.transport.streams import Delivery, TrajectoryConsumer
 from asyncrl.transport.wire import TrajectoryGroup
@@ -34,13 +40,15 @@ from asyncrl.transport.wire import TrajectoryGroup
 
 @dataclass
 class StreamIO:
-    """Rank 0's connections: the trajectory consumer, admission, version channel, engine registry."""
+    """Rank 0's connections: the trajectory consumer, admission, version channel, engine registry,
+    and the evaluation channel (`EvalChannel`; needed only with spec.evaluation)."""
 
     redis: Any
     consumer: Any
     admission: Any
     versions: Any
     registry: Any
+    evals: Any = None
 
 
 class GroupInbox:
@@ -129,3 +137,50 @@ class GroupInbox:
             await self.consumer.ack(self.uncommitted)
         self.uncommitted = []
         return count
+
+
+def eval_key(record: EvalRecord) -> tuple[int, float]:
+    """What tells one evaluation result from another: its version and when it finished."""
+    return record.policy_version, record.time
+
+
+class EvalInbox:
+    """Rank 0's side of the evaluation results: each read returns what arrived since the last one."""
+
+    def __init__(self, channel: Any, *, handled: Iterable[tuple[int, float]] = (), page: int = 100) -> None:
+        self.channel = channel
+        self.after = "0-0"  # (a new trainer reads from the start: see the top)
+        self.handled = set(handled)
+        """`eval_key`s of results an earlier life (or an earlier read) already handled."""
+        self.page = page
+
+    async def request(self, version: int) -> bool:
+        """Ask for an evaluation of `version`; False when it was asked for already (idempotent)."""
+        return bool(await self.channel.request(version))
+
+    async def read(self) -> tuple[list[EvalRecord], list[EvalRecord]]:
+        """(every result read, the ones not handled before), oldest first; the new ones count as
+        handled from now on."""
+        read: list[EvalRecord] = []
+        while True:
+            entries = await self.channel.results(self.after, count=self.page)
+            for entry_id, record in entries:
+                self.after = entry_id
+                read.append(record)
+            if len(entries) < self.page:
+                break
+        new = []
+        for record in read:
+            if eval_key(record) not in self.handled:
+                self.handled.add(eval_key(record))
+                new.append(record)
+        return read, new
+
+
+def merge_evaluations(current: list[EvalRecord], read: Iterable[EvalRecord], limit: int) -> list[EvalRecord]:
+    """One evaluation per policy version (a later result of a version replaces the earlier one),
+    oldest version first, the newest `limit` kept."""
+    by_version = {r.policy_version: r for r in current}
+    for record in read:
+        by_version[record.policy_version] = record
+    return [by_version[v] for v in sorted(by_version)][-limit:]

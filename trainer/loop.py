@@ -22,27 +22,36 @@ One step:
      since the previous checkpoint (its window) acknowledged; a resumed trainer first acknowledges
      the window of the checkpoint it resumed from, so a kill between a checkpoint and its ack
      trains nothing twice (checkpoint.py says why this holds wherever the kill lands).
-The report (served at /status) and metrics.jsonl (step_metrics.py) are updated after each step.
+The report (served at /status) and metrics.jsonl (step_metrics.py) are updated after each step,
+and the step's figures go to the experiment trackers (spec.logging), if any.
+With spec.evaluation, rank 0 also asks the rollout workers for a held-out evaluation of the
+starting version (after startup_sync), of every published version that is a multiple of
+`everySteps` and of the final one (each right after it was published, step 5), reads the results
+at each step and while it waits for a batch (into the report, metrics.jsonl, the trackers), and
+after the last step waits (phase Evaluating) up to `finalTimeoutSeconds` for the final version's
+result before the run succeeds.
 How the run ends (the recorded outcome, trainer/main.py) is decided from what `run` returns or raises.
 What to train comes from the validated job spec; `RunConfig` holds only what the spec does not say.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import EngineReport, StepRecord, TrainerReport
+from asyncrl.status_report import EngineReport, EvalRecord, StepRecord, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch, build_batch
 from asyncrl.trainer.checkpoint import (
@@ -51,17 +60,31 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
     truncate_trained_log,
 )
-from asyncrl.trainer.inbox import GroupInbox, StreamIO
+from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.losses import LossConfig, policy_loss
 from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, plan_step, sequences_with_advantages
 from asyncrl.trainer.publish import drop_versions_after, prune_weights, weights_path, write_weights
-from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
+from asyncrl.trainer.step_metrics import (
+    StepStats,
+    append_eval_line,
+    append_metrics_line,
+    metrics_line,
+    step_figures,
+    summarize_step,
+    written_evaluations,
+)
 from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engines
 
 log = logging.getLogger("asyncrl.trainer")
 
 HISTORY_LIMIT = 500
+EVAL_HISTORY_LIMIT = HISTORY_LIMIT
+"""Evaluations kept in the report (one per policy version, the newest versions)."""
+ENGINE_REFRESH_S = 5.0
+"""While rank 0 waits (for a batch, for the final evaluation): refresh engines and read eval results this often."""
+FINAL_EVAL_POLL_S = 0.5
+"""While waiting for the final evaluation, re-read the results (and check for a stop) this often."""
 # Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
 _SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
                            for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
@@ -80,6 +103,17 @@ class NonFiniteGradientsError(TrainerError, RuntimeError):
     """Every update of `maxNonFiniteSteps` steps in a row had a non-finite gradient norm (Failed)."""
 
     reason = "NonFiniteGradients"
+
+
+class Trackers(Protocol):
+    """Experiment trackers (spec.logging; trainer/trackers.py builds them): per-step figures and
+    evaluation results, by trainer step."""
+
+    def log_step(self, step: int, figures: dict[str, float]) -> None: ...
+
+    def log_eval(self, step: int, record: EvalRecord) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class TrainerFailed(TrainerError):
@@ -148,7 +182,7 @@ class Trainer:
 
     def __init__(self, job: AsyncRLJob, cfg: RunConfig, ctx: D.DistContext, model: Any, optimizer: Any,
                  tokenizer: Any, *, io: StreamIO | None = None, state: TrainerState | None = None,
-                 report: TrainerReport | None = None):
+                 report: TrainerReport | None = None, trackers: Trackers | None = None):
         self.spec = job.spec  # what to train: algorithm, staleness limit, steps, checkpoint interval
         self.cfg = cfg        # what the spec does not say: paths, waits, engine protocol
         self.loss_config = LossConfig.from_spec(self.spec.algorithm)
@@ -167,12 +201,29 @@ class Trainer:
         self.report.max_steps = max_steps
         self.report.staleness.limit = self.spec.staleness.max_head_offpolicyness
         self._report_lock = threading.Lock()
+        self.trackers = trackers if ctx.is_main else None
+        self.evals = self._eval_inbox(io, cfg) if ctx.is_main else None
         self.stop_requested = False
         self._sync_failures = 0
         self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
         self._committed_step = self.state.step
         self._last_step_end = time.time()
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+
+    def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
+        """Rank 0's reader of evaluation results, with spec.evaluation and a Redis connection."""
+        if self.spec.evaluation is None or io is None:
+            return None
+        if io.evals is None:
+            raise ValueError("spec.evaluation is set but the trainer's StreamIO has no evaluation channel "
+                             "(StreamIO.evals: an asyncrl.transport.evaluation.EvalChannel)")
+        # Handled by an earlier life: what its checkpoint's report holds, and the eval lines it left
+        # in metrics.jsonl (those read after that checkpoint too: truncate_metrics keeps them only
+        # up to the checkpoint's step, the rest are read and written anew).
+        handled = [eval_key(r) for r in self.report.evaluations]
+        if cfg.metrics_path is not None:
+            handled += [eval_key(r) for r in written_evaluations(cfg.metrics_path)]
+        return EvalInbox(io.evals, handled=handled)
 
     # ------------------------------------------------------------------ report
 
@@ -229,10 +280,18 @@ class Trainer:
 
         A fatal TrainerError (non-finite weights, too many steps without a finite gradient, too many
         failed weight syncs) propagates on every rank; the caller records the job as Failed
-        (trainer/main.py)."""
+        (trainer/main.py). The trackers are closed whichever way it ends."""
+        try:
+            return await self._run()
+        finally:
+            if self.trackers is not None:
+                self._track("close", self.trackers.close)
+
+    async def _run(self) -> str:
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
         await self.settle_restored()
         await self.startup_sync()
+        await self.request_evaluation(self.state.version)  # the version this run starts from
         while self.state.step < max_steps:
             # 1-2. Batch: rank 0 reads B fresh groups, every rank gets the same list.
             groups = await self.next_batch() if self.ctx.is_main else None
@@ -252,6 +311,7 @@ class Trainer:
         if self.state.step > self._committed_step:  # (same decision on every rank: commit() has barriers)
             await self.commit()
         if self.state.step >= max_steps:
+            await self.await_final_evaluation()
             # With the reason and message the outcome record will carry (trainer/main.py records it
             # next): the operator ends the job on /status too, whichever of the two it reads first.
             self._set_phase("Succeeded", self.succeeded_message(), SUCCEEDED_REASON)
@@ -295,6 +355,7 @@ class Trainer:
         last_refresh = 0.0
         if self.stop_requested:
             return None
+        await self.poll_evaluations()  # (each step; then every ENGINE_REFRESH_S while waiting)
         while True:
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
             batch = self.inbox.take_batch()
@@ -302,8 +363,9 @@ class Trainer:
                 return batch
             if self.stop_requested:
                 return None
-            if time.monotonic() - last_refresh > 5:
+            if time.monotonic() - last_refresh > ENGINE_REFRESH_S:
                 await self.refresh_engines()
+                await self.poll_evaluations()
                 last_refresh = time.monotonic()
             await self.inbox.read()
 
@@ -476,6 +538,8 @@ class Trainer:
             self.report.weight_sync_seconds = seconds
             if sync_error:
                 self.report.message = sync_error
+        if self._evaluation_due(version):  # (its weights are out: the engines serve it, or catch up)
+            await self.request_evaluation(version)
 
     def finish_step(self, groups: list[Any], record: dict[str, Any]) -> None:
         """Advance counters, update the report and append one line to metrics.jsonl."""
@@ -519,10 +583,97 @@ class Trainer:
             del r.history[:-HISTORY_LIMIT]
             r.updated_at = now
         if self.ctx.is_main and self.cfg.metrics_path is not None:
-            append_metrics_line(self.cfg.metrics_path, step_record, record, dropped=st.dropped)
+            line = append_metrics_line(self.cfg.metrics_path, step_record, record, dropped=st.dropped)
+        else:
+            line = metrics_line(step_record, record, dropped=st.dropped)
+        if self.trackers is not None:
+            self._track("log_step", self.trackers.log_step, st.step, step_figures(line))
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
                  st.step, st.version, record["reward_mean"], record["loss"], record["staleness_mean"],
                  record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
+
+    # ------------------------------------------------------------------ evaluation (spec.evaluation)
+
+    def _evaluation_due(self, version: int) -> bool:
+        """Versions 0, N, 2N, ... (N = evaluation.everySteps) and the final one are evaluated."""
+        evaluation = self.spec.evaluation
+        return evaluation is not None and (version % evaluation.every_steps == 0
+                                           or version >= self.spec.trainer.max_steps)
+
+    async def request_evaluation(self, version: int) -> None:
+        """Rank 0: ask the rollout workers to evaluate `version` (already published); asking twice is a no-op."""
+        if self.evals is not None and await self.evals.request(version):
+            log.info("asked for a held-out evaluation of policy version %d", version)
+
+    async def poll_evaluations(self) -> list[EvalRecord]:
+        """Rank 0: read the results that arrived into the report; each new one also goes to
+        metrics.jsonl, the log and the trackers (at the current step). Returns the new ones."""
+        if self.evals is None:
+            return []
+        read, new = await self.evals.read()
+        if not read:
+            return []
+        with self._report_lock:
+            self.report.evaluations = merge_evaluations(self.report.evaluations, read, EVAL_HISTORY_LIMIT)
+            self.report.updated_at = time.time()
+        step = self.state.step
+        for r in new:
+            if self.cfg.metrics_path is not None:
+                append_eval_line(self.cfg.metrics_path, step, r)
+            pass_at_k = f" pass@{r.k} {r.pass_at_k:.3f}" if r.pass_at_k is not None else ""
+            log.info("eval v%d (step %d): reward %.3f pass@1 %.3f%s, %d prompts x %d, %.0f%% on version, "
+                     "%.1fs on %s", r.policy_version, step, r.reward_mean, r.pass_at_1, pass_at_k, r.prompts, r.k,
+                     100 * r.on_version, r.seconds, r.engine_id or "?")
+            if self.trackers is not None:
+                self._track("log_eval", self.trackers.log_eval, step, r)
+        return new
+
+    def _evaluated(self, version: int) -> bool:
+        with self._report_lock:
+            return any(r.policy_version == version for r in self.report.evaluations)
+
+    async def await_final_evaluation(self) -> None:
+        """Rank 0, after the last step: wait (phase Evaluating) until the final version's result
+        arrives, `finalTimeoutSeconds` pass (a warning: the job still succeeds) or a stop is asked."""
+        if self.evals is None or self.spec.evaluation is None:
+            return
+        version, timeout = self.state.version, self.spec.evaluation.final_timeout_seconds
+        await self.request_evaluation(version)  # (asked at its publish already, unless that life was cut short)
+        await self.poll_evaluations()
+        if self._evaluated(version):
+            return
+        if timeout <= 0:
+            log.info("not waiting for the evaluation of the final policy version %d (finalTimeoutSeconds=0)",
+                     version)
+            return
+        self._set_phase("Evaluating", f"waiting up to {timeout}s for the held-out evaluation of the final "
+                                      f"policy version {version}")
+        log.info("waiting up to %ds for the held-out evaluation of the final policy version %d", timeout, version)
+        deadline = time.monotonic() + timeout
+        last_refresh = time.monotonic()
+        while not self._evaluated(version):
+            if self.stop_requested:
+                log.warning("stop requested: not waiting any longer for the evaluation of policy version %d",
+                            version)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("no held-out evaluation of the final policy version %d after %ds "
+                            "(evaluation.finalTimeoutSeconds); finishing without it", version, timeout)
+                return
+            await asyncio.sleep(min(FINAL_EVAL_POLL_S, left))
+            if time.monotonic() - last_refresh > ENGINE_REFRESH_S:  # (an engine behind catches up to it)
+                await self.refresh_engines()
+                last_refresh = time.monotonic()
+            await self.poll_evaluations()
+        log.info("final policy version %d evaluated", version)
+
+    def _track(self, what: str, call: Callable[..., None], *args: Any) -> None:
+        """A tracker failing (a lost connection, a full disk) is logged; training goes on without it."""
+        try:
+            call(*args)
+        except Exception as exc:
+            log.warning("experiment tracker %s failed: %s", what, exc)
 
     async def commit(self) -> None:
         """Checkpoint (rank 0 writes; its window holds the groups trained since the last one), then

@@ -315,8 +315,11 @@ def report_of(outcome: TrainerOutcome, job: AsyncRLJob) -> Any:
 # ------------------------------------------------------------------------------------ running
 
 
-def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any, io: Any = None) -> Any:
-    """Model, optimizer and state (restored from a checkpoint when there is one) around the loop."""
+def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any, io: Any = None, *,
+                  trackers: Any = None) -> Any:
+    """Model, optimizer and state (restored from a checkpoint when there is one) around the loop;
+    `trackers` (rank 0's experiment trackers, trainer/loop.py `Trackers`) get the step figures and
+    evaluation results, and are closed when the run ends."""
     import torch  # (heavy: see the note at the top)
 
     from asyncrl.models import load_causal_lm, load_tokenizer
@@ -350,17 +353,19 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
         # lines of steps after the checkpoint (or of a run that never checkpointed) were lost
         truncate_metrics(cfg.metrics_path, state.step if state else 0)
     wrapped = D.wrap_model(model, ctx)
-    return Trainer(job, cfg, ctx, wrapped, optimizer, tokenizer, io=io, state=state, report=report)
+    return Trainer(job, cfg, ctx, wrapped, optimizer, tokenizer, io=io, state=state, report=report,
+                   trackers=trackers)
 
 
 async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:
-    """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry
-    (on `redis` when given, else a new client)."""
+    """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry,
+    evaluation requests and results (on `redis` when given, else a new client)."""
     from asyncrl.models import vocab_size
     from asyncrl.trainer.inbox import StreamIO  # (Redis clients: see the note at the top)
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
     from asyncrl.transport.content import GroupLimits
+    from asyncrl.transport.evaluation import EvalChannel
     from asyncrl.transport.streams import TrajectoryConsumer
     from asyncrl.transport.versions import EngineRegistry, VersionChannel
 
@@ -376,7 +381,8 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
                           max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
                           max_concurrent=spec.max_concurrent_groups())
     return StreamIO(redis=redis, consumer=consumer, admission=admission,
-                    versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names))
+                    versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names),
+                    evals=EvalChannel(redis, names))
 
 
 def start_status(get_report: Any, job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime) -> Any:
@@ -436,8 +442,16 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
     server = None
     try:
         try:
-            trainer = build_trainer(job, args, runtime, ctx, io)
+            trackers = None
+            if ctx.is_main:  # experiment trackers (spec.logging); a missing package is a config error
+                from asyncrl.trainer.trackers import Trackers
+
+                trackers = Trackers.from_spec(job.spec.logging, Path(runtime.run_dir), job.metadata.name,
+                                              config=job.spec.to_wire())
+            trainer = build_trainer(job, args, runtime, ctx, io, trackers=trackers)
         except SpecError as exc:  # the model (or another part of the spec) cannot be used here
+            if trackers is not None:
+                trackers.close()
             if record is not None:
                 await record.record(new_outcome(job.metadata.name, runtime.job_uid, "Failed", config_reason(exc),
                                                 message=str(exc)))

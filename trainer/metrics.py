@@ -9,6 +9,10 @@ Degraded (an outage being waited out, the report's `degraded`) is exported as
 `asyncrl_trainer_degraded{dependency}` 0/1 and `asyncrl_trainer_outage_seconds{dependency}`, with
 a series for each known dependency (redis, engine) even when healthy: an alert on `== 1` or on the
 outage's length then needs no `absent()` and never mistakes "no series" for "no outage".
+
+The newest held-out evaluation (spec.evaluation; the report's `evaluations`, newest version last) is
+exported as `asyncrl_eval_reward`, `asyncrl_eval_pass_at_1`, `asyncrl_eval_policy_version` (NaN
+before the first result) and `asyncrl_eval_pass_at_k{k}` (only when k = samplesPerPrompt > 1).
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from asyncrl.status_report import DegradedReport, StepRecord, TrainerReport
+from asyncrl.status_report import DegradedReport, EvalRecord, StepRecord, TrainerReport
 
 PREFIX = "asyncrl_trainer"
-PHASES = ["Starting", "Waiting", "Training", "Publishing", "Succeeded", "Failed", "Stopped"]
+PHASES = ["Starting", "Waiting", "Training", "Publishing", "Evaluating", "Succeeded", "Failed", "Stopped"]
 STEP_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, math.inf)
 DEPENDENCIES = ("redis", "engine")
 """Dependencies whose Degraded series always exist (others appear while they are down)."""
 SYNC_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, math.inf)
+EVAL_PREFIX = "asyncrl_eval"
 
 
 class _StalenessHistogram(Collector):
@@ -139,6 +144,14 @@ class TrainerMetrics:
                               ["dependency"])
         self.outage_seconds = gauge("outage_seconds", "How long the current outage of this dependency has lasted "
                                     "(0: reachable).", ["dependency"])
+        self.eval_reward = Gauge(f"{EVAL_PREFIX}_reward", "Mean reward of the newest held-out evaluation.",
+                                 registry=r)
+        self.eval_pass_at_1 = Gauge(f"{EVAL_PREFIX}_pass_at_1", "pass@1 of the newest held-out evaluation.",
+                                    registry=r)
+        self.eval_pass_at_k = Gauge(f"{EVAL_PREFIX}_pass_at_k", "pass@k of the newest held-out evaluation "
+                                    "(k = evaluation.samplesPerPrompt, only when > 1).", ["k"], registry=r)
+        self.eval_policy_version = Gauge(f"{EVAL_PREFIX}_policy_version",
+                                         "Policy version of the newest held-out evaluation.", registry=r)
 
     def update(self, report: TrainerReport) -> None:
         """Bring every metric in line with `report` (idempotent; call before each scrape)."""
@@ -176,6 +189,7 @@ class TrainerMetrics:
                 self._observe_step(record)
             self._set_engines(report)
             self._set_degraded(report.degraded)
+            self._set_evaluation(report.evaluations[-1] if report.evaluations else None)
             self.updated.set(report.updated_at)
 
     def observe_step(self, record: StepRecord) -> None:
@@ -202,6 +216,14 @@ class TrainerMetrics:
             if engine.weight_version is not None:
                 self.engine_lag.labels(engine=engine.url).set(report.policy_version - engine.weight_version)
 
+
+    def _set_evaluation(self, newest: EvalRecord | None) -> None:
+        self.eval_reward.set(math.nan if newest is None else newest.reward_mean)
+        self.eval_pass_at_1.set(math.nan if newest is None else newest.pass_at_1)
+        self.eval_policy_version.set(math.nan if newest is None else newest.policy_version)
+        self.eval_pass_at_k.clear()
+        if newest is not None and newest.pass_at_k is not None:
+            self.eval_pass_at_k.labels(k=str(newest.k)).set(newest.pass_at_k)
 
     def _set_degraded(self, degraded: DegradedReport | None) -> None:
         # Several targets of one dependency (two engines): down if any is, for as long as the oldest.

@@ -6,6 +6,9 @@ stats by `kept_tokens`, and the behaviour ESS is formed from those sums, not ave
 the sum of the micro-batch losses (each already normalised by its whole minibatch) averaged over
 the minibatches. Staleness, rewards and lengths come from the broadcast batch, so they are
 identical on every rank without a reduction.
+
+metrics.jsonl also holds one line per held-out evaluation result (`"event": "eval"`, the
+EvalRecord, and the trainer step it was read at); per-step lines have no `event` key.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from asyncrl.status_report import StepRecord
+from asyncrl.status_report import EvalRecord, StepRecord
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch
 from asyncrl.trainer.plan import TrainSequence
@@ -138,19 +141,67 @@ def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:
     return counts
 
 
-def append_metrics_line(path: Path, step: StepRecord, record: dict[str, Any], dropped: int) -> None:
-    """One JSON line per step: the StepRecord's fields, then the rest of the step's metrics."""
+def metrics_line(step: StepRecord, record: dict[str, Any], dropped: int) -> dict[str, Any]:
+    """A step's line of metrics.jsonl: the StepRecord's fields, then the rest of the step's metrics."""
     line = step.model_dump(mode="json")
     line.update({k: v for k, v in record.items() if k not in line and k != "group_ids"})
     line["staleness_histogram"] = {str(k): v for k, v in record["staleness_histogram"].items()}
     line["dropped"] = dropped
+    return line
+
+
+def append_metrics_line(path: Path, step: StepRecord, record: dict[str, Any], dropped: int) -> dict[str, Any]:
+    """Append one JSON line for the step (`metrics_line`); returns the line."""
+    line = metrics_line(step, record, dropped)
+    _append(path, line)
+    return line
+
+
+def step_figures(line: dict[str, Any]) -> dict[str, float]:
+    """The plain numbers of a step line, for experiment trackers: not the step (their x axis), the
+    Unix time or the staleness histogram (a table)."""
+    return {k: float(v) for k, v in line.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
+
+
+EVENT_KEY = "event"
+"""Lines that are not per-step lines carry this key (readers of steps skip them)."""
+
+
+def eval_line(step: int, record: EvalRecord) -> dict[str, Any]:
+    """The metrics.jsonl line of one evaluation result, read at trainer step `step`."""
+    return {EVENT_KEY: "eval", **record.model_dump(mode="json"), "step": step}
+
+
+def append_eval_line(path: Path, step: int, record: EvalRecord) -> None:
+    """Append the line of one evaluation result (`eval_line`) beside the per-step lines."""
+    _append(path, eval_line(step, record))
+
+
+def written_evaluations(path: Path) -> list[EvalRecord]:
+    """The evaluation results metrics.jsonl already holds (an earlier life of the trainer wrote them)."""
+    if not path.exists():
+        return []
+    out = []
+    for text in path.read_text().splitlines():
+        try:
+            line = json.loads(text)
+            if isinstance(line, dict) and line.get(EVENT_KEY) == "eval":
+                out.append(EvalRecord.model_validate(line))  # (extra keys are ignored)
+        except ValueError:  # (pydantic's ValidationError is one too)
+            continue
+    return out
+
+
+def _append(path: Path, line: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as fh:
         fh.write(json.dumps(line) + "\n")
 
 
 def truncate_metrics(path: Path, step: int) -> None:
-    """On resume: forget metrics lines of steps after the checkpoint (their updates were lost)."""
+    """On resume: forget metrics lines of steps after the checkpoint (their updates were lost), eval
+    lines read after it too (the resumed trainer reads the results again and writes them anew)."""
     if not path.exists():
         return
     kept = []

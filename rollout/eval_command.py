@@ -1,0 +1,333 @@
+"""Evaluate a model directory on held-out prompts, in this process (no server, no Redis).
+
+MODEL_DIR is any Hugging Face model directory (a run's final weights, a `weights/vN` directory,
+a saved checkpoint) or `embedded:SmolLM2-135M-Instruct` (the base model), so a base model and the
+weights a run produced can be compared on the same prompts with the same code the trainer's
+in-training evaluation uses (asyncrl.rollout.evaluation).
+
+Settings: without --config, spec.evaluation's defaults (builtin:arithmetic split test,
+exact-number, 64 prompts, greedy, 256 new tokens). With --config JOB.yaml, the job's
+spec.evaluation, or when it has none the job's dataset with split test, its reward and
+algorithm.maxNewTokens; the job's prompt template and system prompt apply. Flags override both.
+
+Output: a progress bar (answers done / total) on stderr, a table of the figures, then one JSON
+object on the last line of stdout (the EvalRecord fields plus model, dataset and split).
+Exit 0 when done, 2 for a flag value that is not allowed, 1 when the model or dataset cannot be used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.spec import EvaluationSpec
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+FORMATS = ("auto", "gsm8k", "prompt-answer")
+# EvaluationSpec field (wire name, as pydantic reports it) -> the flag that sets it
+FLAGS = {
+    "source": "--dataset", "format": "--format", "split": "--split", "difficulty": "--difficulty",
+    "function": "--reward", "prompts": "--prompts", "samplesPerPrompt": "--samples-per-prompt",
+    "temperature": "--temperature", "maxNewTokens": "--max-new-tokens",
+}
+# errors of a whole object (cross-field rules) -> the flags involved
+OBJECT_FLAGS = {(): "--samples-per-prompt/--temperature", ("dataset",): "--dataset/--split"}
+ENGINE_BATCH = 64
+"""Requests decoded together: nothing else shares this engine, so every prompt may be in flight."""
+
+
+class FlagError(ValueError):
+    """A flag value that is not allowed (exit 2); the message starts with the flag."""
+
+
+class EvalCommandError(RuntimeError):
+    """The model, tokenizer or dataset cannot be used (exit 1)."""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("model", metavar="MODEL_DIR",
+                        help="Hugging Face model directory (e.g. RUN/weights/v28) or embedded:SmolLM2-135M-Instruct; "
+                             "a weights/vN directory is reported as policy version N")
+    parser.add_argument("--config", metavar="JOB.yaml",
+                        help="job file whose spec.evaluation (else its dataset with split test, reward and "
+                             "maxNewTokens), prompt template and system prompt are the defaults")
+    parser.add_argument("--dataset", metavar="SOURCE",
+                        help="builtin:arithmetic, a JSONL file or hf:<dataset id> (default: builtin:arithmetic)")
+    parser.add_argument("--format", choices=FORMATS, help="JSONL/HF record layout (default: auto)")
+    parser.add_argument("--split", help="dataset split; builtin:arithmetic: train or test (default: test)")
+    parser.add_argument("--difficulty", type=int, metavar="N", help="builtin:arithmetic difficulty 1..5 (default: 1)")
+    parser.add_argument("--reward", metavar="NAME",
+                        help="gsm8k, exact-number or module:function (default: the job's, else exact-number)")
+    parser.add_argument("--prompts", type=int, metavar="N", help="held-out prompts (default: 64)")
+    parser.add_argument("--samples-per-prompt", type=int, metavar="K",
+                        help="answers per prompt; K > 1 needs --temperature > 0 and adds pass@K (default: 1)")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sampling temperature; 0 = greedy (default: 0)")
+    parser.add_argument("--max-new-tokens", type=int, metavar="N",
+                        help="answer length limit (default: the job's, else 256)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="sampling seed (temperature > 0); the prompts depend on the dataset's seed only "
+                             "(default: 0)")
+    parser.add_argument("--json-out", metavar="FILE", help="also write the JSON object to FILE")
+    parser.add_argument("--threads", type=int, default=0, metavar="N", help="torch CPU threads (default: 0 = torch's)")
+    parser.add_argument("--device", choices=DEVICES, default="auto", help="where the model runs (default: auto = "
+                        "cuda when visible)")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="model dtype (default: float32 on CPU, else the job's model.dtype, else bfloat16)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="tokenizer when MODEL_DIR has none (default: MODEL_DIR, then the job's model)")
+
+
+# ------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Everything one evaluation needs, resolved from the flags and the optional job."""
+
+    model: str
+    spec: EvaluationSpec
+    """The evaluation settings, reward and max_new_tokens filled in."""
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    tokenizers: tuple[str, ...] = ()
+    """Where to look for the tokenizer, in order."""
+    job_dtype: str | None = None
+    version: int = 0
+    note: str = ""
+    """Something the user should know about the settings (printed on stderr)."""
+
+
+def _flag_error(exc: Any) -> FlagError:
+    """A pydantic ValidationError of the overridden EvaluationSpec, worded by flag."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        flag = FLAGS.get(loc[-1]) if loc else None
+        flag = flag or OBJECT_FLAGS.get(loc, "/".join(loc) or "--samples-per-prompt/--temperature")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if flag in FLAGS.values() else ""
+        lines.append(f"{flag}: {msg}{got}")
+    return FlagError("; ".join(lines))
+
+
+def _version_of(model: str) -> int:
+    path = Path(model)
+    m = re.fullmatch(r"v(\d+)", path.name)
+    return int(m.group(1)) if m and path.parent.name == "weights" else 0
+
+
+def plan_from_args(args: argparse.Namespace) -> EvalPlan:
+    """Resolve the settings (job, then flags) and validate them as an EvaluationSpec."""
+    from pydantic import ValidationError
+
+    from asyncrl.rollout.evaluation import eval_prompt_format
+    from asyncrl.spec import EvalDatasetSpec, EvaluationSpec, RewardSpec
+
+    if args.threads < 0:
+        raise FlagError(f"--threads: must be >= 0 (0 = torch's default), got {args.threads}")
+    template = system = job_dtype = None
+    tokenizers = [args.tokenizer] if args.tokenizer else []
+    note = ""
+    if args.config:
+        from asyncrl.loader import load_job
+
+        spec = load_job(args.config).spec  # a JobFileError is reported by asyncrl.cli
+        base = spec.evaluation or EvaluationSpec(
+            dataset=EvalDatasetSpec.model_validate({**spec.dataset.model_dump(), "split": "test"}),
+            reward=spec.reward, max_new_tokens=spec.algorithm.max_new_tokens)
+        if spec.evaluation is None and not spec.dataset.source.startswith(("builtin:", "hf:")) and not args.dataset:
+            note = (f"note: {args.config} has no spec.evaluation: evaluating on its training file "
+                    f"{spec.dataset.source} (give --dataset for held-out prompts)")
+        base = base.model_copy(update={"reward": base.reward or spec.reward,
+                                       "max_new_tokens": base.max_new_tokens or spec.algorithm.max_new_tokens})
+        template, system = eval_prompt_format(base, spec.dataset)
+        tokenizers = tokenizers or ([spec.model.tokenizer] if spec.model.tokenizer else [args.model, spec.model.path])
+        job_dtype = spec.model.dtype
+    else:
+        base = EvaluationSpec(reward=RewardSpec(), max_new_tokens=256)
+        tokenizers = tokenizers or [args.model]
+    data = base.model_dump(exclude_none=True)
+    reward = data.pop("reward")
+    for key, value in (("source", args.dataset), ("format", args.format), ("split", args.split),
+                       ("difficulty", args.difficulty)):
+        if value is not None:
+            data["dataset"][key] = value
+    if args.reward is not None:
+        reward["function"] = args.reward
+    for key in ("prompts", "samples_per_prompt", "temperature", "max_new_tokens"):
+        if getattr(args, key) is not None:
+            data[key] = getattr(args, key)
+    try:
+        resolved = EvaluationSpec.model_validate({**data, "reward": reward})
+    except ValidationError as exc:
+        raise _flag_error(exc) from None
+    return EvalPlan(model=args.model, spec=resolved, prompt_template=template, system_prompt=system,
+                    tokenizers=tuple(dict.fromkeys(tokenizers)), job_dtype=job_dtype,
+                    version=_version_of(args.model), note=note)
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+def check_model_dir(model: str) -> str:
+    """The directory to load: an embedded model (converted once) or an existing HF model directory."""
+    from asyncrl.models import EMBEDDED_PREFIX, ModelNotFoundError, resolve_model_path
+
+    if model.startswith(EMBEDDED_PREFIX):
+        try:
+            return resolve_model_path(model)
+        except ModelNotFoundError as exc:
+            raise EvalCommandError(f"MODEL_DIR: {exc}") from None
+    path = Path(model)
+    if not path.exists():
+        raise EvalCommandError(f"MODEL_DIR {model}: no such directory (give a Hugging Face model directory, "
+                               "e.g. RUN/weights/vN, or embedded:SmolLM2-135M-Instruct)")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise EvalCommandError(f"MODEL_DIR {model}: not a Hugging Face model directory (no config.json)")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # OSError, ValueError (no model_type), JSON errors
+        raise EvalCommandError(f"MODEL_DIR {model}: not a Hugging Face model directory: {exc}") from None
+    return str(path)
+
+
+def _load_tokenizer(plan: EvalPlan) -> Any:
+    from asyncrl.models import load_tokenizer
+
+    problems = []
+    for where in plan.tokenizers:
+        try:
+            return load_tokenizer(where)
+        except Exception as exc:  # transformers raises OSError, ValueError, ... for a folder without one
+            problems.append(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    raise EvalCommandError("no tokenizer could be loaded (give --tokenizer PATH): " + "; ".join(problems))
+
+
+def _device(requested: str) -> str:
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise FlagError("--device cuda: no CUDA device is visible here; allowed: cpu, auto")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threads: int) -> dict[str, Any]:
+    """Load everything (dataset and reward first: they fail fast), answer, and return the result."""
+    import asyncio
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from asyncrl.errors import RolloutError
+    from asyncrl.rollout.evaluation import EvalSettings, EvaluationError, evaluate, load_eval_items
+    from asyncrl.rollout.hf_engine import HFEngine
+    from asyncrl.rollout.prompts import PromptRenderer
+    from asyncrl.rollout.rewards import RewardScorer
+    from asyncrl.spec import AlgorithmSpec, RewardSpec
+
+    spec, reward = plan.spec, plan.spec.reward or RewardSpec()
+    try:
+        items = load_eval_items(spec)
+    except (RolloutError, OSError, ValueError) as exc:  # a missing, unreadable or malformed file
+        raise EvalCommandError(f"--dataset {spec.dataset.source}: {exc}") from None
+    try:
+        scorer = RewardScorer.from_name(reward.function, reward.timeout_seconds)
+    except RolloutError as exc:
+        raise FlagError(f"--reward: {exc}") from None
+    device = _device(device)
+    model_dir = check_model_dir(plan.model)
+    tokenizer = _load_tokenizer(plan)
+    try:
+        renderer = PromptRenderer(tokenizer, plan.prompt_template, plan.system_prompt)
+    except ValueError as exc:
+        raise EvalCommandError(f"--config: {exc}") from None
+    if threads:
+        torch.set_num_threads(threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the only bar on stderr
+    dtype = dtype or ("float32" if device == "cpu" else plan.job_dtype or "bfloat16")
+    err = Console(stderr=True)
+    err.print(f"asyncrl eval: {plan.model} ({dtype} on {device}), {len(items)} prompts x {spec.samples_per_prompt} "
+              f"from {spec.dataset.source} ({spec.dataset.split})", highlight=False, soft_wrap=True)
+    try:
+        engine = HFEngine(model_dir, dtype=dtype, device=device, max_batch_size=ENGINE_BATCH, seed=seed)
+    except Exception as exc:  # transformers: OSError, ValueError (unknown architecture), safetensors errors
+        raise EvalCommandError(f"MODEL_DIR {plan.model}: cannot load the model: {exc}") from None
+    settings = EvalSettings.from_spec(spec, AlgorithmSpec(), renderer.stop_token_ids())
+    settings = EvalSettings(settings.samples_per_prompt, settings.sampling, ENGINE_BATCH)
+    columns = (TextColumn("answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    try:
+        with Progress(*columns, console=err) as progress:
+            task = progress.add_task("answers", total=len(items) * spec.samples_per_prompt)
+            record = asyncio.run(evaluate(
+                engine, items, render=renderer.render, decode=renderer.decode, scorer=scorer, settings=settings,
+                version=plan.version, engine_id=f"asyncrl-eval/{device}",
+                on_answer=lambda: progress.advance(task)))
+    except EvaluationError as exc:
+        raise EvalCommandError(str(exc)) from None
+    finally:
+        engine.close()
+        scorer.close()
+    return {**record.model_dump(), "model": plan.model, "dataset": spec.dataset.source, "split": spec.dataset.split}
+
+
+def print_result(result: dict[str, Any]) -> None:
+    """The figures as a table, then the JSON object as the last line of stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.4f}"
+
+    table = Table(title="asyncrl eval", show_header=True)
+    table.add_column("figure")
+    table.add_column("value", overflow="fold")
+    k = result["k"]
+    for name, value in (
+        ("model", result["model"]), ("dataset", f"{result['dataset']} ({result['split']})"),
+        ("policy version", str(result["policy_version"])), ("prompts", str(result["prompts"])), ("k", str(k)),
+        ("reward mean", num(result["reward_mean"])), ("pass@1", num(result["pass_at_1"])),
+        (f"pass@{k}" if k > 1 else "pass@k", num(result["pass_at_k"])),
+        ("mean length (tokens)", f"{result['response_length']:.1f}"),
+        ("seconds", f"{result['seconds']:.1f}"),
+    ):
+        table.add_row(name, value)
+    Console(highlight=False).print(table)
+    sys.stdout.write(json.dumps(result, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_from_args(args)
+        if plan.note:
+            print(plan.note, file=sys.stderr)
+        result = run_plan(plan, device=args.device, dtype=args.dtype, seed=args.seed, threads=args.threads)
+    except FlagError as exc:
+        print(f"asyncrl eval: error: {exc}", file=sys.stderr)
+        return 2
+    except EvalCommandError as exc:
+        print(f"asyncrl eval: error: {exc}", file=sys.stderr)
+        return 1
+    print_result(result)
+    if args.json_out:
+        try:
+            Path(args.json_out).write_text(json.dumps(result, sort_keys=True) + "\n")
+        except OSError as exc:
+            print(f"asyncrl eval: error: --json-out {args.json_out}: {exc}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,164 @@
+"""One held-out evaluation pass: fixed prompts, k answers each, scored, summarised per version.
+
+Shared by the rollout worker (evaluations requested by the trainer during training, served by
+the engine between training groups) and `asyncrl eval` (any model directory, on an in-process
+engine). Nothing here is trained: answers carry no logprobs that matter and never reach Redis.
+
+Version discipline: an answer must come wholly from one set of weights. When a weight update
+cuts an answer short (the engine answers "abort"), the answer is generated again from the start,
+now on the newer weights; `EvalRecord.on_version` is the fraction of answers that the requested
+version produced, so a pass that straddled an update says so instead of blending silently.
+
+An answer is correct when its reward is >= 1 (the built-in rewards are 0/1); pass@k uses the
+unbiased estimator of Chen et al. (2021) with n = k answers per prompt, i.e. "any correct".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from asyncrl.rollout.datasets import ListSource, PromptItem, PromptSource, load_source
+from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
+from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.spec import AlgorithmSpec, DatasetSpec, EvaluationSpec
+from asyncrl.status_report import EvalRecord
+
+CORRECT_REWARD = 1.0
+MAX_ABORTS = 20
+"""Restarts of one answer (each after a weight update cut it short) before the pass fails."""
+
+VersionOf = Callable[[GenerateResult], Awaitable[int | None]]
+"""The weight version that produced an answer (None: unknown)."""
+
+
+class Generator(Protocol):
+    """What an evaluation needs of an engine (an Engine, or the rollout worker's retrying wrapper)."""
+
+    async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult: ...
+
+
+class EvaluationError(RuntimeError):
+    """An evaluation pass that could not finish (the engine kept failing or aborting)."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How to answer: k answers per prompt, the sampling of each, requests in flight."""
+
+    samples_per_prompt: int
+    sampling: SamplingParams
+    max_concurrent_requests: int = 8
+
+    @classmethod
+    def from_spec(cls, spec: EvaluationSpec, algorithm: AlgorithmSpec,
+                  stop_token_ids: tuple[int, ...] = ()) -> EvalSettings:
+        sampling = SamplingParams(max_new_tokens=spec.max_new_tokens or algorithm.max_new_tokens,
+                                  temperature=spec.temperature, stop_token_ids=stop_token_ids)
+        return cls(spec.samples_per_prompt, sampling, spec.max_concurrent_requests)
+
+
+def eval_prompt_format(evaluation: EvaluationSpec, dataset: DatasetSpec) -> tuple[str | None, str | None]:
+    """(prompt template, system prompt) of eval prompts: the evaluation dataset's own, else the
+    training dataset's (the format the model is being trained to answer in)."""
+    return (evaluation.dataset.prompt_template or dataset.prompt_template,
+            evaluation.dataset.system_prompt or dataset.system_prompt)
+
+
+def eval_items(source: PromptSource, prompts: int) -> list[PromptItem]:
+    """The first `prompts` distinct questions of the source (all of a smaller finite one): the
+    same prompts at every version, so the figures compare."""
+    items: dict[str, PromptItem] = {}
+    position, limit = 0, len(source)
+    while len(items) < prompts and position < min(limit, prompts * 100):
+        item = source.item(position)
+        items.setdefault(item.question, item)
+        position += 1
+    return list(items.values())
+
+
+def load_eval_items(spec: EvaluationSpec) -> list[PromptItem]:
+    source = load_source(spec.dataset)
+    if isinstance(source, ListSource):  # a seeded shuffle of a finite file: a fair sample of it
+        source = ListSource(source.items, seed=spec.dataset.seed)
+    return eval_items(source, spec.prompts)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k answers drawn from n (c of them correct) is correct."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def summarize(version: int, rewards: list[list[float]], *, lengths: list[int], on_version: float,
+              seconds: float, engine_id: str = "") -> EvalRecord:
+    """The record of one pass from each prompt's rewards (k per prompt)."""
+    if not rewards or any(len(r) != len(rewards[0]) or not r for r in rewards):
+        raise ValueError("every prompt needs the same, non-zero number of answers")
+    k = len(rewards[0])
+    flat = [x for r in rewards for x in r]
+    correct = [sum(x >= CORRECT_REWARD for x in r) for r in rewards]
+    return EvalRecord(
+        policy_version=version, reward_mean=sum(flat) / len(flat),
+        pass_at_1=sum(pass_at_k(k, c, 1) for c in correct) / len(rewards),
+        pass_at_k=sum(pass_at_k(k, c, k) for c in correct) / len(rewards) if k > 1 else None,
+        k=k, prompts=len(rewards), samples=len(flat), on_version=on_version,
+        response_length=sum(lengths) / len(lengths) if lengths else 0.0, seconds=seconds,
+        engine_id=engine_id, time=time.time())
+
+
+async def _labelled(result: GenerateResult) -> int | None:
+    return result.weight_version
+
+
+async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[str], list[int]],
+                   decode: Callable[[list[int]], str], scorer: RewardScorer, settings: EvalSettings,
+                   version: int = 0, version_of: VersionOf = _labelled, engine_id: str = "",
+                   on_answer: Callable[[], None] | None = None) -> EvalRecord:
+    """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass.
+
+    `version_of` names the weights behind an answer (default: the engine's label; an engine
+    without labels and no registry, e.g. `asyncrl eval`'s own, answers None = `version`).
+    `on_answer` is called after each scored answer (progress bars)."""
+    if not items:
+        raise EvaluationError("no held-out prompts to evaluate")
+    slots = asyncio.Semaphore(settings.max_concurrent_requests)
+    started = time.monotonic()
+    lengths: list[int] = []
+    on: list[bool] = []
+
+    async def answer(prompt_ids: list[int], item: PromptItem) -> float:
+        for _ in range(MAX_ABORTS + 1):
+            async with slots:
+                result = await engine.generate(prompt_ids, replace(settings.sampling))
+            if result.finish_reason == "abort":  # cut short by a weight update: start again
+                continue
+            produced_by = await version_of(result)
+            on.append(produced_by is None or produced_by == version)
+            lengths.append(len(result.output_ids))
+            reward = await scorer.score(decode(result.output_ids), item.answer)
+            if on_answer is not None:
+                on_answer()
+            return reward
+        raise EvaluationError(f"prompt {item.prompt_id}: aborted {MAX_ABORTS + 1} times in a row")
+
+    # One flat set of tasks: when an answer fails, every other one is cancelled, not left generating.
+    k = settings.samples_per_prompt
+    rendered = [(render(item.question), item) for item in items]
+    answers = [asyncio.ensure_future(answer(ids, item)) for ids, item in rendered for _ in range(k)]
+    try:
+        flat = await asyncio.gather(*answers)
+    finally:
+        for task in answers:
+            task.cancel()
+        await asyncio.gather(*answers, return_exceptions=True)
+    rewards = [list(flat[i:i + k]) for i in range(0, len(flat), k)]
+    return summarize(version, rewards, lengths=lengths, on_version=sum(on) / len(on),
+                     seconds=time.monotonic() - started, engine_id=engine_id)
