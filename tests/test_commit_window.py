@@ -10,13 +10,12 @@ trainer resumes from the newest checkpoint, exactly as a restarted pod would.
 from __future__ import annotations
 
 import asyncio
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from trainer_support import make_job, model_and_tokenizer, publish, redis_query
+from trainer_support import chat_groups, make_job, model_and_tokenizer, publish, redis_query, tiny_model
 
 JOB = "t-window"
 BATCH, INTERVAL, STEPS = 2, 2, 4
@@ -26,39 +25,8 @@ class SimulatedKill(BaseException):
     """A SIGKILL at this instant: nothing after it in this life runs (BaseException: no handler)."""
 
 
-def _tiny_model() -> Any:
-    base, _ = model_and_tokenizer()
-    cfg = copy.deepcopy(base.config)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 32, 64, 1
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 16
-    torch.manual_seed(0)
-    model = type(base)(cfg)
-    model.train()
-    return model
 
 
-def _groups(count: int) -> list[Any]:
-    """`count` small groups (chat prompt, 2-6 random response tokens per sample; rewards vary)."""
-    import numpy as np
-
-    from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
-
-    _, tok = model_and_tokenizer()
-    rng = np.random.default_rng(0)
-    prompt = np.array(tok(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                                  add_generation_prompt=True, tokenize=False))["input_ids"],
-                      dtype=np.int32)
-    groups = []
-    for g in range(count):
-        samples = []
-        for i in range(4):
-            n = int(rng.integers(2, 7))
-            samples.append(TrajectorySample(i, rng.integers(100, 5000, n).astype(np.int32),
-                                            np.full(n, -8.0, np.float32), np.zeros(n, np.int32),
-                                            float(i % 2), "stop"))
-        groups.append(TrajectoryGroup(JOB, f"g{g:04d}", f"p{g}", prompt, samples, "engine-test",
-                                      1000.0 + g, 1000.0 + g))
-    return groups
 
 
 def _runtime(tmp_path: Path, redis_url: str) -> Any:
@@ -75,7 +43,7 @@ def _trainer(tmp_path: Path, job: Any, io: Any) -> Any:
     from asyncrl.trainer.loop import RunConfig, Trainer
 
     _, tok = model_and_tokenizer()
-    model = _tiny_model()
+    model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg = RunConfig(engine_kind="hf", weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
                     metrics_path=tmp_path / "metrics.jsonl", read_block_ms=50)
@@ -137,7 +105,7 @@ def test_killed_anywhere_in_the_commit_window_trains_each_group_exactly_once(
 
     monkeypatch.setattr(loop, "save_checkpoint", loop.save_checkpoint)  # _arm replaces it
     job = make_job(name=JOB, batch_size=BATCH, max_steps=STEPS, checkpoint_interval=INTERVAL, eta=10)
-    groups = _groups(BATCH * STEPS)
+    groups = chat_groups(JOB, BATCH * STEPS)
     all_ids = {g.group_id for g in groups}
     publish(redis_url, JOB, groups)
     runtime = _runtime(tmp_path, redis_url)

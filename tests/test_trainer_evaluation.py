@@ -12,7 +12,6 @@ takes milliseconds; the evaluation worker is simulated with the channel's worker
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from trainer_support import job_dict, model_and_tokenizer, publish, read_jsonl, redis_query
+from trainer_support import chat_groups, job_dict, model_and_tokenizer, publish, read_jsonl, redis_query, tiny_model
 
 from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import EvalRecord
@@ -46,38 +45,8 @@ def _job(*, max_steps: int = 5, every: int = 3, final_timeout: int = 300, interv
     return AsyncRLJob.model_validate(doc)
 
 
-def _tiny_model() -> Any:
-    base, _ = model_and_tokenizer()
-    cfg = copy.deepcopy(base.config)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 32, 64, 1
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 16
-    torch.manual_seed(0)
-    model = type(base)(cfg)
-    model.train()
-    return model
 
 
-def _groups(count: int) -> list[Any]:
-    import numpy as np
-
-    from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
-
-    _, tok = model_and_tokenizer()
-    rng = np.random.default_rng(0)
-    prompt = np.array(tok(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                                  add_generation_prompt=True, tokenize=False))["input_ids"],
-                      dtype=np.int32)
-    groups = []
-    for g in range(count):
-        samples = []
-        for i in range(4):
-            n = int(rng.integers(2, 7))
-            samples.append(TrajectorySample(i, rng.integers(100, 5000, n).astype(np.int32),
-                                            np.full(n, -8.0, np.float32), np.zeros(n, np.int32),
-                                            float(i % 2), "stop"))
-        groups.append(TrajectoryGroup(JOB, f"g{g:04d}", f"p{g}", prompt, samples, "engine-test",
-                                      1000.0 + g, 1000.0 + g))
-    return groups
 
 
 class RecordingTrackers:
@@ -115,7 +84,7 @@ class Life:
         from asyncrl.trainer.step_metrics import truncate_metrics
 
         _, tok = model_and_tokenizer()
-        model = _tiny_model()
+        model = tiny_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         cfg = RunConfig(engine_kind="hf", weights_dir=tmp / "weights", checkpoint_dir=tmp / "ckpt",
                         metrics_path=tmp / "metrics.jsonl", read_block_ms=50)
@@ -263,7 +232,7 @@ async def _scrape(trainer: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]],
 def test_versions_are_evaluated_after_their_publish_and_results_reach_every_output(
         tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     job = _job(max_steps=5, every=3)
-    publish(redis_url, JOB, _groups(BATCH * 5))
+    publish(redis_url, JOB, chat_groups(JOB, BATCH * 5))
     trackers = RecordingTrackers()
     seen_while_evaluating: dict[str, Any] = {}
 
@@ -329,7 +298,7 @@ def test_versions_are_evaluated_after_their_publish_and_results_reach_every_outp
 @pytest.mark.slow
 def test_a_restarted_trainer_rebuilds_the_evaluations_without_duplicates(tmp_path: Path, redis_url: str) -> None:
     job = _job(max_steps=5, every=3, interval=2)
-    publish(redis_url, JOB, _groups(BATCH * 5))
+    publish(redis_url, JOB, chat_groups(JOB, BATCH * 5))
     trackers = [RecordingTrackers() for _ in range(3)]
 
     # Life 1 stops after step 4 (checkpoint 4); life 2 resumes there and finishes; life 3 is a
@@ -359,7 +328,7 @@ def test_a_restarted_trainer_rebuilds_the_evaluations_without_duplicates(tmp_pat
 def test_no_final_result_ends_the_wait_after_the_timeout_with_a_warning(
         tmp_path: Path, redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
     job = _job(max_steps=2, every=10, final_timeout=1)
-    publish(redis_url, JOB, _groups(BATCH * 2))
+    publish(redis_url, JOB, chat_groups(JOB, BATCH * 2))
 
     with caplog.at_level(logging.INFO, logger="asyncrl.trainer"):
         life, phase = asyncio.run(_life(tmp_path, job, redis_url, answer=False))  # claimed, never answered
@@ -377,7 +346,7 @@ def test_no_final_result_ends_the_wait_after_the_timeout_with_a_warning(
 def test_a_stop_request_ends_the_final_wait(tmp_path: Path, redis_url: str,
                                             caplog: pytest.LogCaptureFixture) -> None:
     job = _job(max_steps=2, every=10, final_timeout=600)
-    publish(redis_url, JOB, _groups(BATCH * 2))
+    publish(redis_url, JOB, chat_groups(JOB, BATCH * 2))
 
     async def stop(trainer: Any, done: asyncio.Event) -> None:  # SIGTERM while the trainer waits
         trainer.stop_requested = True  # (what StopSignals does)
@@ -395,7 +364,7 @@ def test_without_evaluation_nothing_is_asked_or_read(tmp_path: Path, redis_url: 
     from asyncrl.transport.names import StreamNames
 
     job = _job(max_steps=2, evaluation=False)
-    publish(redis_url, JOB, _groups(BATCH * 2))
+    publish(redis_url, JOB, chat_groups(JOB, BATCH * 2))
     trackers = RecordingTrackers()
     life, phase = asyncio.run(_life(tmp_path, job, redis_url, trackers=trackers))
     assert phase == "Succeeded" and life.trainer.evals is None

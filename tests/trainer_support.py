@@ -180,3 +180,42 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def tiny_model() -> Any:
+    """A one-layer model of SmolLM2's architecture and vocabulary (seeded): a trainer step in
+    milliseconds, for tests of what happens around the step (commit window, evaluation)."""
+    import copy
+
+    import torch
+
+    base, _ = model_and_tokenizer()
+    cfg = copy.deepcopy(base.config)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 32, 64, 1
+    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 16
+    torch.manual_seed(0)
+    model = type(base)(cfg)
+    model.train()
+    return model
+
+
+def chat_groups(job: str, count: int) -> list[Any]:
+    """`count` small groups (a chat prompt, 2-6 random response tokens per sample; rewards vary)."""
+    from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+
+    _, tok = model_and_tokenizer()
+    rng = np.random.default_rng(0)
+    prompt = np.array(tok(tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                                  add_generation_prompt=True, tokenize=False))["input_ids"],
+                      dtype=np.int32)
+    groups = []
+    for g in range(count):
+        samples = []
+        for i in range(4):
+            n = int(rng.integers(2, 7))
+            samples.append(TrajectorySample(i, rng.integers(100, 5000, n).astype(np.int32),
+                                            np.full(n, -8.0, np.float32), np.zeros(n, np.int32),
+                                            float(i % 2), "stop"))
+        groups.append(TrajectoryGroup(job, f"g{g:04d}", f"p{g}", prompt, samples, "engine-test",
+                                      1000.0 + g, 1000.0 + g))
+    return groups
