@@ -301,3 +301,25 @@ def test_reward_at_versions_compares_the_generating_policy_not_the_step():
     out = vs.summarize({"trl": {0: {"records": sync}}, "asyncrl-eta2-loglinear": {0: {"records": lagging}}}, [0])
     assert out["matched_versions"] == [6, 7]
     assert out["systems"]["asyncrl-eta2-loglinear"]["reward_matched_versions"]["mean"] == pytest.approx(0.65)
+
+
+# ----------------------------------------------------------------------------- benchmarks/heldout.py
+
+heldout = _load("heldout")
+
+
+def test_heldout_reads_a_finished_runs_final_weights_and_seed(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    job = load_job(REPO / "examples" / "local.yaml").model_copy(deep=True)
+    job.spec.seed = 5
+    (run / "job.yaml").write_text(json.dumps(job.model_dump(by_alias=True, exclude_none=True, mode="json")))
+    (run / "run.json").write_text(json.dumps({"outcome": "succeeded", "final_weights": "/w/v28"}))
+    assert heldout.final_weights(run) == ("/w/v28", 5)
+    (run / "run.json").write_text(json.dumps({"outcome": "failed", "final_weights": None}))
+    with pytest.raises(SystemExit, match="no final_weights"):
+        heldout.final_weights(run)
+
+
+def test_heldout_spread_is_mean_min_max():
+    assert heldout.spread([0.5, 0.7, 0.6]) == {"mean": 0.6, "min": 0.5, "max": 0.7}
