@@ -41,7 +41,6 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,7 +106,8 @@ class NonFiniteGradientsError(TrainerError, RuntimeError):
 
 class Trackers(Protocol):
     """Experiment trackers (spec.logging; trainer/trackers.py builds them): per-step figures and
-    evaluation results, by trainer step."""
+    evaluation results, by trainer step. A tracker that fails is theirs to report (trainer/trackers.py
+    turns each failure into a warning); the loop calls them as they are."""
 
     def log_step(self, step: int, figures: dict[str, float]) -> None: ...
 
@@ -285,7 +285,7 @@ class Trainer:
             return await self._run()
         finally:
             if self.trackers is not None:
-                self._track("close", self.trackers.close)
+                self.trackers.close()
 
     async def _run(self) -> str:
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
@@ -587,7 +587,7 @@ class Trainer:
         else:
             line = metrics_line(step_record, record, dropped=st.dropped)
         if self.trackers is not None:
-            self._track("log_step", self.trackers.log_step, st.step, step_figures(line))
+            self.trackers.log_step(st.step, step_figures(line))
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
                  st.step, st.version, record["reward_mean"], record["loss"], record["staleness_mean"],
                  record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
@@ -625,7 +625,7 @@ class Trainer:
                      "%.1fs on %s", r.policy_version, step, r.reward_mean, r.pass_at_1, pass_at_k, r.prompts, r.k,
                      100 * r.on_version, r.seconds, r.engine_id or "?")
             if self.trackers is not None:
-                self._track("log_eval", self.trackers.log_eval, step, r)
+                self.trackers.log_eval(step, r)
         return new
 
     def _evaluated(self, version: int) -> bool:
@@ -667,13 +667,6 @@ class Trainer:
                 last_refresh = time.monotonic()
             await self.poll_evaluations()
         log.info("final policy version %d evaluated", version)
-
-    def _track(self, what: str, call: Callable[..., None], *args: Any) -> None:
-        """A tracker failing (a lost connection, a full disk) is logged; training goes on without it."""
-        try:
-            call(*args)
-        except Exception as exc:
-            log.warning("experiment tracker %s failed: %s", what, exc)
 
     async def commit(self) -> None:
         """Checkpoint (rank 0 writes; its window holds the groups trained since the last one), then
