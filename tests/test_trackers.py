@@ -166,7 +166,8 @@ def test_wandb_offline_run_holds_the_values_config_and_tags(tmp_path: Path, no_w
     assert trackers.names == ["wandb"]
     log_two_steps(trackers)
     [log_file] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    assert wandb_history(log_file) == EXPECTED
+    kinds = [r.WhichOneof("record_type") for r in wandb_records(log_file)]
+    assert wandb_history(log_file) == EXPECTED, f"{log_file.stat().st_size} bytes, records {kinds}"
     [run] = [r.run for r in wandb_records(log_file) if r.WhichOneof("record_type") == "run"][:1]
     assert (run.display_name, run.project, list(run.tags)) == (JOB, "asyncrl-test", ["ci", "eval"])
     config = {u.key: json.loads(u.value_json) for u in run.config.update}

@@ -308,7 +308,13 @@ class WandbBackend:
         self.run.log(values, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() only tells W&B's service process that the run is over; the service writes and closes the
+        # run's file afterwards. teardown() waits for that, so the run is on disk when close returns (an
+        # offline run read or synced right after, or a trainer killed right after, loses no step).
+        wandb.teardown()
 
 
 class MlflowBackend:
