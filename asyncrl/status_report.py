@@ -53,6 +53,8 @@ class EngineReport(_Report):
     url: str
     weight_version: int | None = None
     ready: bool = False
+    fenced: str = ""
+    """Why the trainer fenced this engine after a failed weight update ("" = not fenced)."""
 
 
 class OutageReport(_Report):
@@ -137,6 +139,25 @@ class EvalRecord(_Report):
     """Unix time the evaluation finished."""
 
 
+class AdmissionReport(_Report):
+    """The job's admission state (asyncrl/transport/admission.py) as the trainer last checked it."""
+
+    accepted: int = 0
+    """Groups counted as produced for training (minus those dropped or dead-lettered)."""
+    running: int = 0
+    """Live leases: groups being generated now."""
+    capacity: int = 0
+    """Groups that may start now."""
+    drift: int = 0
+    """The last check's drift not yet repaired (< 0: counted groups that exist nowhere)."""
+    drift_lost: int = 0
+    """Groups taken out of `accepted` by reconciliation since the job started."""
+    drift_found: int = 0
+    """Groups added to `accepted` by reconciliation since the job started."""
+    leases_returned: int = 0
+    """Leases of dead rollout workers returned by their replacements."""
+
+
 class TrainerReport(_Report):
     """What the trainer publishes about itself at `GET /status`."""
 
@@ -170,6 +191,11 @@ class TrainerReport(_Report):
     """Optimizer updates skipped since the job started because the gradient norm was not finite."""
     dead_lettered: int = 0
     """Trajectory groups moved to the dead-letter stream (undecodable or untrainable) by this trainer."""
+    recovered_entries: int = 0
+    """Stream entries this trainer re-read from its own pending list (a read reply it lost)."""
+    reclaimed_entries: int = 0
+    """Stream entries this trainer took over from a dead consumer's pending list."""
+    admission: AdmissionReport = Field(default_factory=AdmissionReport)
     proximal_seconds: float = 0.0
     step_seconds: float = 0.0
     weight_sync_seconds: float = 0.0

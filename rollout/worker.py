@@ -323,7 +323,15 @@ class RolloutWorker:
         """Graceful shutdown (SIGTERM): stop taking leases, release in-flight groups."""
         self._stop.set()
 
+    async def _return_leases(self) -> None:
+        """Release the leases a killed predecessor of the same name still holds (admission.py): its
+        groups died with it, and waiting for the leases to expire would hold their slots meanwhile."""
+        returned = await self.admission.release_holder(self.cfg.engine_id)
+        if returned:
+            log.warning("returned %d admission lease(s) held by a previous worker %s", returned, self.cfg.engine_id)
+
     async def run(self) -> WorkerStats:
+        await self._return_leases()
         await self._restore_cursor()
         await self._initial_version()
         side = [asyncio.create_task(self._heartbeat(), name="heartbeat"),

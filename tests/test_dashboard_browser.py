@@ -20,6 +20,7 @@ import pytest
 
 from asyncrl.health import Health
 from asyncrl.status_report import (
+    AdmissionReport,
     EngineReport,
     EvalRecord,
     ImportanceWeightReport,
@@ -88,6 +89,10 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         staleness=StalenessReport(mean=1.3, max=2, limit=2, dropped=3, histogram={"0": 20000, "1": 30000, "2": 11440}),
         clip_fraction=0.023,
         importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
+        dead_lettered=1,
+        recovered_entries=2,
+        reclaimed_entries=5,
+        admission=AdmissionReport(accepted=248, running=6, capacity=2, drift_lost=1, drift_found=0, leases_returned=3),
         proximal_seconds=3.1,
         step_seconds=26.4,
         weight_sync_seconds=0.8,
@@ -217,6 +222,11 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert (await page.text_content("#k-stale")) == "1.30 / 2"
     assert (await page.text_content("#k-tps")) == "78.8"
     assert "ready" in (await page.text_content("#engines")) and "not ready" in (await page.text_content("#engines"))
+    recovery = [[(await c.text_content()) for c in await row.locator("td").all()]
+                for row in await page.locator("#recovery tr").all()]
+    assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
+                        ["groups dead-lettered", "1"], ["entries recovered / reclaimed", "2 / 5"],
+                        ["admission drift repaired (lost / found)", "1 / 0"], ["dead workers' leases returned", "3"]]
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.health import Health
 from asyncrl.status_report import (
+    AdmissionReport,
     BehaviourReport,
     DegradedReport,
     EngineReport,
@@ -67,6 +68,10 @@ def make_report(steps: int = 30) -> TrainerReport:
                                   weight=ImportanceWeightReport(max=1.4, min=0.8, mean=1.0), ess=0.93, kl=0.004),
         skipped_updates=2,
         dead_lettered=1,
+        recovered_entries=3,
+        reclaimed_entries=6,
+        admission=AdmissionReport(accepted=70, running=5, capacity=3, drift=-1, drift_lost=2, drift_found=1,
+                                  leases_returned=4),
         proximal_seconds=0.5,
         step_seconds=5.0,
         weight_sync_seconds=0.2,
@@ -192,6 +197,12 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
     assert g("asyncrl_trainer_behaviour_kl") == 0.004
     assert g("asyncrl_trainer_skipped_updates_total") == 2
     assert g("asyncrl_trainer_dead_lettered_groups_total") == 1
+    assert [g("asyncrl_trainer_admission_groups", figure=f) for f in ("accepted", "running", "capacity", "drift")] \
+        == [70, 5, 3, -1]
+    assert g("asyncrl_trainer_admission_drift_repaired_groups_total", direction="lost") == 2
+    assert g("asyncrl_trainer_admission_drift_repaired_groups_total", direction="found") == 1
+    assert g("asyncrl_trainer_admission_leases_returned_total") == 4
+    assert (g("asyncrl_trainer_recovered_entries_total"), g("asyncrl_trainer_reclaimed_entries_total")) == (3, 6)
     assert g("asyncrl_trainer_proximal_seconds") == 0.5
     assert g("asyncrl_trainer_step_seconds") == 5.0
     assert g("asyncrl_trainer_weight_sync_seconds") == 0.2

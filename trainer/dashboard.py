@@ -145,6 +145,10 @@ DASHBOARD_HTML = r"""<!doctype html>
       <table class="kv"><tbody id="details"></tbody></table>
     </div>
     <div class="card">
+      <h2>Recovery</h2>
+      <table class="kv"><tbody id="recovery" data-testid="recovery"></tbody></table>
+    </div>
+    <div class="card">
       <h2>Rollout engines</h2>
       <table><thead><tr><th>engine</th><th>weights</th><th>lag</th><th>state</th></tr></thead>
       <tbody id="engines"></tbody></table>
@@ -312,6 +316,18 @@ function render(r) {
   ];
   const tb = $("details"); tb.textContent = "";
   for (const [k, v] of rows) { const tr = tb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
+
+  const adm = r.admission || {};
+  const recovery = [
+    ["admission accepted / running / free", `${adm.accepted ?? 0} / ${adm.running ?? 0} / ${adm.capacity ?? 0}`],
+    ["stale groups dropped", String(st.dropped ?? 0)],
+    ["groups dead-lettered", String(r.dead_lettered ?? 0)],
+    ["entries recovered / reclaimed", `${r.recovered_entries ?? 0} / ${r.reclaimed_entries ?? 0}`],
+    ["admission drift repaired (lost / found)", `${adm.drift_lost ?? 0} / ${adm.drift_found ?? 0}`],
+    ["dead workers' leases returned", String(adm.leases_returned ?? 0)],
+  ];
+  const rb = $("recovery"); rb.textContent = "";
+  for (const [k, v] of recovery) { const tr = rb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
 
   const eb = $("engines"); eb.textContent = "";
   if (!engines.length) { const c = eb.insertRow().insertCell(); c.colSpan = 4; c.textContent = "no rollout engines registered"; c.style.color = "var(--muted)"; }

@@ -19,6 +19,11 @@ a reply the client lost) and reclaims entries idle for `reclaim_idle_ms` in any 
 at eta=0, hold admission capacity that no producer gets back. Entries buffered or trained here are
 in flight in the consumer, so neither pass hands them out twice.
 
+Admission cannot leak (`reconcile`, asyncrl/transport/admission.py says how): the inbox counts the
+groups trained and acknowledged (`trained_acked`: the trainer sets it from its checkpoint on resume),
+which with the stream's length tells admission how many accepted groups still exist. A drift two
+checks in a row agree on is repaired and logged.
+
 With spec.evaluation, rank 0 also reads the held-out evaluation results (`EvalInbox`, over
 asyncrl/transport/evaluation.py's `EvalChannel`). It keeps no state across restarts: a new trainer
 reads the results stream from its start, and what an earlier life already handled (the restored
@@ -27,15 +32,18 @@ report's evaluations, the eval lines left in metrics.jsonl) is told apart from w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.status_report import EvalRecord
-from asyncrl.transport.admission import Admission, is_too_stale
+from asyncrl.transport.admission import Admission, Drift, is_too_stale
 from asyncrl.transport.streams import Delivery, TrajectoryConsumer
 from asyncrl.transport.wire import TrajectoryGroup
+
+log = logging.getLogger("asyncrl.trainer.inbox")
 
 
 @dataclass
@@ -71,6 +79,8 @@ class GroupInbox:
         self.buffer: list[Delivery] = []       # read, fresh, not yet trained (still pending in Redis)
         self.uncommitted: list[Delivery] = []  # trained since the last checkpoint (acked at the next one)
         self.dead_lettered = 0                 # entries the consumer dead-lettered (admission told)
+        self.trained_acked = 0                 # groups trained and acknowledged (gone from the stream)
+        self._drift = 0                        # the last check's unrepaired drift (repaired if the next agrees)
 
     async def drop_stale(self, version: int) -> int:
         """Drop buffered groups too old for `version`: admission frees their capacity, they are acked."""
@@ -124,6 +134,18 @@ class GroupInbox:
             self.dead_lettered += new
         return max(new, 0)
 
+    async def reconcile(self) -> Drift:
+        """Check admission's `accepted` against what exists; repair what the previous check saw too."""
+        check = await self.admission.reconcile(self.trained_acked, repair=self._drift)
+        if check.repaired:
+            log.warning("admission drift repaired: %+d group(s) in 'accepted' (%s)", check.repaired,
+                        "counted but neither in the stream nor trained: their capacity comes back"
+                        if check.repaired < 0 else "in the stream but never counted")
+        elif check.drift and not self._drift:
+            log.info("admission drift of %+d group(s) seen; repaired if the next check sees it too", check.drift)
+        self._drift = check.drift - check.repaired
+        return check
+
     async def ack_restored(self, group_ids: Iterable[str]) -> int:
         """On resume, before any read: acknowledge the groups the restored checkpoint trained in its
         window (pending if the last life was killed between its checkpoint and its ack), so they
@@ -136,6 +158,7 @@ class GroupInbox:
         if self.uncommitted:
             await self.consumer.ack(self.uncommitted)
         self.uncommitted = []
+        self.trained_acked += count
         return count
 
 

@@ -16,8 +16,8 @@ One step:
   5. rank 0 publishes version+1 (weights dir, event, engines paused/updated/resumed, admission),
      also after a step whose updates were all skipped (same weights, next version: the groups were
      consumed, and admission's budget grows with the version); non-finite weights are never
-     published: they end training (NonFiniteWeightsError), as do SYNC_FAILURES_BEFORE_FATAL failed
-     weight syncs in a row; either stops every rank;
+     published: they end training (NonFiniteWeightsError), which stops every rank; an engine whose
+     weight update fails is fenced and reported (weight_sync.py), training goes on;
   6. every K steps (and at the end) a checkpoint is written and only then are the groups trained
      since the previous checkpoint (its window) acknowledged; a resumed trainer first acknowledges
      the window of the checkpoint it resumed from, so a kill between a checkpoint and its ack
@@ -50,7 +50,7 @@ import torch
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import EngineReport, EvalRecord, StepRecord, TrainerReport
+from asyncrl.status_report import AdmissionReport, EngineReport, EvalRecord, StepRecord, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch, build_batch
 from asyncrl.trainer.checkpoint import (
@@ -87,7 +87,6 @@ FINAL_EVAL_POLL_S = 0.5
 # Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
 _SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
                            for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
-SYNC_FAILURES_BEFORE_FATAL = 3
 SUCCEEDED_REASON = "MaxStepsReached"
 """The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
 
@@ -269,7 +268,8 @@ class Trainer:
             log.warning("engine registry unavailable: %s", exc)
             return []
         with self._report_lock:  # weight_version: the trainer's record or the worker's newer observation
-            self.report.rollout = [EngineReport(url=i.url, weight_version=i.weight_version, ready=i.ready)
+            self.report.rollout = [EngineReport(url=i.url, weight_version=i.weight_version, ready=i.ready,
+                                                fenced=i.fenced)
                                    for i in infos]
         return infos
 
@@ -278,8 +278,8 @@ class Trainer:
     async def run(self) -> str:
         """Train until max_steps (-> "Succeeded") or a stop request (-> "Stopped").
 
-        A fatal TrainerError (non-finite weights, too many steps without a finite gradient, too many
-        failed weight syncs) propagates on every rank; the caller records the job as Failed
+        A fatal TrainerError (non-finite weights, too many steps without a finite gradient)
+        propagates on every rank; the caller records the job as Failed
         (trainer/main.py). The trackers are closed whichever way it ends."""
         try:
             return await self._run()
@@ -328,6 +328,8 @@ class Trainer:
         would otherwise be read and trained a second time. Then every rank starts a new window."""
         if self.ctx.is_main:
             truncate_trained_log(self.cfg.checkpoint_dir, self.state.step)
+            if self.inbox is not None:  # every group the checkpoint trained is acknowledged from here on
+                self.inbox.trained_acked = self.state.groups_trained
             if self.inbox is not None and self.state.window_group_ids:
                 acked = await self.inbox.ack_restored(self.state.window_group_ids)
                 if acked:
@@ -356,6 +358,8 @@ class Trainer:
         if self.stop_requested:
             return None
         await self.poll_evaluations()  # (each step; then every ENGINE_REFRESH_S while waiting)
+        await self.check_admission()   # (each step; then every pendingCheck while waiting)
+        last_check = time.monotonic()
         while True:
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
             batch = self.inbox.take_batch()
@@ -367,7 +371,24 @@ class Trainer:
                 await self.refresh_engines()
                 await self.poll_evaluations()
                 last_refresh = time.monotonic()
+            if time.monotonic() - last_check >= self.cfg.pending_check_s:
+                await self.check_admission()
+                last_check = time.monotonic()
             await self.inbox.read()
+
+    async def check_admission(self) -> None:
+        """Rank 0: reconcile admission's accounting (a leak would starve producers: inbox.reconcile)
+        and show the job's admission state in the report."""
+        assert self.inbox is not None and self.io is not None
+        check = await self.inbox.reconcile()
+        snap = await self.io.admission.snapshot()
+        stats = self.inbox.consumer.stats
+        with self._report_lock:
+            self.report.recovered_entries, self.report.reclaimed_entries = stats.recovered, stats.reclaimed
+            self.report.admission = AdmissionReport(
+                accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
+                drift=check.drift - check.repaired, drift_lost=snap.drift_lost, drift_found=snap.drift_found,
+                leases_returned=snap.leases_returned)
 
     def _count_dropped(self, count: int) -> None:
         if not count:
@@ -521,15 +542,19 @@ class Trainer:
                 try:
                     await update_engines(self.cfg.engine_kind, engines, path.resolve(), version,
                                          registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s)
-                    self._sync_failures = 0
-                except WeightSyncError as exc:
+                except WeightSyncError as exc:  # the failing engines are fenced: training goes on
                     self._sync_failures += 1
                     sync_error = str(exc)
-                    log.error("%s", exc)
-                    if self._sync_failures >= SYNC_FAILURES_BEFORE_FATAL:
-                        raise
+                    log.error("%s; fenced %s (retried by catch-up; %d failed sync(s) in this run)",
+                              exc, ", ".join(exc.fenced) or "none", self._sync_failures)
             await self.io.admission.set_version(version)
             engines = await self.refresh_engines(catch_up_engines=False)  # failed ones: at the next refresh
+            ready = [e for e in engines if e.ready]
+            if ready and all(e.fenced for e in ready):  # waits (no crash loop) and says so
+                sync_error = (f"all {len(ready)} ready engine(s) are fenced after failed weight updates; "
+                              f"rollout waits until catch-up loads version {version} into one: "
+                              + "; ".join(f"{e.url}: {e.fenced}" for e in ready))
+                log.error("%s", sync_error)
         keep = {e.weight_version for e in engines} - {None}  # versions engines still serve
         prune_weights(self.cfg.weights_dir, keep | {version - 1}, newest=version)
         seconds = time.perf_counter() - t0

@@ -98,6 +98,10 @@ class TrainerMetrics:
         self._dropped_seen = 0
         self._skipped_seen = 0
         self._dead_seen = 0
+        self._drift_seen = {"lost": 0, "found": 0}
+        self._leases_returned_seen = 0
+        self._recovered_seen = 0
+        self._reclaimed_seen = 0
 
         self.info = Info(f"{PREFIX}_job", "The job this trainer runs.", registry=r)
         self.phase = Enum(f"{PREFIX}_phase", "Trainer phase.", states=PHASES, registry=r)
@@ -127,6 +131,17 @@ class TrainerMetrics:
                                        registry=r)
         self.dead_lettered = Counter(f"{PREFIX}_dead_lettered_groups", "Groups moved to the dead-letter stream.",
                                      registry=r)
+        self.admission = gauge("admission_groups", "The job's admission state: accepted groups, running "
+                               "leases, free capacity, unrepaired drift.", ["figure"])
+        self.drift_repaired = Counter(f"{PREFIX}_admission_drift_repaired_groups", "Groups admission's "
+                                      "reconciliation took out of (lost) or added to (found) 'accepted'.",
+                                      ["direction"], registry=r)
+        self.recovered = Counter(f"{PREFIX}_recovered_entries", "Stream entries re-read from the trainer's own "
+                                 "pending list (a lost read reply).", registry=r)
+        self.reclaimed = Counter(f"{PREFIX}_reclaimed_entries", "Stream entries taken over from a dead "
+                                 "consumer's pending list.", registry=r)
+        self.leases_returned = Counter(f"{PREFIX}_admission_leases_returned", "Leases of dead rollout workers "
+                                       "returned by their replacements.", registry=r)
         self.proximal_seconds = gauge("proximal_seconds", "Proximal logprob time of the last step.")
         self.step_seconds = gauge("step_seconds", "Wall time of the last step.")
         self.weight_sync_seconds = gauge("weight_sync_seconds", "Weight publish+sync time of the last step.")
@@ -180,6 +195,7 @@ class TrainerMetrics:
             self.behaviour_kl.set(report.behaviour.kl)
             self._skipped_seen = _advance(self.skipped_updates, self._skipped_seen, report.skipped_updates)
             self._dead_seen = _advance(self.dead_lettered, self._dead_seen, report.dead_lettered)
+            self._set_admission(report)
             self.proximal_seconds.set(report.proximal_seconds)
             self.step_seconds.set(report.step_seconds)
             self.weight_sync_seconds.set(report.weight_sync_seconds)
@@ -191,6 +207,17 @@ class TrainerMetrics:
             self._set_degraded(report.degraded)
             self._set_evaluation(report.evaluations[-1] if report.evaluations else None)
             self.updated.set(report.updated_at)
+
+    def _set_admission(self, report: TrainerReport) -> None:
+        a = report.admission
+        for figure in ("accepted", "running", "capacity", "drift"):
+            self.admission.labels(figure=figure).set(getattr(a, figure))
+        for direction, total in (("lost", a.drift_lost), ("found", a.drift_found)):
+            self._drift_seen[direction] = _advance(self.drift_repaired.labels(direction=direction),
+                                                   self._drift_seen[direction], total)
+        self._leases_returned_seen = _advance(self.leases_returned, self._leases_returned_seen, a.leases_returned)
+        self._recovered_seen = _advance(self.recovered, self._recovered_seen, report.recovered_entries)
+        self._reclaimed_seen = _advance(self.reclaimed, self._reclaimed_seen, report.reclaimed_entries)
 
     def observe_step(self, record: StepRecord) -> None:
         """Record one finished step's durations (steps already seen are ignored)."""

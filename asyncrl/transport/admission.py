@@ -23,6 +23,19 @@ Accounting (all in the job's `admission` hash and `admission-leases` sorted set)
   bound never lets anyone produce. The same holds for groups the trainer dead-letters (undecodable
   or untrainable): `record_dead_lettered(n)` (counted apart, in `dead_lettered`).
 - eta = 0 is synchronous RL: only B groups per version can be produced.
+
+Nothing can leak for good (`reconcile`, run by the trainer at each step and while it waits): every
+accepted group is either still in the trajectory stream (undelivered, buffered or trained but not
+yet acked) or was trained and acked, so `accepted` must lie within
+`[trained_acked + XLEN - running, trained_acked + XLEN]` (the `running` slack: a producer XADDs
+before it releases its lease). Outside it, `accepted` has drifted: groups counted but gone (a write
+Redis lost, a dead letter or drop never reported) hold capacity that no producer gets back, which
+at eta = 0 deadlocks the job; groups published but never counted (a release lost past its retries)
+loosen the bound. A drift seen by two checks in a row is repaired (counted in `drift_lost` /
+`drift_found`); a one-off (a release landing between the two reads) never is.
+
+A restarted rollout worker keeps its name (the pod's), so `release_holder` at its start returns
+the leases its dead predecessor held at once; their expiry stays the backstop.
 """
 
 from __future__ import annotations
@@ -96,11 +109,49 @@ redis.call('HINCRBY', state, ARGV[2], n)
 return new
 """
 
-# -> {version, accepted, running, dropped, dead_lettered}
+# ARGV: holder -> leases of `holder` released (not accepted): those of a dead predecessor
+_RELEASE_HOLDER_LUA = _PROLOGUE + """
+local prefix = ARGV[1] .. '/'
+local n = 0
+for _, lease in ipairs(redis.call('ZRANGE', leases, 0, -1)) do
+  if string.sub(lease, 1, #prefix) == prefix then
+    redis.call('ZREM', leases, lease)
+    redis.call('ZADD', released, now, lease)
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('HINCRBY', state, 'leases_returned', n) end
+return n
+"""
+
+# KEYS[4]: the trajectory stream. ARGV: trained_acked, repair (signed; 0: only measure).
+# -> {drift, repaired}: drift < 0 accepted counts groups that exist nowhere, > 0 groups exist that
+# it does not count (beyond the running leases); `repair` moves accepted toward the band by at most
+# |repair|, only in the drift's direction.
+_RECONCILE_LUA = _PROLOGUE + """
+local running = redis.call('ZCARD', leases)
+local present = tonumber(ARGV[1]) + redis.call('XLEN', KEYS[4])
+local drift = 0
+if accepted > present then drift = present - accepted
+elseif accepted + running < present then drift = present - accepted - running end
+local repair = tonumber(ARGV[2])
+local applied = 0
+if drift < 0 and repair < 0 then applied = math.max(drift, repair)
+elseif drift > 0 and repair > 0 then applied = math.min(drift, repair) end
+if applied ~= 0 then
+  redis.call('HINCRBY', state, 'accepted', applied)
+  redis.call('HINCRBY', state, applied < 0 and 'drift_lost' or 'drift_found', math.abs(applied))
+end
+return {drift, applied}
+"""
+
+# -> {version, accepted, running, dropped, dead_lettered, drift_lost, drift_found, leases_returned}
 _SNAPSHOT_LUA = _PROLOGUE + """
-return {version, accepted, redis.call('ZCARD', leases),
-        tonumber(redis.call('HGET', state, 'dropped') or '0'),
-        tonumber(redis.call('HGET', state, 'dead_lettered') or '0')}
+local out = {version, accepted, redis.call('ZCARD', leases)}
+for _, field in ipairs({'dropped', 'dead_lettered', 'drift_lost', 'drift_found', 'leases_returned'}) do
+  table.insert(out, tonumber(redis.call('HGET', state, field) or '0'))
+end
+return out
 """
 
 
@@ -121,6 +172,20 @@ class AdmissionSnapshot:
     capacity: int
     dropped: int = 0
     dead_lettered: int = 0
+    drift_lost: int = 0
+    """Groups `reconcile` took out of `accepted`: counted, but neither in the stream nor trained."""
+    drift_found: int = 0
+    """Groups `reconcile` added to `accepted`: in the stream, but never counted."""
+    leases_returned: int = 0
+    """Leases of dead workers returned by their replacement (`release_holder`)."""
+
+
+@dataclass
+class Drift:
+    """One `reconcile` check: the drift measured and how much of it was repaired (signed)."""
+
+    drift: int
+    repaired: int
 
 
 class Admission:
@@ -140,11 +205,14 @@ class Admission:
         self.max_concurrent = max_concurrent
         self.lease_ms = max(int(lease_seconds * 1000), 1)
         self._keys = [names.admission, names.admission_leases, names.admission_released]
+        self._stream = names.trajectories
         self._acquire = redis.register_script(_ACQUIRE_LUA)
         self._release = redis.register_script(_RELEASE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
         self._dropped = redis.register_script(_DROPPED_LUA)
         self._snapshot = redis.register_script(_SNAPSHOT_LUA)
+        self._release_holder = redis.register_script(_RELEASE_HOLDER_LUA)
+        self._reconcile = redis.register_script(_RECONCILE_LUA)
 
     async def try_acquire(self, holder: str) -> str | None:
         """A lease id if a group may start now, else None. Safe to retry (idempotent)."""
@@ -174,6 +242,18 @@ class Admission:
         code = int(await self._release(keys=self._keys, args=[lease_id, "1" if accepted else "0"]))
         return code != 0
 
+    async def release_holder(self, holder: str) -> int:
+        """At a worker's start: release every lease still held under its name (its predecessor died
+        holding them; their groups were never published, or are counted by `reconcile`)."""
+        return int(await self._release_holder(keys=self._keys, args=[holder]))
+
+    async def reconcile(self, trained_acked: int, repair: int = 0) -> Drift:
+        """Trainer: measure how far `accepted` is from what the stream and `trained_acked` (groups
+        trained and acknowledged, so gone from the stream) say; move it back by at most `repair`
+        (signed, only in the drift's direction). The top of this module says when to repair."""
+        drift, applied = await self._reconcile(keys=[*self._keys, self._stream], args=[int(trained_acked), int(repair)])
+        return Drift(drift=int(drift), repaired=int(applied))
+
     async def set_version(self, v: int) -> None:
         """Trainer: the policy version is now `v` (admits B more groups per increment)."""
         await self.redis.hset(self.names.admission, "version", int(v))
@@ -197,12 +277,14 @@ class Admission:
 
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
-        version, accepted, running, dropped, dead = (int(x) for x in await self._snapshot(keys=self._keys, args=[]))
+        version, accepted, running, dropped, dead, lost, found, returned = (
+            int(x) for x in await self._snapshot(keys=self._keys, args=[]))
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
                                  max_head_offpolicyness=self.max_head_offpolicyness,
                                  max_concurrent=self.max_concurrent)
-        return AdmissionSnapshot(version=version, accepted=accepted, running=running,
-                                 capacity=max(cap, 0), dropped=dropped, dead_lettered=dead)
+        return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
+                                 dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
+                                 leases_returned=returned)
 
 
 def is_too_stale(group: TrajectoryGroup, current_version: int, max_head_offpolicyness: int) -> bool:
