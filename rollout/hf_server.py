@@ -13,11 +13,14 @@ Readiness is `GET /model_info`, as for SGLang (the rollout pod's readinessProbe 
 `/ready`, `/stats` and an answering `/get_weight_version` are asyncrl extras the pinned SGLang lacks
 (its `/get_weight_version` always answers 404): `/ready` is kept for the local runner's wait.
 `/health` answers 503 while paused, as the pin's token-generating `/health` would.
+`/model_info` also names the server's `incarnation` (a random id per server start, which the pin
+lacks): a rollout worker then knows for sure when its engine restarted (rollout/worker.py).
 """
 
 
 import argparse
 import time
+import uuid
 from typing import Any
 
 DEFAULT_PORT = 30000
@@ -157,10 +160,12 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
             msg += f" Weight version updated to {version}."
         return {"success": True, "message": msg, "num_paused_requests": 0}
 
+    incarnation = uuid.uuid4().hex  # this server's life: a restarted server has another one
+
     def info() -> dict[str, Any]:
         return {"model_path": engine.model_path, "tokenizer_path": model_name or engine.model_path,
                 "is_generation": True, "weight_version": str(engine.weight_version),
-                "preferred_sampling_params": None, "engine": "asyncrl-hf"}
+                "preferred_sampling_params": None, "engine": "asyncrl-hf", "incarnation": incarnation}
 
     app.get("/model_info")(info)
     app.get("/get_model_info")(info)

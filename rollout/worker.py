@@ -10,7 +10,10 @@ Read top to bottom:
                   publishes the whole group with one XADD, releases the lease as accepted. A group
                   whose sample keeps failing, or that fails the check, is dropped (lease released
                   unaccepted, counted, logged with the reason; its prompt is not retried), never
-                  published: a poison group would only be dead-lettered by the trainer.
+                  published: a poison group would only be dead-lettered by the trainer. A group
+                  interrupted by its engine going away (unreachable past `engine_outage_s`, or
+                  aborted again and again) is not the prompt's fault: its prompt is queued again
+                  and generated anew (counted as `requeued`), never marked done unanswered.
   _sample()       one completion as a sequence of segments: when the engine answers "abort" (the
                   trainer paused it to load new weights) the worker re-sends prompt + partial
                   output with max_new_tokens reduced; each segment's tokens carry the version of
@@ -19,8 +22,17 @@ Read top to bottom:
                   capped exponential backoff and jitter, for `engine_outage_s`: a transient
                   outage delays the group instead of dropping it.
   _segment_version() where that version comes from: the label the engine puts on its answer
-                  (SGLang, our hf server), or, for engines without one (vLLM), the trainer's record
-                  for this engine in the EngineRegistry, read before and after the segment.
+                  (SGLang, our hf server; "default" is the base model, version 0, see
+                  engines.base.label_version), or, for engines without one (vLLM), the trainer's
+                  record for this engine in the EngineRegistry, read before and after the segment,
+                  if that record describes the engine's current incarnation. Never a guess: a
+                  segment whose version cannot be named is discarded and generated again.
+  _wait_for_weights() the gate before every lease and segment: the worker generates only on an
+                  engine whose version is known and within the admission bound (policy version -
+                  engine version <= eta). A restarted engine (serving the base model, or weights
+                  nobody can name) is not used until the trainer's catch-up has loaded the current
+                  version into it (trainer/weight_sync.py); meanwhile the worker is Degraded
+                  (`degraded=engine-weights(...)`, logged) and counts the waits (`weight_waits`).
   _evaluator()    (only with `evaluation`, spec.evaluation) a side task serving the trainer's held-out
                   evaluation requests (asyncrl.transport.evaluation): claims one (its own unfinished
                   one first, then one a dead worker left, then a new one), answers the held-out
@@ -32,8 +44,13 @@ Read top to bottom:
                   sample's. A failed pass is logged and left pending, retried after a backoff (a
                   backoff longer than `takeover_ms` lets another worker take it over).
 The worker never pauses, updates or resumes its engine: the trainer alone does that, for every
-engine (trainer/weight_sync.py). The worker observes: the version channel (the policy version,
-for its log line), its engine's weight version (registered with each heartbeat).
+engine (trainer/weight_sync.py). The worker observes: the version channel (the policy version),
+its engine's weight version and label as the server reports them, and the server's incarnation
+(registered with each heartbeat). The incarnation is the server's own id when it reports one (our
+hf server), else minted here: anew at worker start, and whenever the server may have restarted
+(its label went back to "default" from a trained version, or it could not be reached and answers
+again). A false alarm costs one reload by the trainer; a missed restart cannot mislabel SGLang
+answers (they carry their label) and for vLLM is ruled out by the reconnect rule.
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
 unaccepted, cancel a running evaluation (its request stays pending: this worker after a restart,
 or another one after `takeover_ms`, serves it), remove the engine from the registry. The wait for
@@ -61,7 +78,14 @@ import numpy as np
 
 from asyncrl.health import HEALTH, Health, backoff_delay
 from asyncrl.rollout.datasets import PromptItem, PromptSource, ShardCursor
-from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams, parse_version
+from asyncrl.rollout.engines.base import (
+    LAUNCH_LABEL,
+    Engine,
+    EngineError,
+    GenerateResult,
+    SamplingParams,
+    label_version,
+)
 from asyncrl.rollout.evaluation import EvalSettings, evaluate
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.transport.admission import Admission
@@ -79,6 +103,8 @@ SIDE_TASK_STOP_S = 10.0
 
 CANCEL_AGAIN_S = 1.0
 """How often a stopping worker repeats the cancellation of a task that has not ended (see cancel_and_wait)."""
+WEIGHTS_POLL_S = 0.5
+"""How often a worker waiting for usable weights (_wait_for_weights) looks at its engine again."""
 UPDATE_POLL_S = 0.05
 """How often a segment for an engine without weight labels re-reads the trainer's record while the
 trainer is updating that engine."""
@@ -106,6 +132,18 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None =
             break
         _, pending = await asyncio.wait(pending, timeout=wait)
     return pending
+
+
+async def _all_or_none(coros: list[Any]) -> list[Any]:
+    """Like asyncio.gather, but the first failure cancels the others (an interrupted group's
+    remaining samples must not go on generating, holding request slots, for nothing)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def engine_unreachable(exc: BaseException) -> bool:
@@ -224,6 +262,13 @@ class WorkerStats:
     """Evaluation requests completed (results handed to the trainer)."""
     evaluations_failed: int = 0
     """Evaluation passes that failed (their request was left pending and tried again)."""
+    requeued: int = 0
+    """Groups interrupted by their engine going away: their prompt was queued again, not dropped."""
+    weight_waits: int = 0
+    """Times the worker stopped generating because its engine's weights were unknown or beyond
+    the admission bound (a restarted engine), until the trainer's catch-up loaded current ones."""
+    restarts_seen: int = 0
+    """Engine incarnations after the first one (restarts seen, or suspected)."""
     started: float = field(default_factory=time.monotonic)
 
     def tokens_per_second(self) -> float:
@@ -239,7 +284,12 @@ class _Sample:
 
 
 class _Dropped(Exception):
-    """A sample failed past its retry budget: the group is dropped."""
+    """A sample failed past its retry budget: the group is dropped (`retry`: its prompt is queued
+    again, as the failure was the engine's, not the prompt's)."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 class _RegistryUnavailable(Exception):
@@ -306,7 +356,18 @@ class RolloutWorker:
         self.version = 0
         """The newest policy version on the version channel (observed; the worker updates nothing)."""
         self.engine_version: int | None = None
-        """The engine's weight version as last observed (its label, or the trainer's record)."""
+        """The engine's weight version as last observed (its label, or the trainer's record); None: unknown."""
+        self.engine_label: str | None = None
+        """The engine's weight label exactly as the server last reported it (None: it reports none)."""
+        self.incarnation = uuid.uuid4().hex
+        """The engine server's life as far as this worker knows (see the module docstring)."""
+        self._engine_lost = False
+        """The engine could not be reached since the last observation: it may have restarted."""
+        self._named_incarnation = False
+        """Whether `incarnation` is the server's own id (our hf server), not one minted here."""
+        self._weights_lock = asyncio.Lock()
+        self._requeued: list[tuple[int, int]] = []
+        """(local index, dataset position) of interrupted groups, taken again before new prompts."""
         self.labelled = engine.reports_weight_version
         self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
         self._group_slots = asyncio.Semaphore(max(1, math.ceil(cfg.max_concurrent_requests / cfg.group_size)))
@@ -344,17 +405,23 @@ class RolloutWorker:
             while not self._stop.is_set() and (self.cfg.max_groups is None or started < self.cfg.max_groups):
                 if not await self._wait_or_stop(self._group_slots.acquire()):
                     break
+                if not await self._wait_or_stop(self._weights_before_lease()):
+                    self._group_slots.release()
+                    break
                 lease = await self._wait_or_stop(self.admission.acquire(self.cfg.engine_id))
                 if lease is None:
                     self._group_slots.release()
                     break
+                again = bool(self._requeued)  # (an interrupted group's prompt: not a new start)
                 local, position = await self._take_position()
                 task = asyncio.create_task(self._run_group(lease, local, position), name=f"group-{local}")
                 self._groups.add(task)
                 task.add_done_callback(self._groups.discard)
-                started += 1
-            if not self._stop.is_set() and self._groups:
+                started += 0 if again else 1
+            while not self._stop.is_set() and self._groups:  # (an interrupted one may be queued again)
                 await self._wait_or_stop(asyncio.gather(*list(self._groups), return_exceptions=True))
+                if self._requeued and not self._stop.is_set():
+                    await self._run_requeued()
         finally:
             for task in list(self._groups):
                 task.cancel()
@@ -376,6 +443,20 @@ class RolloutWorker:
                 self.evaluation.scorer.close()
             log.info("rollout worker stopped: %s", self.summary())
         return self.stats
+
+    async def _run_requeued(self) -> None:
+        """After the last new group (max_groups): start the interrupted groups' prompts again."""
+        while self._requeued and not self._stop.is_set():
+            if not await self._wait_or_stop(self._group_slots.acquire()):
+                return
+            lease = await self._wait_or_stop(self.admission.acquire(self.cfg.engine_id))
+            if lease is None:
+                self._group_slots.release()
+                return
+            local, position = self._requeued.pop(0)
+            task = asyncio.create_task(self._run_group(lease, local, position), name=f"group-{local}")
+            self._groups.add(task)
+            task.add_done_callback(self._groups.discard)
 
     async def _wait_or_stop(self, aw: Any) -> Any:
         """Await `aw` unless stop() is called first (then cancel it and return None)."""
@@ -400,15 +481,21 @@ class RolloutWorker:
     # ------------------------------------------------------------------ one group
 
     async def _run_group(self, lease: str, local: int, position: int) -> None:
-        published = False
+        published = requeued = False
         renew = asyncio.create_task(self._renew(lease))
         try:
             item = self.source.item(position)
             prompt_ids = self.render(item.question)
             created = time.time()
             try:
-                samples = await asyncio.gather(*[self._sample(prompt_ids) for _ in range(self.cfg.group_size)])
+                samples = await _all_or_none([self._sample(prompt_ids) for _ in range(self.cfg.group_size)])
             except _Dropped as exc:
+                if exc.retry:
+                    requeued = True
+                    self.stats.requeued += 1
+                    self._requeued.append((local, position))
+                    log.warning("group for prompt %s interrupted, its prompt is queued again: %s", item.prompt_id, exc)
+                    return
                 self.stats.groups_dropped += 1
                 log.warning("dropped group for prompt %s: %s", item.prompt_id, exc)
                 return
@@ -440,7 +527,7 @@ class RolloutWorker:
             except Exception as exc:  # an expired lease or Redis down: admission recovers by expiry
                 log.warning("could not release lease %s: %s", lease, exc)
             self._group_slots.release()
-            if published or not self._stop.is_set():
+            if published or not (self._stop.is_set() or requeued):
                 self._mark_done(local)
 
     async def _renew(self, lease: str) -> None:
@@ -466,6 +553,7 @@ class RolloutWorker:
                 return _Sample(ids, lps, vers, "length")
             params = replace(self.cfg.sampling, max_new_tokens=remaining)
             try:
+                await self._wait_for_weights()
                 before = None if self.labelled else await self._settled_record()
                 async with self._slots:
                     self.stats.requests += 1
@@ -475,9 +563,11 @@ class RolloutWorker:
                 await self._after_error(exc, tries)
                 continue
             self._reached(tries)
-            if version is None:  # unlabelled engine, weights unknown: generate the segment again
+            if not self._usable(version):  # weights unknown, or too old (a restarted engine): again
                 self.stats.discarded += 1
+                self._saw_unusable(version)
                 continue
+            assert version is not None  # (_usable)
             ids += result.output_ids
             lps += result.logprobs
             vers += [version] * len(result.output_ids)
@@ -488,7 +578,7 @@ class RolloutWorker:
                 raise asyncio.CancelledError
             stalled = 0 if result.output_ids else stalled + 1
             if stalled > self.cfg.max_retries + 5:  # aborted again and again with no progress
-                raise _Dropped(f"aborted {stalled} times in a row without progress")
+                raise _Dropped(f"aborted {stalled} times in a row without progress", retry=True)
 
     async def _after_error(self, exc: EngineError | _RegistryUnavailable, tries: _Tries) -> None:
         """Wait before a failed request is sent again, or raise _Dropped past its budget: an
@@ -496,6 +586,7 @@ class RolloutWorker:
         errors are retried `max_retries` times (none for an error the same request would hit again)."""
         self.stats.request_errors += 1
         if engine_unreachable(exc):
+            self._engine_lost = True  # it may come back as a new incarnation (on other weights)
             now = time.monotonic()
             tries.unreachable_since = now if tries.unreachable_since is None else tries.unreachable_since
             self.health.failing("engine", self.engine.url, exc, self.cfg.engine_outage_s)
@@ -505,7 +596,7 @@ class RolloutWorker:
                 await asyncio.sleep(delay)
                 return
             raise _Dropped(f"engine unreachable for {now - tries.unreachable_since:.0f}s "
-                           f"(engine_outage_s={self.cfg.engine_outage_s:.0f}): {exc}") from exc
+                           f"(engine_outage_s={self.cfg.engine_outage_s:.0f}): {exc}", retry=True) from exc
         tries.failures += 1
         if (isinstance(exc, EngineError) and not exc.retryable) or tries.failures > self.cfg.max_retries:
             raise _Dropped(f"engine failed {tries.failures} time(s): {exc}") from exc
@@ -606,6 +697,7 @@ class RolloutWorker:
         tries = _Tries()
         while True:
             try:
+                await self._wait_for_weights()
                 before = None if self.labelled else await self._settled_record()
                 result = await self.engine.generate(input_ids, params)
                 version = await self._segment_version(result, before)
@@ -613,9 +705,10 @@ class RolloutWorker:
                 await self._after_error(exc, tries)
                 continue
             self._reached(tries)
-            if version is not None:
+            if self._usable(version):
                 return replace(result, weight_version=version)
             self.stats.discarded += 1
+            self._saw_unusable(version)
 
     # ------------------------------------------------------------------ observing weight versions
 
@@ -627,12 +720,12 @@ class RolloutWorker:
         before the request (`before`, waited until no update was in progress) and again now. Every
         update pauses with abort, so if no update began meanwhile, or exactly one began and cut this
         segment short, the segment ran on `before`'s weights. Otherwise it may have waited in the
-        paused server and run on the new weights: unknown."""
+        paused server and run on the new weights: unknown. So is a record of another incarnation."""
         if before is None:
-            return result.weight_version if result.weight_version is not None else 0
+            return result.weight_version  # the adapter read "default" as 0 (label_version); None: unknown
         after = await self._record()
         if after.epoch == before.epoch or (after.epoch == before.epoch + 1 and result.finish_reason == "abort"):
-            return before.label
+            return before.label_for(self.incarnation)
         return None
 
     async def _record(self) -> EngineWeights:
@@ -654,12 +747,84 @@ class RolloutWorker:
         return rec
 
     async def _observe_engine(self) -> None:
-        """Refresh `engine_version`: the engine's own label, or the trainer's record."""
-        if self.labelled:
-            version = parse_version((await self.engine.model_info()).get("weight_version"))
-            self.engine_version = version if version is not None else 0
-        else:
-            self.engine_version = (await self._record()).label
+        """Refresh `incarnation`, `engine_label` and `engine_version`: the engine's own label, or
+        the trainer's record when it describes this incarnation (else unknown, None)."""
+        lost, self._engine_lost = self._engine_lost, False
+        try:
+            if self.labelled:
+                info = await self.engine.model_info()
+                raw = info.get("weight_version")
+                label = None if raw is None else str(raw)
+                version = label_version(label)
+                served = info.get("incarnation")
+                if served:  # the server names its life itself
+                    if self._named_incarnation and served != self.incarnation:
+                        self._new_incarnation(str(served), "the server reports a new incarnation")
+                    self.incarnation, self._named_incarnation = str(served), True
+                elif lost or (label == LAUNCH_LABEL and self.engine_label not in (None, LAUNCH_LABEL)):
+                    self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
+                                          if not lost else "it was unreachable")
+                self.engine_label, self.engine_version = label, version
+            else:
+                if lost:
+                    self._new_incarnation(uuid.uuid4().hex, "it was unreachable")
+                self.engine_label = None
+                self.engine_version = (await self._record()).label_for(self.incarnation)
+        except BaseException:
+            self._engine_lost = self._engine_lost or lost
+            raise
+
+    def _new_incarnation(self, incarnation: str, why: str) -> None:
+        self.stats.restarts_seen += 1
+        self.incarnation = incarnation
+        log.warning("engine %s may have restarted (%s): its weights are unknown until the trainer's catch-up "
+                    "loads the current version (new incarnation %s)", self.engine.url, why, incarnation[:8])
+
+    def _usable(self, version: int | None) -> bool:
+        """Whether tokens of weights `version` may be generated: known, and within the admission
+        bound of the current policy version (older ones would only be dropped by the trainer)."""
+        return version is not None and self.version - version <= self.admission.max_head_offpolicyness
+
+    def _saw_unusable(self, version: int | None) -> None:
+        """An answer came from weights the worker must not use: stop until they are replaced."""
+        self.engine_version = version
+
+    async def _wait_for_weights(self) -> bool:
+        """Return once the engine serves usable weights (`_usable`); until then the worker is
+        Degraded and looks again every WEIGHTS_POLL_S (one waiter polls, the others wait on it).
+        An engine that cannot be asked raises (EngineError: the caller's outage handling applies)."""
+        if self._usable(self.engine_version) and not self._engine_lost:
+            return True
+        async with self._weights_lock:
+            counted = False
+            while True:
+                await self._observe_engine()
+                if self._usable(self.engine_version):
+                    break
+                if not counted:
+                    counted = True
+                    self.stats.weight_waits += 1
+                serves = "unknown weights" if self.engine_version is None else f"v{self.engine_version}"
+                self.health.failing("engine-weights", self.engine.url,
+                                    f"engine serves {serves} (label {self.engine_label!r}), policy v{self.version}, "
+                                    f"eta {self.admission.max_head_offpolicyness}: waiting for the trainer's catch-up",
+                                    self.cfg.engine_outage_s)
+                await asyncio.sleep(WEIGHTS_POLL_S)
+        self.health.recovered("engine-weights", self.engine.url)
+        return True
+
+    async def _weights_before_lease(self) -> bool:
+        """The gate before a lease is taken: usable weights, waiting out an unreachable engine
+        (no lease is held meanwhile, so there is no window to give up after)."""
+        failures = 0
+        while True:
+            try:
+                return await self._wait_for_weights()
+            except (EngineError, _RegistryUnavailable) as exc:
+                failures += 1
+                self._engine_lost = True
+                self.health.failing("engine", self.engine.url, exc, self.cfg.engine_outage_s)
+                await asyncio.sleep(backoff_delay(failures, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s))
 
     async def _initial_version(self) -> None:
         try:
@@ -696,13 +861,16 @@ class RolloutWorker:
                 ready = await self.engine.ready()
                 if ready:
                     self.health.recovered("engine", self.engine.url)
+                else:
+                    self._engine_lost = True  # (not ready: starting, or gone; it may come back restarted)
                 try:
                     await self._observe_engine()
                 except (EngineError, _RegistryUnavailable) as exc:
                     log.warning("could not read the engine's weight version: %s", exc)
                 await self.registry.register(EngineInfo(
                     engine_id=self.cfg.engine_id, url=self.cfg.engine_url or self.engine.url,
-                    weight_version=self.engine_version, ready=ready, heartbeat=observed))
+                    weight_version=self.engine_version, ready=ready, heartbeat=observed,
+                    incarnation=self.incarnation, label=self.engine_label))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -712,8 +880,11 @@ class RolloutWorker:
     # ------------------------------------------------------------------ cursor and progress
 
     async def _take_position(self) -> tuple[int, int]:
-        """(local index, dataset position) of the next prompt. The shared cursor is one atomic INCR:
-        every position goes to exactly one worker, and the counter survives worker restarts."""
+        """(local index, dataset position) of the next prompt: an interrupted group's first. The
+        shared cursor is one atomic INCR: every position goes to exactly one worker, and the
+        counter survives worker restarts."""
+        if self._requeued:
+            return self._requeued.pop(0)
         if self.shared_cursor:
             position = int(await self.redis.incr(self.cursor_key)) - 1
             return position, position
@@ -752,7 +923,8 @@ class RolloutWorker:
         s = self.stats
         return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={self.version} engine_version={self.engine_version} "
-                f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} "
+                f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} requeued={s.requeued} "
+                f"weight_waits={s.weight_waits} restarts={s.restarts_seen} "
                 f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)} "
                 f"{self._eval_summary()}degraded={self.health.summary()}")
 

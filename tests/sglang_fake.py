@@ -22,6 +22,17 @@ field layout of the pinned release, written from reading these upstream files (n
     an aborted request answers with its partial output and finish_reason {"type": "abort", ...}.
   - python/sglang/srt/managers/schedule_batch.py: finish reasons {"type": "stop", "matched": id},
     {"type": "length", "length": n}, {"type": "abort", "message": ...}.
+  - the server's state, as TokenizerManager (0.5.x) keeps it: `server_args.weight_version` starts
+    as "default" (ServerArgs' default) in every new process, so `restart()` brings the label back to
+    "default" and the launch model; `pause_generation` runs under `is_pause_cond`, so pauses,
+    continues and the weight-update check of the pause serialise (an abort-mode pause returns only
+    once no request is running; the pin polls every 1 s, the fake every PAUSE_POLL_S);
+    `update_weights_from_disk` takes the model-update writer lock only when not paused (it waits
+    for running requests), and while paused takes no lock: the update's reply then goes to a
+    single `model_update_result` future that the latest update overwrites, so of two updates
+    that overlap during a pause, the earlier caller never gets an answer (it hangs until its
+    client gives up) and the later one reads whichever reply arrives first. `update_delay`
+    (seconds a load takes) makes updates long enough to overlap.
 
 At least as strict as the pin (tests/test_sglang_routes.py checks this against the pinned source):
 every route is one the pin has, with only methods the pin allows (any other path is 404, another
@@ -33,7 +44,10 @@ Deterministic "model": token i of a response is `(sum(prompt) + 7 * i) % 1000 + 
 `-0.01 * (i + 1) - version`, so tests can check which weights produced each token. Knobs:
 `token_delay` (seconds per token), `fail_next` (answer the next N /generate with HTTP 500),
 `eos_after` (emit the stop token after N tokens), `health_timeout` (how long /health waits for a
-token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s). Tests poll `fake.state`
+token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s), `update_delay`.
+`stop()` takes the server down gracefully, `kill()` abruptly (requests in flight get no answer), and
+`restart()` brings up a new process's state on the same port (label "default", not paused; the
+knobs are kept). Tests poll `fake.state`
 directly (the server runs in a thread of the test process); `state.control_calls` records pause /
 update / continue in the order they arrived.
 """
@@ -51,6 +65,8 @@ from asyncrl.net import free_port
 STOP_TOKEN = 2
 SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"})
 """The sampling parameters the fake accepts (the adapter's): a subset of the pin's SamplingParams.__init__."""
+PAUSE_POLL_S = 0.01
+"""How often an abort-mode pause checks that no request runs any more (the pin: 1 s)."""
 WEIGHT_VERSION_DEPRECATED = ("Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
                              "Please use '/model_info' instead.")
 
@@ -64,6 +80,9 @@ class FakeState:
     fail_next: int = 0
     eos_after: int | None = None
     health_timeout: float = 0.5
+    update_delay: float = 0.0
+    updates_unanswered: int = 0
+    """Updates whose caller never got an answer (overlapping updates during a pause, as in the pin)."""
     tokens_generated: int = 0
     running: int = 0
     requests: int = 0
@@ -124,6 +143,9 @@ def create_app(state: FakeState) -> Any:
                                 "/update_weights_from_disk": UpdateWeightFromDiskReqInput}
     resume = asyncio.Event()
     abort_epoch = {"n": 0}
+    pause_cond = asyncio.Lock()  # the pin's is_pause_cond
+    update_lock = asyncio.Lock()  # the pin's model_update_lock.writer_lock (requests are its readers)
+    update_result: dict[str, asyncio.Future | None] = {"future": None}  # the pin's model_update_result
 
     def err(message: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message}}, status_code=400)
@@ -210,34 +232,77 @@ def create_app(state: FakeState) -> Any:
     @app.post("/pause_generation")
     async def pause_generation(obj: PauseGenerationReqInput) -> Any:
         mode = obj.mode
-        state.pause_calls.append(mode)
-        state.control_calls.append(f"pause:{mode}")
-        state.paused = mode
-        resume.clear()
-        if mode == "abort":
-            abort_epoch["n"] += 1
+        async with pause_cond:
+            state.pause_calls.append(mode)
+            state.control_calls.append(f"pause:{mode}")
+            state.paused = mode
+            resume.clear()
+            if mode == "abort":
+                abort_epoch["n"] += 1
+                while state.running:  # (the pin: until the update lock has no reader left)
+                    await asyncio.sleep(PAUSE_POLL_S)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation(obj: ContinueGenerationReqInput) -> Any:
-        state.control_calls.append("continue")
-        state.paused = None
-        resume.set()
+        async with pause_cond:
+            state.control_calls.append("continue")
+            state.paused = None
+            resume.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def load(obj: UpdateWeightFromDiskReqInput) -> dict[str, Any]:
+        """The scheduler's side: load the directory, answer the newest waiting future."""
+        if state.update_delay:
+            await asyncio.sleep(state.update_delay)
+        if obj.model_path.startswith("/nonexistent"):
+            return {"success": False, "num_paused_requests": 0,
+                    "message": f"Failed to get weights iterator: {obj.model_path} not found."}
+        state.model_path = obj.model_path
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0,
+                "weight_version": obj.weight_version}
+
+    async def wait_for_update(obj: UpdateWeightFromDiskReqInput) -> dict[str, Any]:
+        """The pin's _wait_for_model_update_from_disk: one future slot, the newest caller's."""
+        loop = asyncio.get_running_loop()
+        mine: asyncio.Future = loop.create_future()
+        previous, update_result["future"] = update_result["future"], mine
+        if previous is not None and not previous.done():
+            state.updates_unanswered += 1  # its reply will land in `mine`; it waits forever
+
+        async def scheduler() -> None:
+            reply = await load(obj)
+            target = update_result["future"]
+            if target is not None and not target.done():
+                target.set_result(reply)
+
+        task = asyncio.ensure_future(scheduler())
+        try:
+            return await mine
+        finally:
+            if update_result["future"] is mine:
+                update_result["future"] = None
+            del task
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(obj: UpdateWeightFromDiskReqInput) -> Any:
         state.update_calls.append(obj.model_dump())
         state.control_calls.append(f"update:{obj.weight_version}")
-        if obj.model_path.startswith("/nonexistent"):
-            return JSONResponse({"success": False, "num_paused_requests": 0,
-                                 "message": f"Failed to get weights iterator: {obj.model_path} not found."},
-                                status_code=400)
         if obj.abort_all_requests:
             abort_epoch["n"] += 1
-        state.model_path = obj.model_path
-        message = "Succeeded to update model weights."
-        if obj.weight_version is not None:
+        async with pause_cond:
+            paused = state.paused is not None
+        if paused:  # no lock: overlapping updates race for the one result future
+            reply = await wait_for_update(obj)
+        else:  # the writer lock: after running requests, one update at a time
+            async with update_lock:
+                while state.running:
+                    await asyncio.sleep(PAUSE_POLL_S)
+                reply = await wait_for_update(obj)
+        if not reply["success"]:
+            return JSONResponse({k: v for k, v in reply.items() if k != "weight_version"}, status_code=400)
+        message = reply["message"]
+        if obj.weight_version is not None:  # (the pin labels with its own request's version)
             state.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": 0}
@@ -299,5 +364,24 @@ class ServerThread:
 
 class FakeSGLang(ServerThread):
     def __init__(self, **knobs: Any):
+        self.knobs = knobs
         self.state = FakeState(**knobs)
+        self.restarts = 0
         super().__init__(create_app(self.state))
+
+    def kill(self) -> None:
+        """Go down like a killed process: requests in flight get no answer (connection closed)."""
+        self.server.force_exit = True
+        self.stop()
+
+    def restart(self) -> "FakeSGLang":
+        """A new server process on the same port (killed first if it runs): fresh state, so the
+        label is "default" again and the launch model is served; knobs such as token_delay stay."""
+        if self.thread.is_alive():
+            self.kill()
+        knobs = {k: getattr(self.state, k) for k in ("token_delay", "eos_after", "health_timeout", "update_delay")}
+        self.state = FakeState(**{**self.knobs, **knobs})
+        self.restarts += 1
+        ServerThread.__init__(self, create_app(self.state), port=self.port)
+        self.start()
+        return self

@@ -24,6 +24,7 @@ from trainer_support import (
 )
 
 from asyncrl.local_redis import LocalRedis
+from asyncrl.transport.streams import trained_ids
 
 JOB = "t-resume"
 
@@ -75,7 +76,7 @@ def _redis_state(url: str) -> tuple[set[str], int, int]:
     names = StreamNames.for_job(JOB)
 
     async def q(r):
-        trained = {x.decode() for x in await r.smembers(names.trained)}
+        trained = await trained_ids(r, names)
         pending = (await r.xpending(names.trajectories, names.consumer_group))["pending"]
         return trained, pending, await r.xlen(names.trajectories)
 

@@ -42,6 +42,7 @@ from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
+from asyncrl.transport.streams import trained_ids
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -302,8 +303,7 @@ async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
     names = StreamNames.for_job(job, job_obj["metadata"]["uid"])
     client = await connect(f"redis://:{secret['stringData']['password']}@127.0.0.1:{port}/0", timeout=10)
     try:
-        members: Any = await client.smembers(names.trained)  # bytes: the client decodes nothing
-        return {"trained": {x.decode() for x in members},
+        return {"trained": await trained_ids(client, names),
                 "pending": (await client.xpending(names.trajectories, names.consumer_group))["pending"],
                 "versions": await client.xlen(names.versions),
                 "outcome": await read_outcome_redis(client, names)}

@@ -17,6 +17,8 @@ import pytest
 import torch
 from trainer_support import chat_groups, make_job, model_and_tokenizer, publish, redis_query, tiny_model
 
+from asyncrl.transport.streams import trained_ids
+
 JOB = "t-window"
 BATCH, INTERVAL, STEPS = 2, 2, 4
 
@@ -58,7 +60,7 @@ def _redis_trained(redis_url: str) -> tuple[set[str], int]:
     names = StreamNames.for_job(JOB)
 
     async def q(r: Any) -> tuple[set[str], int]:
-        trained = {x.decode() for x in await r.smembers(names.trained)}
+        trained = await trained_ids(r, names)
         return trained, (await r.xpending(names.trajectories, names.consumer_group))["pending"]
 
     return redis_query(redis_url, q)
@@ -195,7 +197,7 @@ async def test_ack_committed_acks_the_restored_window_and_marks_it_trained(trans
 
     restarted = TrajectoryConsumer(r, names, "trainer-0")
     assert await restarted.ack_committed(["w1", "w2", "w3"]) == 2  # its own pending w1 and w2
-    assert {x.decode() for x in await r.smembers(names.trained)} == {"w1", "w2", "w3"}
+    assert await trained_ids(r, names) == {"w1", "w2", "w3"}
     assert await restarted.ack_committed(["w1", "w2", "w3"]) == 0  # idempotent (a kill mid-resume)
     # Only x is left to train: the copy of w1, and w3 reclaimed from the other name, are trained.
     assert [d.group.group_id for d in await restarted.read(10, 100)] == ["x"]
@@ -241,7 +243,7 @@ async def test_a_lost_read_reply_is_recovered_and_trained_exactly_once(transport
         await inbox.ack_trained()
     assert sorted(trained) == ["a", "b", "c", "d"]
     assert consumer.stats.recovered == 1 and consumer.stats.acked_already_trained == 0
-    assert {x.decode() for x in await r.smembers(names.trained)} == {"a", "b", "c", "d"}
+    assert await trained_ids(r, names) == {"a", "b", "c", "d"}
     assert await consumer.pending_count() == 0 and await r.xlen(names.trajectories) == 0
 
 

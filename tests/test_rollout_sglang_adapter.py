@@ -61,7 +61,8 @@ async def test_generate_reads_logprobs_tokens_and_version(server):
             assert result.output_ids == [fake_token(PROMPT, i) for i in range(8)]
             assert result.logprobs == pytest.approx([fake_logprob(i, "default") for i in range(8)])
             assert result.finish_reason == "length"
-            assert result.weight_version is None  # "default" is not one of our integer labels
+            # "default" labels the weights the server was launched with: the base model, version 0
+            assert result.weight_version == 0 and result.meta["weight_label"] == "default"
             assert fake.state.generate_calls[-1] == {"input_ids": PROMPT, "max_new_tokens": 8}
     finally:
         await engine.close()

@@ -13,7 +13,7 @@ from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, cursor_key
-from asyncrl.trainer.weight_sync import update_engines
+from asyncrl.trainer.weight_sync import catch_up, update_engines
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
@@ -249,16 +249,30 @@ async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_work
 
 
 @pytest.mark.parametrize("engine_label", ["3", "default"])
-async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(env, engine_label):
-    """A version event is only observed: tokens carry the engine's label (an engine the trainer has
-    not updated yet still serves its initial weights, version 0)."""
+async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(env, engine_label, tmp_path):
+    """A version event is only observed: tokens carry the engine's label. An engine the trainer
+    has not updated yet serves its launch weights ("default": version 0); at policy version 3
+    and eta 1 those are beyond the admission bound, so the worker generates nothing on them and
+    waits for the trainer's catch-up (trainer/weight_sync.py) to load version 3."""
     redis, fake, names = env
     fake.state.weight_version = engine_label
     await VersionChannel(redis, names).publish(VersionEvent(version=3, weights_path="/w/v3", time=time.time()))
     worker = make_worker(redis, fake, names, n=1, max_new=3, max_groups=1)
-    await asyncio.wait_for(worker.run(), 30)
+    run = asyncio.create_task(worker.run())
+    if engine_label == "default":
+        registry = EngineRegistry(redis, names)
+
+        async def waiting():
+            return worker.stats.weight_waits >= 1 and [e.label for e in await registry.list()] == ["default"]
+
+        await poll(waiting, what="the worker waiting for current weights")
+        assert fake.state.generate_calls == [] and worker.health.is_failing("engine-weights", fake.url)
+        (tmp_path / "v3").mkdir()
+        assert await catch_up("sglang", registry, tmp_path / "v3", 3, timeout_s=10) == [fake.url]
+    await asyncio.wait_for(run, 30)
     [group] = await published(redis, names)
-    expected = 3 if engine_label == "3" else 0
-    assert list(group.samples[0].versions) == [expected] * 3
-    assert worker.version == 3 and worker.engine_version == expected
-    assert fake.state.control_calls == [] and fake.state.update_calls == []
+    assert list(group.samples[0].versions) == [3] * 3
+    assert worker.version == 3 and worker.engine_version == 3
+    assert not worker.health.is_failing("engine-weights", fake.url)
+    if engine_label == "3":
+        assert fake.state.control_calls == [] and fake.state.update_calls == []

@@ -18,6 +18,7 @@ from trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
+from asyncrl.transport.streams import trained_ids
 
 ETA = 1
 
@@ -91,7 +92,7 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
     names = StreamNames.for_job("t-run")
     with LocalRedis(run_dir / "redis") as redis:
         async def q(r):
-            trained = {x.decode() for x in await r.smembers(names.trained)}
+            trained = await trained_ids(r, names)
             consumers = await r.xinfo_consumers(names.trajectories, names.consumer_group)
             pending = {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c["pending"]
                        for c in consumers}

@@ -151,7 +151,7 @@ async def test_status_serves_the_report_document(client: httpx.AsyncClient, box:
     assert set(body["importance_weight"]) == {"max", "min", "mean"}
     assert body["behaviour"]["full_ratio"]["max"] == 2.5 and body["behaviour"]["ess"] == 0.93
     assert (body["skipped_updates"], body["dead_lettered"]) == (2, 1)
-    assert body["rollout"][1] == {"url": "http://engine-b:30000", "weight_version": 29, "ready": False}
+    assert body["rollout"][1] == {"url": "http://engine-b:30000", "weight_version": 29, "ready": False, "fenced": ""}
     assert len(body["reward_history"]) == 30
 
     box.report = box.report.model_copy(update={"step": 31, "phase": "Publishing"})

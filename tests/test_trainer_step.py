@@ -11,6 +11,8 @@ import pytest
 import torch
 from trainer_support import make_groups, make_job, model_and_tokenizer, publish, redis_query, write_job
 
+from asyncrl.transport.streams import trained_ids
+
 JOB = "t-step"
 
 
@@ -53,7 +55,7 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
     async def inspect(r):
         latest = await VersionChannel(r, names).latest()
         snap = await Admission(r, names, batch_size=2, max_head_offpolicyness=1, max_concurrent=4).snapshot()
-        trained = {x.decode() for x in await r.smembers(names.trained)}
+        trained = await trained_ids(r, names)
         pending = (await r.xpending(names.trajectories, names.consumer_group))["pending"]
         length = await r.xlen(names.trajectories)
         return latest, snap, trained, pending, length

@@ -15,7 +15,14 @@ import pytest
 
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
-from asyncrl.transport.streams import DATA_FIELD, GID_FIELD, TrajectoryConsumer, TrajectoryProducer, read_dead_letters
+from asyncrl.transport.streams import (
+    DATA_FIELD,
+    GID_FIELD,
+    TrajectoryConsumer,
+    TrajectoryProducer,
+    read_dead_letters,
+    trained_ids,
+)
 from asyncrl.transport.wire import decode_group, encode_group
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,7 +68,7 @@ async def test_publish_read_ack_round_trip_and_stream_emptied(transport_redis, m
     assert await consumer.ack(got) == []
     assert await consumer.pending_count() == 0
     assert await r.xlen(NAMES.trajectories) == 0  # acked entries deleted: memory bounded
-    assert await r.smembers(NAMES.trained) == {f"g{i}".encode() for i in range(5)}
+    assert await trained_ids(r, NAMES) == {f"g{i}" for i in range(5)}
     assert await consumer.read(10, 50) == []
 
 
@@ -133,7 +140,7 @@ async def test_untrainable_group_goes_to_dead_letter_with_the_reason(transport_r
     assert (consumer.stats.dead_lettered, consumer.stats.untrainable, consumer.stats.undecodable) == (1, 1, 0)
     await consumer.ack(got)
     assert await consumer.pending_count() == 0 and await r.xlen(NAMES.trajectories) == 0
-    assert await r.smembers(NAMES.trained) == {b"good"}  # dead-lettered, not trained
+    assert await trained_ids(r, NAMES) == {"good"}  # dead-lettered, not trained
 
 
 async def test_producer_retry_duplicates_are_trained_once(transport_redis, make_trajectory_group):
@@ -241,7 +248,7 @@ async def test_consumer_killed_between_read_and_ack(recovery, transport_redis, r
         # the dead consumer's name, restarted later, finds its pending list empty
         assert await TrajectoryConsumer(r, NAMES, "trainer-0").read(10, 50) == []
     assert sorted(trained) == sorted(all_gids) and len(trained) == len(set(trained))
-    assert await r.scard(NAMES.trained) == 8
+    assert await r.zcard(NAMES.trained) == 8
     assert await r.xlen(NAMES.trajectories) == 0
 
 
@@ -305,3 +312,32 @@ async def test_decoded_payload_matches_what_was_published(transport_redis, make_
     [(_, fields)] = await r.xrange(NAMES.trajectories, entry_id, entry_id)
     assert fields[GID_FIELD] == b"big"
     assert decode_group(fields[DATA_FIELD]).samples == g.samples
+
+
+async def test_trained_ids_are_pruned_once_no_copy_can_be_left(transport_redis, make_trajectory_group,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """Bounded memory: the trained ids are pruned by entry time relative to the stream's oldest entry
+    (retention shortened here to 1.5 s; an hour in production)."""
+    import asyncrl.transport.streams as streams
+
+    monkeypatch.setattr(streams, "TRAINED_RETENTION_MS", 1500)
+    r, producer = transport_redis, TrajectoryProducer(transport_redis, NAMES)
+    trainer, other = TrajectoryConsumer(r, NAMES, "trainer-0"), TrajectoryConsumer(r, NAMES, "trainer-1")
+    await producer.publish(make_trajectory_group("held"))
+    held = await other.read(1, 100)
+    assert gids(held) == ["held"]  # pending under another consumer: still in the stream
+    await producer.publish(make_trajectory_group("g1"))
+    await producer.publish(make_trajectory_group("g1"))  # a retried publish: a copy
+    first = await trainer.read(1, 100)
+    await trainer.ack(first)
+    await asyncio.sleep(3.0)  # g1's entry is now older than the retention
+    await producer.publish(make_trajectory_group("g2"))
+    rest = await drain(trainer)
+    assert gids(rest) == ["g2"] and trainer.stats.duplicates_skipped == 1  # the copy: skipped, not trained
+    await trainer.ack(rest)
+    # 'held' (older than g1) is still in the stream, so g1's id is kept: a copy could still be there
+    assert await trained_ids(r, NAMES) == {"g1", "g2"}
+    await other.ack(held)
+    assert await r.xlen(NAMES.trajectories) == 0
+    # the stream is empty now: the ids of entries older than now - retention are gone
+    assert await trained_ids(r, NAMES) == {"g2"}

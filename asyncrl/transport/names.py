@@ -34,7 +34,9 @@ class StreamNames:
     engine_weights: str
     """Hash engine_id -> JSON EngineWeights: the version the trainer loaded into each engine."""
     trained: str
-    """Set of group ids whose training step was committed (dedupe of duplicate deliveries)."""
+    """Sorted set of the group ids whose training step was committed (dedupe of duplicate deliveries),
+    scored by their entry's time; pruned by the ack script (streams.py). Was a plain set under the
+    key `trained`: a new key, so an upgraded job never meets the old type."""
     admission: str
     """Hash with the admission state: `version`, `accepted`, `dropped`."""
     admission_leases: str
@@ -64,7 +66,7 @@ class StreamNames:
         return cls(job=job, base=base, trajectories=f"{base}:trajectories", consumer_group=CONSUMER_GROUP,
                    dead_letter=f"{base}:dead-letter", versions=f"{base}:versions",
                    engines=f"{base}:engines", engine_weights=f"{base}:engines:weights",
-                   trained=f"{base}:trained",
+                   trained=f"{base}:trained-ids",
                    admission=f"{base}:admission", admission_leases=f"{base}:admission-leases",
                    admission_released=f"{base}:admission-released", outcome=f"{base}:outcome",
                    eval_requests=f"{base}:eval-requests", eval_results=f"{base}:eval-results")

@@ -9,7 +9,7 @@ Guarantees (with one consumer group per stream, `names.consumer_group`):
   retried the command; Redis had already delivered the entries, the client never saw them), and
   the entries would otherwise wait for the next restart. The trainer's inbox calls it, and
   `reclaim`, periodically;
-- nothing is trained twice: `ack` adds the group ids to the job's `trained` set in the same
+- nothing is trained twice: `ack` adds the group ids to the job's `trained` ids in the same
   atomic script that XACKs and deletes the entries, and `read`/`reclaim`/`recover_pending` skip
   (and ack) any copy whose group id is already trained, already in flight in this consumer, or
   repeated within the same read (a producer that retried a publish after a lost reply leaves two
@@ -17,7 +17,13 @@ Guarantees (with one consumer group per stream, `names.consumer_group`):
   checkpoint's window to `ack_committed` (same script) before reading: trainer/checkpoint.py says
   why that closes the commit window;
 - memory stays bounded: acked entries are XDEL'd and the stream is XTRIM'd by MINID up to the
-  oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries);
+  oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries). The
+  trained ids (a sorted set scored by the time in their entry's id) are pruned by the same ack
+  script: an id whose entry is older than the stream's oldest entry by TRAINED_RETENTION_MS
+  can have no copy left to skip. A copy is a producer's retried publish, made within its outage
+  window (minutes) of the original, so it is never that much newer than the original; an id
+  marked without an entry (`ack_committed`) is scored by the time of the mark, which is later
+  than its entry. The dead-letter stream keeps the newest DEAD_LETTER_MAXLEN entries;
 - a payload that does not decode, or decodes to a group that cannot be trained (`content.check_group`:
   NaN logprobs, lengths that disagree, ...), goes to the dead-letter stream with the reason and the
   raw bytes, and is acked, instead of crashing the trainer. This holds for this consumer's own
@@ -62,18 +68,31 @@ local function id_lt(a, b)
 end
 """
 
-# KEYS: stream, trained. ARGV: group, then (entry_id, group_id) pairs; an empty entry_id marks
-# the group trained without an entry (`ack_committed`: its entry is not in this consumer's list).
-# Marks the group ids trained, acks and deletes the entries, then trims everything below
-# min(oldest still-pending id, newest acked id): such entries were delivered (ids are delivered
-# in order) and are not pending, so they are acked. Returns the group ids that were already trained.
+TRAINED_RETENTION_MS = 3_600_000
+"""How much older than the stream's oldest entry a trained id's entry must be before it is pruned
+(the top of this module says why an hour is ample)."""
+
+DEAD_LETTER_MAXLEN = 10_000
+"""Dead letters kept (the newest; approximate trimming): for inspection (`asyncrl dead-letters`)."""
+
+# KEYS: stream, trained. ARGV: group, retention_ms, then (entry_id, group_id) pairs; an empty
+# entry_id marks the group trained without an entry (`ack_committed`: its entry is not in this
+# consumer's list). Marks the group ids trained (scored by the entry's time, else now), acks and
+# deletes the entries, trims everything below min(oldest still-pending id, newest acked id) (such
+# entries were delivered, ids are delivered in order, and are not pending, so they are acked),
+# then prunes trained ids older than the stream's oldest entry by retention_ms. Returns the group
+# ids that were already trained.
 _ACK_LUA = _ID_LT + """
-local stream, trained, group = KEYS[1], KEYS[2], ARGV[1]
+local stream, trained, group, retention = KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local already = {}
 local newest = nil
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   local id, gid = ARGV[i], ARGV[i + 1]
-  if redis.call('SADD', trained, gid) == 0 then table.insert(already, gid) end
+  local score = now
+  if id ~= '' then score = split(id) end
+  if redis.call('ZADD', trained, 'NX', score, gid) == 0 then table.insert(already, gid) end
   if id ~= '' then
     redis.call('XACK', stream, group, id)
     redis.call('XDEL', stream, id)
@@ -86,6 +105,10 @@ if newest ~= nil then
   if tonumber(summary[1]) > 0 and id_lt(summary[2], minid) then minid = summary[2] end
   redis.call('XTRIM', stream, 'MINID', minid)
 end
+local oldest = now
+local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)
+if first[1] then oldest = math.min(split(first[1][1]), now) end
+redis.call('ZREMRANGEBYSCORE', trained, '-inf', '(' .. (oldest - retention))
 return already
 """
 
@@ -119,9 +142,9 @@ end
 return out
 """
 
-# KEYS: stream, dead_letter. ARGV: group, entry_id, error, payload, consumer, time.
+# KEYS: stream, dead_letter. ARGV: group, entry_id, error, payload, consumer, time, maxlen.
 _DEAD_LETTER_LUA = """
-local id = redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'error', ARGV[3],
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'source_id', ARGV[2], 'error', ARGV[3],
                       'payload', ARGV[4], 'consumer', ARGV[5], 'time', ARGV[6])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -262,16 +285,16 @@ class TrajectoryConsumer:
         Call only after the step that used them is committed. Returns group ids that another
         consumer had already marked trained (normally empty; non-empty means a double train).
         """
-        args: list[str] = [self.names.consumer_group]
+        pairs: list[str] = []
         for d in deliveries:
-            args += [d.entry_id, d.group.group_id]
-        if len(args) == 1:
+            pairs += [d.entry_id, d.group.group_id]
+        if not pairs:
             return []
-        already = await self._ack(keys=[self.names.trajectories, self.names.trained], args=args)
-        for i in range(1, len(args), 2):
-            if self._inflight.get(args[i + 1]) == args[i]:
-                del self._inflight[args[i + 1]]
-        self.stats.acked += (len(args) - 1) // 2
+        already = await self._mark_trained(pairs)
+        for i in range(0, len(pairs), 2):
+            if self._inflight.get(pairs[i + 1]) == pairs[i]:
+                del self._inflight[pairs[i + 1]]
+        self.stats.acked += len(pairs) // 2
         self.stats.acked_already_trained += len(already)
         return [_s(g) for g in already]
 
@@ -290,21 +313,26 @@ class TrajectoryConsumer:
             return 0
         if not self._group_ready:
             await self.ensure_group()
-        args: list[str] = [self.names.consumer_group]
+        pairs: list[str] = []
         found: set[str] = set()
         for entry_id, gid in await self._own_pending_ids():
             if gid in wanted:
-                args += [entry_id, gid]
+                pairs += [entry_id, gid]
                 found.add(gid)
-        entries = (len(args) - 1) // 2
+        entries = len(pairs) // 2
         for gid in sorted(wanted - found):
-            args += ["", gid]
-        await self._ack(keys=[self.names.trajectories, self.names.trained], args=args)
-        for i in range(1, len(args), 2):
-            if args[i] and self._inflight.get(args[i + 1]) == args[i]:
-                del self._inflight[args[i + 1]]
+            pairs += ["", gid]
+        await self._mark_trained(pairs)
+        for i in range(0, len(pairs), 2):
+            if pairs[i] and self._inflight.get(pairs[i + 1]) == pairs[i]:
+                del self._inflight[pairs[i + 1]]
         self.stats.acked_committed += entries
         return entries
+
+    async def _mark_trained(self, pairs: list[str]) -> list[Any]:
+        """The ack script on (entry id or "", group id) pairs; the group ids that were already trained."""
+        return list(await self._ack(keys=[self.names.trajectories, self.names.trained],
+                                    args=[self.names.consumer_group, TRAINED_RETENTION_MS, *pairs]))
 
     async def recover_pending(self) -> list[Delivery]:
         """Deliver the entries of this consumer's own pending list that it never handed out.
@@ -399,7 +427,7 @@ class TrajectoryConsumer:
         deliveries: list[Delivery] = []
         if decoded:
             gids = [g.group_id for _, g in decoded]
-            trained = await self.redis.smismember(self.names.trained, gids)
+            trained = [score is not None for score in await self.redis.zmscore(self.names.trained, gids)]
             seen: set[str] = set()
             for (entry_id, group), is_trained in zip(decoded, trained):
                 gid = group.group_id
@@ -426,7 +454,7 @@ class TrajectoryConsumer:
         """Move an entry to the dead-letter stream with `error`, ack and delete it (one script)."""
         await self._dead(keys=[self.names.trajectories, self.names.dead_letter],
                          args=[self.names.consumer_group, entry_id, error, payload, self.consumer,
-                               repr(time.time())])
+                               repr(time.time()), DEAD_LETTER_MAXLEN])
         self.stats.dead_lettered += 1
         log.warning("dead-lettered trajectory entry %s: %s", entry_id, error)
 
@@ -454,3 +482,8 @@ async def read_dead_letters(redis: aioredis.Redis, names: StreamNames, count: in
                               consumer=_s(f.get(b"consumer", b"")),
                               time=float(f.get(b"time", b"0") or 0), fields=f))
     return out
+
+
+async def trained_ids(redis: aioredis.Redis, names: StreamNames) -> set[str]:
+    """The group ids marked trained and not yet pruned (for inspection tools and tests)."""
+    return {_s(gid) for gid in await redis.zrange(names.trained, 0, -1)}

@@ -10,13 +10,21 @@ The registry has two writers with separate keys: rollout workers register their 
 they observe of it) every few seconds; the trainer, the only one that updates engine weights
 (trainer/weight_sync.py), records per engine what it loaded (`EngineWeights`). That record is the
 weight label of engines whose server reports none (vLLM).
+
+Engines restart. Each registration carries the engine server's incarnation (an id that changes when
+the server restarts, see rollout/worker.py), and the trainer's record names the incarnation it
+loaded into: a record of an earlier incarnation says nothing about what the server serves now (a
+restarted server serves the weights it was launched with, whatever the trainer loaded before), so
+it is ignored and the version stays what the worker observed, or unknown (None). An engine whose
+updates keep failing is fenced in the record (`EngineWeights.fenced`): left out of pushes,
+retried by catch-up after a backoff, unfenced by the first update that succeeds.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -108,6 +116,14 @@ class EngineInfo:
     ready: bool
     heartbeat: float
     """When the worker observed the engine (Unix seconds)."""
+    incarnation: str = ""
+    """The engine server's current life: the server's own id when it reports one (our hf server),
+    else minted by its worker when it sees the server restart (rollout/worker.py)."""
+    label: str | None = None
+    """The weight label exactly as the server last reported it ("default", "7"; None: the server
+    reports none (vLLM), or it could not be read)."""
+    fenced: str = ""
+    """From `EngineRegistry.list()`: why the trainer fenced this engine ("" = not fenced)."""
 
 
 @dataclass
@@ -124,6 +140,15 @@ class EngineWeights:
     """Counts the trainer's updates of this engine (begun ones, failed ones included)."""
     time: float = 0.0
     """When the record was last written (Unix seconds)."""
+    incarnation: str = ""
+    """The engine incarnation (EngineInfo.incarnation) the trainer last loaded `version` into."""
+    fenced: str = ""
+    """Why the last update failed ("" = the engine is not fenced): a fenced engine is left out of
+    pushes and retried by catch-up from `retry_at` on (trainer/weight_sync.py)."""
+    failures: int = 0
+    """Updates of this engine that failed in a row (sets the catch-up backoff)."""
+    retry_at: float = 0.0
+    """Unix time from which catch-up tries a fenced engine again."""
 
     def in_progress(self, now: float | None = None) -> bool:
         """True while the trainer is pausing/updating/resuming this engine."""
@@ -133,6 +158,13 @@ class EngineWeights:
     def label(self) -> int:
         """The version the engine serves as far as the trainer knows (0: its initial weights)."""
         return self.version if self.version is not None else 0
+
+    def label_for(self, incarnation: str) -> int | None:
+        """The version engine life `incarnation` serves as far as the trainer knows; None: unknown
+        (the trainer loaded weights into an earlier life of the server, or into another one)."""
+        if self.version is None:
+            return 0  # never loaded: the server serves the weights it was launched with
+        return self.version if self.incarnation == incarnation else None
 
 
 def _weights(raw: Any) -> EngineWeights | None:
@@ -159,8 +191,9 @@ class EngineRegistry:
         """Engines whose heartbeat is at most `max_age_s` old, sorted by id (corrupt entries skipped).
 
         `weight_version` is the newest knowledge: the trainer's record when it was written after
-        the worker's observation (a fresh update), else what the worker observed (e.g. an engine
-        that restarted on its initial weights since)."""
+        the worker's observation (a fresh update) into the same incarnation, else what the worker
+        observed (e.g. an engine that restarted on its initial weights since; None: unknown).
+        `fenced` comes from the trainer's record."""
         now = time.time()
         records = await self.all_weights()
         out = []
@@ -173,9 +206,11 @@ class EngineRegistry:
             if now - info.heartbeat > max_age_s:
                 continue
             rec = records.get(info.engine_id)
-            if rec is not None and rec.version is not None and (info.weight_version is None
-                                                                or rec.time >= info.heartbeat):
+            if (rec is not None and rec.version is not None and rec.incarnation == info.incarnation
+                    and (info.weight_version is None or rec.time >= info.heartbeat)):
                 info.weight_version = rec.version
+            if rec is not None:
+                info.fenced = rec.fenced
             out.append(info)
         return sorted(out, key=lambda e: e.engine_id)
 
@@ -203,17 +238,30 @@ class EngineRegistry:
         """Mark `engine_id` as being updated to `version` (before pausing it)."""
         rec = await self.weights(engine_id) or EngineWeights()
         now = time.time()
-        rec = EngineWeights(version=rec.version, updating=version, until=now + timeout_s, epoch=rec.epoch + 1,
-                            time=now)
+        rec = replace(rec, updating=version, until=now + timeout_s, epoch=rec.epoch + 1, time=now)
         await self._write(engine_id, rec)
         return rec
 
-    async def end_update(self, engine_id: str, *, loaded: bool) -> EngineWeights:
-        """Clear the marker (before resuming); `loaded`: the engine now serves the marked version,
-        else it keeps the version recorded before (a failed update changes nothing we can know)."""
+    async def end_update(self, engine_id: str, *, loaded: bool, incarnation: str | None = None) -> EngineWeights:
+        """Clear the marker (before resuming); `loaded`: the engine (life `incarnation`) now serves
+        the marked version and is unfenced, else it keeps the version recorded before (a failed
+        update changes nothing we can know)."""
         rec = await self.weights(engine_id) or EngineWeights()
-        version = rec.updating if loaded and rec.updating is not None else rec.version
-        rec = EngineWeights(version=version, updating=None, until=0.0, epoch=rec.epoch, time=time.time())
+        if loaded and rec.updating is not None:
+            rec = replace(rec, version=rec.updating, incarnation=incarnation or "", fenced="", failures=0,
+                          retry_at=0.0)
+        rec = replace(rec, updating=None, until=0.0, time=time.time())
+        await self._write(engine_id, rec)
+        return rec
+
+    async def fence(self, engine_id: str, reason: str, *, backoff_s: float, backoff_max_s: float) -> EngineWeights:
+        """Record a failed update: the engine is fenced (left out of pushes) and catch-up tries it
+        again after a backoff that doubles with each failure in a row, up to `backoff_max_s`."""
+        rec = await self.weights(engine_id) or EngineWeights()
+        failures = rec.failures + 1
+        now = time.time()
+        rec = replace(rec, fenced=reason[:500] or "update failed", failures=failures,
+                      retry_at=now + min(backoff_max_s, backoff_s * 2 ** (failures - 1)), time=now)
         await self._write(engine_id, rec)
         return rec
 

@@ -157,6 +157,19 @@ def _error_text(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
+LAUNCH_LABEL = "default"
+"""The label SGLang (the pin) puts on the weights it was launched with, before any update and after
+every restart. Our rollout pods launch the engine on `spec.model.path`, the base model: version 0."""
+
+
+def label_version(value: Any) -> int | None:
+    """The version a server's weight label names: LAUNCH_LABEL is the base model (0), an integer
+    label that version; anything else (or no label) is unknown (None), never a guess."""
+    if isinstance(value, str) and value.strip() == LAUNCH_LABEL:
+        return 0
+    return parse_version(value)
+
+
 def parse_version(value: Any) -> int | None:
     """Weight labels are strings on the wire ("default" before any update); ours are integers."""
     if value is None or isinstance(value, bool):

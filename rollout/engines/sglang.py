@@ -35,7 +35,7 @@ from asyncrl.rollout.engines.base import (
     HTTPEngine,
     PauseMode,
     SamplingParams,
-    parse_version,
+    label_version,
 )
 
 PINNED_VERSION = "0.5.10.post1"
@@ -88,8 +88,8 @@ class SGLangEngine(HTTPEngine):
             output_ids=ids,
             logprobs=logprobs,
             finish_reason=kind,
-            weight_version=parse_version(meta.get("weight_version")),
-            meta={"finish_reason": reason, "id": meta.get("id")},
+            weight_version=label_version(meta.get("weight_version")),
+            meta={"finish_reason": reason, "id": meta.get("id"), "weight_label": meta.get("weight_version")},
         )
 
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -151,4 +151,4 @@ class SGLangEngine(HTTPEngine):
         return resp
 
     async def weight_version(self) -> int | None:
-        return parse_version((await self.model_info()).get("weight_version"))
+        return label_version((await self.model_info()).get("weight_version"))
