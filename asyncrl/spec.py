@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
-from asyncrl.spec_base import GROUP, SpecModel, StatusModel, parse_quantity
+from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -257,10 +257,10 @@ class RolloutSpec(SpecModel):
     """Rollout pods (each: one engine server + one worker)."""
     engine: Literal["sglang", "vllm", "hf"] = "sglang"
     """Inference engine: sglang | vllm | hf (in-process transformers)."""
-    image: str = "lmsysorg/sglang:v0.5.10.post1-cu126"
-    """Engine server image."""
-    worker_image: str | None = None
-    """Rollout worker image; default: the asyncrl rollout image of the operator's version."""
+    image: ImageRef = "lmsysorg/sglang:v0.5.10.post1-cu126"
+    """Engine server image: [registry/]name[:tag][@sha256:<digest>] (a digest pins it; kept as given)."""
+    worker_image: ImageRef | None = None
+    """Rollout worker image (a digest pins it); default: the asyncrl rollout image of the operator's version."""
     gpus_per_replica: int = Field(default=1, ge=0)
     """GPUs per rollout pod (tensor parallel size)."""
     engine_args: list[str] = Field(default_factory=list)
@@ -272,6 +272,70 @@ class RolloutSpec(SpecModel):
     """Scheduling, identity, env and volumes added to the rollout pods (both containers)."""
 
 
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
+_IFNAME_LIST = re.compile(r"^[\^=]?[A-Za-z0-9_.:@-]{1,15}(,[A-Za-z0-9_.:@-]{1,15})*$")
+_HCA_LIST = re.compile(r"^[\^=]?[A-Za-z0-9_.-]+(:[0-9]+)?(,[A-Za-z0-9_.-]+(:[0-9]+)?)*$")
+
+
+class NcclSettings(SpecModel):
+    """The NCCL settings a multi-node trainer usually needs, as typed fields (each becomes the env var
+    named below on every trainer container). Any other NCCL_* variable goes in
+    spec.trainer.podTemplate.env; a variable set there wins over the field here."""
+
+    socket_ifname: str | None = None
+    """NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME: the interfaces for bootstrap and socket traffic, e.g.
+    "eth0", "^lo,docker" (exclude) or "=eth1" (exact)."""
+    ib_hca: str | None = None
+    """NCCL_IB_HCA: the InfiniBand/RoCE adapters to use, e.g. "mlx5_0,mlx5_1", "=mlx5_0:1" or "^mlx5_3"."""
+    ib_disable: bool | None = None
+    """NCCL_IB_DISABLE=1 when true: sockets only (no InfiniBand/RoCE)."""
+    debug: Literal["VERSION", "WARN", "INFO", "TRACE"] | None = None
+    """NCCL_DEBUG: VERSION | WARN | INFO | TRACE."""
+
+    @field_validator("socket_ifname")
+    @classmethod
+    def _ifname(cls, v: str | None) -> str | None:
+        if v is not None and not _IFNAME_LIST.match(v):
+            raise ValueError(f"{v!r} is not an interface list: names of at most 15 characters, comma-separated, "
+                             "optionally prefixed by '^' (exclude) or '=' (exact), e.g. 'eth0' or '^lo,docker'")
+        return v
+
+    @field_validator("ib_hca")
+    @classmethod
+    def _hca(cls, v: str | None) -> str | None:
+        if v is not None and not _HCA_LIST.match(v):
+            raise ValueError(f"{v!r} is not an HCA list: device[:port], comma-separated, optionally prefixed by "
+                             "'^' (exclude) or '=' (exact), e.g. 'mlx5_0,mlx5_1' or '=mlx5_0:1'")
+        return v
+
+
+_EXTENDED_RESOURCE = re.compile(r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)/"
+                                r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+
+
+class RdmaSettings(SpecModel):
+    """RDMA (InfiniBand/RoCE) for the trainer's NCCL traffic: an opt-in, because IPC_LOCK is a
+    capability the `restricted` Pod Security profile forbids (the namespace must allow `privileged`)."""
+
+    resource_name: str | None = None
+    """Extended resource of the RDMA device plugin each trainer pod requests, e.g. "rdma/rdma_shared_device_a"
+    or "nvidia.com/hostdev"; unset: no device request (RDMA through e.g. host devices or an overlay)."""
+    count: int = Field(default=1, ge=1)
+    """How many of `resourceName` each trainer pod requests."""
+    ipc_lock: bool = True
+    """Add the IPC_LOCK capability: RDMA pins (registers) memory, which the default memlock limit refuses."""
+
+    @field_validator("resource_name")
+    @classmethod
+    def _resource(cls, v: str | None) -> str | None:
+        if v is not None and not _EXTENDED_RESOURCE.match(v):
+            raise ValueError(f"{v!r} is not an extended resource name: <domain>/<name>, e.g. "
+                             "'rdma/rdma_shared_device_a' or 'nvidia.com/hostdev'")
+        if v is not None and v.split("/")[0] == "kubernetes.io":
+            raise ValueError(f"{v!r}: the kubernetes.io domain holds no device-plugin resources")
+        return v
+
+
 class TrainerSpec(SpecModel):
     """The PyTorch trainer."""
 
@@ -279,8 +343,9 @@ class TrainerSpec(SpecModel):
     """Trainer nodes (pods); torchrun spans all of them."""
     gpus_per_replica: int = Field(default=1, ge=0)
     """GPUs per trainer pod (processes per node)."""
-    image: str | None = None
-    """Trainer image; default: the asyncrl trainer image of the operator's version."""
+    image: ImageRef | None = None
+    """Trainer image, [registry/]name[:tag][@sha256:<digest>] (a digest pins it; kept as given); default:
+    the asyncrl trainer image of the operator's version."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer computes; auto = cuda when GPUs are requested or visible."""
     checkpoint_interval: int = Field(default=10, ge=1)
@@ -297,6 +362,13 @@ class TrainerSpec(SpecModel):
     (NonFiniteGradients). Such an update is skipped (weights and optimizer state unchanged); the
     step still consumes its groups and publishes the next policy version."""
     resources: Resources = Field(default_factory=Resources)
+    nccl: NcclSettings | None = None
+    """NCCL settings for multi-node training (interfaces, InfiniBand adapters, debug level)."""
+    rdma: RdmaSettings | None = None
+    """RDMA opt-in: the device plugin's resource and IPC_LOCK (needs a `privileged` Pod Security namespace)."""
+    termination_grace_period_seconds: int | None = Field(default=None, ge=30, le=86400)
+    """Seconds a stopping trainer pod has to write its last checkpoint before it is killed; unset: derived
+    from the model's size (docs/operator.md, "Multi-node trainer"), at least 120."""
     pod_template: TrainerPodTemplate | None = None
     """Scheduling, identity, env and volumes added to the trainer pods."""
 
@@ -311,7 +383,8 @@ class SecretKeyRef(SpecModel):
 class ManagedRedis(SpecModel):
     """A Redis that the operator runs for the job."""
 
-    image: str = "redis:7.4-alpine"
+    image: ImageRef = "redis:7.4-alpine"
+    """Redis image, [registry/]name[:tag][@sha256:<digest>]."""
     append_only: bool = True
     """AOF persistence with appendfsync always (recommended: nothing acknowledged is lost, even on a kill)."""
     storage: str = "2Gi"
@@ -474,6 +547,11 @@ class AsyncRLJobSpec(SpecModel):
     """Experiment trackers (TensorBoard, Weights & Biases, MLflow); none by default."""
     suspend: bool = False
     """Scale rollout and trainer to zero, keeping Redis and volumes; unset to resume."""
+    queue_name: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Kueue LocalQueue (in the job's namespace) that admits the trainer and the rollout: the
+    `kueue.x-k8s.io/queue-name` label on their StatefulSet, Deployment and pods. Kueue holds the pods
+    (a scheduling gate) until it admits them; the job is then Pending/Queued and its startup deadline
+    counts from admission (docs/operator.md, "Queueing with Kueue")."""
     startup_deadline_seconds: int = Field(default=900, ge=1)
     """Fail the job if it is not Running this long after creation (with the pods' reason)."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)

@@ -22,6 +22,7 @@ import yaml
 
 from asyncrl import runtime as R
 from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
+from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
 from asyncrl.pod_template import PodTemplateOverlay
@@ -59,6 +60,8 @@ class BuildContext:
     namespace: str
     redis_password: str = ""
     """Only used to fill the managed-Redis Secret when it is first created (never patched)."""
+    status_token: str = ""
+    """Only used to fill the status-token Secret when it is first created (never patched)."""
     trainer_image: str = DEFAULT_TRAINER_IMAGE
     """Used when spec.trainer.image is unset."""
     rollout_image: str = DEFAULT_ROLLOUT_IMAGE
@@ -84,6 +87,18 @@ def _meta(job: AsyncRLJob, ctx: BuildContext, name: str, component: str) -> Obj:
     labels = {**N.job_labels(job.metadata.name), N.LABEL_COMPONENT: component}
     return {"name": name, "namespace": ctx.namespace, "labels": labels,
             "ownerReferences": [owner_reference(job, ctx.owner_uid)]}
+
+
+def _queued(job: AsyncRLJob, obj: Obj) -> Obj:
+    """A trainer or rollout workload with spec.queueName's Kueue label on it and on its pods (Kueue's
+    StatefulSet and Deployment integrations read it from the object; the pods carry it too)."""
+    queue = job.spec.queue_name
+    if queue is None:
+        return obj
+    out = copy.deepcopy(obj)
+    for meta in (out["metadata"], out["spec"]["template"]["metadata"]):
+        meta["labels"] = {**meta["labels"], N.LABEL_KUEUE_QUEUE: queue}
+    return out
 
 
 def _resources(res: Resources, gpus: int = 0) -> Obj:
@@ -134,8 +149,10 @@ def secret_hash(secret: Obj) -> str:
     return stable_hash({"uid": (secret.get("metadata") or {}).get("uid", ""), "data": content})
 
 
-def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = True) -> Obj:
-    """Pod-template annotations whose change rolls the pods: the config hash and the Redis Secret's hash.
+def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = True,
+                          status_token: bool = False) -> Obj:
+    """Pod-template annotations whose change rolls the pods: the config hash and the hashes of the
+    Secrets the pods read (Redis's; the status token's with `status_token`, the trainer alone).
 
     The Secret hash rendered here is that of the Secret these builders render (so `asyncrl render`
     is self-consistent); the operator's apply layer replaces it with the hash of the live Secret.
@@ -143,6 +160,8 @@ def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = 
     out: Obj = {N.ANNOTATION_CONFIG_HASH: config_hash(job)} if config else {}
     if job.spec.redis.mode == "managed":
         out[N.ANNOTATION_REDIS_AUTH_HASH] = secret_hash(redis_secret(job, ctx))
+    if status_token:
+        out[N.ANNOTATION_STATUS_AUTH_HASH] = secret_hash(status_secret(job, ctx))
     return out
 
 
@@ -308,6 +327,15 @@ def redis_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "stringData": {"password": password, "url": f"redis://:{password}@{host}:{REDIS_PORT}/0"}}
 
 
+def status_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The bearer token of the trainer's status endpoint: the trainer requires it on every route but
+    /healthz (ASYNCRL_STATUS_TOKEN), the operator's mirror sends it. Created once with a random token
+    (create-only, like the Redis Secret) and owned by the job; a rotated token rolls the trainer."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(job, ctx, N.status_secret(job.metadata.name), "status"),
+            "stringData": {"token": ctx.status_token}}
+
+
 def redis_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     name = job.metadata.name
     return {"apiVersion": "v1", "kind": "Service",
@@ -438,9 +466,10 @@ def trainer_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 
     Between the trainer's own pods every port is open: after the rendezvous on the c10d port, NCCL and
     Gloo connect rank to rank on ephemeral ports, so a port list would break multi-node training.
-    Nothing else may connect: torchrun's rendezvous store takes no credentials, and the operator sets
-    no token on the status endpoint. A Prometheus that scrapes the trainer's /metrics (on the status
-    port) needs a NetworkPolicy of its own that admits it: policies add up, none can take away.
+    Nothing else may connect: torchrun's rendezvous store takes no credentials (the status endpoint
+    also requires the job's bearer token, `status_secret`). A Prometheus that scrapes the trainer's
+    /metrics (on the status port) needs a NetworkPolicy of its own that admits it (and the token):
+    policies add up, none can take away.
     Egress is not restricted (policyTypes: Ingress only): the trainer reaches the experiment trackers'
     servers (W&B, an MLflow tracking server) and model hubs; a namespace whose default policy denies
     egress must allow those itself.
@@ -540,7 +569,7 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     ro = job.spec.rollout
     selector = N.selector_labels(name, "rollout")
     replicas = 0 if ctx.stopped else ro.replicas
-    return {
+    return _queued(job, {
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": _meta(job, ctx, N.rollout(name), "rollout"),
         "spec": {
@@ -557,11 +586,17 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                          "volumes": _pod_volumes(job)},
             }, ro.pod_template),
         },
-    }
+    })
 
 
 def trainer_command(job: AsyncRLJob, namespace: str) -> list[str]:
-    """torchrun over all trainer pods; rendezvous at pod 0 through the headless Service."""
+    """torchrun over all trainer pods; rendezvous at pod 0 through the headless Service.
+
+    Several pods use torchrun's static rendezvous with `--node-rank` = the pod's ordinal
+    ($(ASYNCRL_NODE_RANK), multinode.node_rank_env), so global rank 0, which serves /status and does
+    all I/O, is always pod 0, where the status Service points. The c10d backend ignores --node-rank
+    and numbers nodes in the order they join: rank 0 could land on any pod. Static rendezvous has no
+    membership changes, which the gang never needs: all ranks (re)start together (OnDelete)."""
     t = job.spec.trainer
     nproc = str(max(t.gpus_per_replica, 1))
     entry = ["-m", "asyncrl.cli", "trainer", "--config", CONFIG_FILE]
@@ -569,8 +604,9 @@ def trainer_command(job: AsyncRLJob, namespace: str) -> list[str]:
         return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", *entry]
     sts = N.trainer(job.metadata.name)
     endpoint = f"{sts}-0.{sts}.{namespace}.svc:{RDZV_PORT}"
-    return ["torchrun", f"--nnodes={t.replicas}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job.metadata.name}", *entry]
+    return ["torchrun", f"--nnodes={t.replicas}", f"--nproc-per-node={nproc}", "--rdzv-backend=static",
+            f"--rdzv-endpoint={endpoint}", f"--node-rank=$({MN.ENV_NODE_RANK})", f"--rdzv-id={job.metadata.name}",
+            *entry]
 
 
 def trainer_headless_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -600,22 +636,27 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     selector = N.selector_labels(name, "trainer")
     replicas = 0 if ctx.stopped else t.replicas
     tracker_env, tracker_env_from = _tracker_env(job)
+    overlay_env = {e.name for e in (t.pod_template.env if t.pod_template and t.pod_template.env else [])}
     container: Obj = {
         "name": "trainer",
         "image": t.image or ctx.trainer_image,
         "command": trainer_command(job, ctx.namespace),
-        "env": [*_common_env(job, ctx), *tracker_env],
+        "env": [*_common_env(job, ctx), *tracker_env,
+                {"name": R.ENV_STATUS_TOKEN, "valueFrom": {"secretKeyRef": {
+                    "name": N.status_secret(name), "key": "token"}}},
+                *([MN.node_rank_env()] if t.replicas > 1 else []),
+                *MN.nccl_env(t.nccl, overlay_env)],
         "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
                   {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "volumeMounts": [*_MOUNTS, _DSHM],
-        "securityContext": _container_security(read_only_root=False),
+        "securityContext": MN.rdma_capabilities(t.rdma, _container_security(read_only_root=False)),
     }
     if tracker_env_from:  # (Kubernetes gives `env` precedence: these keys cannot shadow the operator's)
         container["envFrom"] = tracker_env_from
-    resources = _resources(t.resources, t.gpus_per_replica)
+    resources = MN.rdma_resources(t.rdma, _resources(t.resources, t.gpus_per_replica))
     if resources:
         container["resources"] = resources
-    return {
+    return _queued(job, {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(job, ctx, N.trainer(name), "trainer"),
         "spec": {
@@ -629,13 +670,13 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "selector": {"matchLabels": selector},
             "template": apply_pod_template({
                 "metadata": {"labels": {**N.job_labels(name), **selector},
-                             "annotations": _template_annotations(job, ctx)},
+                             "annotations": _template_annotations(job, ctx, status_token=True)},
                 "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
-                         "terminationGracePeriodSeconds": 120,
+                         "terminationGracePeriodSeconds": MN.termination_grace_seconds(job),
                          "containers": [container], "volumes": _pod_volumes(job)},
             }, t.pod_template),
         },
-    }
+    })
 
 
 def trainer_pod_disruption_budget(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -665,8 +706,8 @@ def build_children(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
                 redis_network_policy(job, ctx)]
     if job.spec.storage.claim_name is None:
         out.append(shared_pvc(job, ctx))
-    out += [trainer_headless_service(job, ctx), status_service(job, ctx), trainer_network_policy(job, ctx),
-            trainer_statefulset(job, ctx), trainer_pod_disruption_budget(job, ctx),
+    out += [status_secret(job, ctx), trainer_headless_service(job, ctx), status_service(job, ctx),
+            trainer_network_policy(job, ctx), trainer_statefulset(job, ctx), trainer_pod_disruption_budget(job, ctx),
             rollout_network_policy(job, ctx), rollout_deployment(job, ctx)]
     return out
 

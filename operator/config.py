@@ -7,13 +7,24 @@ operator's: the images a job gets when its spec names none, and how to reach a t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from asyncrl import __version__
+from asyncrl.spec_base import check_image
 
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
 DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"
 DEFAULT_STATUS_URL_TEMPLATE = "http://{service}.{namespace}.svc:{port}"
+
+
+def image_arg(value: str) -> str:
+    """argparse type of the default-image flags: a bad reference (or digest) stops the operator at start,
+    not each job's pods at ErrImagePull; a digest is kept exactly as given."""
+    try:
+        return check_image(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)

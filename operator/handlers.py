@@ -276,6 +276,7 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     # Build the desired children. A finished job stays stopped: its GPUs were given back.
     was_terminal = prev.get("phase") in TERMINAL_PHASES
     ctx = B.BuildContext(owner_uid=meta["uid"], namespace=ref.namespace, redis_password=secrets.token_hex(24),
+                         status_token=secrets.token_urlsafe(32),
                          trainer_image=memo.config.trainer_image, rollout_image=memo.config.rollout_image,
                          stopped=job.spec.suspend or was_terminal)
     children = B.build_children(job, ctx)
@@ -378,7 +379,9 @@ async def _observe(memo: OperatorMemo, job: AsyncRLJob, ref: JobRef, uid: str, a
         url = status_endpoint(memo.config.status_url_template, name=name, namespace=ref.namespace,
                               service=N.status_service(name), port=job.spec.trainer.status_port)
         try:
-            obs.report = await fetch_report(url, timeout=memo.config.status_timeout)
+            # The trainer requires the job's token (builders.status_secret), as this pass applied it.
+            token = secret_value(applied.get(N.status_secret(name) + "/Secret"), "token")
+            obs.report = await fetch_report(url, token=token, timeout=memo.config.status_timeout)
         except MirrorError as exc:
             obs.report_error = str(exc)
             logger.debug(str(exc))

@@ -103,8 +103,10 @@ PATCHABLE: dict[str, tuple[str, ...] | None] = {
 
 # Pod-template annotations that stand for a live Secret's content (annotation -> the job's Secret
 # name): apply fills in the hash of the Secret as it is, so a re-created or edited Secret rolls the
-# pods that read it, and Redis and its clients never run with different passwords for long.
-SECRET_HASH_ANNOTATIONS = {N.ANNOTATION_REDIS_AUTH_HASH: N.redis_secret}
+# pods that read it, and Redis and its clients (the trainer and the status mirror) never run with
+# different secrets for long.
+SECRET_HASH_ANNOTATIONS = {N.ANNOTATION_REDIS_AUTH_HASH: N.redis_secret,
+                           N.ANNOTATION_STATUS_AUTH_HASH: N.status_secret}
 
 
 class NotPermitted(OperatorError, RuntimeError):

@@ -11,7 +11,7 @@ import http.server
 import threading
 from collections.abc import Iterator
 
-from asyncrl.operator.config import OperatorConfig
+from asyncrl.operator.config import OperatorConfig, image_arg
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +20,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="watch only this namespace (repeatable); default: all namespaces")
     parser.add_argument("--interval", type=float, default=d.interval,
                         help="seconds between status passes (readiness, /status mirror, deadlines, TTL)")
-    parser.add_argument("--trainer-image", default=d.trainer_image, help="default trainer image")
-    parser.add_argument("--rollout-image", default=d.rollout_image, help="default rollout worker image")
+    parser.add_argument("--trainer-image", default=d.trainer_image, type=image_arg,
+                        help="default trainer image (a digest, name@sha256:..., pins it)")
+    parser.add_argument("--rollout-image", default=d.rollout_image, type=image_arg,
+                        help="default rollout worker image (a digest, name@sha256:..., pins it)")
     parser.add_argument("--status-url-template", default=d.status_url_template,
                         help="how to reach a job's status endpoint ({name} {namespace} {service} {port})")
     parser.add_argument("--status-timeout", type=float, default=d.status_timeout,

@@ -27,12 +27,18 @@ OPERATOR_POD_LABELS = {LABEL_NAME: "asyncrl", LABEL_COMPONENT: "operator"}
 """Labels of the operator's own pod (charts/asyncrl/templates/deployment.yaml): jobs' NetworkPolicies admit it
 (Redis, where it reads the trainer's outcome; the trainer's status port, which it mirrors)."""
 MANAGED_BY = "asyncrl-operator"
+LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+"""Kueue's label: the LocalQueue of a workload (spec.queueName on the trainer and the rollout)."""
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"
+"""The scheduling gate Kueue puts on a workload's pods until it admits them."""
 
 ANNOTATION_DESIRED_HASH = f"{GROUP}/desired-hash"
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 ANNOTATION_REDIS_AUTH_HASH = f"{GROUP}/redis-auth-hash"
 """Pod-template annotation: a salted hash of the live managed-Redis Secret. The apply layer fills it
 in from the Secret it reads, so a re-created or rotated Secret rolls every pod that uses it."""
+ANNOTATION_STATUS_AUTH_HASH = f"{GROUP}/status-auth-hash"
+"""Trainer pod-template annotation: the same for the job's status-token Secret."""
 
 
 def short_hash(text: str, length: int = HASH_LEN) -> str:
@@ -63,6 +69,11 @@ def redis(job: str) -> str:
 
 def redis_secret(job: str) -> str:
     return child_name(job, "redis-auth")
+
+
+def status_secret(job: str) -> str:
+    """The job's status-endpoint bearer token (key `token`): the trainer requires it, the mirror sends it."""
+    return child_name(job, "status-auth")
 
 
 def redis_network_policy(job: str) -> str:

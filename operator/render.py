@@ -1,13 +1,16 @@
 """Print the Kubernetes objects the operator creates for a job, as YAML (no cluster needed).
 
 The output is what `kubectl apply` would need to run the job without the operator, except that
-the managed Redis password is a placeholder and ownerReferences carry a stand-in uid (the
-operator uses the job's real uid and a random password).
+ownerReferences carry a stand-in uid (the operator uses the job's real uid). The managed Redis
+password and the status endpoint's bearer token are random on every run unless given, like the
+operator's: a rendered manifest never ships a guessable default secret (there used to be a
+`CHANGE-ME` password, which a `kubectl apply` of the output would have put into production).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import uuid
 
@@ -15,7 +18,7 @@ import yaml
 
 from asyncrl.loader import load_job
 from asyncrl.operator import builders as B
-from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
+from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE, image_arg
 from asyncrl.spec import AsyncRLJob
 
 
@@ -23,9 +26,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="JOB.yaml", help="a file with exactly one AsyncRLJob")
     parser.add_argument("-n", "--namespace", default=None, help="namespace (default: the job's, else 'default')")
     parser.add_argument("--uid", default=None, help="owner uid for ownerReferences (default: derived from the name)")
-    parser.add_argument("--redis-password", default="CHANGE-ME", help="password written into the Redis Secret")
-    parser.add_argument("--trainer-image", default=None, help="default trainer image")
-    parser.add_argument("--rollout-image", default=None, help="default rollout worker image")
+    parser.add_argument("--redis-password", default=None,
+                        help="password written into the managed Redis Secret (default: a new random one on "
+                             "every run, as the operator generates; pass one for reproducible output)")
+    parser.add_argument("--status-token", default=None,
+                        help="bearer token written into the status-endpoint Secret (default: a new random one "
+                             "on every run)")
+    parser.add_argument("--trainer-image", default=None, type=image_arg,
+                        help="default trainer image (a digest, name@sha256:..., pins it)")
+    parser.add_argument("--rollout-image", default=None, type=image_arg,
+                        help="default rollout worker image (a digest, name@sha256:..., pins it)")
 
 
 class _Dumper(yaml.SafeDumper):
@@ -41,12 +51,14 @@ _Dumper.add_representer(str, _text)
 
 
 def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = None,
-           redis_password: str = "CHANGE-ME", trainer_image: str | None = None,
-           rollout_image: str | None = None) -> str:
-    """The multi-document YAML of every child object."""
+           redis_password: str | None = None, status_token: str | None = None,
+           trainer_image: str | None = None, rollout_image: str | None = None) -> str:
+    """The multi-document YAML of every child object; secrets not given are random (as the operator's)."""
     ns = namespace or job.metadata.namespace or "default"
     owner = uid or str(uuid.uuid5(uuid.NAMESPACE_URL, f"asyncrl.dev/{ns}/{job.metadata.name}"))
-    ctx = B.BuildContext(owner_uid=owner, namespace=ns, redis_password=redis_password,
+    ctx = B.BuildContext(owner_uid=owner, namespace=ns,
+                         redis_password=redis_password or secrets.token_hex(24),
+                         status_token=status_token or secrets.token_urlsafe(32),
                          trainer_image=trainer_image or DEFAULT_TRAINER_IMAGE,
                          rollout_image=rollout_image or DEFAULT_ROLLOUT_IMAGE)
     objs = B.build_children(job, ctx)
@@ -56,5 +68,6 @@ def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = N
 def main(args: argparse.Namespace) -> int:
     job = load_job(args.file)
     sys.stdout.write(render(job, namespace=args.namespace, uid=args.uid, redis_password=args.redis_password,
-                            trainer_image=args.trainer_image, rollout_image=args.rollout_image))
+                            status_token=args.status_token, trainer_image=args.trainer_image,
+                            rollout_image=args.rollout_image))
     return 0

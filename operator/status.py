@@ -16,7 +16,9 @@ How a job ends, in the order `compute_status` asks:
    (ConfigurationError, the termination message), more than `spec.trainer.backoffLimit` restarts
    of one container fail it (BackoffLimitExceeded);
 7. `spec.activeDeadlineSeconds` after startTime: DeadlineExceeded;
-8. otherwise the children decide: Pending, Initializing, Running, or StartupDeadlineExceeded.
+8. otherwise the children decide: Pending, Initializing, Running, or StartupDeadlineExceeded; a job
+   whose pods Kueue still holds (spec.queueName) is Pending/Queued, and its deadlines count from
+   admission.
 A crash-looping rollout (or trainer, below its backoff limit) pod only sets the `Degraded` condition,
 and so does a trainer that reports it is waiting out an outage of Redis or an engine (its /status
 `degraded`, `dependency_outage`): the job rides it out, and the condition says what and since when.
@@ -59,6 +61,9 @@ BLOCKING_WAITING_REASONS = (
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
 )
 MAX_MESSAGE = 1024
+QUEUED = "Queued"
+"""Reason of a pod Kueue holds (its admission scheduling gate), and of a job not yet admitted: Pending,
+with no startup deadline and no startTime until every pod is released (spec.queueName)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,9 @@ def pod_problem(pod: dict[str, Any]) -> PodProblem | None:
     """The most specific reason a pod is stuck or failing, or None if it looks healthy or young."""
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status") or {}
+    gates = {g.get("name") for g in (pod.get("spec") or {}).get("schedulingGates") or []}
+    if N.KUEUE_ADMISSION_GATE in gates:
+        return PodProblem(name, QUEUED, "held by Kueue until its queue admits the workload (spec.queueName)")
     statuses = list(status.get("initContainerStatuses") or []) + list(status.get("containerStatuses") or [])
     for cs in statuses:  # OOMKilled first: CrashLoopBackOff is often just its consequence
         for state_key in ("state", "lastState"):
@@ -207,6 +215,11 @@ def pod_problem(pod: dict[str, Any]) -> PodProblem | None:
     if status.get("phase") == "Failed":
         return PodProblem(name, status.get("reason") or "PodFailed", status.get("message", ""))
     return None
+
+
+def queued(obs: Observed) -> bool:
+    """Whether Kueue still holds one of the job's pods (its admission scheduling gate)."""
+    return any(p.reason == QUEUED for p in obs.problems)
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
@@ -427,6 +440,8 @@ def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, read
     """Pending -> Initializing -> Running, or Failed when the startup deadline passes first."""
     problem = obs.problems[0] if obs.problems else None
     why = problem.describe() if problem else ready.waiting()
+    if queued(obs) and prev_phase != "Running":  # not started yet: no startup deadline while Kueue holds it
+        return Verdict("Pending", QUEUED, why)
     if ready.all_ready:
         if ready.outage is not None:  # every pod is up, yet training waits: say on what
             return Verdict("Running", ready.outage.reason, ready.outage.message)
@@ -536,8 +551,8 @@ def compute_status(ref: JobRef, spec: AsyncRLJobSpec | None, prev: Mapping[str, 
     verdict = _settled(spec, before, obs, invalid)
     if verdict is None:
         assert spec is not None  # _settled decides every job without a valid spec
-        if before.phase == "Suspended":
-            start = now  # resumed: both deadlines count again from here
+        if before.phase == "Suspended" or (queued(obs) and before.phase != "Running"):
+            start = now  # resumed, or still queued: both deadlines count from here
         verdict = (trainer_failure(spec, obs.containers) or deadline_exceeded(spec, start, now)
                    or _progressing(spec, before.phase, obs, ready, start, now))
     completion = before.completion_time or None

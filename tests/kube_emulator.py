@@ -576,15 +576,32 @@ def synthetic_report() -> Any:
                  EngineReport(url="http://10.0.0.2:30000", weight_version=42, ready=True)])
 
 
+class _AsgiDelegate:
+    """An ASGI app that serves whatever `app` holds now (an async __call__, so uvicorn sees ASGI 3)."""
+
+    app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
 class TrainerStatusServer:
     """The trainer's real status endpoint (asyncrl.trainer.status_api) on a free local port,
     serving whatever `report` currently holds."""
 
-    def __init__(self, report: Any):
-        from asyncrl.trainer.status_api import StatusServer, create_app
+    def __init__(self, report: Any, token: str | None = None):
+        from asyncrl.trainer.status_api import StatusServer
 
         self.report = report
-        self._server = StatusServer(create_app(lambda: self.report))
+        self._app = _AsgiDelegate()
+        self.require_token(token)
+        self._server = StatusServer(self._app)  # type: ignore[arg-type]
+
+    def require_token(self, token: str | None) -> None:
+        """Serve from now on as a trainer started with ASYNCRL_STATUS_TOKEN=token (None: open)."""
+        from asyncrl.trainer.status_api import create_app
+
+        self._app.app = create_app(lambda: self.report, token=token)
 
     @property
     def port(self) -> int:

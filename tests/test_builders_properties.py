@@ -14,7 +14,7 @@ from asyncrl.cli import COMMANDS
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.runtime import ENV_ENGINE_URL, ENV_JOB_UID, ENV_POD_NAME, ENV_REDIS_URL, ENV_WEIGHTS_DIR
+from asyncrl.runtime import ENV_ENGINE_URL, ENV_JOB_UID, ENV_POD_NAME, ENV_REDIS_URL, ENV_STATUS_TOKEN, ENV_WEIGHTS_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -150,8 +150,13 @@ def test_multinode_trainer_rendezvous():
     objs = build(VARIANTS["vllm-multinode"])
     sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("trainer"))
     cmd = sts["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert "--nnodes=3" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=c10d" in cmd
+    assert "--nnodes=3" in cmd and "--nproc-per-node=4" in cmd and "--rdzv-backend=static" in cmd
     assert "--rdzv-endpoint=qwen25-gsm8k-trainer-0.qwen25-gsm8k-trainer.ns.svc:29500" in cmd
+    # rank 0 is pod 0: the node rank is the pod's ordinal (tests/test_multinode_trainer.py runs it)
+    assert "--node-rank=$(ASYNCRL_NODE_RANK)" in cmd
+    env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ASYNCRL_NODE_RANK"]["valueFrom"] == {"fieldRef": {
+        "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     headless = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "qwen25-gsm8k-trainer")
     assert headless["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == "qwen25-gsm8k-trainer"
 
@@ -168,7 +173,9 @@ def test_vllm_engine_reports_logprobs_after_temperature_and_exposes_weight_reloa
 def test_external_redis_and_existing_claim():
     objs = build(VARIANTS["external-redis-existing-claim"])
     kinds = [o["kind"] for o in objs]
-    assert "Secret" not in kinds and "PersistentVolumeClaim" not in kinds
+    assert "PersistentVolumeClaim" not in kinds
+    # No Redis Secret of ours: only the status endpoint's token.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == [N.status_secret("qwen25-gsm8k")]
     # No Redis of ours, so no Redis policy: exactly the two that guard the engine and the trainer.
     policies = {o["metadata"]["name"]: o["spec"]["podSelector"]["matchLabels"]
                 for o in objs if o["kind"] == "NetworkPolicy"}
@@ -324,7 +331,8 @@ def test_every_asyncrl_process_knows_the_job_uid(variant):
 def test_pods_that_read_the_redis_secret_carry_its_hash(variant):
     """Redis, rollout and trainer pod templates carry the Secret's hash, so a new Secret rolls them all."""
     objs = build(VARIANTS[variant])
-    secret = next((o for o in objs if o["kind"] == "Secret"), None)
+    job = objs[0]["metadata"]["labels"][N.LABEL_JOB]
+    secret = next((o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == N.redis_secret(job)), None)
     for obj in objs:
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
@@ -346,3 +354,25 @@ def test_secret_hash_reads_data_and_string_data_alike():
     assert B.secret_hash(stored) != B.secret_hash({**stored, "metadata": {"uid": "re-created"}})
     rotated = {"metadata": {"uid": "u"}, "stringData": {**rendered["stringData"], "password": "new"}}
     assert B.secret_hash(rotated) != B.secret_hash(rendered)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_trainer_requires_the_jobs_status_token(variant):
+    """The trainer alone reads the status-token Secret (env) and carries its hash, so a rotated token
+    restarts the trainer with it; no other pod sees the token."""
+    objs = build(VARIANTS[variant])
+    job = objs[0]["metadata"]["labels"][N.LABEL_JOB]
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == N.status_secret(job))
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+    for obj in objs:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        template = obj["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        envs = [e for c in template["spec"]["containers"] for e in c.get("env", []) if e["name"] == ENV_STATUS_TOKEN]
+        if obj["metadata"]["name"] == N.trainer(job):
+            assert annotations[N.ANNOTATION_STATUS_AUTH_HASH] == B.secret_hash(secret)
+            assert envs == [{"name": ENV_STATUS_TOKEN, "valueFrom": {"secretKeyRef": {
+                "name": N.status_secret(job), "key": "token"}}}]
+        else:
+            assert N.ANNOTATION_STATUS_AUTH_HASH not in annotations and not envs

@@ -41,6 +41,7 @@ from test_operator_lifecycle import assert_rbac_covers
 from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
+from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 
@@ -381,7 +382,8 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     # every process of the job is gone; so is every object the job owned ...
     assert not any(alive(pid) for pid in running.values())
     assert not e2e.pods(job) and not e2e.cluster.alive_processes()
-    owned = [("configmaps", N.config_map(job)), ("secrets", N.redis_secret(job)), ("services", N.redis(job)),
+    owned = [("configmaps", N.config_map(job)), ("secrets", N.redis_secret(job)),
+             ("secrets", N.status_secret(job)), ("services", N.redis(job)),
              ("services", N.trainer(job)), ("services", N.status_service(job)), ("statefulsets", N.redis(job)),
              ("statefulsets", N.trainer(job)), ("deployments", N.rollout(job)),
              ("networkpolicies", N.redis_network_policy(job)), ("persistentvolumeclaims", f"data-{N.redis(job)}-0")]
@@ -458,16 +460,27 @@ async def test_trainer_started_after_succeeded_serves_the_outcome_and_trains_not
                    "the new trainer finds the recorded outcome", timeout=120)
     port = e2e.cluster.host_port(NS, pod_name, STATUS_PORT)
 
-    async def report() -> dict[str, Any] | None:
+    # The trainer requires the job's bearer token (from the operator's Secret, through its env).
+    token = secret_value(e2e.emu.get("secrets", NS, N.status_secret(job)), "token")
+    assert token
+
+    async def get_status(headers: dict[str, str]) -> tuple[int, Any] | None:
         import aiohttp
 
         try:
-            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/status") as resp:
-                return await resp.json() if resp.status == 200 else None
+            async with aiohttp.ClientSession() as http, \
+                    http.get(f"http://127.0.0.1:{port}/status", headers=headers) as resp:
+                return resp.status, await resp.json()
         except aiohttp.ClientError:
             return None
 
+    async def report() -> dict[str, Any] | None:
+        got = await get_status({"Authorization": f"Bearer {token}"})
+        return got[1] if got and got[0] == 200 else None
+
     served = await e2e.wait(report, "its /status answers")
+    unauthenticated = await get_status({})
+    assert unauthenticated is not None and unauthenticated[0] == 401, unauthenticated
     assert (served["phase"], served["step"], served["outcome_restored"]) == ("Succeeded", steps, True), served
     await asyncio.sleep(2.0)  # it would have published or trained by now if it were going to
     assert files() == before, "the trainer started after the end touched the weights volume"

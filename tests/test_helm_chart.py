@@ -97,8 +97,29 @@ def test_notes_tell_the_next_command(helm):
     ["--set", "metrics.port=70000"],
     ["--set", "unknownKey=1"],
     ["--set", "logLevel=trace"],
+    ["--set", "image.digest=sha256:abc"],
+    ["--set", "image.digest=ghcr.io/asyncrl/operator@sha256:" + "a" * 64],
+    ["--set", "jobImages.trainer=ghcr.io/asyncrl/trainer@sha256:" + "A" * 64],
+    ["--set", "jobImages.rollout=Not An Image"],
 ])
 def test_bad_values_are_rejected_by_the_schema(helm, bad):
     res = run_helm(helm, "template", "asyncrl", str(CHART), *bad)
     assert res.returncode != 0
     assert "values don't meet the specifications of the schema" in res.stderr or "schema" in res.stderr.lower()
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def test_images_can_be_pinned_by_digest(helm):
+    """image.digest pins the operator (repository:tag@digest); jobImages take digests as written and
+    the operator gets them verbatim (it keeps them intact in every pod it builds)."""
+    objs = template(helm, "--set", f"image.digest={DIGEST}", "--set", "image.tag=0.1.0",
+                    "--set", f"jobImages.trainer=registry.example.com/asyncrl/trainer@{DIGEST}",
+                    "--set", f"jobImages.rollout=ghcr.io/asyncrl/rollout:0.1.0@{DIGEST}")
+    container = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == f"ghcr.io/asyncrl/operator:0.1.0@{DIGEST}"
+    assert f"--trainer-image=registry.example.com/asyncrl/trainer@{DIGEST}" in container["args"]
+    assert f"--rollout-image=ghcr.io/asyncrl/rollout:0.1.0@{DIGEST}" in container["args"]
+    unpinned = next(o for o in template(helm) if o["kind"] == "Deployment")
+    assert "@" not in unpinned["spec"]["template"]["spec"]["containers"][0]["image"]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import kmock
 import pytest
 from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
 from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
 
+from asyncrl import runtime as R
+from asyncrl.operator import names as N
+from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, TrainerReport
 
@@ -56,6 +60,44 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert s["progress"]["percent"] == 100.0
             await wait_for(lambda: emu.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
                            what="rollout scaled to zero after success", log=op.log)
+        finally:
+            await op.stop()
+        assert_rbac_covers(emu)
+
+
+async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
+    """The operator creates the job's status-token Secret (random, owned by the job), the trainer's
+    env reads it, and the mirror sends it: a trainer that requires it is still mirrored, while a GET
+    without it (or with another token) is refused with 401."""
+    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(evaluated_report()) as trainer:
+        emu.kubeconfig(tmp_path / "kubeconfig")
+        op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
+                                   status_url_template=f"http://127.0.0.1:{trainer.port}").start()
+        try:
+            job = await create_job(emu, job_doc())
+            await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+            secret = emu.get("secrets", NS, N.status_secret("qwen"))
+            token = secret_value(secret, "token")
+            assert token and len(token) >= 32
+            assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+            sts = emu.get("statefulsets", NS, N.trainer("qwen"))
+            env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+            assert env[R.ENV_STATUS_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": N.status_secret("qwen"),
+                                                                            "key": "token"}
+
+            trainer.require_token(token)  # the trainer pod starts with the token in its env
+            await make_ready(emu)
+            status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
+            await wait_for(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
+
+            async with httpx.AsyncClient() as client:
+                url = f"http://127.0.0.1:{trainer.port}/status"
+                assert (await client.get(url)).status_code == 401
+                assert (await client.get(url, headers={"Authorization": "Bearer wrong"})).status_code == 401
+                ok = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+                assert ok.status_code == 200 and ok.json()["step"] == 42
+            # created once: later passes keep the token (the Secret is create-only)
+            assert secret_value(emu.get("secrets", NS, N.status_secret("qwen")), "token") == token
         finally:
             await op.stop()
         assert_rbac_covers(emu)

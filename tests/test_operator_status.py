@@ -400,3 +400,32 @@ def test_the_newest_evaluation_is_mirrored_for_the_eval_column():
     from asyncrl.spec import AsyncRLJobStatus
 
     assert AsyncRLJobStatus.model_validate(s4).evaluation.summary == "0.26@v20"  # the CRD's own model reads it
+
+
+def gated(name: str) -> dict:
+    """A pod Kueue holds: its admission scheduling gate, PodScheduled False/SchedulingGated."""
+    return {"metadata": {"name": name}, "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                            "reason": "SchedulingGated"}]}}
+
+
+def test_a_job_kueue_holds_is_queued_and_its_deadline_counts_from_admission():
+    """spec.queueName: while Kueue holds the pods (for longer than the startup deadline) the job is
+    Pending/Queued, not Failed; once admitted, the startup deadline counts from then."""
+    spec = view(startupDeadlineSeconds=60, queueName="gpu-team")
+    problems = S.pod_problems([gated("j-trainer-0"), gated("j-rollout-abc")])
+    assert [p.reason for p in problems] == ["Queued", "Queued"] and "Kueue" in problems[0].describe()
+    held = Observed(rollout_ready=0, trainer_ready=0, redis_ready=1, problems=problems)
+    s = compute_status(spec, {}, held, T0)
+    for hours in (1, 5):
+        s = compute_status(spec, s, held, T0 + timedelta(hours=hours))
+        assert (s["phase"], s["reason"]) == ("Pending", "Queued"), s
+    assert s["startTime"] == "2026-01-01T05:00:00Z"
+    admitted = T0 + timedelta(hours=5, seconds=1)
+    waiting = Observed(rollout_ready=0, trainer_ready=0, redis_ready=1)
+    s = compute_status(spec, s, waiting, admitted)
+    assert s["phase"] == "Initializing"
+    s = compute_status(spec, s, waiting, admitted + timedelta(seconds=30))
+    assert s["phase"] == "Initializing", "the 60 s deadline counts from admission, not from creation"
+    s = compute_status(spec, s, waiting, admitted + timedelta(seconds=61))
+    assert (s["phase"], s["reason"]) == ("Failed", "StartupDeadlineExceeded")
