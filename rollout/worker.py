@@ -765,10 +765,14 @@ class RolloutWorker:
                     self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
                                           if not lost else "it was unreachable")
                 self.engine_label, self.engine_version = label, version
-            else:
-                if lost:
-                    self._new_incarnation(uuid.uuid4().hex, "it was unreachable")
-                self.engine_label = None
+            else:  # the server's own label (vLLM 0.32's /weight_info) shows a restart; tokens still
+                # take the trainer's record (its answers carry no label)
+                raw = (await self.engine.model_info()).get("weight_version")
+                label = None if raw is None else str(raw)
+                if lost or (label == LAUNCH_LABEL and self.engine_label not in (None, LAUNCH_LABEL)):
+                    self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
+                                          if not lost else "it was unreachable")
+                self.engine_label = label
                 self.engine_version = (await self._record()).label_for(self.incarnation)
         except BaseException:
             self._engine_lost = self._engine_lost or lost

@@ -77,6 +77,7 @@ async def test_generate_reload_generate(vllm_server, tmp_path: Path):
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     try:
         assert await engine.ready()
+        assert (await engine.model_info())["weight_version"] == "default"  # vLLM's label at launch
         before = await engine.generate(prompt, greedy)
         assert len(before.output_ids) == len(before.logprobs) == 6 and before.weight_version is None
         assert all(lp <= 0 for lp in before.logprobs)
@@ -94,10 +95,11 @@ async def test_generate_reload_generate(vllm_server, tmp_path: Path):
         await engine.update_weights(str(v1), 1)
         await engine.resume()
         after = await engine.generate(prompt, greedy)
-        # vLLM has no weight label and the adapter invents none: the trainer's registry record is
-        # the label (tests/test_weight_sync.py covers tagging an unlabelled engine from it)
+        # /v1/completions answers carry no label and the adapter invents none: tokens take the
+        # trainer's registry record (tests/test_weight_sync.py covers tagging an unlabelled engine)
         assert after.weight_version is None and not engine.reports_weight_version
         assert (after.output_ids, after.logprobs) != (before.output_ids, before.logprobs)
-        assert (await engine.model_info())["weight_version"] is None
+        # ...but the server itself now says which weights it serves (set by update_weights)
+        assert (await engine.model_info())["weight_version"] == "1"
     finally:
         await engine.close()
