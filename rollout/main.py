@@ -82,7 +82,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or rt.redis_url
     engine_url = args.engine_url or rt.engine_url
     kind = args.engine or spec.rollout.engine
-    engine = make_engine(kind, engine_url)
+    engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds)
     deadline = time.monotonic() + args.ready_timeout
     while not await engine.ready():
         if time.monotonic() > deadline:
@@ -103,6 +103,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         job=job.metadata.name, engine_id=args.engine_id or rt.pod_name, group_size=alg.group_size,
         sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,
         max_concurrent_requests=spec.rollout.max_concurrent_requests, max_groups=args.max_groups,
+        max_tokens_per_request=spec.rollout.max_tokens_per_request,
         log_every_s=args.log_every, engine_outage_s=args.engine_outage_s,
         rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas,
         vocab_size=vocab_size(spec.model.path))

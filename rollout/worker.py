@@ -172,6 +172,8 @@ class WorkerConfig:
     engine_url: str = ""
     """The URL the trainer uses to reach this worker's engine (registered in EngineRegistry)."""
     max_concurrent_requests: int = 64
+    max_tokens_per_request: int | None = None
+    """Segment cap (spec.rollout.maxTokensPerRequest): longer answers take consecutive requests."""
     max_retries: int = 3
     """Engine errors tolerated per sample before the group is dropped (an unreachable engine is
     waited for instead, see `engine_outage_s`)."""
@@ -253,6 +255,8 @@ class WorkerStats:
     request_errors: int = 0
     interrupted: int = 0
     """Segments that ended in "abort" and were continued (partial rollouts)."""
+    segments: int = 0
+    """Segments that reached `max_tokens_per_request` and were continued (long answers)."""
     held: int = 0
     """Segments held back while the trainer updated an engine without weight labels (vLLM)."""
     discarded: int = 0
@@ -551,7 +555,8 @@ class RolloutWorker:
             remaining = budget - len(ids)
             if remaining <= 0:
                 return _Sample(ids, lps, vers, "length")
-            params = replace(self.cfg.sampling, max_new_tokens=remaining)
+            asked = min(remaining, self.cfg.max_tokens_per_request or remaining)
+            params = replace(self.cfg.sampling, max_new_tokens=asked)
             try:
                 await self._wait_for_weights()
                 before = None if self.labelled else await self._settled_record()
@@ -571,6 +576,9 @@ class RolloutWorker:
             ids += result.output_ids
             lps += result.logprobs
             vers += [version] * len(result.output_ids)
+            if result.finish_reason == "length" and asked < remaining and len(result.output_ids) == asked:
+                self.stats.segments += 1  # the segment cap, not the answer's budget: continue it
+                continue
             if result.finish_reason != "abort":
                 return _Sample(ids, lps, vers, result.finish_reason)
             self.stats.interrupted += 1

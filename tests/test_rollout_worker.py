@@ -276,3 +276,22 @@ async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(e
     assert not worker.health.is_failing("engine-weights", fake.url)
     if engine_label == "3":
         assert fake.state.control_calls == [] and fake.state.update_calls == []
+
+
+async def test_a_long_answer_is_generated_in_segments_that_continue_each_other(env):
+    """spec.rollout.maxTokensPerRequest: 40 tokens asked 16 at a time make one answer of 40, each
+    request continuing the last (prompt + the tokens so far), the last one ending it at the budget."""
+    redis, fake, names = env
+    worker = make_worker(redis, fake, names, n=1, max_new=40, max_groups=1)
+    worker.cfg.max_tokens_per_request = 16
+    stats = await asyncio.wait_for(worker.run(), 60)
+    [group] = await published(redis, names)
+    [sample] = group.samples
+    prompt, ids = list(group.prompt_ids), list(sample.response_ids)
+    assert len(ids) == 40 and sample.finish_reason == "length" and stats.segments == 2
+    assert [c["max_new_tokens"] for c in fake.state.generate_calls] == [16, 16, 8]
+    assert [c["input_ids"] for c in fake.state.generate_calls] == [prompt, prompt + ids[:16], prompt + ids[:32]]
+    for start in (0, 16, 32):
+        assert ids[start:start + 16] == [fake_token(prompt + ids[:start], j) for j in range(len(ids[start:start + 16]))]
+    assert list(sample.behav_logprobs) == pytest.approx([fake_logprob(j, "default") for j in range(16)] * 2
+                                                        + [fake_logprob(j, "default") for j in range(8)], abs=1e-6)
