@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from dataclasses import asdict
 
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel, VersionEvent
@@ -78,3 +80,21 @@ async def test_trainer_record_of_engine_weights(transport_redis):
 
     # a marker past its deadline (the trainer died mid-update) does not hold anyone
     assert not EngineWeights(version=1, updating=2, until=time.time() - 1).in_progress()
+
+
+async def test_prune_forgets_engines_silent_too_long_and_their_records(transport_redis):
+    """Pods replaced under new names (a Deployment's) leave entries nobody heartbeats: pruned after
+    `older_than_s`, with the trainer's records of engines that no longer have an entry."""
+    registry = EngineRegistry(transport_redis, NAMES)
+    now = time.time()
+    await registry.register(EngineInfo("live", "http://live:30000", 3, True, now))
+    await registry.register(EngineInfo("gone", "http://gone:30000", 2, True, now - 7200))
+    await transport_redis.hset(NAMES.engines, "corrupt", b"{not json")
+    for engine_id, age in (("live", 7200), ("gone", 7200), ("orphan-old", 7200), ("orphan-new", 10)):
+        await transport_redis.hset(NAMES.engine_weights, engine_id,
+                                   json.dumps(asdict(EngineWeights(version=2, time=now - age))))
+    assert await registry.prune(older_than_s=3600) == 4  # gone, corrupt; the records of gone and orphan-old
+    assert set(await transport_redis.hkeys(NAMES.engines)) == {b"live"}
+    assert set(await transport_redis.hkeys(NAMES.engine_weights)) == {b"live", b"orphan-new"}
+    assert [e.engine_id for e in await registry.list(max_age_s=30)] == ["live"]
+    assert await registry.prune(older_than_s=3600) == 0

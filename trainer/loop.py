@@ -81,6 +81,8 @@ HISTORY_LIMIT = 500
 EVAL_HISTORY_LIMIT = HISTORY_LIMIT
 """Evaluations kept in the report (one per policy version, the newest versions)."""
 ENGINE_REFRESH_S = 5.0
+PRUNE_EVERY_S = 60.0
+"""How often refresh_engines also prunes the registry of long-silent engines."""
 """While rank 0 waits (for a batch, for the final evaluation): refresh engines and read eval results this often."""
 FINAL_EVAL_POLL_S = 0.5
 """While waiting for the final evaluation, re-read the results (and check for a stop) this often."""
@@ -164,6 +166,8 @@ class RunConfig:
     read_block_ms: int = 1000
     engine_max_age_s: float = 30.0
     """Engines whose registry heartbeat is older than this are ignored."""
+    engine_prune_s: float = 3600.0
+    """Registry entries (and trainer records) of engines silent this long are removed (registry.prune)."""
     pending_check_s: float = 30.0
     """How often rank 0 re-reads its own pending list and reclaims idle entries (inbox.py)."""
     reclaim_idle_ms: int = 600_000
@@ -207,6 +211,7 @@ class Trainer:
         self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
         self._committed_step = self.state.step
         self._last_step_end = time.time()
+        self._last_prune = -math.inf
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
@@ -264,6 +269,11 @@ class Trainer:
                 log.warning("engine catch-up failed: %s", exc)
         try:
             infos = await self.io.registry.list(max_age_s=self.cfg.engine_max_age_s)
+            if time.monotonic() - self._last_prune >= PRUNE_EVERY_S:
+                self._last_prune = time.monotonic()
+                if pruned := await self.io.registry.prune(self.cfg.engine_prune_s):
+                    log.info("engine registry: removed %d entr%s silent for %.0fs", pruned,
+                             "y" if pruned == 1 else "ies", self.cfg.engine_prune_s)
         except Exception as exc:
             log.warning("engine registry unavailable: %s", exc)
             return []

@@ -174,6 +174,31 @@ def _weights(raw: Any) -> EngineWeights | None:
         return None
 
 
+# KEYS: engines, engine weights. ARGV: older_than_s -> entries removed (heartbeats and records).
+_PRUNE_LUA = """
+local t = redis.call('TIME')
+local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
+local removed = 0
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local ok, info = pcall(cjson.decode, entries[i + 1])
+  if not ok or type(info) ~= 'table' or tonumber(info['heartbeat'] or 0) < cutoff then
+    removed = removed + redis.call('HDEL', KEYS[1], entries[i])
+  end
+end
+local records = redis.call('HGETALL', KEYS[2])
+for i = 1, #records, 2 do
+  if redis.call('HEXISTS', KEYS[1], records[i]) == 0 then
+    local ok, rec = pcall(cjson.decode, records[i + 1])
+    if not ok or type(rec) ~= 'table' or tonumber(rec['time'] or 0) < cutoff then
+      removed = removed + redis.call('HDEL', KEYS[2], records[i])
+    end
+  end
+end
+return removed
+"""
+
+
 class EngineRegistry:
     """Hash engine_id -> JSON EngineInfo (workers' heartbeats), and engine_id -> JSON EngineWeights
     (the trainer's record) under a sibling key with the same hash tag."""
@@ -182,6 +207,7 @@ class EngineRegistry:
         self.redis = redis
         self.names = names
         self.weights_key = names.engine_weights
+        self._prune = redis.register_script(_PRUNE_LUA)
 
     async def register(self, info: EngineInfo) -> None:
         """Insert or refresh an engine (call every few seconds as a heartbeat)."""
@@ -213,6 +239,13 @@ class EngineRegistry:
                 info.fenced = rec.fenced
             out.append(info)
         return sorted(out, key=lambda e: e.engine_id)
+
+    async def prune(self, older_than_s: float) -> int:
+        """Forget engines whose last heartbeat is older than `older_than_s` (their pods are gone:
+        replaced under another name, or scaled away), corrupt entries, and the trainer's records of
+        engines that have no entry and were not updated for as long; how many entries went. One
+        script, so a worker that heartbeats meanwhile is never removed."""
+        return int(await self._prune(keys=[self.names.engines, self.weights_key], args=[older_than_s]))
 
     async def remove(self, engine_id: str) -> None:
         """Forget an engine (its pod is shutting down). The trainer's record stays: a restarted
