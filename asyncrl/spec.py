@@ -649,6 +649,25 @@ class ProgressStatus(StatusModel):
     tokens_per_second: float = 0.0
 
 
+class RecoveryStatus(StatusModel):
+    """What the job recovered from, in totals since it started (the trainer's report: /status)."""
+
+    dead_lettered: int = 0
+    """Trajectory groups the trainer refused (`asyncrl dead-letters NAME --uid UID` lists them)."""
+    drift_lost: int = 0
+    """Admission slots reconciliation gave back: groups counted as produced that existed nowhere."""
+    drift_found: int = 0
+    """Groups reconciliation counted: published, but their release never landed."""
+    leases_returned: int = 0
+    """Admission leases of killed rollout workers returned by their replacements."""
+    recovered_entries: int = 0
+    """Stream entries the current trainer re-read after a lost read reply."""
+    reclaimed_entries: int = 0
+    """Stream entries the current trainer took over from a dead consumer."""
+    fenced_engines: int = 0
+    """Rollout engines the trainer fenced now (failing weight updates; retried in the background)."""
+
+
 class EvaluationStatus(StatusModel):
     """The newest held-out evaluation, mirrored from the trainer's /status."""
 
@@ -678,6 +697,8 @@ class AsyncRLJobStatus(StatusModel):
     progress: ProgressStatus = Field(default_factory=ProgressStatus)
     evaluation: EvaluationStatus | None = None
     """Set once the first held-out evaluation is done (spec.evaluation)."""
+    recovery: RecoveryStatus | None = None
+    """Set from the trainer's first report on."""
     status_url: str | None = Field(default=None, alias="statusURL")
 
 

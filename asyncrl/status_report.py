@@ -150,6 +150,8 @@ class AdmissionReport(_Report):
     """Groups that may start now."""
     drift: int = 0
     """The last check's drift not yet repaired (< 0: counted groups that exist nowhere)."""
+    dead_lettered: int = 0
+    """Groups dead-lettered since the job started (every trainer life; `dead_lettered` above is this one's)."""
     drift_lost: int = 0
     """Groups taken out of `accepted` by reconciliation since the job started."""
     drift_found: int = 0

@@ -50,6 +50,7 @@ from asyncrl.operator.mirror import (
     OutcomeReader,
     fetch_report,
     managed_redis_url,
+    recovery_events,
     secret_value,
     status_endpoint,
 )
@@ -457,6 +458,8 @@ async def _write(k: Kube, body: Obj, actual: Obj, new: Obj, logger: kopf.Logger)
                 raise StatusConflict(str(exc)) from None
             raise
     metrics.record_status(ns, name, new)
+    for kind, reason, message in recovery_events(actual.get("recovery"), new.get("recovery")):
+        kopf.event(kopf.Body(cast(kopf.RawBody, body)), type=kind, reason=reason, message=message)
     if actual.get("phase") != new["phase"] or actual.get("reason") != new["reason"]:
         warning = new["phase"] == "Failed" or new["reason"] in WARNING_REASONS
         # kopf.event reads only apiVersion, kind and metadata of the (plain dict) body.

@@ -31,6 +31,7 @@ from asyncrl.spec import (
     AsyncRLJobStatus,
     EvaluationStatus,
     ProgressStatus,
+    RecoveryStatus,
     StalenessStatus,
     TrainerStatus,
 )
@@ -124,6 +125,39 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     newest = newest_evaluation(report.evaluations)
     if newest is not None:
         status.evaluation = evaluation_status(newest)
+    a = report.admission
+    status.recovery = RecoveryStatus(
+        dead_lettered=max(a.dead_lettered, report.dead_lettered), drift_lost=a.drift_lost,
+        drift_found=a.drift_found, leases_returned=a.leases_returned, recovered_entries=report.recovered_entries,
+        reclaimed_entries=report.reclaimed_entries, fenced_engines=sum(1 for e in report.rollout if e.fenced))
+
+
+RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
+    # (status.recovery field, Event type, reason, what one more of it means)
+    ("deadLettered", "Warning", "GroupsDeadLettered",
+     "trajectory group(s) refused by the trainer; list them with `asyncrl dead-letters`"),
+    ("driftLost", "Warning", "AdmissionDriftRepaired",
+     "admission slot(s) given back: groups counted as produced that existed nowhere"),
+    ("driftFound", "Normal", "AdmissionDriftRepaired", "published group(s) counted whose release never landed"),
+    ("leasesReturned", "Normal", "LeasesReturned", "admission lease(s) of killed rollout workers returned"),
+    ("reclaimedEntries", "Normal", "EntriesReclaimed", "stream entries taken over from a dead trainer consumer"),
+    ("fencedEngines", "Warning", "EngineFenced",
+     "rollout engine(s) fenced after failed weight updates (retried in the background)"),
+)
+
+
+def recovery_events(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of an Event for each recovery figure of the job's status that grew
+    between two writes (a figure that went down is a new trainer life starting over: no Event)."""
+    out: list[tuple[str, str, str]] = []
+    if not new:
+        return out
+    old = old or {}
+    for key, kind, reason, what in RECOVERY_EVENTS:
+        before, after = int(old.get(key) or 0), int(new.get(key) or 0)
+        if after > before:
+            out.append((kind, reason, f"{after - before} more {what} ({after} now)"))
+    return out
 
 
 # ----------------------------------------------------------------------------------- outcome record

@@ -258,6 +258,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         meta = obj.setdefault("metadata", {})
         if request.namespace:
             meta["namespace"] = request.namespace
+        if not meta.get("name"):  # as the API server does: generateName + 5 random characters, else 422
+            if not meta.get("generateName"):
+                raise _err(422, "Invalid", f"{request.resource.plural}: metadata.name or generateName is required")
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         key = (request.resource, meta.get("namespace"), meta.get("name"))
         if key in self.objects and not self.objects[key].deleted:
             raise _err(409, "AlreadyExists", f'{request.resource.plural} "{meta.get("name")}" already exists')

@@ -397,7 +397,8 @@ class Trainer:
             self.report.recovered_entries, self.report.reclaimed_entries = stats.recovered, stats.reclaimed
             self.report.admission = AdmissionReport(
                 accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
-                drift=check.drift - check.repaired, drift_lost=snap.drift_lost, drift_found=snap.drift_found,
+                drift=check.drift - check.repaired, dead_lettered=snap.dead_lettered,
+                drift_lost=snap.drift_lost, drift_found=snap.drift_found,
                 leases_returned=snap.leases_returned)
 
     def _count_dropped(self, count: int) -> None:
