@@ -16,10 +16,12 @@ def vllm_server_command(python: str, model: str, *, host: str, port: int | str, 
 
     `--logprobs-mode processed_logprobs` makes vLLM report logprobs after temperature (the
     behaviour policy's); the default reports them before, which is wrong whenever T != 1.
+    `--enable-scale-out` turns on vLLM 0.32's token-in/token-out /inference/v1/generate, the route
+    whose answers carry the weight version of every token (the adapter generates there).
     """
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
            "--port", str(port), "--dtype", dtype, "--tensor-parallel-size", str(tensor_parallel),
-           "--logprobs-mode", "processed_logprobs"]
+           "--logprobs-mode", "processed_logprobs", "--enable-scale-out"]
     if eager:
         cmd.append("--enforce-eager")  # CPU: skip graph capture (starts in ~26 s for 135M)
     return cmd + list(extra)

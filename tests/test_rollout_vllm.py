@@ -79,7 +79,8 @@ async def test_generate_reload_generate(vllm_server, tmp_path: Path):
         assert await engine.ready()
         assert (await engine.model_info())["weight_version"] == "default"  # vLLM's label at launch
         before = await engine.generate(prompt, greedy)
-        assert len(before.output_ids) == len(before.logprobs) == 6 and before.weight_version is None
+        assert len(before.output_ids) == len(before.logprobs) == 6
+        assert before.weight_version == 0 and engine.reports_weight_version  # the server's "default" label
         assert all(lp <= 0 for lp in before.logprobs)
 
         state = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -95,11 +96,9 @@ async def test_generate_reload_generate(vllm_server, tmp_path: Path):
         await engine.update_weights(str(v1), 1)
         await engine.resume()
         after = await engine.generate(prompt, greedy)
-        # /v1/completions answers carry no label and the adapter invents none: tokens take the
-        # trainer's registry record (tests/test_weight_sync.py covers tagging an unlabelled engine)
-        assert after.weight_version is None and not engine.reports_weight_version
+        # the server labels the tokens with the version update_weights set, not the client
+        assert after.weight_version == 1 and after.meta["weight_versions"] == [{"version": "1", "start": 0, "end": 6}]
         assert (after.output_ids, after.logprobs) != (before.output_ids, before.logprobs)
-        # ...but the server itself now says which weights it serves (set by update_weights)
         assert (await engine.model_info())["weight_version"] == "1"
     finally:
         await engine.close()

