@@ -7,12 +7,12 @@ Each test makes one of the leaks seen under faults: a group counted as accepted 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
+from tests.polling import poll
 
 NAMES = StreamNames.for_job("job")
 
@@ -31,13 +31,6 @@ async def produce(adm: Admission, redis, group, holder: str = "rollout-0") -> st
     entry_id = await TrajectoryProducer(redis, NAMES).publish(group)
     await adm.release(lease, accepted=True)
     return entry_id
-
-
-async def until(predicate, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_group_redis_lost_would_deadlock_eta_zero_and_reconciliation_gives_its_slot_back(
@@ -70,7 +63,7 @@ async def test_a_published_group_whose_release_never_landed_is_counted(transport
     assert lease is not None
     await TrajectoryProducer(transport_redis, NAMES).publish(make_trajectory_group("g0"))
     assert (await inbox.reconcile()).drift == 0  # published, lease live: the release is on its way
-    await until(lambda: _running_is(adm, 0))  # the worker died before its release; the lease expired
+    await poll(lambda: _running_is(adm, 0))  # the worker died before its release; the lease expired
     assert [(c.drift, c.repaired) for c in (await inbox.reconcile(), await inbox.reconcile())] == [(1, 0), (1, 1)]
     snap = await adm.snapshot()
     assert (snap.accepted, snap.drift_found, snap.drift_lost) == (1, 1, 0)
@@ -85,7 +78,7 @@ async def test_a_release_landing_between_two_checks_is_never_repaired(transport_
     lease = await adm.try_acquire("rollout-0")
     assert lease is not None
     await TrajectoryProducer(transport_redis, NAMES).publish(make_trajectory_group("g0"))
-    await until(lambda: _running_is(adm, 0))  # a slow group: its lease expired before the release
+    await poll(lambda: _running_is(adm, 0))  # a slow group: its lease expired before the release
     assert (await inbox.reconcile()).drift == 1
     await adm.release(lease, accepted=True)  # a late release still counts the published group
     check = await inbox.reconcile()

@@ -24,18 +24,10 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
+from tests.polling import poll
 from tests.sglang_fake import FakeSGLang, fake_logprob
 
 JOB = "rejoin"
-
-
-async def poll(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        if await cond():
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
+from tests.polling import poll
 from tests.sglang_fake import FakeSGLang, fake_logprob, fake_token
 
 JOB = "wtest"
@@ -30,16 +31,6 @@ def render(question: str) -> list[int]:
 
 def decode(ids: list[int]) -> str:
     return " ".join(map(str, ids))
-
-
-async def poll(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await cond()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture

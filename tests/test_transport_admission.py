@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,21 +11,10 @@ import pytest
 from asyncrl.transport.admission import Admission, admission_capacity, is_too_stale
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer
+from tests.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = StreamNames.for_job("job")
-
-
-async def wait_for(predicate, timeout: float = 20.0, interval: float = 0.01):
-    """Poll an async predicate until it returns a truthy value (no fixed sleeps as sync)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 def test_capacity_rule():
@@ -67,7 +54,7 @@ async def test_expired_leases_are_released(transport_redis):
     crashed = await adm.try_acquire("crashed-pod")
     assert crashed and await adm.try_acquire("pod-b") is None
     # nobody releases `crashed`: its slot comes back when the lease expires
-    lease_b = await wait_for(lambda: adm.try_acquire("pod-b"))
+    lease_b = await poll(lambda: adm.try_acquire("pod-b"))
     snap = await adm.snapshot()
     assert snap.running == 1 and snap.accepted == 0
     assert await adm.renew(crashed) is False
@@ -80,7 +67,7 @@ async def test_renew_extends_the_lease(transport_redis):
     adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=4, lease_seconds=60)
     lease = await adm.try_acquire("pod")
     before = await transport_redis.zscore(NAMES.admission_leases, lease)
-    await wait_for(lambda: _renewed_later(adm, lease, before))  # server clock moved: expiry moved
+    await poll(lambda: _renewed_later(adm, lease, before))  # server clock moved: expiry moved
     assert await adm.release(lease, accepted=False)
 
 
@@ -194,7 +181,7 @@ async def test_three_producer_processes_never_exceed_the_bound(transport_redis, 
             async def saturated():
                 snap = await adm.snapshot()
                 return snap.capacity == 0 and snap.running == 0
-            await wait_for(saturated, timeout=60)
+            await poll(saturated, timeout=60)
             for p in procs:
                 assert p.poll() is None, p.stderr.read().decode()
             need, batch_groups = batch, []
@@ -203,7 +190,7 @@ async def test_three_producer_processes_never_exceed_the_bound(transport_redis, 
                 await r.xadd(events, {"type": "dropped", "n": 1})
                 await adm.record_dropped(1)
                 await consumer.ack([victim])
-                await wait_for(saturated, timeout=60)
+                await poll(saturated, timeout=60)
             while need:
                 got = await consumer.read(need, 1000)
                 batch_groups += got

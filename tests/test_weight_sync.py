@@ -22,6 +22,7 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
+from tests.polling import poll
 from tests.sglang_fake import FakeSGLang
 
 JOB = "wsync"
@@ -60,15 +61,6 @@ class WorkerEngine(SGLangEngine):
 
 def render(question: str) -> list[int]:
     return [ord(c) % 200 + 3 for c in question][:12]
-
-
-async def poll(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        if await cond():
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
