@@ -16,6 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
 from asyncrl.engine_servers import VLLM_SERVER_ENV
+from asyncrl.runtime import HEALTH_GENERATION_ENV
 from asyncrl.spec_base import GROUP, SpecModel, parse_quantity
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -701,7 +702,8 @@ class RolloutPodTemplate(PodTemplateOverlay):
     """Added to the rollout pods (engine and worker containers); merge rules: docs/operator.md, Pod templates."""
 
     ROLE: ClassVar[str] = "rollout"
-    RESERVED_ENV: ClassVar[frozenset[str]] = _POD_ENV | {"POD_IP", *VLLM_SERVER_ENV}
+    RESERVED_ENV: ClassVar[frozenset[str]] = _POD_ENV | {"POD_IP", "VLLM_API_KEY", HEALTH_GENERATION_ENV,
+                                                         *VLLM_SERVER_ENV}
     RESERVED_VOLUMES: ClassVar[frozenset[str]] = _POD_VOLUMES
     RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = _POD_MOUNTS
     READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = ("/etc/asyncrl",)

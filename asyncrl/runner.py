@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from asyncrl.outcome import (
     read_outcome_redis_sync,
     remove_outcome_file,
 )
-from asyncrl.runtime import Runtime
+from asyncrl.runtime import ENV_ENGINE_API_KEY, Runtime
 from asyncrl.transport.names import StreamNames
 
 # `asyncrl --help` imports this module (asyncrl/cli.py), so the heavier imports (pydantic job
@@ -212,6 +213,8 @@ def engine_child(i: int, kind: str, job_file: Path, port: int, threads: int, see
         from asyncrl.models import resolve_model_path
 
         env.update(VLLM_SERVER_ENV, VLLM_CPU_OMP_THREADS_BIND="nobind")
+        if base_env.get(ENV_ENGINE_API_KEY):  # vLLM's --api-key, read from env: never in argv
+            env["VLLM_API_KEY"] = base_env[ENV_ENGINE_API_KEY]
         argv = vllm_server_command(python, resolve_model_path(model_path), host="127.0.0.1", port=port,
                                    dtype="bfloat16", eager=True, extra=["--seed", str(seed)])
     else:
@@ -220,9 +223,12 @@ def engine_child(i: int, kind: str, job_file: Path, port: int, threads: int, see
     return Child(f"engine-{i}", argv, env, logs / f"engine-{i}.log")
 
 
-def wait_ready(url: str, kind: str, children: list[Child], deadline: float) -> Child | None:
+def wait_ready(url: str, kind: str, children: list[Child], deadline: float,
+               api_key: str | None = None) -> Child | None:
     """Poll the engine until it answers; return a child that died meanwhile (or None)."""
     import httpx
+
+    from asyncrl.rollout.engines.auth import auth_header
 
     path = "/v1/models" if kind == "vllm" else "/ready"
     while time.monotonic() < deadline:
@@ -230,7 +236,7 @@ def wait_ready(url: str, kind: str, children: list[Child], deadline: float) -> C
             if c.poll() is not None:
                 return c
         try:
-            if httpx.get(url + path, timeout=2.0).status_code == 200:
+            if httpx.get(url + path, timeout=2.0, headers=auth_header(api_key)).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass
@@ -380,8 +386,11 @@ def main(args: argparse.Namespace) -> int:
 
     print(f"asyncrl run: job {name}, run directory {run_dir}", flush=True)
     redis = LocalRedis(run_dir / "redis").start()
+    # A fresh engine API key per run: the engines require it and the workers and trainer send it,
+    # as in a cluster (the operator's engine-auth Secret), so the local path exercises it too.
     runtime = Runtime(redis_url=redis.url, weights_dir=run_dir / "weights",
-                      checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir)
+                      checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir,
+                      engine_api_key=secrets.token_urlsafe(32))
     names = runtime.stream_names(name)
     previous = _previous_attempt(redis.url, names, runtime.weights_dir, max_steps)
     if previous is not None:  # this run directory's job already ended and has nothing left to do
@@ -440,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
         progress.update(None, "starting engines")
         deadline = time.monotonic() + args.startup_timeout
         for c, url in engines:
-            failed = wait_ready(url, kind, [c, trainer], deadline)
+            failed = wait_ready(url, kind, [c, trainer], deadline, runtime.engine_api_key)
             if failed:
                 break
         if failed is None:

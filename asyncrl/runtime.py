@@ -25,6 +25,11 @@ ENV_ROLLOUT_INDEX = "ASYNCRL_ROLLOUT_INDEX"
 ENV_ROLLOUT_REPLICAS = "ASYNCRL_ROLLOUT_REPLICAS"
 ENV_STATUS_TOKEN = "ASYNCRL_STATUS_TOKEN"
 ENV_JOB_UID = "ASYNCRL_JOB_UID"
+ENV_ENGINE_API_KEY = "ASYNCRL_ENGINE_API_KEY"
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+"""Set to "false" (the rollout pods do), the pinned SGLang's GET /health answers 200 once the server is
+up without generating a token, so it does not wait behind a pause: the readiness probe, and a route
+the engine's --api-key leaves open. Our hf server (rollout/hf_server.py) honours it too."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -64,6 +69,9 @@ class Runtime:
     job_uid: str = ""
     """The AsyncRLJob's metadata.uid (the operator sets it; "" for local runs): in every Redis key
     and in the trainer's outcome record, so a re-created job never reads an old run."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """The engines' API key (SGLang/vLLM `--api-key`): the worker and the trainer send it as a bearer
+    token on every engine request. None: the engines are open (the NetworkPolicy is the only fence)."""
 
     @classmethod
     def from_env(cls) -> Runtime:
@@ -81,6 +89,7 @@ class Runtime:
             rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 0),
             status_token=env.get(ENV_STATUS_TOKEN) or None,
             job_uid=env.get(ENV_JOB_UID, ""),
+            engine_api_key=env.get(ENV_ENGINE_API_KEY) or None,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -101,6 +110,8 @@ class Runtime:
             out[ENV_STATUS_TOKEN] = self.status_token
         if self.job_uid:
             out[ENV_JOB_UID] = self.job_uid
+        if self.engine_api_key:
+            out[ENV_ENGINE_API_KEY] = self.engine_api_key
         return out
 
     def stream_names(self, job: str) -> StreamNames:

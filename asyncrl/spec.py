@@ -666,6 +666,12 @@ class RecoveryStatus(StatusModel):
     """Stream entries the current trainer took over from a dead consumer."""
     fenced_engines: int = 0
     """Rollout engines the trainer fenced now (failing weight updates; retried in the background)."""
+    trainer_restarts: int = 0
+    """Times the trainer started again after a crash or a kill."""
+    engine_restarts: int = 0
+    """Rollout engines seen coming back as a new incarnation."""
+    engine_resyncs: int = 0
+    """Engines the trainer loaded with the current weights after they joined, restarted or lagged."""
 
 
 class EvaluationStatus(StatusModel):

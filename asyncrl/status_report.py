@@ -198,6 +198,12 @@ class TrainerReport(_Report):
     reclaimed_entries: int = 0
     """Stream entries this trainer took over from a dead consumer's pending list."""
     admission: AdmissionReport = Field(default_factory=AdmissionReport)
+    trainer_restarts: int = 0
+    """Times the job's trainer started again after a crash or a kill (job total)."""
+    engine_restarts: int = 0
+    """Rollout engines seen coming back as a new incarnation (job total)."""
+    engine_resyncs: int = 0
+    """Engines the trainer's catch-up loaded with the current weights (job total)."""
     proximal_seconds: float = 0.0
     step_seconds: float = 0.0
     weight_sync_seconds: float = 0.0

@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import signal
 import sys
 import time
@@ -160,7 +161,8 @@ class ChaosJob:
         self.job_file.write_text(yaml.safe_dump(job_document(self.name, model, cfg), sort_keys=False))
         self.redis = LocalRedis(run_dir / "redis").start()
         runtime = Runtime(redis_url=self.redis.url, weights_dir=run_dir / "weights",
-                          checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir)
+                          checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir,
+                          engine_api_key=secrets.token_urlsafe(32))  # (as `asyncrl run` and the operator do)
         self.runtime, self.names = runtime, runtime.stream_names(self.name)
         logs = run_dir / "logs"
         base = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}

@@ -62,6 +62,8 @@ class BuildContext:
     """Only used to fill the managed-Redis Secret when it is first created (never patched)."""
     status_token: str = ""
     """Only used to fill the status-token Secret when it is first created (never patched)."""
+    engine_api_key: str = ""
+    """Only used to fill the engine API key Secret when it is first created (never patched)."""
     trainer_image: str = DEFAULT_TRAINER_IMAGE
     """Used when spec.trainer.image is unset."""
     rollout_image: str = DEFAULT_ROLLOUT_IMAGE
@@ -150,9 +152,10 @@ def secret_hash(secret: Obj) -> str:
 
 
 def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = True,
-                          status_token: bool = False) -> Obj:
+                          status_token: bool = False, engine_key: bool = True) -> Obj:
     """Pod-template annotations whose change rolls the pods: the config hash and the hashes of the
-    Secrets the pods read (Redis's; the status token's with `status_token`, the trainer alone).
+    Secrets the pods read (Redis's; the engine API key's with `engine_key`, the rollout and the trainer;
+    the status token's with `status_token`, the trainer alone).
 
     The Secret hash rendered here is that of the Secret these builders render (so `asyncrl render`
     is self-consistent); the operator's apply layer replaces it with the hash of the live Secret.
@@ -162,6 +165,8 @@ def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = 
         out[N.ANNOTATION_REDIS_AUTH_HASH] = secret_hash(redis_secret(job, ctx))
     if status_token:
         out[N.ANNOTATION_STATUS_AUTH_HASH] = secret_hash(status_secret(job, ctx))
+    if engine_key:
+        out[N.ANNOTATION_ENGINE_AUTH_HASH] = secret_hash(engine_secret(job, ctx))
     return out
 
 
@@ -186,7 +191,15 @@ def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
         {"name": R.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"},
+        _engine_api_key_env(job),
     ]
+
+
+def _engine_api_key_env(job: AsyncRLJob) -> Obj:
+    """ASYNCRL_ENGINE_API_KEY from the job's engine Secret: the engine requires it (its --api-key),
+    the worker and the trainer send it as a bearer token (asyncrl.runtime.Runtime.engine_api_key)."""
+    return {"name": R.ENV_ENGINE_API_KEY, "valueFrom": {"secretKeyRef": {
+        "name": N.engine_secret(job.metadata.name), "key": "api-key"}}}
 
 
 def _tracker_env(job: AsyncRLJob) -> tuple[list[Obj], list[Obj]]:
@@ -336,6 +349,16 @@ def status_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "stringData": {"token": ctx.status_token}}
 
 
+def engine_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The engines' API key: SGLang and our hf server refuse every route but /health* without it
+    (`--api-key`), vLLM every /v1 route (its dev endpoints stay open: rollout_network_policy fences
+    them); the workers and the trainer send it. Created once with a random key (create-only, like the
+    Redis Secret) and owned by the job; a rotated key rolls the rollout pods and the trainer."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(job, ctx, N.engine_secret(job.metadata.name), "rollout"),
+            "stringData": {"api-key": ctx.engine_api_key}}
+
+
 def redis_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     name = job.metadata.name
     return {"apiVersion": "v1", "kind": "Service",
@@ -402,7 +425,7 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "selector": {"matchLabels": selector},
             "template": apply_pod_template({
                 "metadata": {"labels": {**N.job_labels(name), **selector},
-                             "annotations": _template_annotations(job, ctx, config=False)},
+                             "annotations": _template_annotations(job, ctx, config=False, engine_key=False)},
                 "spec": {"securityContext": _pod_security(REDIS_UID), "automountServiceAccountToken": False,
                          "containers": [container],
                          # in memory: the password file never reaches a node's disk
@@ -503,13 +526,19 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     ro, model = job.spec.rollout, job.spec.model
     tp = str(max(ro.gpus_per_replica, 1))
     port = str(ENGINE_PORT)
-    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"}]
+    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"},
+                      _engine_api_key_env(job)]
+    # SGLang's (and our hf server's) GET /health then answers without generating a token (readiness)
+    light_health = {"name": R.HEALTH_GENERATION_ENV, "value": "false"}
     image = ro.image
-    # SGLang (pinned 0.5.10.post1, asyncrl.rollout.engines.sglang) and our hf server: GET /model_info.
-    ready_path = "/model_info"
+    # SGLang (pinned 0.5.10.post1, asyncrl.rollout.engines.sglang), our hf server and vLLM: GET /health,
+    # the one route their --api-key leaves open (the kubelet sends no key).
+    ready_path = "/health"
     if ro.engine == "sglang":
         command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "0.0.0.0",
-                   "--port", port, "--tp-size", tp, "--dtype", model.dtype]
+                   "--port", port, "--tp-size", tp, "--dtype", model.dtype,
+                   "--api-key", f"$({R.ENV_ENGINE_API_KEY})"]
+        env.append(light_health)
         if model.tokenizer:
             command += ["--tokenizer-path", model.tokenizer]
         command += list(ro.engine_args)
@@ -518,9 +547,11 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         command = vllm_server_command("python3", model.path, host="0.0.0.0", port=port, dtype=model.dtype,
                                       tensor_parallel=int(tp), extra=extra)
         env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
-        ready_path = "/health"
+        # vLLM's --api-key, read from its environment (never argv); it guards only the /v1 routes.
+        env.append({**_engine_api_key_env(job), "name": "VLLM_API_KEY"})
     else:  # hf: the asyncrl image serves the SGLang-native surface itself
         command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "0.0.0.0", "--port", port]
+        env.append(light_health)  # (and the key from ASYNCRL_ENGINE_API_KEY: hf_server.main)
         image = ro.worker_image or ctx.rollout_image
     container: Obj = {
         "name": "engine",
@@ -531,8 +562,9 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         # Model download and load can take many minutes: the startup probe holds liveness off.
         "startupProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 10, "failureThreshold": 180},
         # Readiness must hold while the trainer pauses generation for a weight update. SGLang's /health
-        # generates a token (it waits behind the pause, then answers 503) and the pin has no /ready;
-        # /model_info only reads server state, and the server listens only once the model is loaded
+        # generates a token (it waits behind the pause, then answers 503) unless
+        # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false: then it answers 200 once the server is up
+        # without awaiting anything; /model_info would only read state too, but --api-key closes it
         # (checked against the pinned source by tests/test_sglang_routes.py).
         "readinessProbe": {"httpGet": {"path": ready_path, "port": "engine"}, "periodSeconds": 5,
                            "timeoutSeconds": 3},
@@ -706,9 +738,9 @@ def build_children(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
                 redis_network_policy(job, ctx)]
     if job.spec.storage.claim_name is None:
         out.append(shared_pvc(job, ctx))
-    out += [status_secret(job, ctx), trainer_headless_service(job, ctx), status_service(job, ctx),
-            trainer_network_policy(job, ctx), trainer_statefulset(job, ctx), trainer_pod_disruption_budget(job, ctx),
-            rollout_network_policy(job, ctx), rollout_deployment(job, ctx)]
+    out += [status_secret(job, ctx), engine_secret(job, ctx), trainer_headless_service(job, ctx),
+            status_service(job, ctx), trainer_network_policy(job, ctx), trainer_statefulset(job, ctx),
+            trainer_pod_disruption_budget(job, ctx), rollout_network_policy(job, ctx), rollout_deployment(job, ctx)]
     return out
 
 

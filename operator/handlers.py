@@ -277,7 +277,7 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     # Build the desired children. A finished job stays stopped: its GPUs were given back.
     was_terminal = prev.get("phase") in TERMINAL_PHASES
     ctx = B.BuildContext(owner_uid=meta["uid"], namespace=ref.namespace, redis_password=secrets.token_hex(24),
-                         status_token=secrets.token_urlsafe(32),
+                         status_token=secrets.token_urlsafe(32), engine_api_key=secrets.token_urlsafe(32),
                          trainer_image=memo.config.trainer_image, rollout_image=memo.config.rollout_image,
                          stopped=job.spec.suspend or was_terminal)
     children = B.build_children(job, ctx)

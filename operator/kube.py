@@ -106,7 +106,8 @@ PATCHABLE: dict[str, tuple[str, ...] | None] = {
 # pods that read it, and Redis and its clients (the trainer and the status mirror) never run with
 # different secrets for long.
 SECRET_HASH_ANNOTATIONS = {N.ANNOTATION_REDIS_AUTH_HASH: N.redis_secret,
-                           N.ANNOTATION_STATUS_AUTH_HASH: N.status_secret}
+                           N.ANNOTATION_STATUS_AUTH_HASH: N.status_secret,
+                           N.ANNOTATION_ENGINE_AUTH_HASH: N.engine_secret}
 
 
 class NotPermitted(OperatorError, RuntimeError):

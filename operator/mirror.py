@@ -129,7 +129,9 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     status.recovery = RecoveryStatus(
         dead_lettered=max(a.dead_lettered, report.dead_lettered), drift_lost=a.drift_lost,
         drift_found=a.drift_found, leases_returned=a.leases_returned, recovered_entries=report.recovered_entries,
-        reclaimed_entries=report.reclaimed_entries, fenced_engines=sum(1 for e in report.rollout if e.fenced))
+        reclaimed_entries=report.reclaimed_entries, fenced_engines=sum(1 for e in report.rollout if e.fenced),
+        trainer_restarts=report.trainer_restarts, engine_restarts=report.engine_restarts,
+        engine_resyncs=report.engine_resyncs)
 
 
 RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
@@ -143,6 +145,11 @@ RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
     ("reclaimedEntries", "Normal", "EntriesReclaimed", "stream entries taken over from a dead trainer consumer"),
     ("fencedEngines", "Warning", "EngineFenced",
      "rollout engine(s) fenced after failed weight updates (retried in the background)"),
+    ("trainerRestarts", "Warning", "TrainerRestarted",
+     "trainer restart(s): it resumed from its last checkpoint, nothing acknowledged was lost"),
+    ("engineRestarts", "Warning", "EngineRestarted",
+     "rollout engine restart(s): the engine serves no rollout until it has the current weights"),
+    ("engineResyncs", "Normal", "EngineResynced", "rollout engine(s) loaded with the current weights by the trainer"),
 )
 
 

@@ -39,6 +39,8 @@ ANNOTATION_REDIS_AUTH_HASH = f"{GROUP}/redis-auth-hash"
 in from the Secret it reads, so a re-created or rotated Secret rolls every pod that uses it."""
 ANNOTATION_STATUS_AUTH_HASH = f"{GROUP}/status-auth-hash"
 """Trainer pod-template annotation: the same for the job's status-token Secret."""
+ANNOTATION_ENGINE_AUTH_HASH = f"{GROUP}/engine-auth-hash"
+"""Rollout and trainer pod-template annotation: the same for the job's engine API key Secret."""
 
 
 def short_hash(text: str, length: int = HASH_LEN) -> str:
@@ -74,6 +76,11 @@ def redis_secret(job: str) -> str:
 def status_secret(job: str) -> str:
     """The job's status-endpoint bearer token (key `token`): the trainer requires it, the mirror sends it."""
     return child_name(job, "status-auth")
+
+
+def engine_secret(job: str) -> str:
+    """The job's engine API key (key `api-key`): the engines require it, the workers and the trainer send it."""
+    return child_name(job, "engine-auth")
 
 
 def redis_network_policy(job: str) -> str:

@@ -32,6 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status-token", default=None,
                         help="bearer token written into the status-endpoint Secret (default: a new random one "
                              "on every run)")
+    parser.add_argument("--engine-api-key", default=None,
+                        help="API key written into the engine Secret (the engines' --api-key; default: a new "
+                             "random one on every run)")
     parser.add_argument("--trainer-image", default=None, type=image_arg,
                         help="default trainer image (a digest, name@sha256:..., pins it)")
     parser.add_argument("--rollout-image", default=None, type=image_arg,
@@ -51,7 +54,7 @@ _Dumper.add_representer(str, _text)
 
 
 def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = None,
-           redis_password: str | None = None, status_token: str | None = None,
+           redis_password: str | None = None, status_token: str | None = None, engine_api_key: str | None = None,
            trainer_image: str | None = None, rollout_image: str | None = None) -> str:
     """The multi-document YAML of every child object; secrets not given are random (as the operator's)."""
     ns = namespace or job.metadata.namespace or "default"
@@ -59,6 +62,7 @@ def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = N
     ctx = B.BuildContext(owner_uid=owner, namespace=ns,
                          redis_password=redis_password or secrets.token_hex(24),
                          status_token=status_token or secrets.token_urlsafe(32),
+                         engine_api_key=engine_api_key or secrets.token_urlsafe(32),
                          trainer_image=trainer_image or DEFAULT_TRAINER_IMAGE,
                          rollout_image=rollout_image or DEFAULT_ROLLOUT_IMAGE)
     objs = B.build_children(job, ctx)
@@ -68,6 +72,7 @@ def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = N
 def main(args: argparse.Namespace) -> int:
     job = load_job(args.file)
     sys.stdout.write(render(job, namespace=args.namespace, uid=args.uid, redis_password=args.redis_password,
-                            status_token=args.status_token, trainer_image=args.trainer_image,
+                            status_token=args.status_token, engine_api_key=args.engine_api_key,
+                            trainer_image=args.trainer_image,
                             rollout_image=args.rollout_image))
     return 0

@@ -12,13 +12,17 @@ Readiness is `GET /model_info`, as for SGLang (the rollout pod's readinessProbe 
 `ready()`): the port opens only after the model is loaded and the answer does not wait for a pause.
 `/ready`, `/stats` and an answering `/get_weight_version` are asyncrl extras the pinned SGLang lacks
 (its `/get_weight_version` always answers 404): `/ready` is kept for the local runner's wait.
-`/health` answers 503 while paused, as the pin's token-generating `/health` would.
+`/health` answers 503 while paused, as the pin's token-generating `/health` would; with
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (the rollout pod's readiness) 200, as the pin's then does.
+`--api-key` (or $ASYNCRL_ENGINE_API_KEY) closes every route but /health* with 401 unless the request
+carries `Authorization: Bearer KEY`, exactly as the pin's `--api-key` (rollout/engines/auth.py).
 `/model_info` also names the server's `incarnation` (a random id per server start, which the pin
 lacks): a rollout worker then knows for sure when its engine restarted (rollout/worker.py).
 """
 
 
 import argparse
+import os
 import time
 import uuid
 from typing import Any
@@ -39,10 +43,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` as SGLang's --api-key does (default: "
+                             "$ASYNCRL_ENGINE_API_KEY; unset: open)")
 
 
-def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> Any:
-    """The FastAPI app over an HFEngine (tests drive it in-process or with uvicorn)."""
+def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_key: str | None = None) -> Any:
+    """The FastAPI app over an HFEngine (tests drive it in-process or with uvicorn); with `api_key`,
+    every route but /health needs the key, as on SGLang (rollout/engines/auth.py)."""
     import asyncio
 
     from fastapi import FastAPI, Request
@@ -50,8 +58,10 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
     from fastapi.responses import JSONResponse
     from pydantic import BaseModel, ConfigDict, Field
 
+    from asyncrl.rollout.engines.auth import require_api_key
     from asyncrl.rollout.engines.base import SamplingParams
     from asyncrl.rollout.hf_engine import WeightUpdateError
+    from asyncrl.runtime import HEALTH_GENERATION_ENV
 
     class SamplingIn(BaseModel):
         """SGLang's `sampling_params` wire schema (this server speaks SGLang's native API)."""
@@ -83,6 +93,7 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
         weight_version: str | None = None
 
     app = FastAPI(title="asyncrl hf engine (SGLang-native surface)")
+    require_api_key(app, api_key)
 
     def error(message: str, status: int = 400) -> JSONResponse:
         return JSONResponse({"error": {"message": message}}, status_code=status)
@@ -178,9 +189,11 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "") -> A
     async def ready() -> Any:
         return {"status": "ready"}
 
+    light_health = os.environ.get(HEALTH_GENERATION_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
     @app.get("/health")
     async def health() -> Any:
-        if engine.paused:
+        if engine.paused and not light_health:
             return JSONResponse({"status": "paused"}, status_code=503)
         return {"status": "ok"}
 
@@ -215,7 +228,10 @@ def main(args: argparse.Namespace) -> int:
     engine = HFEngine(model_path, dtype=dtype, device=device, max_batch_size=args.max_batch_size,
                       weight_version=args.weight_version, seed=args.seed)
     tokenizer = load_tokenizer(model_path, tokenizer_path)
-    app = create_app(engine, tokenizer, model_name=model_path)
+    from asyncrl.runtime import ENV_ENGINE_API_KEY
+
+    api_key = args.api_key or os.environ.get(ENV_ENGINE_API_KEY) or None
+    app = create_app(engine, tokenizer, model_name=model_path, api_key=api_key)
     print(f"asyncrl engine: serving {model_path} ({dtype} on {device}) at http://{args.host}:{args.port}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -82,7 +82,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     redis_url = args.redis_url or rt.redis_url
     engine_url = args.engine_url or rt.engine_url
     kind = args.engine or spec.rollout.engine
-    engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds)
+    engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds, api_key=rt.engine_api_key)
     deadline = time.monotonic() + args.ready_timeout
     while not await engine.ready():
         if time.monotonic() > deadline:

@@ -44,7 +44,8 @@ Deterministic "model": token i of a response is `(sum(prompt) + 7 * i) % 1000 + 
 `-0.01 * (i + 1) - version`, so tests can check which weights produced each token. Knobs:
 `token_delay` (seconds per token), `fail_next` (answer the next N /generate with HTTP 500),
 `eos_after` (emit the stop token after N tokens), `health_timeout` (how long /health waits for a
-token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s), `update_delay`.
+token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s), `update_delay`, `api_key`
+(the pin's `--api-key`: every route but /health* needs `Authorization: Bearer KEY`, else 401).
 `stop()` takes the server down gracefully, `kill()` abruptly (requests in flight get no answer), and
 `restart()` brings up a new process's state on the same port (label "default", not paused; the
 knobs are kept). Tests poll `fake.state`
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.net import free_port
+from asyncrl.rollout.engines.auth import require_api_key
 
 STOP_TOKEN = 2
 SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"})
@@ -91,6 +93,8 @@ class FakeState:
     pause_calls: list[str] = field(default_factory=list)
     control_calls: list[str] = field(default_factory=list)
     """Every control call in order: "pause:<mode>", "update:<weight_version>", "continue"."""
+    api_key: str | None = None
+    """The pin's `--api-key`: every route but /health* then needs the bearer token (401 otherwise)."""
 
 
 def fake_token(prompt: list[int], i: int) -> int:
@@ -138,6 +142,7 @@ def create_app(state: FakeState) -> Any:
 
     # No docs or OpenAPI routes: every route here is one the pin has (tests/test_sglang_routes.py).
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    require_api_key(app, state.api_key)  # the pin's decide_request_auth with only api_key set
     app.state.request_models = {"/generate": GenerateReqInput, "/pause_generation": PauseGenerationReqInput,
                                 "/continue_generation": ContinueGenerationReqInput,
                                 "/update_weights_from_disk": UpdateWeightFromDiskReqInput}

@@ -21,7 +21,8 @@ UID = "11111111-2222-3333-4444-555555555555"
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
 def test_render_matches_golden(example: Path):
-    text = render(load_job(example), uid=UID, redis_password="golden-password", status_token="golden-token")
+    text = render(load_job(example), uid=UID, redis_password="golden-password", status_token="golden-token",
+                  engine_api_key="golden-engine-key")
     golden = GOLDEN / f"render-{example.stem}.yaml"
     if os.environ.get("ASYNCRL_UPDATE_GOLDEN"):
         golden.write_text(text)
@@ -31,13 +32,14 @@ def test_render_matches_golden(example: Path):
 
 def test_render_command_prints_every_child():
     res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "render", str(REPO / "examples" / "job.yaml"),
-                          "--uid", UID, "--redis-password", "golden-password", "--status-token", "golden-token"],
+                          "--uid", UID, "--redis-password", "golden-password", "--status-token", "golden-token",
+                          "--engine-api-key", "golden-engine-key"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout == (GOLDEN / "render-job.yaml").read_text()
     kinds = [d["kind"] for d in yaml.safe_load_all(res.stdout)]
     assert kinds == ["ConfigMap", "Secret", "Service", "StatefulSet", "NetworkPolicy", "PersistentVolumeClaim",
-                     "Secret", "Service", "Service", "NetworkPolicy", "StatefulSet", "PodDisruptionBudget",
+                     "Secret", "Secret", "Service", "Service", "NetworkPolicy", "StatefulSet", "PodDisruptionBudget",
                      "NetworkPolicy", "Deployment"]
 
 
@@ -53,10 +55,11 @@ def test_render_generates_fresh_secrets_by_default():
     assert all(r.returncode == 0 for r in res), res[0].stderr
     first, second = _secrets(res[0].stdout), _secrets(res[1].stdout)
     assert "CHANGE-ME" not in res[0].stdout
-    redis, status = "qwen25-gsm8k-redis-auth", "qwen25-gsm8k-status-auth"
-    password, token = first[redis]["password"], first[status]["token"]
-    assert len(password) == 48 and int(password, 16) >= 0 and len(token) >= 43
+    redis, status, engine = "qwen25-gsm8k-redis-auth", "qwen25-gsm8k-status-auth", "qwen25-gsm8k-engine-auth"
+    password, token, key = first[redis]["password"], first[status]["token"], first[engine]["api-key"]
+    assert len(password) == 48 and int(password, 16) >= 0 and len(token) >= 43 and len(key) >= 43
     assert password != second[redis]["password"] and token != second[status]["token"]
+    assert key != second[engine]["api-key"]
     helptext = subprocess.run([sys.executable, "-m", "asyncrl.cli", "render", "--help"], capture_output=True,
                               text=True, cwd=REPO, timeout=60).stdout
     assert "random" in helptext and "--status-token" in helptext

@@ -14,7 +14,15 @@ from asyncrl.cli import COMMANDS
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.runtime import ENV_ENGINE_URL, ENV_JOB_UID, ENV_POD_NAME, ENV_REDIS_URL, ENV_STATUS_TOKEN, ENV_WEIGHTS_DIR
+from asyncrl.runtime import (
+    ENV_ENGINE_API_KEY,
+    ENV_ENGINE_URL,
+    ENV_JOB_UID,
+    ENV_POD_NAME,
+    ENV_REDIS_URL,
+    ENV_STATUS_TOKEN,
+    ENV_WEIGHTS_DIR,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -121,7 +129,7 @@ def test_rollout_pod_engine_and_worker():
     engine, worker = pod["containers"]
     assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     assert engine["command"][-2:] == ["--mem-fraction-static", "0.85"]
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/model_info"
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"  # open under the engine's --api-key
     assert "tcpSocket" in engine["livenessProbe"]
     assert worker["command"] == ["asyncrl", "rollout", "--config", B.CONFIG_FILE]
     env = {e["name"]: e for e in worker["env"]}
@@ -174,8 +182,9 @@ def test_external_redis_and_existing_claim():
     objs = build(VARIANTS["external-redis-existing-claim"])
     kinds = [o["kind"] for o in objs]
     assert "PersistentVolumeClaim" not in kinds
-    # No Redis Secret of ours: only the status endpoint's token.
-    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == [N.status_secret("qwen25-gsm8k")]
+    # No Redis Secret of ours: only the status endpoint's token and the engine API key.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == [N.status_secret("qwen25-gsm8k"),
+                                                                             N.engine_secret("qwen25-gsm8k")]
     # No Redis of ours, so no Redis policy: exactly the two that guard the engine and the trainer.
     policies = {o["metadata"]["name"]: o["spec"]["podSelector"]["matchLabels"]
                 for o in objs if o["kind"] == "NetworkPolicy"}
@@ -376,3 +385,32 @@ def test_trainer_requires_the_jobs_status_token(variant):
                 "name": N.status_secret(job), "key": "token"}}}]
         else:
             assert N.ANNOTATION_STATUS_AUTH_HASH not in annotations and not envs
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_engine_api_key_reaches_the_engine_worker_and_trainer(variant):
+    """One job-owned Secret holds the engine API key: the engine requires it (SGLang `--api-key`,
+    vLLM's VLLM_API_KEY, our hf server's env), the worker and the trainer send it, and its hash rolls
+    the rollout pods and the trainer (not Redis) when it is rotated."""
+    objs = build(VARIANTS[variant])
+    job = objs[0]["metadata"]["labels"][N.LABEL_JOB]
+    secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == N.engine_secret(job))
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True and "api-key" in secret["stringData"]
+    ref = {"secretKeyRef": {"name": N.engine_secret(job), "key": "api-key"}}
+    for obj in objs:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        template = obj["spec"]["template"]
+        annotations = template["metadata"].get("annotations", {})
+        if obj["metadata"]["name"] == N.redis(job):
+            assert N.ANNOTATION_ENGINE_AUTH_HASH not in annotations
+            continue
+        assert annotations[N.ANNOTATION_ENGINE_AUTH_HASH] == B.secret_hash(secret)
+        for c in template["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env[ENV_ENGINE_API_KEY]["valueFrom"] == ref, c["name"]
+            if c["name"] == "engine" and c["command"][:3] == ["python3", "-m", "sglang.launch_server"]:
+                at = c["command"].index("--api-key")
+                assert c["command"][at + 1] == f"$({ENV_ENGINE_API_KEY})"
+            elif c["name"] == "engine" and "vllm" in " ".join(c["command"]):
+                assert env["VLLM_API_KEY"]["valueFrom"] == ref and "--api-key" not in c["command"]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import kmock
 import pytest
 import yaml
@@ -332,6 +333,22 @@ def released(e2e: E2E, job: str) -> bool:
             and not e2e.pods(job, "trainer") and not e2e.pods(job, "rollout"))
 
 
+async def unauthenticated_engine_calls(e2e: E2E, job: str) -> str:
+    """What the rollout pod's engine answers another pod of the cluster without the job's API key
+    (SGLang's --api-key on our hf server): a weight update and a pause, then /health, which the
+    kubelet's probes need open. One line per call: `METHOD path -> status`."""
+    (pod,) = e2e.pods(job, "rollout")
+    url = f"http://127.0.0.1:{e2e.cluster.host_port(NS, pod['metadata']['name'], 30000)}"
+    calls = [("POST", "/update_weights_from_disk", {"model_path": "/elsewhere", "weight_version": "99"}),
+             ("POST", "/pause_generation", {"mode": "abort"}), ("GET", "/health", None)]
+    lines = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        for method, path, body in calls:
+            resp = await client.request(method, url + path, json=body)
+            lines.append(f"{method} {path} -> {resp.status_code}")
+    return "\n".join(lines)
+
+
 def condensed(transcript: Transcript, job: str) -> str:
     """The transcript where the job's row changed (its AGE aside): `[seconds] kubectl output`."""
     out, last = [], None
@@ -357,7 +374,9 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
             await e2e.wait_phase(job, "Running", timeout=300)
             running = pids(e2e, job)
             assert sorted(k.split("/")[1] for k in running) == ["engine", "redis", "trainer", "worker"], running
+            refused = await unauthenticated_engine_calls(e2e, job)
             snapshot = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
+            guards = await e2e.kubectl("get", "networkpolicies,secrets", "-n", NS)
             status = await e2e.wait_phase(job, "Succeeded")
             await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero, their pods gone")
             finished = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
@@ -366,12 +385,18 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
             await asyncio.sleep(1.0)  # the poller sees it gone
     deleted = await e2e.kubectl("get", "all,pvc", "-n", NS)
     print(f"\nphases: {phases.seen}\n{condensed(transcript, job)}\n--- Running ---\n{snapshot}\n"
+          f"--- the engine without the job's API key ---\n{refused}\n--- its guards ---\n{guards}\n"
           f"--- Succeeded ---\n{finished}\n--- deleted (ttlSecondsAfterFinished) ---\n{deleted}")
 
     assert [p for p in phases.seen if p in ("Initializing", "Running", "Succeeded")] == \
         ["Initializing", "Running", "Succeeded"], phases.seen
     assert (status["reason"], status["trainer"]["step"], status["trainer"]["policyVersion"]) == \
         ("MaxStepsReached", steps, steps), status
+    # Without the key the engine refused a weight update (401) while training, with it, went on.
+    assert [line.split()[-1] for line in refused.splitlines()] == ["401", "401", "200"], refused
+    policies = [N.rollout(job), N.trainer(job), N.redis_network_policy(job)]
+    for guard in [*(f"networkpolicy.networking.k8s.io/{p}" for p in policies), f"secret/{N.engine_secret(job)}"]:
+        assert guard in guards, guards
     # The printer columns showed the real trainer's figures while it ran.
     rows = transcript.rows(job)
     live = [r for r in rows if r[1] == "Running" and len(r) == 8 and r[2].isdigit() and int(r[2]) >= 1]
@@ -383,7 +408,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     assert not any(alive(pid) for pid in running.values())
     assert not e2e.pods(job) and not e2e.cluster.alive_processes()
     owned = [("configmaps", N.config_map(job)), ("secrets", N.redis_secret(job)),
-             ("secrets", N.status_secret(job)), ("services", N.redis(job)),
+             ("secrets", N.status_secret(job)), ("secrets", N.engine_secret(job)), ("services", N.redis(job)),
              ("services", N.trainer(job)), ("services", N.status_service(job)), ("statefulsets", N.redis(job)),
              ("statefulsets", N.trainer(job)), ("deployments", N.rollout(job)),
              ("networkpolicies", N.redis_network_policy(job)), ("persistentvolumeclaims", f"data-{N.redis(job)}-0")]

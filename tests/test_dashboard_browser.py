@@ -92,6 +92,9 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         dead_lettered=1,
         recovered_entries=2,
         reclaimed_entries=5,
+        trainer_restarts=1,
+        engine_restarts=2,
+        engine_resyncs=3,
         admission=AdmissionReport(accepted=248, running=6, capacity=2, drift_lost=1, drift_found=0, leases_returned=3),
         proximal_seconds=3.1,
         step_seconds=26.4,
@@ -226,7 +229,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                 for row in await page.locator("#recovery tr").all()]
     assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
                         ["groups dead-lettered", "1"], ["entries recovered / reclaimed", "2 / 5"],
-                        ["admission drift repaired (lost / found)", "1 / 0"], ["dead workers' leases returned", "3"]]
+                        ["admission drift repaired (lost / found)", "1 / 0"], ["dead workers' leases returned", "3"],
+                        ["restarts: trainer / engines", "1 / 2"], ["engines re-synced", "3"]]
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

@@ -392,6 +392,34 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
 
 
 @slow
+async def test_a_new_engine_key_rolls_the_rollout_and_the_trainer_not_redis(emu, operator):
+    """The engine API key Secret is created once (never patched) and its users (the rollout pods,
+    whose engine requires it, and the trainer, which sends it) carry its hash: a re-created Secret
+    rolls both onto the new key, so engine and clients never disagree; Redis does not read it."""
+    op = operator
+    await create_job(emu, job_doc())
+    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    users = SECRET_USERS[1:]
+
+    def secret() -> dict | None:
+        return emu.get("secrets", NS, N.engine_secret(JOB))
+
+    def users_agree_with(s: dict) -> bool:
+        want = B.secret_hash(s)
+        return all(template_annotations(emu, p, n).get(N.ANNOTATION_ENGINE_AUTH_HASH) == want for p, n in users)
+
+    first = await wait_for(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
+                           what="consistent from the start", log=op.log)
+    assert N.ANNOTATION_ENGINE_AUTH_HASH not in template_annotations(emu, *SECRET_USERS[0])
+    await request(emu, "DELETE", path("secrets", N.engine_secret(JOB)))
+    second = await wait_for(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
+                            timeout=5, what="Secret re-created", log=op.log)
+    assert second["data"]["api-key"] != first["data"]["api-key"]
+    await wait_for(lambda: users_agree_with(second), timeout=5, what="rollout and trainer rolled onto the new key",
+                   log=op.log)
+
+
+@slow
 async def test_no_patch_when_nothing_drifted(emu, operator):
     """Many status passes and watch events (status updates included) over objects carrying the API
     server's defaults: not one PATCH of a child."""

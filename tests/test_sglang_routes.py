@@ -28,6 +28,7 @@ from asyncrl.loader import load_job
 from asyncrl.operator.render import render
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import LEGACY_MODEL_INFO_PATH, MODEL_INFO_PATH, PINNED_VERSION, SGLangEngine
+from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
 from asyncrl.spec import RolloutSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -253,7 +254,12 @@ def test_sglang_probes_use_routes_of_the_pin():
     engine = _engine_container("job.yaml")
     assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     paths = _probe_paths(engine)
-    assert paths.get("readinessProbe") == MODEL_INFO_PATH, "readiness is the adapter's ready() route"
+    # /health: the one route the engine's --api-key leaves open (the kubelet sends no key)
+    assert paths.get("readinessProbe") == "/health"
+    env = {e["name"]: e for e in engine["env"]}
+    assert env[HEALTH_GENERATION_ENV]["value"] == "false", "readiness must not generate (see below)"
+    key_at = engine["command"].index("--api-key")
+    assert engine["command"][key_at + 1] == f"$({ENV_ENGINE_API_KEY})" and ENV_ENGINE_API_KEY in env
     for kind, path in paths.items():
         assert_in_pin("GET", path, f"the rollout pod's {kind}")
     for kind in ("startupProbe", "livenessProbe"):
@@ -264,16 +270,19 @@ def test_readiness_route_does_not_wait_behind_a_pause():
     """The trainer pauses generation on every step: readiness must not depend on generating.
 
     The pin's /health generates one token (`generate_request`, which waits while `is_pause`) and
-    answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT; /model_info only reads tokenizer-manager state
-    (no await at all), and uvicorn starts only after the scheduler has loaded the model."""
+    answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is
+    false (the rollout pod sets it): then GET /health answers 200 before awaiting anything, once the
+    server is no longer Starting. /model_info would not wait either, but --api-key closes it."""
     routes = pin_routes()
     (health,) = routes["/health"].handlers
     assert "generate_request" in _calls(health)
-    (info,) = routes[MODEL_INFO_PATH].handlers
-    assert not [n for n in ast.walk(info) if isinstance(n, ast.Await)], "readiness handler awaits something"
-    assert not _calls(info) & {"generate_request", "get_internal_state", "send_pyobj"}
-    # The pin's own warmup polls /model_info to know the server is up (`_execute_server_warmup`).
-    assert f'url + "{MODEL_INFO_PATH}"' in pin_file(HTTP_SERVER).read_text()
+    light = [n for n in health.body if isinstance(n, ast.If) and HEALTH_GENERATION_ENV in ast.unparse(n.test)
+             and "'/health'" in ast.unparse(n.test)]
+    assert light, f"the pin's /health has no {HEALTH_GENERATION_ENV} shortcut"
+    assert "status_code=200" in ast.unparse(light[0].body[0])
+    before = health.body[:health.body.index(light[0]) + 1]
+    assert not [n for stmt in before for n in ast.walk(stmt) if isinstance(n, ast.Await)], \
+        "the light /health awaits something"
 
 
 def test_hf_engine_probes_are_routes_of_our_hf_server():

@@ -70,6 +70,9 @@ def make_report(steps: int = 30) -> TrainerReport:
         dead_lettered=1,
         recovered_entries=3,
         reclaimed_entries=6,
+        trainer_restarts=2,
+        engine_restarts=5,
+        engine_resyncs=7,
         admission=AdmissionReport(accepted=70, running=5, capacity=3, drift=-1, drift_lost=2, drift_found=1,
                                   leases_returned=4),
         proximal_seconds=0.5,
@@ -203,6 +206,8 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
     assert g("asyncrl_trainer_admission_drift_repaired_groups_total", direction="found") == 1
     assert g("asyncrl_trainer_admission_leases_returned_total") == 4
     assert (g("asyncrl_trainer_recovered_entries_total"), g("asyncrl_trainer_reclaimed_entries_total")) == (3, 6)
+    assert [g("asyncrl_trainer_restarts_total", component=c) for c in ("trainer", "engine")] == [2, 5]
+    assert g("asyncrl_trainer_engine_resyncs_total") == 7
     assert g("asyncrl_trainer_proximal_seconds") == 0.5
     assert g("asyncrl_trainer_step_seconds") == 5.0
     assert g("asyncrl_trainer_weight_sync_seconds") == 0.2

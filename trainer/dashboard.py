@@ -325,6 +325,8 @@ function render(r) {
     ["entries recovered / reclaimed", `${r.recovered_entries ?? 0} / ${r.reclaimed_entries ?? 0}`],
     ["admission drift repaired (lost / found)", `${adm.drift_lost ?? 0} / ${adm.drift_found ?? 0}`],
     ["dead workers' leases returned", String(adm.leases_returned ?? 0)],
+    ["restarts: trainer / engines", `${r.trainer_restarts ?? 0} / ${r.engine_restarts ?? 0}`],
+    ["engines re-synced", String(r.engine_resyncs ?? 0)],
   ];
   const rb = $("recovery"); rb.textContent = "";
   for (const [k, v] of recovery) { const tr = rb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }

@@ -41,7 +41,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,6 +74,7 @@ from asyncrl.trainer.step_metrics import (
     written_evaluations,
 )
 from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engines
+from asyncrl.transport.recovery import RecoveryCounters
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -172,12 +173,14 @@ class RunConfig:
     """How often rank 0 re-reads its own pending list and reclaims idle entries (inbox.py)."""
     reclaim_idle_ms: int = 600_000
     """Another consumer's entry idle this long is taken over (far above the longest step)."""
+    engine_api_key: str | None = field(default=None, repr=False)
+    """Bearer token for the engines' admin calls (their `--api-key`; Runtime.engine_api_key)."""
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, job: AsyncRLJob) -> RunConfig:
         return cls(engine_kind=job.spec.rollout.engine, weights_dir=Path(runtime.weights_dir),
                    checkpoint_dir=Path(runtime.checkpoint_dir),
-                   metrics_path=Path(runtime.run_dir) / "metrics.jsonl")
+                   metrics_path=Path(runtime.run_dir) / "metrics.jsonl", engine_api_key=runtime.engine_api_key)
 
 
 class Trainer:
@@ -212,6 +215,7 @@ class Trainer:
         self._committed_step = self.state.step
         self._last_step_end = time.time()
         self._last_prune = -math.inf
+        self._incarnations: dict[str, str] = {}  # engine id -> the incarnation last seen in the registry
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
@@ -262,13 +266,18 @@ class Trainer:
             return []
         if catch_up_engines:
             try:
-                await catch_up(self.cfg.engine_kind, self.io.registry,
-                               weights_path(self.cfg.weights_dir, self.state.version).resolve(), self.state.version,
-                               max_age_s=self.cfg.engine_max_age_s, timeout_s=self.cfg.weight_sync_timeout_s)
+                resynced = await catch_up(
+                    self.cfg.engine_kind, self.io.registry,
+                    weights_path(self.cfg.weights_dir, self.state.version).resolve(), self.state.version,
+                    max_age_s=self.cfg.engine_max_age_s, timeout_s=self.cfg.weight_sync_timeout_s,
+                    api_key=self.cfg.engine_api_key)
+                if resynced:
+                    await self._count("engine_resyncs", len(resynced))
             except Exception as exc:  # retried at the next refresh; the next publish updates it anyway
                 log.warning("engine catch-up failed: %s", exc)
         try:
             infos = await self.io.registry.list(max_age_s=self.cfg.engine_max_age_s)
+            await self._count("engine_restarts", self._new_incarnations(infos))
             if time.monotonic() - self._last_prune >= PRUNE_EVERY_S:
                 self._last_prune = time.monotonic()
                 if pruned := await self.io.registry.prune(self.cfg.engine_prune_s):
@@ -282,6 +291,34 @@ class Trainer:
                                                 fenced=i.fenced)
                                    for i in infos]
         return infos
+
+    def _new_incarnations(self, infos: list[Any]) -> int:
+        """How many engines came back as a new incarnation since this trainer last looked."""
+        came_back = 0
+        for info in infos:
+            seen = self._incarnations.get(info.engine_id)
+            if seen and info.incarnation and info.incarnation != seen:
+                came_back += 1
+                log.warning("engine %s came back as a new incarnation (%s -> %s)", info.url, seen[:8],
+                            info.incarnation[:8])
+            if info.incarnation:
+                self._incarnations[info.engine_id] = info.incarnation
+        return came_back
+
+    async def count_start(self) -> None:
+        """Rank 0, before training: one more trainer start for the job (a restart after the first)."""
+        await self._count("trainer_starts", 1)
+
+    async def _count(self, field: str, n: int) -> None:
+        """Add to a job-wide recovery counter (Redis) and show all of them in the report."""
+        if self.io is None or not self.ctx.is_main or n <= 0:
+            return
+        counters = RecoveryCounters(self.io.redis, self.io.admission.names)
+        await counters.add(field, n)
+        counts = await counters.read()
+        with self._report_lock:
+            self.report.trainer_restarts = max(counts.trainer_starts - 1, 0)
+            self.report.engine_restarts, self.report.engine_resyncs = counts.engine_restarts, counts.engine_resyncs
 
     # ------------------------------------------------------------------ the loop
 
@@ -300,6 +337,7 @@ class Trainer:
     async def _run(self) -> str:
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
         await self.settle_restored()
+        await self.count_start()
         await self.startup_sync()
         await self.request_evaluation(self.state.version)  # the version this run starts from
         while self.state.step < max_steps:
@@ -552,7 +590,8 @@ class Trainer:
             if engines:
                 try:
                     await update_engines(self.cfg.engine_kind, engines, path.resolve(), version,
-                                         registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s)
+                                         registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s,
+                                         api_key=self.cfg.engine_api_key)
                 except WeightSyncError as exc:  # the failing engines are fenced: training goes on
                     self._sync_failures += 1
                     sync_error = str(exc)

@@ -102,6 +102,8 @@ class TrainerMetrics:
         self._leases_returned_seen = 0
         self._recovered_seen = 0
         self._reclaimed_seen = 0
+        self._restarts_seen = {"trainer": 0, "engine": 0}
+        self._resyncs_seen = 0
 
         self.info = Info(f"{PREFIX}_job", "The job this trainer runs.", registry=r)
         self.phase = Enum(f"{PREFIX}_phase", "Trainer phase.", states=PHASES, registry=r)
@@ -140,6 +142,10 @@ class TrainerMetrics:
                                  "pending list (a lost read reply).", registry=r)
         self.reclaimed = Counter(f"{PREFIX}_reclaimed_entries", "Stream entries taken over from a dead "
                                  "consumer's pending list.", registry=r)
+        self.restarts = Counter(f"{PREFIX}_restarts", "Restarts seen in the job: the trainer's own, and rollout "
+                                "engines coming back as a new incarnation.", ["component"], registry=r)
+        self.engine_resyncs = Counter(f"{PREFIX}_engine_resyncs", "Engines the trainer's catch-up loaded with "
+                                      "the current weights.", registry=r)
         self.leases_returned = Counter(f"{PREFIX}_admission_leases_returned", "Leases of dead rollout workers "
                                        "returned by their replacements.", registry=r)
         self.proximal_seconds = gauge("proximal_seconds", "Proximal logprob time of the last step.")
@@ -218,6 +224,10 @@ class TrainerMetrics:
         self._leases_returned_seen = _advance(self.leases_returned, self._leases_returned_seen, a.leases_returned)
         self._recovered_seen = _advance(self.recovered, self._recovered_seen, report.recovered_entries)
         self._reclaimed_seen = _advance(self.reclaimed, self._reclaimed_seen, report.reclaimed_entries)
+        for component, total in (("trainer", report.trainer_restarts), ("engine", report.engine_restarts)):
+            self._restarts_seen[component] = _advance(self.restarts.labels(component=component),
+                                                      self._restarts_seen[component], total)
+        self._resyncs_seen = _advance(self.engine_resyncs, self._resyncs_seen, report.engine_resyncs)
 
     def observe_step(self, record: StepRecord) -> None:
         """Record one finished step's durations (steps already seen are ignored)."""

@@ -85,12 +85,12 @@ class SyncResult:
 
 async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: int, *,
                          registry: EngineRegistry | None = None, timeout_s: float = 120.0,
-                         include_fenced: bool = False) -> SyncResult:
+                         include_fenced: bool = False, api_key: str | None = None) -> SyncResult:
     """Update every ready engine to `version` (steps 1-5 above), concurrently; raise naming the failures.
 
     `engines`: registry entries (not ready ones, and fenced ones unless `include_fenced`, are left
     out); a bare URL is updated without a record (nothing to label by). A registry entry that
-    fails is fenced (`WeightSyncError.fenced`).
+    fails is fenced (`WeightSyncError.fenced`). `api_key`: the engines' --api-key, sent as a bearer token.
     """
     start = time.perf_counter()
     chosen = [e for e in engines if isinstance(e, str) or (e.ready and (include_fenced or not e.fenced))]
@@ -101,7 +101,7 @@ async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: P
         incarnation = None if isinstance(engine, str) else engine.incarnation
         try:
             await asyncio.wait_for(_update_one(kind, url, engine_id, incarnation, str(path), version, registry,
-                                               timeout_s), timeout_s)
+                                               timeout_s, api_key), timeout_s)
             return url, None
         except asyncio.TimeoutError:
             return url, f"no answer within {timeout_s:g}s"
@@ -141,9 +141,10 @@ def unreachable(exc: BaseException) -> bool:
 
 
 async def _update_one(kind: str, url: str, engine_id: str | None, incarnation: str | None, path: str,
-                      version: int, registry: EngineRegistry | None, timeout_s: float) -> None:
+                      version: int, registry: EngineRegistry | None, timeout_s: float,
+                      api_key: str | None = None) -> None:
     """One engine: mark, pause, load, record, resume (the adapter's HTTP timeout bounds each call)."""
-    engine = make_engine(kind, url, timeout=timeout_s)
+    engine = make_engine(kind, url, timeout=timeout_s, api_key=api_key)
     loaded = False
     try:
         if registry is not None and engine_id is not None:
@@ -172,7 +173,7 @@ async def _update_one(kind: str, url: str, engine_id: str | None, incarnation: s
 
 
 async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int, *, max_age_s: float = 30.0,
-                   timeout_s: float = 120.0) -> list[str]:
+                   timeout_s: float = 120.0, api_key: str | None = None) -> list[str]:
     """Load `version` (at `path`) into ready engines that serve another version or one nobody can
     name (None: restarted since the trainer's record); their URLs. A fenced engine is tried again
     once its backoff is over.
@@ -195,5 +196,5 @@ async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int
             f"{e.url} (serving {'an unknown version' if e.weight_version is None else f'v{e.weight_version}'}"
             f"{', fenced' if e.fenced else ''})" for e in lagging), version)
         await update_engines(kind, lagging, path, version, registry=registry, timeout_s=timeout_s,
-                             include_fenced=True)
+                             include_fenced=True, api_key=api_key)
     return [e.url for e in lagging]

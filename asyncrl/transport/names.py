@@ -45,6 +45,9 @@ class StreamNames:
     """Sorted set lease_id -> release time (ms): makes a retried release a no-op."""
     outcome: str
     """String: the trainer's recorded TrainerOutcome (JSON), set once when training ends."""
+    recovery: str
+    """Hash of job-wide recovery counters (`trainer_starts`, `engine_restarts`, `engine_resyncs`;
+    asyncrl/transport/recovery.py), written by the trainer."""
     eval_requests: str
     """Stream of held-out evaluation requests (one per policy version), read by rollout workers
     through the consumer group `evaluators`."""
@@ -69,13 +72,14 @@ class StreamNames:
                    trained=f"{base}:trained-ids",
                    admission=f"{base}:admission", admission_leases=f"{base}:admission-leases",
                    admission_released=f"{base}:admission-released", outcome=f"{base}:outcome",
+                   recovery=f"{base}:recovery",
                    eval_requests=f"{base}:eval-requests", eval_results=f"{base}:eval-results")
 
     def all_keys(self) -> list[str]:
         """Every key of the job (for cleanup when the job is deleted, and for tests)."""
         return [self.trajectories, self.dead_letter, self.versions, self.engines, self.engine_weights,
                 self.trained, self.admission, self.admission_leases, self.admission_released, self.outcome,
-                self.eval_requests, self.eval_results]
+                self.recovery, self.eval_requests, self.eval_results]
 
     def rollout_cursor(self, shard: str) -> str:
         """The resumable prompt cursor of one rollout shard (`shared`, or `I-of-N`)."""

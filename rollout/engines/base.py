@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal
 import httpx
 
 from asyncrl.errors import RolloutError
+from asyncrl.rollout.engines.auth import auth_header
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract"]
@@ -101,8 +102,10 @@ class Engine(abc.ABC):
 class HTTPEngine(Engine):
     """Shared plumbing for HTTP adapters: one pooled client, errors that name the URL."""
 
-    def __init__(self, url: str, *, timeout: float = 600.0, client: httpx.AsyncClient | None = None):
+    def __init__(self, url: str, *, timeout: float = 600.0, client: httpx.AsyncClient | None = None,
+                 api_key: str | None = None):
         self.url = url.rstrip("/")
+        self._headers = auth_header(api_key)  # on every request: the server's --api-key (engines/auth.py)
         self._client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=10.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
@@ -112,7 +115,7 @@ class HTTPEngine(Engine):
     async def _request(self, method: str, path: str, *, json: Any = None,
                        ok_404: bool = False) -> httpx.Response | None:
         try:
-            resp = await self._client.request(method, self.url + path, json=json)
+            resp = await self._client.request(method, self.url + path, json=json, headers=self._headers)
         except httpx.HTTPError as exc:
             raise EngineError(f"{method} {path} failed: {type(exc).__name__}: {exc}", url=self.url) from exc
         if resp.status_code == 404 and ok_404:

@@ -107,7 +107,7 @@ class SGLangEngine(HTTPEngine):
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
         try:
-            resp = await self._client.post(self.url + path, json=payload)
+            resp = await self._client.post(self.url + path, json=payload, headers=self._headers)
         except httpx.HTTPError as exc:
             raise EngineError(f"POST {path} failed: {type(exc).__name__}: {exc}", url=self.url) from exc
         try:
