@@ -341,3 +341,23 @@ async def test_trained_ids_are_pruned_once_no_copy_can_be_left(transport_redis, 
     assert await r.xlen(NAMES.trajectories) == 0
     # the stream is empty now: the ids of entries older than now - retention are gone
     assert await trained_ids(r, NAMES) == {"g2"}
+
+
+async def test_the_dead_letter_stream_keeps_only_the_newest(transport_redis, monkeypatch: pytest.MonkeyPatch):
+    """Bounded memory: dead letters are capped (MAXLEN ~, so Redis trims whole nodes of up to 100
+    entries; the cap is shortened to 10 here), the newest kept."""
+    import asyncrl.transport.streams as streams
+
+    monkeypatch.setattr(streams, "DEAD_LETTER_MAXLEN", 10)
+    r = transport_redis
+    consumer = TrajectoryConsumer(r, NAMES, "t")
+    await consumer.ensure_group()
+    for i in range(400):
+        last = await r.xadd(NAMES.trajectories, {GID_FIELD: f"junk-{i}", DATA_FIELD: b"\x00 not msgpack"})
+    while await r.xlen(NAMES.trajectories):  # (each read dead-letters up to 100 and delivers nothing)
+        await consumer.read(100, 10)
+    assert consumer.stats.dead_lettered == 400
+    kept = await r.xlen(NAMES.dead_letter)
+    assert 10 <= kept <= 10 + 100
+    newest = (await r.xrevrange(NAMES.dead_letter, count=1))[0][1]
+    assert newest[b"source_id"] == last and newest[b"error"]
