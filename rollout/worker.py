@@ -759,29 +759,22 @@ class RolloutWorker:
         the trainer's record when it describes this incarnation (else unknown, None)."""
         lost, self._engine_lost = self._engine_lost, False
         try:
-            if self.labelled:
-                info = await self.engine.model_info()
-                raw = info.get("weight_version")
-                label = None if raw is None else str(raw)
-                version = label_version(label)
-                served = info.get("incarnation")
-                if served:  # the server names its life itself
-                    if self._named_incarnation and served != self.incarnation:
-                        self._new_incarnation(str(served), "the server reports a new incarnation")
-                    self.incarnation, self._named_incarnation = str(served), True
-                elif lost or (label == LAUNCH_LABEL and self.engine_label not in (None, LAUNCH_LABEL)):
-                    self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
-                                          if not lost else "it was unreachable")
-                self.engine_label, self.engine_version = label, version
-            else:  # the server's own label (vLLM 0.32's /weight_info) shows a restart; tokens still
-                # take the trainer's record (its answers carry no label)
-                raw = (await self.engine.model_info()).get("weight_version")
-                label = None if raw is None else str(raw)
-                if lost or (label == LAUNCH_LABEL and self.engine_label not in (None, LAUNCH_LABEL)):
-                    self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
-                                          if not lost else "it was unreachable")
-                self.engine_label = label
-                self.engine_version = (await self._record()).label_for(self.incarnation)
+            info = await self.engine.model_info()
+            raw = info.get("weight_version")
+            label = None if raw is None else str(raw)
+            served = info.get("incarnation")
+            if served:  # the server names its life itself
+                if self._named_incarnation and served != self.incarnation:
+                    self._new_incarnation(str(served), "the server reports a new incarnation")
+                self.incarnation, self._named_incarnation = str(served), True
+            elif lost or (label == LAUNCH_LABEL and self.engine_label not in (None, LAUNCH_LABEL)):
+                self._new_incarnation(uuid.uuid4().hex, f"weight label {self.engine_label!r} -> {label!r}"
+                                      if not lost else "it was unreachable")
+            self.engine_label = label
+            # What the server serves: its label; for an engine whose answers carry none, the
+            # trainer's record of this incarnation (the label still shows a restart).
+            self.engine_version = (label_version(label) if self.labelled
+                                   else (await self._record()).label_for(self.incarnation))
         except BaseException:
             self._engine_lost = self._engine_lost or lost
             raise

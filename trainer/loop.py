@@ -82,9 +82,9 @@ HISTORY_LIMIT = 500
 EVAL_HISTORY_LIMIT = HISTORY_LIMIT
 """Evaluations kept in the report (one per policy version, the newest versions)."""
 ENGINE_REFRESH_S = 5.0
+"""While rank 0 waits (for a batch, for the final evaluation): refresh engines and read eval results this often."""
 PRUNE_EVERY_S = 60.0
 """How often refresh_engines also prunes the registry of long-silent engines."""
-"""While rank 0 waits (for a batch, for the final evaluation): refresh engines and read eval results this often."""
 FINAL_EVAL_POLL_S = 0.5
 """While waiting for the final evaluation, re-read the results (and check for a stop) this often."""
 # Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
@@ -216,6 +216,7 @@ class Trainer:
         self._last_step_end = time.time()
         self._last_prune = -math.inf
         self._incarnations: dict[str, str] = {}  # engine id -> the incarnation last seen in the registry
+        self.recovery = None if io is None else RecoveryCounters(io.redis, io.admission.names)
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
@@ -311,11 +312,10 @@ class Trainer:
 
     async def _count(self, field: str, n: int) -> None:
         """Add to a job-wide recovery counter (Redis) and show all of them in the report."""
-        if self.io is None or not self.ctx.is_main or n <= 0:
+        if self.recovery is None or not self.ctx.is_main or n <= 0:
             return
-        counters = RecoveryCounters(self.io.redis, self.io.admission.names)
-        await counters.add(field, n)
-        counts = await counters.read()
+        await self.recovery.add(field, n)
+        counts = await self.recovery.read()
         with self._report_lock:
             self.report.trainer_restarts = max(counts.trainer_starts - 1, 0)
             self.report.engine_restarts, self.report.engine_resyncs = counts.engine_restarts, counts.engine_resyncs
