@@ -22,8 +22,8 @@ Read top to bottom:
                   capped exponential backoff and jitter, for `engine_outage_s`: a transient
                   outage delays the group instead of dropping it.
   _segment_version() where that version comes from: the label the engine puts on its answer
-                  (SGLang, our hf server; "default" is the base model, version 0, see
-                  engines.base.label_version), or, for engines without one (vLLM), the trainer's
+                  (SGLang, vLLM 0.32, our hf server; "default" is the base model, version 0, see
+                  engines.base.label_version), or, for an engine without one, the trainer's
                   record for this engine in the EngineRegistry, read before and after the segment,
                   if that record describes the engine's current incarnation. Never a guess: a
                   segment whose version cannot be named is discarded and generated again.
@@ -49,8 +49,8 @@ its engine's weight version and label as the server reports them, and the server
 (registered with each heartbeat). The incarnation is the server's own id when it reports one (our
 hf server), else minted here: anew at worker start, and whenever the server may have restarted
 (its label went back to "default" from a trained version, or it could not be reached and answers
-again). A false alarm costs one reload by the trainer; a missed restart cannot mislabel SGLang
-answers (they carry their label) and for vLLM is ruled out by the reconnect rule.
+again). A false alarm costs one reload by the trainer; a missed restart cannot mislabel answers
+that carry their label, and for an engine without labels is ruled out by the reconnect rule.
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
 unaccepted, cancel a running evaluation (its request stays pending: this worker after a restart,
 or another one after `takeover_ms`, serves it), remove the engine from the registry. The wait for
@@ -258,7 +258,7 @@ class WorkerStats:
     segments: int = 0
     """Segments that reached `max_tokens_per_request` and were continued (long answers)."""
     held: int = 0
-    """Segments held back while the trainer updated an engine without weight labels (vLLM)."""
+    """Segments held back while the trainer updated an engine without weight labels."""
     discarded: int = 0
     """Segments of such an engine generated again: an update ran beside them and which weights
     produced them is unknown (rare: needs an update to begin while the segment's answer is on its way)."""
@@ -723,8 +723,8 @@ class RolloutWorker:
     async def _segment_version(self, result: GenerateResult, before: EngineWeights | None) -> int | None:
         """The weight version that produced a segment's tokens (None: unknown, generate it again).
 
-        Labelled engines (SGLang, hf) say it in the answer; an unlabelled answer ("default") comes
-        from the initial weights, version 0. Unlabelled engines (vLLM): the trainer's record, read
+        Labelled engines (SGLang, vLLM 0.32, hf) say it in the answer; "default" is the initial
+        weights, version 0. Engines without labels: the trainer's record, read
         before the request (`before`, waited until no update was in progress) and again now. Every
         update pauses with abort, so if no update began meanwhile, or exactly one began and cut this
         segment short, the segment ran on `before`'s weights. Otherwise it may have waited in the
