@@ -5,11 +5,11 @@ every engine registered for the job, concurrently, each under one timeout, in th
 AReaL does: pause -> update -> set version -> continue):
 
   1. registry.begin_update(engine, N)  the trainer's record says "updating to N": rollout workers
-                                       of engines without a weight label (vLLM) hold new requests
+                                       of engines without a weight label hold new requests
   2. engine.pause("abort")             running requests end and return their partial output
   3. engine.update_weights(vN, N)      load the directory; SGLang and our hf server now label
                                        every answer N
-  4. registry.end_update(engine)       the record: this engine serves N (the label for vLLM)
+  4. registry.end_update(engine)       the record: this engine serves N (the label of an engine without one)
   5. engine.resume()                   workers re-send prompt + partial output; every token from
                                        here on was produced by vN and is tagged N
 
@@ -30,7 +30,7 @@ that succeeds unfences it. Its worker generates nothing meanwhile: its engine se
 beyond the admission bound, or one it cannot name.
 
 Rollout workers never pause, update or resume an engine: they only observe (the label SGLang puts
-on each answer, or for vLLM the record above; see rollout/worker.py). So the trainer also owns
+on each answer, or for an engine without labels the record above; see rollout/worker.py). So the trainer also owns
 `catch_up`: an engine that joined or restarted since the last publish (its registered version is
 not the policy version, or is unknown: a restarted server the trainer's record no longer
 describes) gets the current version from the weights volume before its worker serves rollout

@@ -9,7 +9,7 @@ the newest VERSION_HISTORY events (these are notifications, not training data).
 The registry has two writers with separate keys: rollout workers register their engine (and what
 they observe of it) every few seconds; the trainer, the only one that updates engine weights
 (trainer/weight_sync.py), records per engine what it loaded (`EngineWeights`). That record is the
-weight label of engines whose server reports none (vLLM).
+weight label of engines whose server reports none.
 
 Engines restart. Each registration carries the engine server's incarnation (an id that changes when
 the server restarts, see rollout/worker.py), and the trainer's record names the incarnation it
