@@ -7,7 +7,7 @@ AReaL does: pause -> update -> set version -> continue):
   1. registry.begin_update(engine, N)  the trainer's record says "updating to N": rollout workers
                                        of engines without a weight label hold new requests
   2. engine.pause("abort")             running requests end and return their partial output
-  3. engine.update_weights(vN, N)      load the directory; SGLang and our hf server now label
+  3. engine.update_weights(vN, N)      load the directory; SGLang, vLLM and our hf server label
                                        every answer N
   4. registry.end_update(engine)       the record: this engine serves N (the label of an engine without one)
   5. engine.resume()                   workers re-send prompt + partial output; every token from
