@@ -14,6 +14,14 @@ if [ "$#" = 0 ]; then
   echo "test.sh: mypy"
   .venv/bin/mypy
 fi
+# Some tests write whole checkpoints (GBs while they run): say how much room there is, so a
+# "No space left on device" failure reads as the machine's, not the code's.
+tmp="${TMPDIR:-/tmp}"
+free_mb=$(df -Pm "$tmp" | awk 'NR==2 {print $4}')
+echo "test.sh: ${free_mb} MB free in $tmp"
+if [ "$free_mb" -lt 8000 ]; then
+  echo "test.sh: warning: under 8 GB free in $tmp; the trainer tests write up to ~4 GB at once" >&2
+fi
 set +e
 .venv/bin/python -m pytest -ra "$@"
 rc=$?

@@ -9,6 +9,7 @@ import asyncio
 import httpx
 import pytest
 
+from tests.polling import poll
 from tests.sglang_fake import FakeSGLang
 
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 20}, "return_logprob": True}
@@ -71,8 +72,15 @@ async def test_an_abort_pause_returns_once_no_request_runs(fake):
         generating = asyncio.create_task(client.post("/generate", json=GENERATE))
         while not fake.state.running:
             await asyncio.sleep(0.005)
-        pause, resume = await asyncio.gather(client.post("/pause_generation", json={"mode": "abort"}),
-                                             client.post("/continue_generation", json={}))
+        # the pause goes first and holds the control lock while the request drains; a continue
+        # sent meanwhile must wait behind it (two racing requests have no arrival order to test)
+        pausing = asyncio.create_task(client.post("/pause_generation", json={"mode": "abort"}))
+        async def paused() -> list[str]:
+            return fake.state.control_calls
+
+        await poll(paused, what="the pause to reach the server")
+        resume = await client.post("/continue_generation", json={})
+        pause = await pausing
         assert pause.status_code == resume.status_code == 200
         assert fake.state.control_calls == ["pause:abort", "continue"]  # serialised, in order
         assert (await generating).json()["meta_info"]["finish_reason"]["type"] == "abort"
