@@ -5,6 +5,7 @@ Per seed, one at a time, trains the job (default examples/local.yaml) with:
   trl                     TRL 1.16 GRPOTrainer (benchmarks/trl_peer.py in .venv-trl: same weights, prompts
                           in the same order, reward, batch, sampling, AdamW; synchronous, on-policy)
   asyncrl-eta0            asyncrl run --eta 0 (synchronous asyncrl)
+  asyncrl-eta1-loglinear  asyncrl run --eta 1, log-linear proximal: the middle of the eta ablation
   asyncrl-eta2-loglinear  asyncrl run --eta 2 with the A-3PO log-linear proximal (examples/local.yaml as is)
   asyncrl-eta2-recompute  asyncrl run --eta 2 with algorithm.proximal recompute
 
@@ -54,6 +55,7 @@ WINDOW = 5
 SYSTEMS: dict[str, dict[str, Any]] = {
     "trl": {},
     "asyncrl-eta0": {"eta": 0, "proximal": None},
+    "asyncrl-eta1-loglinear": {"eta": 1, "proximal": "loglinear"},
     "asyncrl-eta2-loglinear": {"eta": 2, "proximal": "loglinear"},
     "asyncrl-eta2-recompute": {"eta": 2, "proximal": "recompute"},
 }

@@ -184,7 +184,9 @@ def test_derived_job_sets_the_proximal(tmp_path):
 
 
 def test_every_asyncrl_system_is_defined():
-    assert set(vs.SYSTEMS) == {"trl", "asyncrl-eta0", "asyncrl-eta2-loglinear", "asyncrl-eta2-recompute"}
+    assert set(vs.SYSTEMS) == {"trl", "asyncrl-eta0", "asyncrl-eta1-loglinear", "asyncrl-eta2-loglinear",
+                               "asyncrl-eta2-recompute"}
+    assert vs.SYSTEMS["asyncrl-eta1-loglinear"]["eta"] == 1
     assert vs.SYSTEMS["asyncrl-eta0"]["eta"] == 0 and vs.SYSTEMS["asyncrl-eta2-recompute"]["proximal"] == "recompute"
 
 
