@@ -91,6 +91,19 @@ async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_r
     assert await adm.try_acquire("p") and await adm.try_acquire("p") is None
 
 
+async def test_a_group_dropped_before_its_lease_is_released_is_not_counted_twice(transport_redis):
+    # A producer XADDs, then releases its lease (accepted + 1). The trainer may read and drop the
+    # group in between, at job start while accepted is still 0: the give-back must not be lost.
+    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
+    lease = await adm.try_acquire("p")
+    assert await adm.record_dropped(1) == -1  # (published, dropped, not yet released)
+    await adm.release(lease, accepted=True)
+    snap = await adm.snapshot()
+    assert (snap.accepted, snap.running, snap.capacity, snap.dropped) == (0, 0, 2, 1)
+    # without a live lease to explain it, accepted stays at 0
+    assert await adm.record_dropped(1) == 0
+
+
 def test_is_too_stale_uses_the_oldest_token(make_trajectory_group):
     g = make_trajectory_group("g", version=5)
     g.samples[1].versions[0] = 3  # one token from an older policy (partial rollout)

@@ -100,10 +100,12 @@ end
 return 0
 """
 
-# ARGV: n, counter ('dropped' | 'dead_lettered') -> accepted after the change (never below 0)
+# ARGV: n, counter ('dropped' | 'dead_lettered') -> accepted after the change (never below -running:
+# a producer XADDs before it releases its lease, so a group can be dropped before it is counted; the
+# release that follows brings `accepted` back, where a floor of 0 would leave it one group too high)
 _DROPPED_LUA = _PROLOGUE + """
 local n = tonumber(ARGV[1])
-local new = math.max(accepted - n, 0)
+local new = math.max(accepted - n, -redis.call('ZCARD', leases))
 redis.call('HSET', state, 'accepted', new)
 redis.call('HINCRBY', state, ARGV[2], n)
 return new
