@@ -178,6 +178,12 @@ class AlgorithmSpec(SpecModel):
     """Tokens M2 is computed over: all (paper) or harmful ones (released code)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses are reduced; seq-mean-token-sum-norm (Dr. GRPO): token sum / (rows x maxNewTokens)."""
+    objective: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
+    """Objective on u: ppo-clip, gspo (sequence-level u), cispo (clipped weight), sapo (soft gate)."""
+    sapo_tau_pos: float = Field(default=1.0, gt=0)
+    """SAPO gate temperature for positive advantages (verl 0.9.1's default); objective sapo only."""
+    sapo_tau_neg: float = Field(default=1.05, gt=0)
+    """SAPO gate temperature for advantages <= 0 (verl 0.9.1's default); objective sapo only."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -194,6 +200,13 @@ class AlgorithmSpec(SpecModel):
     """Must be 1.0 (off): training needs the engine's log-probs of the full distribution."""
     top_k: int = Field(default=-1, ge=-1)
     """Must be -1 (off): training needs the engine's log-probs of the full distribution."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (advantage exactly 0, no signal) is
+    skipped (acknowledged, its admission capacity returned, counted) and the trainer draws more groups
+    until the batch has batchSize with signal (docs/trainer.md)."""
+    dynamic_sampling_max_draws: int | None = Field(default=None, ge=1)
+    """Groups drawn for one step before a step that is still short trains on what it has (a warning,
+    counted); at least batchSize. Unset = 4 x batchSize. Needs dynamicSampling."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
 
     @staticmethod
@@ -230,8 +243,9 @@ class AlgorithmSpec(SpecModel):
             )
         if self.advantage_estimator in ("grpo", "rloo") and self.group_size < 2:
             raise ValueError(f"advantageEstimator '{self.advantage_estimator}' needs groupSize >= 2")
-        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps:
-            raise ValueError("clipEpsHigh must be >= clipEps (clip-higher widens the upper bound)")
+        if self.clip_eps_high is not None and self.clip_eps_high < self.clip_eps and self.objective != "cispo":
+            raise ValueError("clipEpsHigh must be >= clipEps (clip-higher widens the upper bound), unless objective "
+                             "is 'cispo' (its paper drops the lower bound: clipEps near 1, a small clipEpsHigh)")
         if self.loglinear_on_policy == "current" and self.minibatches > 1:
             raise ValueError(
                 f"loglinearOnPolicy 'current' requires minibatches 1, got minibatches {self.minibatches}: "
@@ -239,6 +253,55 @@ class AlgorithmSpec(SpecModel):
                 "the start of the step), so fresh tokens would go unclipped; allowed: loglinearOnPolicy "
                 "'behave' (any minibatches) or 'current' with minibatches 1")
         return self
+
+    @model_validator(mode="after")
+    def _objective_consistent(self) -> AlgorithmSpec:
+        # Settings the chosen objective would silently ignore are errors (docs/algorithms.md, objectives).
+        obj = self.objective
+        for name, value, why in (
+                ("m2Threshold", self.m2_threshold, "M2PO's mask replaces the clip of ppo-clip; the other "
+                 "objectives keep their own clip or gate, so the two trust regions would stack"),
+                ("dualClip", self.dual_clip, "the dual clip bounds ppo-clip's loss for A < 0; gspo, "
+                 "cispo and sapo do not have that branch")):
+            if value is not None and obj != "ppo-clip":
+                raise ValueError(f"{name} {value!r} requires objective 'ppo-clip', got objective {obj!r}: "
+                                 f"{why}; allowed: objective 'ppo-clip' with {name}, or {name} unset")
+        if obj == "sapo":
+            for name, value, off in (("clipEpsHigh", self.clip_eps_high, None), ("clipEps", self.clip_eps, 0.2)):
+                if value != off:
+                    raise ValueError(
+                        f"{name} {value!r} has no effect with objective 'sapo' (its soft gate sigmoid(tau (u-1)) "
+                        f"has no clip; set sapoTauPos/sapoTauNeg instead); allowed: {name} {off!r} with "
+                        "objective 'sapo', or objective 'ppo-clip', 'gspo' or 'cispo'")
+        for name, value, default in (("sapoTauPos", self.sapo_tau_pos, 1.0), ("sapoTauNeg", self.sapo_tau_neg, 1.05)):
+            if value != default and obj != "sapo":
+                raise ValueError(f"{name} {value!r} only applies to objective 'sapo', got objective {obj!r}; "
+                                 f"allowed: objective 'sapo' with {name}, or {name} {default!r} (its default)")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_consistent(self) -> AlgorithmSpec:
+        # (the same rules as CEL_RULES' dynamicSampling entries)
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError(f"dynamicSampling needs groupSize >= 2, got groupSize {self.group_size}: a group of "
+                             "one sample has equal rewards by definition, so every group would be skipped")
+        draws = self.dynamic_sampling_max_draws
+        if draws is not None and not self.dynamic_sampling:
+            raise ValueError("dynamicSamplingMaxDraws is set but dynamicSampling is false: set dynamicSampling "
+                             "true, or leave dynamicSamplingMaxDraws unset")
+        if draws is not None and draws < self.batch_size:
+            raise ValueError(f"dynamicSamplingMaxDraws ({draws}) must be >= batchSize ({self.batch_size}): "
+                             "a full batch needs batchSize draws")
+        return self
+
+    @property
+    def dynamic_sampling_draws(self) -> int:
+        """Groups drawn for one step with dynamicSampling before it trains on what it has.
+
+        Default 4 x batchSize: a step then fills up as long as a quarter of the groups carry signal
+        (draws needed ~ batchSize / informative fraction), and a starving step costs at most four
+        batches of generation. DAPO's recipe (verl `max_num_gen_batches`) fails the run instead."""
+        return self.dynamic_sampling_max_draws or 4 * self.batch_size
 
 
 class StalenessSpec(SpecModel):
@@ -729,8 +792,19 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "batchSize must be divisible by minibatches"),
     ("spec.algorithm", "self.advantageEstimator == 'dr_grpo' || self.groupSize >= 2",
      "advantageEstimator grpo and rloo need groupSize >= 2"),
-    ("spec.algorithm", "!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps",
-     "clipEpsHigh must be >= clipEps"),
+    ("spec.algorithm", "!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps"
+     " || (has(self.objective) && self.objective == 'cispo')",
+     "clipEpsHigh must be >= clipEps (unless objective is cispo)"),
+    ("spec.algorithm", "!has(self.m2Threshold) || !has(self.objective) || self.objective == 'ppo-clip'",
+     "m2Threshold requires objective 'ppo-clip'"),
+    ("spec.algorithm", "!has(self.dualClip) || !has(self.objective) || self.objective == 'ppo-clip'",
+     "dualClip requires objective 'ppo-clip'"),
+    ("spec.algorithm", "!has(self.objective) || self.objective != 'sapo'"
+     " || (!has(self.clipEpsHigh) && (!has(self.clipEps) || self.clipEps == 0.2))",
+     "objective 'sapo' has no clip: leave clipEps and clipEpsHigh at their defaults"),
+    ("spec.algorithm", "(has(self.objective) && self.objective == 'sapo')"
+     " || ((!has(self.sapoTauPos) || self.sapoTauPos == 1.0) && (!has(self.sapoTauNeg) || self.sapoTauNeg == 1.05))",
+     "sapoTauPos and sapoTauNeg only apply to objective 'sapo'"),
     ("spec.algorithm",
      "!has(self.loglinearOnPolicy) || self.loglinearOnPolicy != 'current' || !has(self.minibatches)"
      " || self.minibatches == 1",
@@ -739,6 +813,12 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "topP must be 1.0: the trainer scores the full distribution"),
     ("spec.algorithm", "!has(self.topK) || self.topK == -1",
      "topK must be -1: the trainer scores the full distribution"),
+    ("spec.algorithm", "!has(self.dynamicSampling) || !self.dynamicSampling || self.groupSize >= 2",
+     "dynamicSampling needs groupSize >= 2"),
+    ("spec.algorithm", "!has(self.dynamicSamplingMaxDraws) || (has(self.dynamicSampling) && self.dynamicSampling)",
+     "dynamicSamplingMaxDraws needs dynamicSampling true"),
+    ("spec.algorithm", "!has(self.dynamicSamplingMaxDraws) || self.dynamicSamplingMaxDraws >= self.batchSize",
+     "dynamicSamplingMaxDraws must be >= batchSize"),
     ("spec.evaluation",
      "!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1 || (has(self.temperature) && self.temperature > 0.0)",
      "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)"),

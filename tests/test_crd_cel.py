@@ -131,11 +131,21 @@ BREAKERS = {
     "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
     "advantageEstimator grpo and rloo need groupSize >= 2":
         {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
-    "clipEpsHigh must be >= clipEps": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
+    "clipEpsHigh must be >= clipEps (unless objective is cispo)": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
+    "m2Threshold requires objective 'ppo-clip'": {"algorithm": {"objective": "gspo", "m2Threshold": 0.04}},
+    "dualClip requires objective 'ppo-clip'": {"algorithm": {"objective": "cispo", "dualClip": 3.0}},
+    "objective 'sapo' has no clip: leave clipEps and clipEpsHigh at their defaults":
+        {"algorithm": {"objective": "sapo", "clipEpsHigh": 0.28}},
+    "sapoTauPos and sapoTauNeg only apply to objective 'sapo'": {"algorithm": {"sapoTauNeg": 2.0}},
     "loglinearOnPolicy 'current' requires minibatches 1 (use 'behave')":
         {"algorithm": {"loglinearOnPolicy": "current", "minibatches": 2}},
     "topP must be 1.0: the trainer scores the full distribution": {"algorithm": {"topP": 0.9}},
     "topK must be -1: the trainer scores the full distribution": {"algorithm": {"topK": 50}},
+    "dynamicSampling needs groupSize >= 2":
+        {"algorithm": {"dynamicSampling": True, "advantageEstimator": "dr_grpo", "groupSize": 1}},
+    "dynamicSamplingMaxDraws needs dynamicSampling true": {"algorithm": {"dynamicSamplingMaxDraws": 128}},
+    "dynamicSamplingMaxDraws must be >= batchSize":
+        {"algorithm": {"dynamicSampling": True, "dynamicSamplingMaxDraws": 31}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
     "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)":
         {"evaluation": {"samplesPerPrompt": 4}},

@@ -193,6 +193,8 @@ def test_decoupled_token_mask_cap_keeps_original_denominator():
     assert stats["behav_filtered_fraction"] == pytest.approx(0.25)
     assert stats["kept_tokens"] == 3
     assert stats["clip_fraction"] == pytest.approx(0.5)  # t3 and t4
+    assert stats["clip_fraction_high"] == pytest.approx(0.25)  # t3: u = 1.5 > 1.2 with A > 0
+    assert stats["clip_fraction_low"] == pytest.approx(0.25)  # t4: u = 0.5 < 0.8 with A < 0
     assert stats["behav_weight_max"] == pytest.approx(2.0)
     assert stats["behav_weight_min"] == pytest.approx(0.5)
     assert stats["behav_weight_mean"] == pytest.approx(3.5 / 3)  # (2 + 0.5 + 1) / 3 kept tokens
@@ -266,6 +268,85 @@ def test_ppo_kind_ignores_cap_and_proximal():
     loss, stats = policy_loss(lp, lp_b, row(1), ones_like(lp), config=LossConfig(kind="ppo", proximal="recompute"))
     assert float(loss) == pytest.approx(-1.2)
     assert stats["behav_filtered_fraction"] == 0.0
+
+
+# ------------------------------------------------------------------------------ objectives on u (decoupled)
+
+
+def _stale(ws: list[list[float]], us: list[list[float]]):
+    """(lp with grad, lp_b, lp_p) with behaviour weights `ws` and trust-region ratios `us`, lp_b = -1."""
+    lp_b = torch.full((len(ws), len(ws[0])), -1.0, dtype=torch.float64)
+    prox = lp_b + torch.log(torch.tensor(ws, dtype=torch.float64))
+    lp = (prox + torch.log(torch.tensor(us, dtype=torch.float64))).requires_grad_(True)
+    return lp, lp_b, prox
+
+
+def _objective(name: str, **kw) -> LossConfig:
+    return LossConfig(kind="decoupled", proximal="recompute", objective=name, eps_clip_high=0.28, **kw)
+
+
+def test_gspo_decoupled_uses_the_sequence_ratio_of_u_and_weights_each_token_by_w():
+    # row 0, A = +1: w = 2, 0.5 ; u = e^.05, e^.15 -> s = exp(mean log u) = e^.1 (inside the band)
+    #   per token -A w s: -2 e^.1, -0.5 e^.1 ; gradient -A w s / 4 on each token (s, not its own u)
+    # row 1, A = -1: w = 1, 3 ; u = e^-.3 twice -> s = 0.741 < 0.8: the clipped branch -A 0.8 = 0.8 wins
+    lp, lp_b, prox = _stale([[2.0, 0.5], [1.0, 3.0]], [[E ** 0.05, E ** 0.15], [E ** -0.3, E ** -0.3]])
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=_objective("gspo"), prox_logprobs=prox)
+    assert float(loss) == pytest.approx((-2.5 * E ** 0.1 + 4 * 0.8) / 4, rel=1e-12)
+    loss.backward()
+    assert lp.grad.flatten().tolist() == pytest.approx([-2 * E ** 0.1 / 4, -0.5 * E ** 0.1 / 4, 0.0, 0.0], rel=1e-12)
+    assert (stats["clip_fraction"], stats["clip_fraction_low"], stats["clip_fraction_high"]) == (0.5, 0.5, 0.0)
+
+
+def test_cispo_decoupled_weights_log_pi_by_the_clipped_detached_u_times_w():
+    # (w, u, A): (2, 1.5, +1) u clipped to 1.28 ; (0.5, 0.5, -1) u clipped to 0.8 ; (1, 1.1, +1) inside.
+    # per token -w clip(u) A lp with lp = -1 + log(w u); gradient -w clip(u) A / 3: clipped tokens keep theirs
+    lp, lp_b, prox = _stale([[2.0, 0.5, 1.0]], [[1.5, 0.5, 1.1]])
+    adv = row(1.0, -1.0, 1.0)
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=_objective("cispo"), prox_logprobs=prox)
+    coef = [-2 * 1.28, 0.5 * 0.8, -1.1]
+    lps = [-1 + math.log(3.0), -1 + math.log(0.25), -1 + math.log(1.1)]
+    assert float(loss) == pytest.approx(sum(c * v for c, v in zip(coef, lps)) / 3, rel=1e-12)
+    loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([c / 3 for c in coef], rel=1e-12)
+    assert stats["clip_fraction_low"] == pytest.approx(1 / 3) and stats["clip_fraction_high"] == pytest.approx(1 / 3)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3) and stats["dual_clip_fraction"] == 0.0
+
+
+def test_sapo_decoupled_gates_u_softly_with_a_temperature_per_sign():
+    # (w, u, A): (2, 1.5, +1) tau 1 ; (0.5, 0.5, -1) tau 1.05 ; (3, 1, +1) tau 1: at u = 1 the
+    # gradient is the plain -A w. Gate f(u) = 4/tau sigmoid(tau (u - 1)), df/dlp = 4 s (1 - s) u.
+    lp, lp_b, prox = _stale([[2.0, 0.5, 3.0]], [[1.5, 0.5, 1.0]])
+    adv = row(1.0, -1.0, 1.0)
+    sapo = LossConfig(kind="decoupled", proximal="recompute", objective="sapo")
+    loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=sapo, prox_logprobs=prox)
+
+    def sig(z: float) -> float:
+        return 1 / (1 + math.exp(-z))
+
+    cases = [(2.0, 1.5, 1.0, 1.0), (0.5, 0.5, -1.0, 1.05), (3.0, 1.0, 1.0, 1.0)]  # (w, u, A, tau)
+    values = [-a * w * 4 / tau * sig(tau * (u - 1)) for w, u, a, tau in cases]
+    grads = [-a * w * 4 * sig(tau * (u - 1)) * (1 - sig(tau * (u - 1))) * u / 3 for w, u, a, tau in cases]
+    assert float(loss) == pytest.approx(sum(values) / 3, rel=1e-12)
+    loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx(grads, rel=1e-12)
+    assert grads[2] == pytest.approx(-3.0 / 3)  # u = 1: -A w / n
+    assert stats["clip_fraction"] == stats["clip_fraction_low"] == stats["clip_fraction_high"] == 0.0
+    hot = LossConfig(kind="decoupled", proximal="recompute", objective="sapo", sapo_tau_pos=4.0)
+    lp2, _, _ = _stale([[2.0, 0.5, 3.0]], [[1.5, 0.5, 1.0]])
+    loss2, _ = policy_loss(lp2, lp_b, adv, ones_like(lp2), config=hot, prox_logprobs=prox)
+    loss2.backward()
+    # a hotter positive gate damps the off-policy positive token more: 4 s (1 - s) u = 0.63 at tau 4, 1.41 at tau 1
+    assert abs(float(lp2.grad[0, 0])) < abs(float(lp.grad[0, 0])) and float(lp2.grad[0, 1]) == float(lp.grad[0, 1])
+
+
+def test_ppo_clip_objective_is_the_default_and_unchanged():
+    lp, lp_b, prox, adv = _decoupled_case()
+    cfg = LossConfig(kind="decoupled", proximal="recompute")
+    explicit = LossConfig(kind="decoupled", proximal="recompute", objective="ppo-clip")
+    a, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
+    b, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=explicit, prox_logprobs=prox)
+    assert cfg == explicit and float(a) == float(b) == pytest.approx(-0.5, rel=1e-12)
 
 
 # ------------------------------------------------------------------------------ loglinear (A-3PO)
@@ -573,7 +654,8 @@ def test_loss_config_defaults():
         "kind": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "behave",
         "eps_clip": 0.2, "eps_clip_high": None, "dual_clip": None, "behav_cap": 5.0,
         "behav_mode": "mask", "behav_level": "token", "m2_threshold": None, "m2_scope": "all",
-        "aggregation": "token-mean", "norm_length": 256,
+        "aggregation": "token-mean", "norm_length": 256, "objective": "ppo-clip", "sapo_tau_pos": 1.0,
+        "sapo_tau_neg": 1.05,
     }
     assert cfg.eps_high == 0.2 and LossConfig(eps_clip_high=0.28).eps_high == 0.28
 
@@ -584,7 +666,9 @@ def test_loss_config_defaults():
      dict(eps_clip=1.5), dict(eps_clip_high=-0.1), dict(dual_clip=1.0), dict(behav_cap=0.5),
      dict(behav_cap=1.0),
      dict(behav_mode="drop"), dict(behav_level="batch"), dict(m2_threshold=0.0), dict(m2_scope="some"),
-     dict(aggregation="sum"), dict(norm_length=0), dict(norm_length=8.0)],
+     dict(aggregation="sum"), dict(norm_length=0), dict(norm_length=8.0), dict(objective="grpo"),
+     dict(sapo_tau_pos=0.0), dict(sapo_tau_neg=-1.0), dict(objective="gspo", m2_threshold=0.04),
+     dict(objective="sapo", dual_clip=3.0)],
 )
 def test_loss_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="LossConfig"):
@@ -621,6 +705,8 @@ def test_loss_config_from_spec():
         ("behaviour_cap", "behav_cap", 1.01, True),
         ("m2_threshold", "m2_threshold", 0.0, False), ("m2_threshold", "m2_threshold", 0.04, True),
         ("max_new_tokens", "norm_length", 0, False), ("max_new_tokens", "norm_length", 1, True),
+        ("objective", "objective", "gspo", True), ("objective", "objective", "dapo", False),
+        ("sapo_tau_pos", "sapo_tau_pos", 0.0, False), ("sapo_tau_neg", "sapo_tau_neg", -1.0, False),
     ],
 )
 def test_loss_config_bounds_agree_with_the_spec(spec_field, config_field, value, valid):
@@ -703,6 +789,8 @@ def test_stage_clipped_surrogate():
     s = clipped_surrogate(adv, u, keep, LossConfig(dual_clip=3.0))
     assert s.per_token.tolist()[0] == pytest.approx([-1.2, -1.1, 0.8, 3.0])
     assert s.clipped.tolist() == [[True, False, True, False]]
+    assert s.clipped_low.tolist() == [[False, False, True, False]]  # u = 0.5 < 0.8 with A < 0
+    assert s.clipped_high.tolist() == [[True, False, False, False]]  # u = 1.5 > 1.2 with A > 0
     assert s.dual_clipped.tolist() == [[False, False, False, True]]
     dropped = clipped_surrogate(adv, u, torch.tensor([[False, True, True, True]]), LossConfig())
     assert dropped.clipped.tolist() == [[False, False, True, False]]  # only kept tokens count
@@ -755,14 +843,15 @@ def test_stage_loss_metrics():
         loss=torch.tensor(-0.75, dtype=torch.float64), keep=torch.tensor([[True, False, True, False, False]]),
         ratios=ratios, weight=weight,
         surrogate=Surrogate(per_token=row(0, 0, 0, 0, 0), clipped=torch.tensor([[0, 0, 1, 0, 0]]) > 0,
-                            dual_clipped=no),
+                            dual_clipped=no, clipped_low=no, clipped_high=torch.tensor([[0, 0, 1, 0, 0]]) > 0),
         m2=M2Mask(dropped=torch.tensor([[False, False, False, True, False]]), before=0.5, after=0.25),
         proximal_s=0.125)
     stats = loss_metrics(x, terms, torch.tensor([[5, 3, 2, 4, -1]]), 5)
     assert set(stats) == set(STAT_KEYS)
     k3 = [(rho - 1) - math.log(rho) for rho in (1 / 2.0, 1 / 0.5, 1 / 1.0, 1 / 1.5)]  # rho = pi_b / pi
     expected = {
-        "loss": -0.75, "tokens": 4.0, "kept_tokens": 2.0, "clip_fraction": 1 / 4, "dual_clip_fraction": 0.0,
+        "loss": -0.75, "tokens": 4.0, "kept_tokens": 2.0, "clip_fraction": 1 / 4, "clip_fraction_low": 0.0,
+        "clip_fraction_high": 1 / 4, "dual_clip_fraction": 0.0,
         "behav_filtered_fraction": 1 / 4,
         "importance_weight_max": 1.5, "importance_weight_min": 1 / 12,
         "importance_weight_mean": (1 + 1 / 12 + 1.25 + 1.5) / 4,
@@ -775,3 +864,37 @@ def test_stage_loss_metrics():
     assert stats == pytest.approx(expected, rel=1e-12)
     without_versions = loss_metrics(x, terms, None, None)
     assert without_versions["staleness_mean"] == without_versions["staleness_max"] == 0.0
+
+
+def test_clip_fractions_per_side_reach_the_step_metrics(tmp_path):
+    """clip_fraction_low/high are token-weighted step means in metrics.jsonl, like clip_fraction."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from asyncrl.status_report import StepRecord
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.plan import TrainSequence
+    from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
+
+    lp, lp_b, prox, adv = _decoupled_case()  # t3 clipped high, t4 clipped low
+    cfg = LossConfig(kind="decoupled", proximal="recompute")
+    mask = ones_like(lp)
+    _, whole = policy_loss(lp, lp_b, adv, mask, config=cfg, prox_logprobs=prox)
+    stats = StepStats()
+    for cols in (slice(0, 3), slice(3, 4)):  # two micro-batches of 3 and 1 tokens
+        loss, part = policy_loss(lp[:, cols], lp_b[:, cols], adv[:, cols], mask[:, cols], config=cfg,
+                                 prox_logprobs=prox[:, cols], loss_denominator=4.0)
+        batch = SimpleNamespace(num_tokens=int(mask[:, cols].sum()), loss_mask=mask[:, cols])
+        stats.add_micro_batch(loss, part, torch.zeros(mask[:, cols].shape), batch)
+    stats.grad_norms.append(1.0)
+    seqs = [TrainSequence(np.arange(2), np.arange(4), np.zeros(4), np.zeros(4, dtype=int), 1.0)]
+    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
+    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0,
+                      clip_fraction=record["clip_fraction"])  # (as the trainer loop fills it)
+    line = append_metrics_line(tmp_path / "metrics.jsonl", step, record, dropped=0)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == line
+    for key in ("clip_fraction", "clip_fraction_low", "clip_fraction_high"):
+        assert line[key] == pytest.approx(whole[key], rel=1e-12), key
+    assert (line["clip_fraction_low"], line["clip_fraction_high"]) == (0.25, 0.25)

@@ -126,3 +126,63 @@ def test_the_eval_prompt_format_falls_back_to_the_training_one():
     assert eval_prompt_format(EvaluationSpec(), train) == ("Q: {prompt}", "Be terse.")
     own = EvaluationSpec.model_validate({"dataset": {"promptTemplate": "Solve {prompt}"}})
     assert eval_prompt_format(own, train) == ("Solve {prompt}", "Be terse.")
+
+
+def test_dynamic_sampling_is_off_by_default_and_draws_four_batches():
+    algo = AlgorithmSpec()
+    assert algo.dynamic_sampling is False and algo.dynamic_sampling_max_draws is None
+    on = AlgorithmSpec.model_validate({"dynamicSampling": True, "batchSize": 6})
+    assert on.dynamic_sampling_draws == 24
+    set_ = AlgorithmSpec.model_validate({"dynamicSampling": True, "batchSize": 6, "dynamicSamplingMaxDraws": 6})
+    assert set_.dynamic_sampling_draws == 6
+
+
+@pytest.mark.parametrize("algorithm, says", [
+    ({"dynamicSampling": True, "batchSize": 8, "dynamicSamplingMaxDraws": 7},
+     "dynamicSamplingMaxDraws (7) must be >= batchSize (8)"),
+    ({"dynamicSampling": True, "dynamicSamplingMaxDraws": 0}, "dynamicSamplingMaxDraws"),
+    ({"dynamicSamplingMaxDraws": 64}, "dynamicSamplingMaxDraws is set but dynamicSampling is false"),
+    ({"dynamicSampling": True, "advantageEstimator": "dr_grpo", "groupSize": 1},
+     "dynamicSampling needs groupSize >= 2"),
+])
+def test_dynamic_sampling_rules_name_the_field(algorithm, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
+    assert says in str(err.value)
+
+
+# ---- policy objectives (issue 20): combinations the chosen objective cannot honour are rejected
+
+
+def test_objective_defaults_to_ppo_clip_with_verls_sapo_temperatures():
+    algo = AlgorithmSpec()
+    assert (algo.objective, algo.sapo_tau_pos, algo.sapo_tau_neg) == ("ppo-clip", 1.0, 1.05)
+    for objective in ("gspo", "cispo", "sapo"):
+        assert AlgorithmSpec.model_validate({"objective": objective}).objective == objective
+    sapo = AlgorithmSpec.model_validate({"objective": "sapo", "sapoTauPos": 0.5, "sapoTauNeg": 2.0})
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (0.5, 2.0)
+    # CISPO's paper drops the lower bound (clipEps near 1) and keeps a small upper one
+    cispo = AlgorithmSpec.model_validate({"objective": "cispo", "clipEps": 0.99, "clipEpsHigh": 0.28})
+    assert cispo.clip_eps_high == 0.28
+
+
+@pytest.mark.parametrize("algorithm, says", [
+    ({"objective": "dapo"}, "'ppo-clip', 'gspo', 'cispo' or 'sapo'"),
+    ({"objective": "gspo", "m2Threshold": 0.04},
+     "m2Threshold 0.04 requires objective 'ppo-clip', got objective 'gspo'"),
+    ({"objective": "sapo", "m2Threshold": 0.04},
+     "allowed: objective 'ppo-clip' with m2Threshold, or m2Threshold unset"),
+    ({"objective": "cispo", "dualClip": 3.0}, "dualClip 3.0 requires objective 'ppo-clip', got objective 'cispo'"),
+    ({"objective": "sapo", "clipEpsHigh": 0.28},
+     "clipEpsHigh 0.28 has no effect with objective 'sapo'"),
+    ({"objective": "sapo", "clipEps": 0.1}, "allowed: clipEps 0.2 with objective 'sapo', or objective 'ppo-clip'"),
+    ({"objective": "gspo", "sapoTauNeg": 2.0},
+     "sapoTauNeg 2.0 only applies to objective 'sapo', got objective 'gspo'; allowed: objective 'sapo'"),
+    ({"sapoTauPos": 0.5}, "sapoTauPos 0.5 only applies to objective 'sapo'"),
+    ({"objective": "sapo", "sapoTauPos": 0.0}, "sapoTauPos"),
+    ({"objective": "gspo", "clipEps": 0.3, "clipEpsHigh": 0.2}, "unless objective is 'cispo'"),
+])
+def test_objective_rules_name_the_field_and_the_allowed_values(algorithm, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
+    assert says in str(err.value)

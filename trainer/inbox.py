@@ -8,7 +8,15 @@ gets its capacity back and it is acknowledged at once. A group that cannot be tr
 decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob, lengths that disagree, ...)
 never reaches the buffer: the consumer dead-letters it with the reason and acknowledges it, also
 when it was still pending from before a restart, so it cannot crash-loop the trainer; admission
-gets its capacity back here too. Trained groups are acknowledged only at the next checkpoint
+gets its capacity back here too. With spec.algorithm.dynamicSampling (DAPO), a buffered group whose
+rewards are all equal (`zero_signal`: its advantages are exactly 0, it carries no gradient) is
+skipped the same way: admission gets its capacity back (so a producer makes a replacement), it is
+acknowledged at once and counted, and the step keeps reading until B groups with signal are
+buffered. A step draws at most `max_draws` groups (skipped + kept, oldest first): once it has, it
+takes the groups with signal it kept, fewer than B (`batch_target`), or, when all of them were
+skipped, the next group whatever its rewards: a run whose groups almost never carry signal trains
+slowly and says so (the trainer warns and counts the step) instead of waiting forever.
+Trained groups are acknowledged only at the next checkpoint
 (`ack_trained`, from `Trainer.commit`; checkpoint.py says why), and a resumed trainer first
 acknowledges the window its checkpoint already trained (`ack_restored`), before any read.
 
@@ -64,7 +72,8 @@ class GroupInbox:
 
     def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
                  max_head_offpolicyness: int, read_block_ms: int = 1000, pending_check_s: float = 30.0,
-                 reclaim_idle_ms: int = 600_000) -> None:
+                 reclaim_idle_ms: int = 600_000, dynamic_sampling: bool = False,
+                 max_draws: int | None = None) -> None:
         self.consumer = consumer
         self.admission = admission
         self.batch_size = batch_size
@@ -81,6 +90,10 @@ class GroupInbox:
         self.dead_lettered = 0                 # entries the consumer dead-lettered (admission told)
         self.trained_acked = 0                 # groups trained and acknowledged (gone from the stream)
         self._drift = 0                        # the last check's unrepaired drift (repaired if the next agrees)
+        self.dynamic_sampling = dynamic_sampling
+        self.max_draws = max_draws if max_draws is not None else 4 * batch_size
+        """With dynamic sampling: groups drawn for one step before it takes what it has (see the top)."""
+        self.step_skipped = 0                  # zero-signal groups skipped since the last batch was taken
 
     async def drop_stale(self, version: int) -> int:
         """Drop buffered groups too old for `version`: admission frees their capacity, they are acked."""
@@ -94,14 +107,60 @@ class GroupInbox:
             await self.consumer.ack(stale)
         return len(stale)
 
+    async def skip_zero_signal(self) -> list[TrajectoryGroup]:
+        """With dynamic sampling: skip the buffered groups whose rewards are all equal among this
+        step's draws (oldest first, until `batch_target` groups with signal are kept); admission frees
+        their capacity, they are acked. Returns the groups skipped (none without dynamic sampling).
+
+        A group is skipped only while the step has drawn fewer than `max_draws` (skipped + kept);
+        once it has, the next group is kept whatever its rewards, so a step never waits for signal
+        that does not come (see the top)."""
+        if not self.dynamic_sampling or not self.buffer:
+            return []
+        self._sort_buffer()
+        keep: list[Delivery] = []
+        skipped: list[Delivery] = []
+        kept = 0  # groups of this step's draws kept (the batch so far)
+        for d in self.buffer:
+            if kept >= self.batch_target(len(skipped)):  # the step's draws are over: the rest waits
+                keep.append(d)
+            elif zero_signal(d.group) and self.step_skipped + len(skipped) + kept < self.max_draws:
+                skipped.append(d)
+            else:
+                keep.append(d)
+                kept += 1
+        self.buffer = keep
+        if skipped:
+            await self.admission.record_dropped(len(skipped))
+            await self.consumer.ack(skipped)
+            self.step_skipped += len(skipped)
+        return [d.group for d in skipped]
+
+    def batch_target(self, more_skipped: int = 0) -> int:
+        """Groups the step's batch takes: B; with dynamic sampling fewer once skips plus the batch
+        would pass `max_draws`, but at least one."""
+        if not self.dynamic_sampling:
+            return self.batch_size
+        return min(self.batch_size, max(self.max_draws - self.step_skipped - more_skipped, 1))
+
+    def starved(self) -> bool:
+        """True when dynamic sampling's `max_draws` cut this step's batch below B (see the top)."""
+        return self.batch_target() < self.batch_size
+
     def take_batch(self) -> list[TrajectoryGroup] | None:
-        """The B oldest buffered groups (now uncommitted), or None while fewer than B are buffered."""
-        if len(self.buffer) < self.batch_size:
+        """The `batch_target` (B) oldest buffered groups (now uncommitted), or None while fewer are
+        buffered."""
+        target = self.batch_target()
+        if len(self.buffer) < target:
             return None
-        self.buffer.sort(key=lambda d: (d.group.oldest_version(), d.group.created_at, d.group.group_id))
-        batch, self.buffer = self.buffer[: self.batch_size], self.buffer[self.batch_size:]
+        self._sort_buffer()
+        batch, self.buffer = self.buffer[:target], self.buffer[target:]
         self.uncommitted.extend(batch)
+        self.step_skipped = 0
         return [d.group for d in batch]
+
+    def _sort_buffer(self) -> None:
+        self.buffer.sort(key=lambda d: (d.group.oldest_version(), d.group.created_at, d.group.group_id))
 
     async def read(self) -> None:
         """Read up to the missing number of groups (blocking briefly); a group already buffered is skipped.
@@ -160,6 +219,46 @@ class GroupInbox:
         self.uncommitted = []
         self.trained_acked += count
         return count
+
+
+@dataclass
+class StepDraw:
+    """What rank 0 drew for one step's batch: dynamic sampling's per-step figures."""
+
+    skipped: int = 0
+    """Groups skipped for having no signal (`zero_signal`)."""
+    batch: int = 0
+    """Groups of the batch itself."""
+    batch_zero_signal: int = 0
+    """Groups of the batch without signal (all of them without dynamic sampling, a starved step's last)."""
+    starved: bool = False
+    """The batch is short: `max_draws` groups were drawn without B with signal."""
+    reward_sum: float = 0.0
+    samples: int = 0
+    """Sum and count of the rewards of every sample drawn (skipped and batch)."""
+
+    def add(self, groups: Iterable[TrajectoryGroup], *, skipped: bool) -> None:
+        for g in groups:
+            if skipped:
+                self.skipped += 1
+            else:
+                self.batch += 1
+                self.batch_zero_signal += zero_signal(g)
+            self.reward_sum += sum(float(s.reward) for s in g.samples)
+            self.samples += len(g.samples)
+
+    @property
+    def zero_signal_fraction(self) -> float:
+        """Of the groups drawn, the share without signal (0.0 when nothing was drawn)."""
+        drawn = self.skipped + self.batch
+        return (self.skipped + self.batch_zero_signal) / drawn if drawn else 0.0
+
+
+def zero_signal(group: TrajectoryGroup) -> bool:
+    """True when every reward of the group is the same: every estimator (grpo, dr_grpo, rloo) gives
+    it advantages of exactly 0 (`compute_advantages` tests the same max == min), so it has no gradient."""
+    rewards = [float(s.reward) for s in group.samples]
+    return max(rewards, default=0.0) == min(rewards, default=0.0)
 
 
 def eval_key(record: EvalRecord) -> tuple[int, float]:

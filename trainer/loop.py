@@ -3,7 +3,10 @@
 One step:
   1. rank 0 reads trajectory groups until B fresh ones are buffered (oldest first); groups more
      than eta (`spec.staleness.max_head_offpolicyness`) versions old are dropped, counted
-     (admission frees their capacity) and acknowledged (inbox.py);
+     (admission frees their capacity) and acknowledged (inbox.py); with `dynamicSampling` (DAPO)
+     groups whose rewards are all equal are skipped the same way and reading goes on until B
+     groups with signal are buffered, or `dynamicSamplingMaxDraws` were drawn (then the step
+     trains on the fewer it has, with a warning: `next_batch`);
   2. the batch is broadcast, so every rank computes the same advantages and token counts;
   3. proximal log-probs: `recompute` runs a no-grad forward over the batch (timed), `loglinear`
      is A-3PO's interpolation inside the loss (timed too);
@@ -59,7 +62,7 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
     truncate_trained_log,
 )
-from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StreamIO, eval_key, merge_evaluations
+from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.losses import LossConfig, policy_loss
 from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, plan_step, sequences_with_advantages
@@ -200,7 +203,9 @@ class Trainer:
         self.inbox = None if io is None else GroupInbox(
             io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
             max_head_offpolicyness=self.spec.staleness.max_head_offpolicyness, read_block_ms=cfg.read_block_ms,
-            pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms)
+            pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
+            dynamic_sampling=self.spec.algorithm.dynamic_sampling,
+            max_draws=self.spec.algorithm.dynamic_sampling_draws)
         self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
         self.report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
@@ -212,6 +217,7 @@ class Trainer:
         self.stop_requested = False
         self._sync_failures = 0
         self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
+        self._draw = StepDraw()  # rank 0: what it drew for this step's batch (dynamic sampling's figures)
         self._committed_step = self.state.step
         self._last_step_end = time.time()
         self._last_prune = -math.inf
@@ -399,8 +405,15 @@ class Trainer:
         await self.publish(self.state.version, write=True)
 
     async def next_batch(self) -> list[Any] | None:
-        """Rank 0: the B oldest fresh groups, or None when a stop was requested."""
+        """Rank 0: the B oldest fresh groups, or None when a stop was requested.
+
+        With `dynamicSampling`, groups without signal are skipped and reading goes on; a step that
+        drew `dynamicSamplingMaxDraws` groups without B with signal trains on the fewer it has (a
+        warning, counted in `dynamic_sampling_starved_steps`) rather than waiting on: a task where
+        nearly every group is solved (or failed) by every sample would otherwise stall the job
+        with no sign but a flat step count."""
         assert self.inbox is not None
+        self._draw = StepDraw()
         self._set_phase("Waiting", f"waiting for {self.spec.algorithm.batch_size} trajectory groups")
         last_refresh = 0.0
         if self.stop_requested:
@@ -410,8 +423,13 @@ class Trainer:
         last_check = time.monotonic()
         while True:
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
+            self._count_zero_signal(await self.inbox.skip_zero_signal())
+            starved = self.inbox.starved()
             batch = self.inbox.take_batch()
             if batch is not None:
+                self._draw.add(batch, skipped=False)
+                if starved:
+                    self._count_starved()
                 return batch
             if self.stop_requested:
                 return None
@@ -447,6 +465,26 @@ class Trainer:
             self.report.staleness.dropped = self.state.dropped
         log.info("dropped %d over-stale group(s) (maxHeadOffpolicyness=%d)", count,
                  self.spec.staleness.max_head_offpolicyness)
+
+    def _count_zero_signal(self, skipped: list[Any]) -> None:
+        if not skipped:
+            return
+        self._draw.add(skipped, skipped=True)
+        with self._report_lock:
+            self.report.zero_signal_groups += len(skipped)
+        log.info("dynamic sampling: skipped %d group(s) whose rewards were all equal (%d for this step)",
+                 len(skipped), self._draw.skipped)
+
+    def _count_starved(self) -> None:
+        draw = self._draw
+        draw.starved = True
+        with self._report_lock:
+            self.report.dynamic_sampling_starved_steps += 1
+        log.warning("dynamic sampling: step %d drew %d group(s) (dynamicSamplingMaxDraws=%d), %d with signal: "
+                    "training on the %d it has (batchSize %d); most groups get equal rewards: consider an "
+                    "easier or harder dataset, or a larger groupSize", self.state.step + 1,
+                    draw.skipped + draw.batch, self.spec.algorithm.dynamic_sampling_draws,
+                    draw.batch - draw.batch_zero_signal, draw.batch, self.spec.algorithm.batch_size)
 
     def _count_skipped(self, record: dict[str, Any]) -> None:
         """Add the step's skipped updates to the running total (`skipped_updates_total` in
@@ -627,11 +665,13 @@ class Trainer:
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
         shown = {k: finite_or_zero(record[k]) for k in ("loss", "clip_fraction", *_SHOWN_RATIO_STATS)}
+        self._record_zero_signal(record)
         step_record = StepRecord(step=st.step, policy_version=st.version, reward_mean=record["reward_mean"],
                                  staleness_mean=record["staleness_mean"], staleness_max=record["staleness_max"],
                                  loss=shown["loss"], clip_fraction=shown["clip_fraction"],
                                  tokens=record["tokens"], step_seconds=wall,
-                                 proximal_seconds=record["proximal_seconds"], time=now)
+                                 proximal_seconds=record["proximal_seconds"], time=now,
+                                 zero_signal_groups=record["zero_signal_groups"])
         with self._report_lock:
             r = self.report
             sync_seconds = r.weight_sync_seconds
@@ -652,6 +692,7 @@ class Trainer:
                     setattr(target, stat, shown[f"{prefix}_{stat}"])
             r.behaviour.ess, r.behaviour.kl = shown["behav_ess"], shown["behav_kl"]
             r.skipped_updates = st.skipped_updates
+            r.zero_signal_fraction = record["zero_signal_fraction"]
             r.dead_lettered = self.inbox.dead_lettered if self.inbox is not None else 0
             r.proximal_seconds, r.step_seconds = record["proximal_seconds"], wall
             r.history.append(step_record)
@@ -666,6 +707,21 @@ class Trainer:
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
                  st.step, st.version, record["reward_mean"], record["loss"], record["staleness_mean"],
                  record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
+
+    def _record_zero_signal(self, record: dict[str, Any]) -> None:
+        """The step's dynamic-sampling figures, from what rank 0 drew (`next_batch`; 0 on the other
+        ranks): groups skipped, the job's total, the fraction of the groups drawn that had no
+        signal (with dynamicSampling off: trained at advantage 0; the figure that says whether to
+        turn it on), whether the step was short (`dynamicSamplingMaxDraws` reached), and the mean
+        reward of every sample drawn (`reward_mean` is the trained batch's: with skipping, not the
+        policy's)."""
+        draw, self._draw = self._draw, StepDraw()
+        record["zero_signal_groups"] = draw.skipped
+        with self._report_lock:
+            record["zero_signal_groups_total"] = self.report.zero_signal_groups
+        record["zero_signal_fraction"] = draw.zero_signal_fraction
+        record["dynamic_sampling_starved"] = int(draw.starved)
+        record["reward_mean_drawn"] = draw.reward_sum / draw.samples if draw.samples else record["reward_mean"]
 
     # ------------------------------------------------------------------ evaluation (spec.evaluation)
 

@@ -1,4 +1,5 @@
-"""Policy-gradient math for async RL: group advantages, (decoupled) PPO, A-3PO proximal, M2PO.
+"""Policy-gradient math for async RL: group advantages, (decoupled) PPO, A-3PO proximal, M2PO,
+and the policy objectives PPO-clip, GSPO, CISPO and SAPO.
 
 Everything here works on tensors that are already aligned (position t scores token t, see
 `asyncrl.trainer.batch`) and is pure: no model, no I/O. The rules, and the choices made where
@@ -9,7 +10,8 @@ Notation per token: `lp` current policy (with grad), `lp_b` behaviour (engine), 
 behaviour weight (always detached).
 
 `policy_loss` is a sequence of small pure stages, one per phase of the objective: proximal
-log-probs, ratios, behaviour-weight cap, clipped objective, M2PO mask, aggregation, metrics. Each
+log-probs, ratios, behaviour-weight cap, objective (PPO-clip, GSPO, CISPO or SAPO, on u), M2PO
+mask, aggregation, metrics. Each
 stage returns a frozen record, so the next one reads its inputs by name.
 """
 
@@ -32,9 +34,16 @@ CapMode = Literal["mask", "clamp"]
 CapLevel = Literal["token", "sequence"]
 M2Scope = Literal["all", "harmful"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+Objective = Literal["ppo-clip", "gspo", "cispo", "sapo"]
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+OBJECTIVES: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
+
+# SAPO's gate temperatures for A > 0 and A <= 0: verl 0.9.1's ActorConfig defaults
+# (verl/workers/config/actor.py, tau_pos / tau_neg), tau_neg > tau_pos damps negative updates faster.
+SAPO_TAU_POS = 1.0
+SAPO_TAU_NEG = 1.05
 
 # Log-ratios entering exp() with grad are clamped to +-LOG_RATIO_LIMIT nats (ratio ~4.9e8): beyond
 # that a float32 loss (ratio x advantage x tokens) can overflow. Tokens past the limit get no
@@ -45,8 +54,8 @@ LOG_RATIO_LIMIT = 20.0
 DEFAULT_NORM_LENGTH = 256
 
 STAT_KEYS: tuple[str, ...] = (
-    "loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
-    "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
+    "loss", "tokens", "kept_tokens", "clip_fraction", "clip_fraction_low", "clip_fraction_high",
+    "dual_clip_fraction", "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
     "importance_weight_mean", "full_ratio_max", "full_ratio_min", "full_ratio_mean",
     "behav_weight_max", "behav_weight_min", "behav_weight_mean", "behav_weight_sq_mean",
     "behav_ess", "behav_kl", "staleness_mean", "staleness_max", "m2_before", "m2_after",
@@ -154,7 +163,9 @@ class LossConfig:
     values, and `from_spec` is the one mapping from a job. Its per-field bounds restate the spec's
     (a test compares them). The spec's cross-field rules are job-setting rules, not restated here:
     `kind="ppo"` with the default `proximal="loglinear"` is fine (ppo ignores the proximal), and
-    `eps_clip_high < eps_clip` is well-defined math; the spec rejects both in a job.
+    `eps_clip_high < eps_clip` is well-defined math; the spec rejects both in a job. What it does
+    reject across fields is what the math cannot honour: `m2_threshold` and `dual_clip` are parts of
+    the PPO-clip objective, so another `objective` with either set would silently drop them.
     """
 
     kind: LossKind = "decoupled"
@@ -170,13 +181,16 @@ class LossConfig:
     m2_scope: M2Scope = "all"
     aggregation: Aggregation = "token-mean"
     norm_length: int = DEFAULT_NORM_LENGTH
+    objective: Objective = "ppo-clip"
+    sapo_tau_pos: float = SAPO_TAU_POS
+    sapo_tau_neg: float = SAPO_TAU_NEG
 
     def __post_init__(self) -> None:
         choices = {
             "kind": ("ppo", "decoupled"), "proximal": ("recompute", "loglinear"),
             "loglinear_on_policy": ("current", "behave"), "behav_mode": ("mask", "clamp"),
             "behav_level": ("token", "sequence"), "m2_scope": ("all", "harmful"),
-            "aggregation": AGGREGATIONS,
+            "aggregation": AGGREGATIONS, "objective": OBJECTIVES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -193,6 +207,14 @@ class LossConfig:
             raise ValueError(f"LossConfig.m2_threshold must be > 0, got {self.m2_threshold!r}")
         if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, int) or self.norm_length < 1:
             raise ValueError(f"LossConfig.norm_length must be an int >= 1, got {self.norm_length!r}")
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("m2_threshold", "dual_clip"):
+            if getattr(self, name) is not None and self.objective != "ppo-clip":
+                raise ValueError(
+                    f"LossConfig.{name} is part of the 'ppo-clip' objective only, got objective "
+                    f"{self.objective!r}; allowed: objective 'ppo-clip' with {name}, or {name}=None")
 
     @property
     def eps_high(self) -> float:
@@ -208,6 +230,7 @@ class LossConfig:
             "behav_cap": "behaviour_cap", "behav_mode": "behaviour_cap_mode",
             "behav_level": "behaviour_cap_level", "m2_threshold": "m2_threshold",
             "m2_scope": "m2_scope", "aggregation": "aggregation", "norm_length": "max_new_tokens",
+            "objective": "objective", "sapo_tau_pos": "sapo_tau_pos", "sapo_tau_neg": "sapo_tau_neg",
         }
         missing = [src for src in mapping.values() if not hasattr(spec, src)]
         if missing:
@@ -425,11 +448,19 @@ def cap_behaviour_weight(log_w: Tensor, mask: Tensor, config: LossConfig) -> Beh
 
 @dataclass(frozen=True)
 class Surrogate:
-    """The per-token objective before the behaviour weight, and where each clip won."""
+    """The per-token objective before the behaviour weight, and where each clip won.
+
+    `clipped = clipped_low | clipped_high` (disjoint): a kept token whose clipped branch won
+    strictly, split by the bound that won, `1 - eps_lo` (only possible with A < 0) or `1 + eps_hi`
+    (A > 0). For CISPO, whose clip only weights the gradient, it is the ratio outside the band, by
+    side; SAPO has no clip (all False).
+    """
 
     per_token: Tensor  # with grad; not yet weighted by w nor masked
     clipped: Tensor  # kept tokens where the eps-clipped branch won strictly
     dual_clipped: Tensor  # kept tokens with A < 0 where c|A| won strictly
+    clipped_low: Tensor  # of `clipped`: the ratio was below 1 - eps_lo
+    clipped_high: Tensor  # of `clipped`: the ratio was above 1 + eps_hi
 
 
 def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> Surrogate:
@@ -438,10 +469,11 @@ def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) 
     The dual clip bounds the loss of a negative-advantage token whose ratio exploded. Clip
     fractions count strict wins only (a tie, u inside the band or A = 0, is not clipped). With
     M2PO (`m2_threshold` set) its second-moment mask replaces clipping: the objective is `-A u`.
+    GSPO uses it too, with its sequence-level ratio in place of `u`.
     """
     none = torch.zeros_like(keep)
     if config.m2_threshold is not None:
-        return Surrogate(per_token=-adv * u, clipped=none, dual_clipped=none)
+        return Surrogate(per_token=-adv * u, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
     lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
     unclipped = -adv * u
     clipped = -adv * u.clamp(lo, hi)
@@ -452,7 +484,58 @@ def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) 
         bound = config.dual_clip * adv.abs()
         dual_strict = keep & (adv < 0) & (per_token > bound).detach()
         per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-    return Surrogate(per_token=per_token, clipped=clipped_strict, dual_clipped=dual_strict)
+    below = (u < lo).detach()
+    return Surrogate(per_token=per_token, clipped=clipped_strict, dual_clipped=dual_strict,
+                     clipped_low=clipped_strict & below, clipped_high=clipped_strict & ~below)
+
+
+def gspo_ratio(log_u: Tensor, mask: Tensor) -> Tensor:
+    """GSPO-token's ratio `s_it = sg[s_i] * u_t / sg[u_t]`, `s_i = exp(mean over the response of log u)`.
+
+    Its value is the sequence's geometric-mean ratio on every token; its gradient is token t's own
+    (`d s_it / d lp_t = s_i`), so the gradient of a token is `-A s_i` inside the band. The log is
+    clamped at +-LOG_RATIO_LIMIT before `exp`, as every ratio here (verl clamps at +10 only).
+    """
+    seq_log = (log_u.detach() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+    log_s = seq_log.unsqueeze(1) + (log_u - log_u.detach())
+    return _clamped_exp(log_s)
+
+
+def cispo_surrogate(adv: Tensor, u: Tensor, lp: Tensor, keep: Tensor, config: LossConfig) -> Surrogate:
+    """CISPO: `-sg(clip(u, 1-eps_lo, 1+eps_hi)) * A * log pi`; the clip weights the gradient, never zeroes it.
+
+    The value carries `log pi` itself (as in the paper and verl), so the loss is a surrogate whose
+    gradient, `-clip(u) A d(log pi)`, is what counts; `clipped_*` is the ratio outside the band.
+    """
+    lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
+    weight = u.detach().clamp(lo, hi)
+    low, high = keep & (u < lo).detach(), keep & (u > hi).detach()
+    return Surrogate(per_token=-weight * adv * lp, clipped=low | high, dual_clipped=torch.zeros_like(keep),
+                     clipped_low=low, clipped_high=high)
+
+
+def sapo_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> Surrogate:
+    """SAPO's soft gate: `-A * sigmoid(tau (u - 1)) * 4 / tau`, tau = tau_pos if A > 0 else tau_neg.
+
+    The gate's slope at u is `4 sigma (1 - sigma)`, 1 at u = 1 (the plain policy gradient there)
+    and decaying smoothly away from it, so there is no hard clip and no clip fraction.
+    """
+    tau = torch.where(adv > 0, torch.as_tensor(config.sapo_tau_pos, dtype=u.dtype, device=u.device),
+                      torch.as_tensor(config.sapo_tau_neg, dtype=u.dtype, device=u.device))
+    gate = torch.sigmoid(tau * (u - 1.0)) * (4.0 / tau)
+    none = torch.zeros_like(keep)
+    return Surrogate(per_token=-adv * gate, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
+
+
+def policy_objective(x: PolicyInputs, ratios: Ratios, keep: Tensor, config: LossConfig) -> Surrogate:
+    """The configured objective on the trust-region ratio u (the behaviour weight w multiplies it later)."""
+    if config.objective == "gspo":
+        return clipped_surrogate(x.adv, gspo_ratio(ratios.log_u, x.mask), keep, config)
+    if config.objective == "cispo":
+        return cispo_surrogate(x.adv, ratios.u, x.lp, keep, config)
+    if config.objective == "sapo":
+        return sapo_surrogate(x.adv, ratios.u, keep, config)
+    return clipped_surrogate(x.adv, ratios.u, keep, config)
 
 
 @dataclass(frozen=True)
@@ -525,8 +608,8 @@ class LossTerms:
 
 # The stats computed on the device (in this order, one sync); m2_before/after and proximal_s follow.
 _DEVICE_STAT_KEYS: tuple[str, ...] = (
-    "loss", "tokens", "kept_tokens", "clip_fraction", "dual_clip_fraction",
-    "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
+    "loss", "tokens", "kept_tokens", "clip_fraction", "clip_fraction_low", "clip_fraction_high",
+    "dual_clip_fraction", "behav_filtered_fraction", "importance_weight_max", "importance_weight_min",
     "importance_weight_mean", "full_ratio_max", "full_ratio_min", "full_ratio_mean",
     "behav_weight_max", "behav_weight_min", "behav_weight_mean", "behav_weight_sq_mean",
     "behav_ess", "behav_kl", "staleness_mean", "staleness_max", "m2_masked_fraction",
@@ -607,6 +690,8 @@ def loss_metrics(
             m.sum().to(f64),
             n_keep,
             terms.surrogate.clipped.sum().to(f64) / n,
+            terms.surrogate.clipped_low.sum().to(f64) / n,
+            terms.surrogate.clipped_high.sum().to(f64) / n,
             terms.surrogate.dual_clipped.sum().to(f64) / n,
             terms.weight.capped.sum().to(f64) / n,
             *_max_min_mean(_ratio_exp(terms.ratios.log_u), m),
@@ -741,8 +826,8 @@ def policy_loss(
     # ---- 3. behaviour-weight cap (decoupled): mask or clamp w, per token or per sequence
     weight = cap_behaviour_weight(ratios.log_w, x.mask, config)
 
-    # ---- 4. clipped objective: PPO clip and dual clip (M2PO instead: the unclipped -A u)
-    surrogate = clipped_surrogate(x.adv, ratios.u, weight.keep, config)
+    # ---- 4. objective on u: PPO clip and dual clip (M2PO: the unclipped -A u), GSPO, CISPO or SAPO
+    surrogate = policy_objective(x, ratios, weight.keep, config)
 
     # ---- 5. M2PO mask: drop the largest (log r)^2 (full ratio pi/pi_b) until their mean is <= tau
     m2 = m2po_trust_region(ratios.log_r, x.adv, weight.keep, config)

@@ -96,6 +96,8 @@ class TrainerMetrics:
         self._groups_seen = 0
         self._tokens_seen = 0
         self._dropped_seen = 0
+        self._zero_signal_seen = 0
+        self._starved_seen = 0
         self._skipped_seen = 0
         self._dead_seen = 0
         self._drift_seen = {"lost": 0, "found": 0}
@@ -119,6 +121,12 @@ class TrainerMetrics:
         self.staleness_max = gauge("staleness_max", "Largest version lag in the last step.")
         self.staleness_limit = gauge("staleness_limit", "eta: groups older than this are dropped.")
         self.dropped = Counter(f"{PREFIX}_stale_groups_dropped", "Groups dropped as too stale.", registry=r)
+        self.zero_signal = Counter(f"{PREFIX}_zero_signal_groups_skipped", "Groups skipped by dynamic sampling: "
+                                   "their rewards were all equal (no signal).", registry=r)
+        self.zero_signal_fraction = gauge("zero_signal_fraction", "Fraction of the groups drawn for the last step "
+                                          "whose rewards were all equal.")
+        self.starved_steps = Counter(f"{PREFIX}_dynamic_sampling_starved_steps", "Steps that trained fewer than "
+                                     "batchSize groups after dynamicSamplingMaxDraws draws.", registry=r)
         self.staleness_histogram = _StalenessHistogram()
         r.register(self.staleness_histogram)
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped in the last step.")
@@ -185,6 +193,10 @@ class TrainerMetrics:
             self._groups_seen = _advance(self.groups, self._groups_seen, report.groups_trained)
             self._tokens_seen = _advance(self.tokens, self._tokens_seen, report.tokens_trained)
             self._dropped_seen = _advance(self.dropped, self._dropped_seen, report.staleness.dropped)
+            self._zero_signal_seen = _advance(self.zero_signal, self._zero_signal_seen, report.zero_signal_groups)
+            self._starved_seen = _advance(self.starved_steps, self._starved_seen,
+                                          report.dynamic_sampling_starved_steps)
+            self.zero_signal_fraction.set(report.zero_signal_fraction)
             self.tokens_per_second.set(report.tokens_per_second)
             self.reward.set(math.nan if report.reward_mean is None else report.reward_mean)
             self.staleness_mean.set(report.staleness.mean)

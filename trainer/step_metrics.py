@@ -29,8 +29,9 @@ from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch
 from asyncrl.trainer.plan import TrainSequence
 
-LOSS_STATS = ("clip_fraction", "dual_clip_fraction", "behav_filtered_fraction", "importance_weight_mean",
-              "full_ratio_mean", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction")
+LOSS_STATS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+              "behav_filtered_fraction", "importance_weight_mean", "full_ratio_mean", "behav_kl", "m2_before",
+              "m2_after", "m2_masked_fraction")
 """Stats of `policy_loss` over the loss mask: token-weighted step means."""
 KEPT_STATS = ("behav_weight_mean", "behav_weight_sq_mean")
 """Stats of `policy_loss` over the kept tokens: step means weighted by `kept_tokens`."""
@@ -38,7 +39,8 @@ EXTREMES = ("importance_weight", "full_ratio", "behav_weight")
 """`policy_loss`'s `<name>_max`/`<name>_min` pairs: step max and min over micro-batches and ranks."""
 MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy")
 """Everything summed over ranks, in this order (the same list on every rank)."""
-STEP_LOSS_KEYS = ("loss", "clip_fraction", "dual_clip_fraction", "behav_filtered_fraction",
+STEP_LOSS_KEYS = ("loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+                  "behav_filtered_fraction",
                   *(f"{name}_{stat}" for name in EXTREMES for stat in ("mean", "max", "min")),
                   "behav_ess", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction", "entropy")
 """The step record's figures from the loss (and entropy), as they go to metrics.jsonl."""
