@@ -90,6 +90,9 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         clip_fraction=0.023,
         importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
         dead_lettered=1,
+        zero_signal_groups=7,
+        zero_signal_fraction=0.25,
+        dynamic_sampling_starved_steps=1,
         recovered_entries=2,
         reclaimed_entries=5,
         trainer_restarts=1,
@@ -231,6 +234,11 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                         ["groups dead-lettered", "1"], ["entries recovered / reclaimed", "2 / 5"],
                         ["admission drift repaired (lost / found)", "1 / 0"], ["dead workers' leases returned", "3"],
                         ["restarts: trainer / engines", "1 / 2"], ["engines re-synced", "3"]]
+
+    details = dict([[(await c.text_content()) for c in await row.locator("td").all()]
+                    for row in await page.locator("#details tr").all()])
+    assert details["groups without signal (last step)"] == "25.0%"
+    assert details["zero-signal groups skipped / starved steps"] == "7 / 1"
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

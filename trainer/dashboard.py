@@ -311,6 +311,8 @@ function render(r) {
     ["loss (last step)", last ? fmt(last.loss, 4) : "–"], ["clip fraction", fmt(100 * r.clip_fraction, 1) + "%"],
     ["importance weight min/mean/max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
     ["stale groups dropped", String(st.dropped ?? 0)],
+    ["groups without signal (last step)", fmt(100 * (r.zero_signal_fraction ?? 0), 1) + "%"],
+    ["zero-signal groups skipped / starved steps", `${r.zero_signal_groups ?? 0} / ${r.dynamic_sampling_starved_steps ?? 0}`],
     ["last checkpoint", r.last_checkpoint ? r.last_checkpoint.split("/").filter(Boolean).pop() : "none yet"],
     ["running for", r.started_at ? secs(Math.max(0, (r.updated_at || Date.now() / 1000) - r.started_at)) : "–"],
   ];
