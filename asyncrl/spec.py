@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from asyncrl import staleness_policy
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 
@@ -184,6 +185,21 @@ class AlgorithmSpec(SpecModel):
     """SAPO gate temperature for positive advantages (verl 0.9.1's default); objective sapo only."""
     sapo_tau_neg: float = Field(default=1.05, gt=0)
     """SAPO gate temperature for advantages <= 0 (verl 0.9.1's default); objective sapo only."""
+    clip_bounds: Literal["fixed", "bapo"] = "fixed"
+    """fixed: the ratio band 1-clipEps .. 1+clipEpsHigh; bapo: BAPO's bounds, adapted per micro-batch
+    so positive-advantage tokens keep a share of the objective (objective ppo-clip, no m2Threshold)."""
+    bapo_positive_share: float = Field(default=0.5, gt=0, lt=1)
+    """BAPO's target positive share rho0 (paper and README: 0.5; the code's adv_ratio_target 1 = rho0/(1-rho0))."""
+    bapo_clip_low_start: float = Field(default=0.6, gt=0, lt=1)
+    """First lower ratio bound c_low tried (a-; WooooDyy/BAPO bapo_trainer.yaml ratio_lower_start)."""
+    bapo_clip_low_max: float = Field(default=0.8, gt=0, lt=1)
+    """Largest c_low the search may raise to (b-; bapo_trainer.yaml ratio_lower_max; the README says 0.9)."""
+    bapo_clip_high_start: float = Field(default=1.2, gt=1)
+    """First upper ratio bound c_high tried (a+; bapo_trainer.yaml ratio_upper_start)."""
+    bapo_clip_high_max: float = Field(default=2.0, gt=1)
+    """Largest c_high the search may raise to (b+; bapo_trainer.yaml ratio_upper_max; the README says 3.0)."""
+    bapo_step: float = Field(default=0.05, gt=0)
+    """Step of both bounds in the search (bapo_trainer.yaml ratio_lower_step and ratio_upper_step)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -280,6 +296,39 @@ class AlgorithmSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _clip_bounds_consistent(self) -> AlgorithmSpec:
+        # (the same rules as CEL_RULES' clipBounds/bapo entries; docs/algorithms.md, BAPO)
+        bapo = self.clip_bounds == "bapo"
+        if bapo and self.objective != "ppo-clip":
+            raise ValueError(f"clipBounds 'bapo' requires objective 'ppo-clip', got objective {self.objective!r}: "
+                             "BAPO adapts ppo-clip's token ratio band; allowed: clipBounds 'bapo' with objective "
+                             "'ppo-clip', or clipBounds 'fixed'")
+        if bapo and self.m2_threshold is not None:
+            raise ValueError(f"clipBounds 'bapo' cannot be combined with m2Threshold {self.m2_threshold!r}: M2PO "
+                             "replaces the clip that BAPO adapts; allowed: clipBounds 'bapo' with m2Threshold "
+                             "unset, or clipBounds 'fixed'")
+        if bapo and (self.clip_eps != 0.2 or self.clip_eps_high is not None):
+            raise ValueError("clipBounds 'bapo' sets the ratio bounds itself (bapoClipLow*, bapoClipHigh*), so "
+                             f"clipEps {self.clip_eps!r} and clipEpsHigh {self.clip_eps_high!r} would be ignored; "
+                             "allowed: clipEps 0.2 and clipEpsHigh unset with clipBounds 'bapo'")
+        defaults = {"bapoPositiveShare": (self.bapo_positive_share, 0.5),
+                    "bapoClipLowStart": (self.bapo_clip_low_start, 0.6),
+                    "bapoClipLowMax": (self.bapo_clip_low_max, 0.8),
+                    "bapoClipHighStart": (self.bapo_clip_high_start, 1.2),
+                    "bapoClipHighMax": (self.bapo_clip_high_max, 2.0), "bapoStep": (self.bapo_step, 0.05)}
+        for name, (value, default) in defaults.items():
+            if not bapo and value != default:
+                raise ValueError(f"{name} {value!r} only applies to clipBounds 'bapo', got clipBounds "
+                                 f"{self.clip_bounds!r}; allowed: clipBounds 'bapo' with {name}, or {name} "
+                                 f"{default!r} (its default)")
+        for side, start, top in (("Low", self.bapo_clip_low_start, self.bapo_clip_low_max),
+                                 ("High", self.bapo_clip_high_start, self.bapo_clip_high_max)):
+            if start > top:
+                raise ValueError(f"bapoClip{side}Start ({start}) must be <= bapoClip{side}Max ({top}): the search "
+                                 "only raises a bound from its start up to its max")
+        return self
+
+    @model_validator(mode="after")
     def _dynamic_sampling_consistent(self) -> AlgorithmSpec:
         # (the same rules as CEL_RULES' dynamicSampling entries)
         if self.dynamic_sampling and self.group_size < 2:
@@ -305,12 +354,54 @@ class AlgorithmSpec(SpecModel):
 
 
 class StalenessSpec(SpecModel):
-    """How far rollout may run ahead of training."""
+    """How far rollout may run ahead of training: one of two policies (docs/trainer.md, "Staleness
+    policies"), both enforced by the same global admission and the same trainer-side drop."""
 
+    policy: Literal["global-budget", "per-sample"] = "global-budget"
+    """global-budget (AReaL): maxHeadOffpolicyness x batchSize groups may be produced ahead of the
+    trainer and a group more than maxHeadOffpolicyness versions old is dropped. per-sample (ROLL
+    Flash's asynchronous ratio alpha = asyncRatio): ceil(alpha x batchSize) groups ahead; a group more
+    than ceil(alpha) versions old is dropped and, for a fractional alpha, a step trains at most
+    floor(frac(alpha) x batchSize) groups exactly ceil(alpha) versions old (the rest are dropped).
+    Dropped groups give their admission capacity back and are counted in status.staleness.dropped."""
     max_head_offpolicyness: int = Field(default=4, ge=0)
-    """eta: how many versions older than the trainer a group may be; 0 = synchronous RL."""
+    """eta: how many versions older than the trainer a group may be; 0 = synchronous RL
+    (policy global-budget only)."""
+    async_ratio: float | None = Field(default=None, ge=0)
+    """alpha, ROLL Flash's asynchronous ratio: batches of generation allowed ahead of the trainer,
+    fractional allowed (0.5: half a batch; 0: synchronous). Required by policy per-sample, rejected
+    by global-budget."""
     max_concurrent_groups: int | None = Field(default=None, ge=1)
-    """Groups in flight across all rollout pods; unset = batchSize x (eta + 1)."""
+    """Groups in flight across all rollout pods; unset = batchSize + the groups the policy admits
+    ahead (batchSize x (eta + 1), or batchSize + ceil(alpha x batchSize))."""
+
+    @model_validator(mode="after")
+    def _policy_consistent(self) -> StalenessSpec:
+        # (the same rules as CEL_RULES' spec.staleness entries)
+        if self.policy == "per-sample" and self.async_ratio is None:
+            raise ValueError("policy 'per-sample' requires asyncRatio (a number >= 0, fractional allowed); "
+                             "allowed: policy 'per-sample' with asyncRatio, or policy 'global-budget' "
+                             "with maxHeadOffpolicyness")
+        if self.policy != "per-sample" and self.async_ratio is not None:
+            raise ValueError(f"asyncRatio {self.async_ratio!r} requires policy 'per-sample', got policy "
+                             f"{self.policy!r}; allowed: policy 'per-sample' with asyncRatio, or policy "
+                             "'global-budget' without it")
+        if self.policy == "per-sample" and self.max_head_offpolicyness != 4:
+            raise ValueError(f"maxHeadOffpolicyness {self.max_head_offpolicyness!r} applies to policy "
+                             "'global-budget' only; with policy 'per-sample' asyncRatio bounds staleness: "
+                             "leave maxHeadOffpolicyness unset")
+        return self
+
+    def groups_ahead(self, batch_size: int) -> int:
+        """Groups admitted beyond the current version's batch: eta x B, or ceil(alpha x B)."""
+        return staleness_policy.groups_ahead(batch_size, max_head_offpolicyness=self.max_head_offpolicyness,
+                                             async_ratio=self.async_ratio)
+
+    @property
+    def version_bound(self) -> int:
+        """The largest version lag a trained group may have: eta, or ceil(alpha)."""
+        return staleness_policy.version_bound(max_head_offpolicyness=self.max_head_offpolicyness,
+                                              async_ratio=self.async_ratio)
 
 
 class RolloutSpec(SpecModel):
@@ -632,11 +723,11 @@ class AsyncRLJobSpec(SpecModel):
     """Global seed (sampling, initialisation order, data order)."""
 
     def max_concurrent_groups(self) -> int:
-        """Groups in flight across all rollout pods (explicit, or B x (eta + 1))."""
+        """Groups in flight across all rollout pods (explicit, or B + the policy's groups ahead)."""
         s = self.staleness
         if s.max_concurrent_groups is not None:
             return s.max_concurrent_groups
-        return self.algorithm.batch_size * (s.max_head_offpolicyness + 1)
+        return self.algorithm.batch_size + s.groups_ahead(self.algorithm.batch_size)
 
 
 class ObjectMeta(SpecModel):
@@ -805,6 +896,24 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.algorithm", "(has(self.objective) && self.objective == 'sapo')"
      " || ((!has(self.sapoTauPos) || self.sapoTauPos == 1.0) && (!has(self.sapoTauNeg) || self.sapoTauNeg == 1.05))",
      "sapoTauPos and sapoTauNeg only apply to objective 'sapo'"),
+    # (BAPO's pydantic rules in two CEL rules: a bapo job keeps ppo-clip's other fields at their defaults,
+    # and a bapo* field needs clipBounds 'bapo' and an ordered range)
+    ("spec.algorithm", "!has(self.clipBounds) || self.clipBounds != 'bapo'"
+     " || ((!has(self.objective) || self.objective == 'ppo-clip') && !has(self.m2Threshold)"
+     " && !has(self.clipEpsHigh) && (!has(self.clipEps) || self.clipEps == 0.2))",
+     "clipBounds 'bapo' requires objective 'ppo-clip', no m2Threshold, and clipEps/clipEpsHigh at their defaults"),
+    ("spec.algorithm", "((has(self.clipBounds) && self.clipBounds == 'bapo')"
+     " || ((!has(self.bapoPositiveShare) || self.bapoPositiveShare == 0.5)"
+     " && (!has(self.bapoClipLowStart) || self.bapoClipLowStart == 0.6)"
+     " && (!has(self.bapoClipLowMax) || self.bapoClipLowMax == 0.8)"
+     " && (!has(self.bapoClipHighStart) || self.bapoClipHighStart == 1.2)"
+     " && (!has(self.bapoClipHighMax) || self.bapoClipHighMax == 2.0)"
+     " && (!has(self.bapoStep) || self.bapoStep == 0.05)))"
+     " && (has(self.bapoClipLowStart) ? self.bapoClipLowStart : 0.6)"
+     " <= (has(self.bapoClipLowMax) ? self.bapoClipLowMax : 0.8)"
+     " && (has(self.bapoClipHighStart) ? self.bapoClipHighStart : 1.2)"
+     " <= (has(self.bapoClipHighMax) ? self.bapoClipHighMax : 2.0)",
+     "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max"),
     ("spec.algorithm",
      "!has(self.loglinearOnPolicy) || self.loglinearOnPolicy != 'current' || !has(self.minibatches)"
      " || self.minibatches == 1",
@@ -822,6 +931,13 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.evaluation",
      "!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1 || (has(self.temperature) && self.temperature > 0.0)",
      "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)"),
+    ("spec.staleness", "!has(self.policy) || self.policy != 'per-sample' || has(self.asyncRatio)",
+     "policy 'per-sample' requires asyncRatio"),
+    ("spec.staleness", "!has(self.asyncRatio) || (has(self.policy) && self.policy == 'per-sample')",
+     "asyncRatio requires policy 'per-sample'"),
+    ("spec.staleness", "!has(self.policy) || self.policy != 'per-sample' || !has(self.maxHeadOffpolicyness)"
+     " || self.maxHeadOffpolicyness == 4",
+     "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

@@ -21,9 +21,15 @@ class StalenessReport(_Report):
     max: int = 0
     """Largest version lag seen in the last step."""
     limit: int = 0
-    """eta: groups older than this are dropped."""
+    """The version bound: groups older than this are dropped (eta, or ceil(alpha) for per-sample)."""
+    policy: str = "global-budget"
+    """spec.staleness.policy: global-budget (eta) or per-sample (ROLL's asyncRatio alpha)."""
+    async_ratio: float | None = None
+    """alpha under the per-sample policy, else None."""
     dropped: int = 0
-    """Groups dropped as too stale since the job started."""
+    """Groups dropped as too stale since the job started (by either policy's bound)."""
+    dropped_last_step: int = 0
+    """Of `dropped`: those dropped while the last step's batch was read."""
     histogram: dict[str, int] = Field(default_factory=dict)
     """Version lag (as a string key) -> tokens trained at that lag, cumulative."""
 

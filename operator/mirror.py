@@ -113,7 +113,7 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
                                    last_checkpoint=report.last_checkpoint or None)
     s = report.staleness
     status.staleness = StalenessStatus(mean=round(s.mean, 6), max=s.max, dropped=s.dropped,
-                                       limit=s.limit or spec.staleness.max_head_offpolicyness)
+                                       limit=s.limit or spec.staleness.version_bound)
     total = report.max_steps or spec.trainer.max_steps
     status.progress = ProgressStatus(
         percent=round(min(100.0, 100.0 * report.step / total), 2) if total else 0.0,

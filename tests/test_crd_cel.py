@@ -147,8 +147,16 @@ BREAKERS = {
     "dynamicSamplingMaxDraws must be >= batchSize":
         {"algorithm": {"dynamicSampling": True, "dynamicSamplingMaxDraws": 31}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
+    "policy 'per-sample' requires asyncRatio": {"staleness": {"policy": "per-sample"}},
+    "asyncRatio requires policy 'per-sample'": {"staleness": {"asyncRatio": 0.5}},
+    "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)":
+        {"staleness": {"policy": "per-sample", "asyncRatio": 0.5, "maxHeadOffpolicyness": 2}},
     "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)":
         {"evaluation": {"samplesPerPrompt": 4}},
+    "clipBounds 'bapo' requires objective 'ppo-clip', no m2Threshold, and clipEps/clipEpsHigh at their defaults":
+        {"algorithm": {"clipBounds": "bapo", "clipEpsHigh": 0.28}},
+    "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max":
+        {"algorithm": {"bapoStep": 0.1}},
 }
 
 

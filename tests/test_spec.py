@@ -186,3 +186,62 @@ def test_objective_rules_name_the_field_and_the_allowed_values(algorithm, says):
     with pytest.raises(ValidationError) as err:
         AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
     assert says in str(err.value)
+
+
+# ---- BAPO's adaptive clip bounds (issue 20): clipBounds bapo and its bapo* fields
+
+
+def test_clip_bounds_default_fixed_with_the_bapo_codes_defaults():
+    algo = AlgorithmSpec()
+    assert algo.clip_bounds == "fixed"
+    assert (algo.bapo_positive_share, algo.bapo_clip_low_start, algo.bapo_clip_low_max, algo.bapo_clip_high_start,
+            algo.bapo_clip_high_max, algo.bapo_step) == (0.5, 0.6, 0.8, 1.2, 2.0, 0.05)
+    bapo = AlgorithmSpec.model_validate({"clipBounds": "bapo", "loss": "ppo", "proximal": "recompute",
+                                         "dualClip": 3.0, "bapoClipHighMax": 3.0, "bapoClipLowMax": 0.9})
+    assert (bapo.clip_bounds, bapo.bapo_clip_high_max, bapo.dual_clip) == ("bapo", 3.0, 3.0)
+
+
+@pytest.mark.parametrize("algorithm, says", [
+    ({"clipBounds": "adaptive"}, "'fixed' or 'bapo'"),
+    ({"clipBounds": "bapo", "objective": "gspo"},
+     "clipBounds 'bapo' requires objective 'ppo-clip', got objective 'gspo'"),
+    ({"clipBounds": "bapo", "objective": "sapo"}, "allowed: clipBounds 'bapo' with objective 'ppo-clip'"),
+    ({"clipBounds": "bapo", "m2Threshold": 0.04}, "clipBounds 'bapo' cannot be combined with m2Threshold 0.04"),
+    ({"clipBounds": "bapo", "clipEpsHigh": 0.28}, "allowed: clipEps 0.2 and clipEpsHigh unset with clipBounds 'bapo'"),
+    ({"clipBounds": "bapo", "clipEps": 0.1}, "clipEps 0.1 and clipEpsHigh None would be ignored"),
+    ({"bapoStep": 0.1}, "bapoStep 0.1 only applies to clipBounds 'bapo', got clipBounds 'fixed'; allowed"),
+    ({"bapoPositiveShare": 0.6}, "bapoPositiveShare 0.6 only applies to clipBounds 'bapo'"),
+    ({"clipBounds": "bapo", "bapoClipLowStart": 0.85}, "bapoClipLowStart (0.85) must be <= bapoClipLowMax (0.8)"),
+    ({"clipBounds": "bapo", "bapoClipHighStart": 2.5}, "bapoClipHighStart (2.5) must be <= bapoClipHighMax (2.0)"),
+    ({"clipBounds": "bapo", "bapoPositiveShare": 1.0}, "bapoPositiveShare"),
+    ({"clipBounds": "bapo", "bapoClipHighMax": 1.0}, "bapoClipHighMax"),
+])
+def test_clip_bounds_rules_name_the_field_and_the_allowed_values(algorithm, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
+    assert says in str(err.value)
+
+
+def test_staleness_policy_defaults_to_the_global_budget():
+    s = AsyncRLJobSpec(model={"path": "m"})
+    assert (s.staleness.policy, s.staleness.async_ratio, s.staleness.version_bound) == ("global-budget", None, 4)
+    per_sample = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "algorithm": {"batchSize": 32},
+                                                "staleness": {"policy": "per-sample", "asyncRatio": 0.5}})
+    assert (per_sample.staleness.async_ratio, per_sample.staleness.version_bound) == (0.5, 1)
+    assert per_sample.staleness.groups_ahead(32) == 16
+    assert per_sample.max_concurrent_groups() == 32 + 16  # B + ceil(alpha B), not B (eta + 1)
+    assert "asyncRatio" in per_sample.model_dump(by_alias=True)["staleness"]
+
+
+@pytest.mark.parametrize("staleness, says", [
+    ({"policy": "per-sample"}, "policy 'per-sample' requires asyncRatio"),
+    ({"asyncRatio": 1.0}, "asyncRatio 1.0 requires policy 'per-sample', got policy 'global-budget'; allowed"),
+    ({"policy": "per-sample", "asyncRatio": 1, "maxHeadOffpolicyness": 2},
+     "maxHeadOffpolicyness 2 applies to policy 'global-budget' only"),
+    ({"policy": "per-sample", "asyncRatio": -0.5}, "asyncRatio"),
+    ({"policy": "roll"}, "'global-budget' or 'per-sample'"),
+])
+def test_staleness_policy_rules_name_the_field_and_the_allowed_values(staleness, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, staleness=staleness)
+    assert says in str(err.value)

@@ -220,7 +220,7 @@ def test_restart_discards_newer_versions_and_half_written_temp_dirs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
 
 
-@pytest.mark.parametrize("objective", ["gspo", "cispo", "sapo"])
+@pytest.mark.parametrize("objective", ["gspo", "cispo", "sapo", "bapo"])
 def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     """Two real steps of the trainer on the tiny model with each objective: finite loss, weights move."""
     import dataclasses
@@ -243,7 +243,8 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
                 lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
             samples.append(dataclasses.replace(s, behav_logprobs=lp[0, len(g.prompt_ids) - 1:].numpy()))
         groups.append(dataclasses.replace(g, samples=samples))
-    job = make_job(name=JOB, batch_size=2, algorithm={"objective": objective})
+    algorithm = {"clipBounds": "bapo"} if objective == "bapo" else {"objective": objective}  # (bapo: ppo-clip's bounds)
+    job = make_job(name=JOB, batch_size=2, algorithm=algorithm)
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -251,3 +252,4 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert records[1]["importance_weight_max"] != 1.0  # the second step saw a moved policy
+    assert objective != "bapo" or all(0.6 <= r["bapo_clip_low"] <= 0.8 <= 1.2 <= r["bapo_clip_high"] for r in records)

@@ -124,10 +124,11 @@ from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
-async def main(url, holder, events, stop):
+async def main(url, holder, events, stop, ratio=""):
     r = await connect(url)
     names = StreamNames.for_job("job")
-    adm = Admission(r, names, batch_size=4, max_head_offpolicyness=2, max_concurrent=6)
+    alpha = float(ratio) if ratio else None  # per-sample policy (ROLL's alpha), else eta = 2
+    adm = Admission(r, names, batch_size=4, max_head_offpolicyness=2, max_concurrent=6, async_ratio=alpha)
     producer = TrajectoryProducer(r, names)
     rng = random.Random(holder)
     n = 0
@@ -151,12 +152,15 @@ async def main(url, holder, events, stop):
         await adm.release(lease, accepted=accepted)
     await r.aclose()
 
-asyncio.run(main(*sys.argv[1:5]))
+asyncio.run(main(*sys.argv[1:6]))
 """
 
 
-def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: int) -> dict[int, int]:
-    """Replay the append-only record; assert the bound at every entry. Returns peak per version."""
+def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: int,
+                  ahead: int | None = None) -> dict[int, int]:
+    """Replay the append-only record; assert the bound at every entry. Returns peak per version.
+    `ahead`: the groups admitted beyond the version's batch (default eta * B)."""
+    ahead = eta * batch_size if ahead is None else ahead
     version, accepted, dropped, running = 0, 0, 0, set()
     peaks: dict[int, int] = {0: 0}
     for _, f in events:
@@ -172,7 +176,7 @@ def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: in
         elif kind == b"dropped":
             dropped += int(f[b"n"])
         total = accepted - dropped + len(running)
-        bound = (eta + version + 1) * batch_size
+        bound = (version + 1) * batch_size + ahead
         assert total <= bound, f"accepted+running {total} > {bound} at version {version}"
         assert len(running) <= max_concurrent
         peaks[version] = max(peaks[version], total)
@@ -182,11 +186,22 @@ def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: in
 @pytest.mark.slow
 async def test_three_producer_processes_never_exceed_the_bound(transport_redis, redis_url):
     eta, batch, versions = 2, 4, 6
-    r = transport_redis
+    adm = Admission(transport_redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=6)
+    events = await run_three_producers(transport_redis, redis_url, adm, versions=versions)
+    peaks = check_records(events, eta=eta, batch_size=batch, max_concurrent=6)
+    # not vacuous: the producers filled the bound at every version the trainer saw saturated
+    for v in range(versions):
+        assert peaks[v] == (eta + v + 1) * batch
+
+
+async def run_three_producers(r, redis_url: str, adm: Admission, *, versions: int, ratio: str = "") -> list:
+    """Three PRODUCER_SCRIPT processes (`ratio`: their asyncRatio, "" for eta 2) against a trainer
+    that waits for saturation at each version, then takes a batch (at version 2 after dropping one
+    group as too stale). Returns the append-only record of grants, releases, drops and versions."""
+    batch = adm.batch_size
     events, stop = "test:{job}:events", "test:{job}:stop"
-    adm = Admission(r, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=6)
     consumer = TrajectoryConsumer(r, NAMES, "trainer")
-    procs = [subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, redis_url, f"pod{i}", events, stop],
+    procs = [subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, redis_url, f"pod{i}", events, stop, ratio],
                               cwd=REPO / "tests", stderr=subprocess.PIPE) for i in range(3)]
     try:
         for v in range(versions):
@@ -221,7 +236,45 @@ async def test_three_producer_processes_never_exceed_the_bound(transport_redis, 
                 p.kill()
                 p.wait()
             p.stderr.close()
-    peaks = check_records(await r.xrange(events), eta=eta, batch_size=batch, max_concurrent=6)
-    # not vacuous: the producers filled the bound at every version the trainer saw saturated
-    for v in range(versions):
-        assert peaks[v] == (eta + v + 1) * batch
+    return await r.xrange(events)
+
+
+# --- the per-sample policy (ROLL Flash's asynchronous ratio alpha, issue 20) -----------------
+
+def test_capacity_rule_per_sample():
+    # ROLL: ceil(alpha * B) groups ahead of (version + 1) * B; eta is not used
+    def cap(version: int, accepted: int, running: int, alpha: float, b: int = 4) -> int:
+        return admission_capacity(version, accepted, running, batch_size=b, max_head_offpolicyness=7,
+                                  max_concurrent=100, async_ratio=alpha)
+    assert cap(0, 0, 0, 0.5) == 6      # half a batch ahead
+    assert cap(0, 0, 0, 1.5) == 10
+    assert cap(0, 0, 0, 0.0) == 4      # synchronous
+    assert cap(2, 10, 1, 0.5) == 3     # 3 * 4 + 2 - (10 + 1)
+    assert cap(0, 0, 0, 0.1, b=30) == 33  # the decimal 0.1, not the float: ceil(3.0000000000000004) would be 4
+    assert cap(1, 8, 0, 1.0) == admission_capacity(1, 8, 0, batch_size=4, max_head_offpolicyness=1,
+                                                   max_concurrent=100)  # integer alpha = eta
+
+
+async def test_fractional_alpha_admits_half_a_batch_ahead(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=4, max_concurrent=100,
+                    async_ratio=0.5)
+    assert adm.max_head_offpolicyness == 1  # the version bound a producer checks: ceil(0.5)
+    leases = [await adm.try_acquire("pod") for _ in range(7)]
+    assert all(leases[:6]) and leases[6] is None  # B + ceil(0.5 * 4) = 6 of version 0
+    for lease in leases[:6]:
+        await adm.release(lease, accepted=True)
+    await adm.set_version(1)
+    more = [await adm.try_acquire("pod") for _ in range(5)]
+    assert all(more[:4]) and more[4] is None  # the next version admits one batch more
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio, ahead", [("1.5", 6), ("0.5", 2), ("1", 4)])
+async def test_three_producer_processes_keep_to_the_per_sample_bound(transport_redis, redis_url, ratio, ahead):
+    batch, versions = 4, 4
+    adm = Admission(transport_redis, NAMES, batch_size=batch, max_head_offpolicyness=2, max_concurrent=6,
+                    async_ratio=float(ratio))
+    events = await run_three_producers(transport_redis, redis_url, adm, versions=versions, ratio=ratio)
+    peaks = check_records(events, eta=0, batch_size=batch, max_concurrent=6, ahead=ahead)
+    for v in range(versions):  # not vacuous: filled to exactly the bound at every version
+        assert peaks[v] == (v + 1) * batch + ahead

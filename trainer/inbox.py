@@ -2,23 +2,26 @@
 
 Groups are read (this consumer's own pending entries first after a restart, then new ones) into a
 buffer; once B fresh groups are buffered, the B oldest (by oldest token version, then creation time
-and id) form the batch and the rest stay buffered, still pending in Redis, for the next step.
-A group more than `max_head_offpolicyness` (eta) versions behind the trainer is dropped: admission
-gets its capacity back and it is acknowledged at once. A group that cannot be trained (it does not
-decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob, lengths that disagree, ...)
-never reaches the buffer: the consumer dead-letters it with the reason and acknowledges it, also
-when it was still pending from before a restart, so it cannot crash-loop the trainer; admission
-gets its capacity back here too. With spec.algorithm.dynamicSampling (DAPO), a buffered group whose
-rewards are all equal (`zero_signal`: its advantages are exactly 0, it carries no gradient) is
-skipped the same way: admission gets its capacity back (so a producer makes a replacement), it is
-acknowledged at once and counted, and the step keeps reading until B groups with signal are
-buffered. A step draws at most `max_draws` groups (skipped + kept, oldest first): once it has, it
-takes the groups with signal it kept, fewer than B (`batch_target`), or, when all of them were
-skipped, the next group whatever its rewards: a run whose groups almost never carry signal trains
-slowly and says so (the trainer warns and counts the step) instead of waiting forever.
-Trained groups are acknowledged only at the next checkpoint
-(`ack_trained`, from `Trainer.commit`; checkpoint.py says why), and a resumed trainer first
-acknowledges the window its checkpoint already trained (`ack_restored`), before any read.
+and id) form the batch and the rest stay buffered, still pending in Redis, for the next step. A
+group more than `max_head_offpolicyness` (eta) versions behind the trainer is dropped: admission
+gets its capacity back and it is acknowledged at once. Under the per-sample policy (`async_ratio`,
+ROLL's alpha) the bound is ceil(alpha) versions and, for a fractional alpha, of the groups exactly
+ceil(alpha) versions old the oldest floor(frac(alpha) x B) stay and the rest are dropped the same
+way (asyncrl/staleness_policy.py; one count, `dropped`, for both policies). A group that cannot be
+trained (it does not decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob,
+lengths that disagree, ...) never reaches the buffer: the consumer dead-letters it with the reason
+and acknowledges it, also when it was still pending from before a restart, so it cannot crash-loop
+the trainer; admission gets its capacity back here too. With spec.algorithm.dynamicSampling (DAPO),
+a buffered group whose rewards are all equal (`zero_signal`: its advantages are exactly 0, it
+carries no gradient) is skipped the same way: admission gets its capacity back (so a producer makes
+a replacement), it is acknowledged at once and counted, and the step keeps reading until B groups
+with signal are buffered. A step draws at most `max_draws` groups (skipped + kept, oldest first):
+once it has, it takes the groups with signal it kept, fewer than B (`batch_target`), or, when all
+of them were skipped, the next group whatever its rewards: a run whose groups almost never carry
+signal trains slowly and says so (the trainer warns and counts the step) instead of waiting
+forever. Trained groups are acknowledged only at the next checkpoint (`ack_trained`, from
+`Trainer.commit`; checkpoint.py says why), and a resumed trainer first acknowledges the window its
+checkpoint already trained (`ack_restored`), before any read.
 
 Nothing is stranded in a running trainer: every `pending_check_s` seconds a read also re-reads
 this consumer's own pending list (`TrajectoryConsumer.recover_pending`: entries Redis delivered in
@@ -46,6 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.staleness_policy import boundary_quota
 from asyncrl.status_report import EvalRecord
 from asyncrl.transport.admission import Admission, Drift, is_too_stale
 from asyncrl.transport.streams import Delivery, TrajectoryConsumer
@@ -73,11 +77,14 @@ class GroupInbox:
     def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
                  max_head_offpolicyness: int, read_block_ms: int = 1000, pending_check_s: float = 30.0,
                  reclaim_idle_ms: int = 600_000, dynamic_sampling: bool = False,
-                 max_draws: int | None = None) -> None:
+                 max_draws: int | None = None, async_ratio: float | None = None) -> None:
         self.consumer = consumer
         self.admission = admission
         self.batch_size = batch_size
         self.max_head_offpolicyness = max_head_offpolicyness
+        """The largest version lag kept: eta, or ceil(alpha) under the per-sample policy."""
+        self.boundary_quota = boundary_quota(batch_size, async_ratio)
+        """Per-sample policy, fractional alpha: groups exactly `max_head_offpolicyness` old kept."""
         self.read_block_ms = read_block_ms
         self.pending_check_s = pending_check_s
         """How often a read also re-reads the own pending list and reclaims idle entries."""
@@ -96,11 +103,25 @@ class GroupInbox:
         self.step_skipped = 0                  # zero-signal groups skipped since the last batch was taken
 
     async def drop_stale(self, version: int) -> int:
-        """Drop buffered groups too old for `version`: admission frees their capacity, they are acked."""
+        """Drop buffered groups too old for `version`: admission frees their capacity, they are acked.
+
+        With a `boundary_quota`, only the oldest that many of the groups exactly at the bound stay:
+        they sort first, so all of them go into this step's batch, and at the next version they
+        are past the bound; called before each `take_batch`, no batch holds more than the quota."""
         keep: list[Delivery] = []
         stale: list[Delivery] = []
+        lag, quota = self.max_head_offpolicyness, self.boundary_quota
+        if quota is not None:
+            self._sort_buffer()
+        at_bound = 0
         for d in self.buffer:
-            (stale if is_too_stale(d.group, version, self.max_head_offpolicyness) else keep).append(d)
+            if is_too_stale(d.group, version, lag):
+                stale.append(d)
+            elif quota is not None and 0 <= d.group.oldest_version() == version - lag:
+                (keep if at_bound < quota else stale).append(d)
+                at_bound += 1
+            else:
+                keep.append(d)
         self.buffer = keep
         if stale:
             await self.admission.record_dropped(len(stale))
@@ -233,6 +254,8 @@ class StepDraw:
     """Groups of the batch without signal (all of them without dynamic sampling, a starved step's last)."""
     starved: bool = False
     """The batch is short: `max_draws` groups were drawn without B with signal."""
+    dropped: int = 0
+    """Groups dropped as too stale while this step's batch was read (`GroupInbox.drop_stale`)."""
     reward_sum: float = 0.0
     samples: int = 0
     """Sum and count of the rewards of every sample drawn (skipped and batch)."""

@@ -1,8 +1,8 @@
 """The training loop, top to bottom: batch -> advantages -> proximal -> updates -> publish -> commit.
 
 One step:
-  1. rank 0 reads trajectory groups until B fresh ones are buffered (oldest first); groups more
-     than eta (`spec.staleness.max_head_offpolicyness`) versions old are dropped, counted
+  1. rank 0 reads trajectory groups until B fresh ones are buffered (oldest first); groups past
+     the staleness policy's bound (eta versions, or ROLL's asyncRatio) are dropped, counted
      (admission frees their capacity) and acknowledged (inbox.py); with `dynamicSampling` (DAPO)
      groups whose rewards are all equal are skipped the same way and reading goes on until B
      groups with signal are buffered, or `dynamicSamplingMaxDraws` were drawn (then the step
@@ -202,15 +202,17 @@ class Trainer:
         self.io = io
         self.inbox = None if io is None else GroupInbox(
             io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
-            max_head_offpolicyness=self.spec.staleness.max_head_offpolicyness, read_block_ms=cfg.read_block_ms,
+            max_head_offpolicyness=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
             pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
             dynamic_sampling=self.spec.algorithm.dynamic_sampling,
-            max_draws=self.spec.algorithm.dynamic_sampling_draws)
+            max_draws=self.spec.algorithm.dynamic_sampling_draws, async_ratio=self.spec.staleness.async_ratio)
         self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
         self.report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
         self.report.max_steps = max_steps
-        self.report.staleness.limit = self.spec.staleness.max_head_offpolicyness
+        self.report.staleness.limit = self.spec.staleness.version_bound
+        self.report.staleness.policy = self.spec.staleness.policy
+        self.report.staleness.async_ratio = self.spec.staleness.async_ratio
         self._report_lock = threading.Lock()
         self.trackers = trackers if ctx.is_main else None
         self.evals = self._eval_inbox(io, cfg) if ctx.is_main else None
@@ -461,10 +463,12 @@ class Trainer:
         if not count:
             return
         self.state.dropped += count
+        self._draw.dropped += count
         with self._report_lock:
             self.report.staleness.dropped = self.state.dropped
-        log.info("dropped %d over-stale group(s) (maxHeadOffpolicyness=%d)", count,
-                 self.spec.staleness.max_head_offpolicyness)
+        s = self.spec.staleness
+        log.info("dropped %d over-stale group(s) (%s)", count, f"maxHeadOffpolicyness={s.max_head_offpolicyness}"
+                 if s.async_ratio is None else f"asyncRatio={s.async_ratio}, bound {s.version_bound} version(s)")
 
     def _count_zero_signal(self, skipped: list[Any]) -> None:
         if not skipped:
@@ -682,7 +686,7 @@ class Trainer:
             r.reward_mean = record["reward_mean"]
             r.reward_history.append(record["reward_mean"])
             r.staleness.mean, r.staleness.max = record["staleness_mean"], record["staleness_max"]
-            r.staleness.dropped = st.dropped
+            r.staleness.dropped, r.staleness.dropped_last_step = st.dropped, record["dropped_step"]
             for lag, n in record["staleness_histogram"].items():
                 r.staleness.histogram[str(lag)] = r.staleness.histogram.get(str(lag), 0) + n
             r.clip_fraction = shown["clip_fraction"]
@@ -717,6 +721,7 @@ class Trainer:
         policy's)."""
         draw, self._draw = self._draw, StepDraw()
         record["zero_signal_groups"] = draw.skipped
+        record["dropped_step"] = draw.dropped
         with self._report_lock:
             record["zero_signal_groups_total"] = self.report.zero_signal_groups
         record["zero_signal_fraction"] = draw.zero_signal_fraction

@@ -10,9 +10,9 @@ Notation per token: `lp` current policy (with grad), `lp_b` behaviour (engine), 
 behaviour weight (always detached).
 
 `policy_loss` is a sequence of small pure stages, one per phase of the objective: proximal
-log-probs, ratios, behaviour-weight cap, objective (PPO-clip, GSPO, CISPO or SAPO, on u), M2PO
-mask, aggregation, metrics. Each
-stage returns a frozen record, so the next one reads its inputs by name.
+log-probs, ratios, behaviour-weight cap, objective (PPO-clip with fixed or BAPO's adaptive bounds,
+GSPO, CISPO or SAPO, on u), M2PO mask, aggregation, metrics. Each stage returns a frozen record, so
+the next one reads its inputs by name.
 """
 
 from __future__ import annotations
@@ -35,15 +35,29 @@ CapLevel = Literal["token", "sequence"]
 M2Scope = Literal["all", "harmful"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Objective = Literal["ppo-clip", "gspo", "cispo", "sapo"]
+ClipBounds = Literal["fixed", "bapo"]
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OBJECTIVES: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
+CLIP_BOUNDS: tuple[str, ...] = ("fixed", "bapo")
 
 # SAPO's gate temperatures for A > 0 and A <= 0: verl 0.9.1's ActorConfig defaults
 # (verl/workers/config/actor.py, tau_pos / tau_neg), tau_neg > tau_pos damps negative updates faster.
 SAPO_TAU_POS = 1.0
 SAPO_TAU_NEG = 1.05
+
+# BAPO's search (arXiv 2510.18927; the released code WooooDyy/BAPO @ 7287044, recipe/bapo/config/
+# bapo_trainer.yaml): explicit ratio bounds, c_low from 0.6 up to 0.8 and then c_high from 1.2 up to
+# 2.0, in steps of 0.05, until positive / negative contribution >= 1 (a positive share rho0 of 0.5,
+# the paper's value). BAPO_EPS is the code's guard on the division.
+BAPO_POSITIVE_SHARE = 0.5
+BAPO_CLIP_LOW_START = 0.6
+BAPO_CLIP_LOW_MAX = 0.8
+BAPO_CLIP_HIGH_START = 1.2
+BAPO_CLIP_HIGH_MAX = 2.0
+BAPO_STEP = 0.05
+BAPO_EPS = 1e-8
 
 # Log-ratios entering exp() with grad are clamped to +-LOG_RATIO_LIMIT nats (ratio ~4.9e8): beyond
 # that a float32 loss (ratio x advantage x tokens) can overflow. Tokens past the limit get no
@@ -61,6 +75,8 @@ STAT_KEYS: tuple[str, ...] = (
     "behav_ess", "behav_kl", "staleness_mean", "staleness_max", "m2_before", "m2_after",
     "m2_masked_fraction", "proximal_s",
 )
+BAPO_STAT_KEYS: tuple[str, ...] = ("bapo_clip_low", "bapo_clip_high")
+"""Added to the stats with `clip_bounds="bapo"` only: the ratio bounds the search chose for the call."""
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -184,13 +200,20 @@ class LossConfig:
     objective: Objective = "ppo-clip"
     sapo_tau_pos: float = SAPO_TAU_POS
     sapo_tau_neg: float = SAPO_TAU_NEG
+    clip_bounds: ClipBounds = "fixed"
+    bapo_positive_share: float = BAPO_POSITIVE_SHARE
+    bapo_clip_low_start: float = BAPO_CLIP_LOW_START
+    bapo_clip_low_max: float = BAPO_CLIP_LOW_MAX
+    bapo_clip_high_start: float = BAPO_CLIP_HIGH_START
+    bapo_clip_high_max: float = BAPO_CLIP_HIGH_MAX
+    bapo_step: float = BAPO_STEP
 
     def __post_init__(self) -> None:
         choices = {
             "kind": ("ppo", "decoupled"), "proximal": ("recompute", "loglinear"),
             "loglinear_on_policy": ("current", "behave"), "behav_mode": ("mask", "clamp"),
             "behav_level": ("token", "sequence"), "m2_scope": ("all", "harmful"),
-            "aggregation": AGGREGATIONS, "objective": OBJECTIVES,
+            "aggregation": AGGREGATIONS, "objective": OBJECTIVES, "clip_bounds": CLIP_BOUNDS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -215,6 +238,20 @@ class LossConfig:
                 raise ValueError(
                     f"LossConfig.{name} is part of the 'ppo-clip' objective only, got objective "
                     f"{self.objective!r}; allowed: objective 'ppo-clip' with {name}, or {name}=None")
+        self._check_bapo()
+
+    def _check_bapo(self) -> None:
+        """BAPO's per-field bounds (the spec's), and what its search cannot honour."""
+        for name, lo, hi in (("bapo_positive_share", 0.0, 1.0), ("bapo_clip_low_start", 0.0, 1.0),
+                             ("bapo_clip_low_max", 0.0, 1.0), ("bapo_clip_high_start", 1.0, math.inf),
+                             ("bapo_clip_high_max", 1.0, math.inf), ("bapo_step", 0.0, math.inf)):
+            if not lo < getattr(self, name) < hi:
+                raise ValueError(f"LossConfig.{name} must be in ({lo}, {hi}), got {getattr(self, name)!r}")
+        if self.clip_bounds == "bapo" and (self.objective != "ppo-clip" or self.m2_threshold is not None):
+            raise ValueError(
+                "LossConfig.clip_bounds 'bapo' adapts the clip of the 'ppo-clip' objective, got objective "
+                f"{self.objective!r} and m2_threshold {self.m2_threshold!r}; allowed: clip_bounds 'bapo' with "
+                "objective 'ppo-clip' and m2_threshold=None, or clip_bounds 'fixed'")
 
     @property
     def eps_high(self) -> float:
@@ -231,6 +268,10 @@ class LossConfig:
             "behav_level": "behaviour_cap_level", "m2_threshold": "m2_threshold",
             "m2_scope": "m2_scope", "aggregation": "aggregation", "norm_length": "max_new_tokens",
             "objective": "objective", "sapo_tau_pos": "sapo_tau_pos", "sapo_tau_neg": "sapo_tau_neg",
+            "clip_bounds": "clip_bounds", "bapo_positive_share": "bapo_positive_share",
+            "bapo_clip_low_start": "bapo_clip_low_start", "bapo_clip_low_max": "bapo_clip_low_max",
+            "bapo_clip_high_start": "bapo_clip_high_start", "bapo_clip_high_max": "bapo_clip_high_max",
+            "bapo_step": "bapo_step",
         }
         missing = [src for src in mapping.values() if not hasattr(spec, src)]
         if missing:
@@ -463,18 +504,52 @@ class Surrogate:
     clipped_high: Tensor  # of `clipped`: the ratio was above 1 + eps_hi
 
 
-def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> Surrogate:
+def bapo_bounds(adv: Tensor, u: Tensor, w: Tensor, keep: Tensor, config: LossConfig) -> tuple[float, float]:
+    """BAPO's ratio bounds `(c_low, c_high)` for this call, chosen on detached tensors.
+
+    The candidates are the released code's walk: c_low from its start up to its max, then c_high
+    from its start up to its max, `bapo_step` at a time (each step `min(c + step, max)`, Python
+    floats, so the bounds are the code's to the last bit). The first candidate whose positive /
+    negative contribution reaches `rho0 / (1 - rho0)` wins, else the last one. A token's
+    contribution is its term of the objective before the pessimistic max, `w A min(u, c_high)`
+    for A >= 0 and `w A max(u, c_low)` for A < 0, over `keep` (w = 1 with loss ppo: the code's
+    case). No negative contribution counts as an infinite ratio. All candidates are evaluated at
+    once, with one device sync. See docs/algorithms.md ("BAPO") for the choices.
+    """
+    cfg = config
+    lo, hi = cfg.bapo_clip_low_start, cfg.bapo_clip_high_start
+    candidates = [(lo, hi)]
+    while lo < cfg.bapo_clip_low_max:
+        lo = min(lo + cfg.bapo_step, cfg.bapo_clip_low_max)
+        candidates.append((lo, hi))
+    while hi < cfg.bapo_clip_high_max:
+        hi = min(hi + cfg.bapo_step, cfg.bapo_clip_high_max)
+        candidates.append((lo, hi))
+    with torch.no_grad():
+        a, uk, wk = adv[keep], u.detach()[keep], w.detach()[keep].to(u.dtype)
+        bounds = torch.tensor(candidates, dtype=u.dtype, device=u.device)  # [K, 2]
+        ratio = torch.where(a >= 0, torch.minimum(uk, bounds[:, 1:]), torch.maximum(uk, bounds[:, :1]))
+        eff = wk * a * ratio  # [K, n]
+        pos, neg = eff.clamp(min=0).sum(dim=1), (-eff.clamp(max=0)).sum(dim=1)
+        balance = torch.where(neg <= 0, torch.full_like(pos, math.inf), pos / (neg + BAPO_EPS))
+        met = (balance >= cfg.bapo_positive_share / (1.0 - cfg.bapo_positive_share)).tolist()
+    return candidates[met.index(True) if True in met else len(candidates) - 1]
+
+
+def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig,
+                      bounds: tuple[float, float] | None = None) -> Surrogate:
     """PPO's pessimistic `max(-A u, -A clip(u, 1-eps_lo, 1+eps_hi))`, then `min(., c|A|)` for A < 0.
 
     The dual clip bounds the loss of a negative-advantage token whose ratio exploded. Clip
     fractions count strict wins only (a tie, u inside the band or A = 0, is not clipped). With
     M2PO (`m2_threshold` set) its second-moment mask replaces clipping: the objective is `-A u`.
-    GSPO uses it too, with its sequence-level ratio in place of `u`.
+    GSPO uses it too, with its sequence-level ratio in place of `u`. `bounds` (BAPO's ratio bounds
+    `(c_low, c_high)`) replaces `(1 - eps_lo, 1 + eps_hi)`.
     """
     none = torch.zeros_like(keep)
     if config.m2_threshold is not None:
         return Surrogate(per_token=-adv * u, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
-    lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
+    lo, hi = bounds if bounds is not None else (1.0 - config.eps_clip, 1.0 + config.eps_high)
     unclipped = -adv * u
     clipped = -adv * u.clamp(lo, hi)
     per_token = torch.maximum(unclipped, clipped)
@@ -527,15 +602,18 @@ def sapo_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> 
     return Surrogate(per_token=-adv * gate, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
 
 
-def policy_objective(x: PolicyInputs, ratios: Ratios, keep: Tensor, config: LossConfig) -> Surrogate:
-    """The configured objective on the trust-region ratio u (the behaviour weight w multiplies it later)."""
+def policy_objective(x: PolicyInputs, ratios: Ratios, keep: Tensor, config: LossConfig,
+                     bounds: tuple[float, float] | None = None) -> Surrogate:
+    """The configured objective on the trust-region ratio u (the behaviour weight w multiplies it later).
+
+    `bounds` are BAPO's adapted ratio bounds for ppo-clip (None: the fixed `1 -+ eps`)."""
     if config.objective == "gspo":
         return clipped_surrogate(x.adv, gspo_ratio(ratios.log_u, x.mask), keep, config)
     if config.objective == "cispo":
         return cispo_surrogate(x.adv, ratios.u, x.lp, keep, config)
     if config.objective == "sapo":
         return sapo_surrogate(x.adv, ratios.u, keep, config)
-    return clipped_surrogate(x.adv, ratios.u, keep, config)
+    return clipped_surrogate(x.adv, ratios.u, keep, config, bounds)
 
 
 @dataclass(frozen=True)
@@ -604,6 +682,7 @@ class LossTerms:
     surrogate: Surrogate
     m2: M2Mask
     proximal_s: float
+    bounds: tuple[float, float] | None = None  # BAPO's ratio bounds (clip_bounds "bapo" only)
 
 
 # The stats computed on the device (in this order, one sync); m2_before/after and proximal_s follow.
@@ -707,6 +786,8 @@ def loss_metrics(
         finite = torch.where(torch.isfinite(values), values, 0.0).tolist()  # empty max -> 0
     stats = dict(zip(_DEVICE_STAT_KEYS, finite))
     stats.update(m2_before=terms.m2.before, m2_after=terms.m2.after, proximal_s=terms.proximal_s)
+    if terms.bounds is not None:
+        stats.update(zip(BAPO_STAT_KEYS, terms.bounds))
     return stats
 
 
@@ -826,8 +907,11 @@ def policy_loss(
     # ---- 3. behaviour-weight cap (decoupled): mask or clamp w, per token or per sequence
     weight = cap_behaviour_weight(ratios.log_w, x.mask, config)
 
-    # ---- 4. objective on u: PPO clip and dual clip (M2PO: the unclipped -A u), GSPO, CISPO or SAPO
-    surrogate = policy_objective(x, ratios, weight.keep, config)
+    # ---- 4. objective on u: PPO clip and dual clip (M2PO: the unclipped -A u), GSPO, CISPO or SAPO;
+    #         BAPO first picks this call's clip bounds from the detached u, w and advantages
+    bounds = (bapo_bounds(x.adv, ratios.u, weight.w, weight.keep, config)
+              if config.clip_bounds == "bapo" else None)
+    surrogate = policy_objective(x, ratios, weight.keep, config, bounds)
 
     # ---- 5. M2PO mask: drop the largest (log r)^2 (full ratio pi/pi_b) until their mean is <= tau
     m2 = m2po_trust_region(ratios.log_r, x.adv, weight.keep, config)
@@ -839,5 +923,5 @@ def policy_loss(
 
     # ---- 7. metrics: float64, detached, one device sync
     terms = LossTerms(loss=loss, keep=keep, ratios=ratios, weight=weight, surrogate=surrogate, m2=m2,
-                      proximal_s=prox.seconds)
+                      proximal_s=prox.seconds, bounds=bounds)
     return loss, loss_metrics(x, terms, versions, version)

@@ -379,7 +379,7 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
     await consumer.ensure_group()
     admission = Admission(redis, names, batch_size=spec.algorithm.batch_size,
                           max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
-                          max_concurrent=spec.max_concurrent_groups())
+                          max_concurrent=spec.max_concurrent_groups(), async_ratio=spec.staleness.async_ratio)
     return StreamIO(redis=redis, consumer=consumer, admission=admission,
                     versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names),
                     evals=EvalChannel(redis, names))

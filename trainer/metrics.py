@@ -119,8 +119,14 @@ class TrainerMetrics:
         self.loss = gauge("loss", "Policy loss of the last step.")
         self.staleness_mean = gauge("staleness_mean", "Mean version lag of the last step's tokens.")
         self.staleness_max = gauge("staleness_max", "Largest version lag in the last step.")
-        self.staleness_limit = gauge("staleness_limit", "eta: groups older than this are dropped.")
-        self.dropped = Counter(f"{PREFIX}_stale_groups_dropped", "Groups dropped as too stale.", registry=r)
+        self.staleness_limit = gauge("staleness_limit", "Version bound (eta, or ceil(alpha) for the per-sample "
+                                     "policy): groups older than this are dropped.")
+        self.async_ratio = gauge("staleness_async_ratio", "ROLL's asynchronous ratio alpha (per-sample policy; "
+                                 "NaN under global-budget).")
+        self.dropped = Counter(f"{PREFIX}_stale_groups_dropped", "Groups dropped as too stale (by either "
+                               "policy's bound; their admission capacity is given back).", registry=r)
+        self.dropped_last_step = gauge("stale_groups_dropped_last_step", "Groups dropped as too stale while the "
+                                       "last step's batch was read.")
         self.zero_signal = Counter(f"{PREFIX}_zero_signal_groups_skipped", "Groups skipped by dynamic sampling: "
                                    "their rewards were all equal (no signal).", registry=r)
         self.zero_signal_fraction = gauge("zero_signal_fraction", "Fraction of the groups drawn for the last step "
@@ -202,6 +208,9 @@ class TrainerMetrics:
             self.staleness_mean.set(report.staleness.mean)
             self.staleness_max.set(report.staleness.max)
             self.staleness_limit.set(report.staleness.limit)
+            ratio = report.staleness.async_ratio
+            self.async_ratio.set(math.nan if ratio is None else ratio)
+            self.dropped_last_step.set(report.staleness.dropped_last_step)
             self.staleness_histogram.set(report.staleness.histogram, report.staleness.limit)
             self.clip_fraction.set(report.clip_fraction)
             for gauge_, source in ((self.importance_weight, report.importance_weight),

@@ -31,8 +31,9 @@ from asyncrl.trainer.plan import TrainSequence
 
 LOSS_STATS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
               "behav_filtered_fraction", "importance_weight_mean", "full_ratio_mean", "behav_kl", "m2_before",
-              "m2_after", "m2_masked_fraction")
-"""Stats of `policy_loss` over the loss mask: token-weighted step means."""
+              "m2_after", "m2_masked_fraction", "bapo_clip_low", "bapo_clip_high")
+"""Stats of `policy_loss` over the loss mask: token-weighted step means. BAPO's bounds are chosen per
+micro-batch (docs/algorithms.md), so the step reports their token-weighted mean; 0 with fixed bounds."""
 KEPT_STATS = ("behav_weight_mean", "behav_weight_sq_mean")
 """Stats of `policy_loss` over the kept tokens: step means weighted by `kept_tokens`."""
 EXTREMES = ("importance_weight", "full_ratio", "behav_weight")
@@ -42,7 +43,8 @@ MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy")
 STEP_LOSS_KEYS = ("loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
                   "behav_filtered_fraction",
                   *(f"{name}_{stat}" for name in EXTREMES for stat in ("mean", "max", "min")),
-                  "behav_ess", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction", "entropy")
+                  "behav_ess", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction", "bapo_clip_low",
+                  "bapo_clip_high", "entropy")
 """The step record's figures from the loss (and entropy), as they go to metrics.jsonl."""
 
 

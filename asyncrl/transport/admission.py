@@ -2,10 +2,13 @@
 
 A rollout group may start iff
 
-    min(max_concurrent - running, (eta + version + 1) * B - (accepted + running)) > 0
+    min(max_concurrent - running, (version + 1) * B + ahead - (accepted + running)) > 0
 
 where `version` is the trainer's policy version, `B` the train batch size in groups, `running`
-the live leases of all pods and `accepted` the groups produced for training so far. Each check
+the live leases of all pods, `accepted` the groups produced for training so far and `ahead` the
+groups the policy lets rollout run ahead (asyncrl/staleness_policy.py): eta * B for the
+global-budget policy (AReaL's `(eta + version + 1) * B`), ceil(alpha * B) for the per-sample policy
+(ROLL Flash's asynchronous ratio alpha; fractional alpha admits a fraction of a batch). Each check
 and its lease grant happen in one Lua script, so N pods together never exceed the bound; there
 are no per-pod counters.
 
@@ -20,9 +23,11 @@ Accounting (all in the job's `admission` hash and `admission-leases` sorted set)
   (`set_version`), which admits B more. When the trainer drops n groups as too stale they were
   accepted but never trained, so `record_dropped(n)` subtracts them from `accepted`; otherwise
   producers would be short of n slots forever and the trainer could wait for a batch that the
-  bound never lets anyone produce. The same holds for groups the trainer dead-letters (undecodable
-  or untrainable): `record_dead_lettered(n)` (counted apart, in `dead_lettered`).
-- eta = 0 is synchronous RL: only B groups per version can be produced.
+  bound never lets anyone produce (the per-sample policy's discards too: ROLL's own scheduler
+  keeps their slots spent; docs/trainer.md says why we do not). The same holds for groups the
+  trainer dead-letters (undecodable or untrainable): `record_dead_lettered(n)` (counted apart, in
+  `dead_lettered`).
+- eta = 0 (or alpha = 0) is synchronous RL: only B groups per version can be produced.
 
 Nothing can leak for good (`reconcile`, run by the trainer at each step and while it waits): every
 accepted group is either still in the trajectory stream (undelivered, buffered or trained but not
@@ -47,6 +52,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from asyncrl.staleness_policy import groups_ahead, version_bound
+
 from .names import StreamNames
 from .wire import TrajectoryGroup
 
@@ -64,16 +71,16 @@ local version = tonumber(redis.call('HGET', state, 'version') or '0')
 local accepted = tonumber(redis.call('HGET', state, 'accepted') or '0')
 """
 
-# ARGV: lease_id, max_concurrent, eta, batch_size, lease_ms -> {granted, version, accepted, running}
+# ARGV: lease_id, max_concurrent, ahead (groups), batch_size, lease_ms -> {granted, version, accepted, running}
 _ACQUIRE_LUA = _PROLOGUE + """
-local lease, max_concurrent, eta, b, lease_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
+local lease, max_concurrent, ahead, b, lease_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]),
     tonumber(ARGV[4]), tonumber(ARGV[5])
 if redis.call('ZSCORE', leases, lease) then  -- retry of a call that already succeeded
   redis.call('ZADD', leases, 'XX', now + lease_ms, lease)
   return {1, version, accepted, redis.call('ZCARD', leases)}
 end
 local running = redis.call('ZCARD', leases)
-local capacity = math.min(max_concurrent - running, (eta + version + 1) * b - (accepted + running))
+local capacity = math.min(max_concurrent - running, (version + 1) * b + ahead - (accepted + running))
 if capacity > 0 then
   redis.call('ZADD', leases, now + lease_ms, lease)
   return {1, version, accepted, running + 1}
@@ -158,10 +165,11 @@ return out
 
 
 def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int,
-                       max_head_offpolicyness: int, max_concurrent: int) -> int:
-    """How many more groups may start now (the rule above, eta = max_head_offpolicyness; <= 0: none)."""
-    eta = max_head_offpolicyness
-    return min(max_concurrent - running, (eta + version + 1) * batch_size - (accepted + running))
+                       max_head_offpolicyness: int, max_concurrent: int, async_ratio: float | None = None) -> int:
+    """How many more groups may start now (the rule above; <= 0: none). `async_ratio` set selects the
+    per-sample policy (alpha; `max_head_offpolicyness` is then unused), None the global budget (eta)."""
+    ahead = groups_ahead(batch_size, max_head_offpolicyness=max_head_offpolicyness, async_ratio=async_ratio)
+    return min(max_concurrent - running, (version + 1) * batch_size + ahead - (accepted + running))
 
 
 @dataclass
@@ -191,19 +199,27 @@ class Drift:
 
 
 class Admission:
-    """One pod's handle on its job's global admission state."""
+    """One pod's handle on its job's global admission state.
+
+    `async_ratio` (alpha) selects the per-sample policy; `max_head_offpolicyness` is then the
+    version bound it implies, ceil(alpha) (what a producer checks a group's age against)."""
 
     def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int,
-                 max_head_offpolicyness: int, max_concurrent: int, lease_seconds: float = 120) -> None:
+                 max_head_offpolicyness: int, max_concurrent: int, lease_seconds: float = 120,
+                 async_ratio: float | None = None) -> None:
         eta = max_head_offpolicyness
-        if batch_size < 1 or eta < 0 or max_concurrent < 1 or lease_seconds <= 0:
+        if (batch_size < 1 or eta < 0 or max_concurrent < 1 or lease_seconds <= 0
+                or (async_ratio is not None and not async_ratio >= 0)):
             raise ValueError(f"invalid admission settings: batch_size={batch_size}, "
-                             f"max_head_offpolicyness={eta}, "
+                             f"max_head_offpolicyness={eta}, async_ratio={async_ratio}, "
                              f"max_concurrent={max_concurrent}, lease_seconds={lease_seconds}")
         self.redis = redis
         self.names = names
         self.batch_size = batch_size
-        self.max_head_offpolicyness = eta
+        self.async_ratio = async_ratio
+        self.max_head_offpolicyness = version_bound(max_head_offpolicyness=eta, async_ratio=async_ratio)
+        self.groups_ahead = groups_ahead(batch_size, max_head_offpolicyness=eta, async_ratio=async_ratio)
+        """Groups the policy lets rollout produce beyond the current version's batch."""
         self.max_concurrent = max_concurrent
         self.lease_ms = max(int(lease_seconds * 1000), 1)
         self._keys = [names.admission, names.admission_leases, names.admission_released]
@@ -221,7 +237,7 @@ class Admission:
         lease_id = f"{holder}/{uuid.uuid4().hex}"
         granted, *_ = await self._acquire(
             keys=self._keys,
-            args=[lease_id, self.max_concurrent, self.max_head_offpolicyness, self.batch_size, self.lease_ms])
+            args=[lease_id, self.max_concurrent, self.groups_ahead, self.batch_size, self.lease_ms])
         return lease_id if int(granted) == 1 else None
 
     async def acquire(self, holder: str, poll_s: float = 0.05, timeout: float | None = None) -> str:
@@ -283,7 +299,7 @@ class Admission:
             int(x) for x in await self._snapshot(keys=self._keys, args=[]))
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
                                  max_head_offpolicyness=self.max_head_offpolicyness,
-                                 max_concurrent=self.max_concurrent)
+                                 max_concurrent=self.max_concurrent, async_ratio=self.async_ratio)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
                                  dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
                                  leases_returned=returned)
