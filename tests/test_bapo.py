@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from asyncrl.trainer.losses import BAPO_STAT_KEYS, LossConfig, bapo_bounds, policy_loss
+from tests.loss_support import step_over_micro_batches
 
 F64 = torch.float64
 GOLDEN = Path(__file__).parent / "data" / "bapo_golden.json"
@@ -149,29 +149,12 @@ def test_loss_config_from_spec_maps_the_bapo_fields():
 
 def test_the_adapted_bounds_reach_metrics_jsonl(tmp_path):
     """Per micro-batch bounds become token-weighted step means in metrics.jsonl (0 with fixed bounds)."""
-    import numpy as np
-
-    from asyncrl.status_report import StepRecord
-    from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.plan import TrainSequence
-    from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
-
     lp_b = row(-1.0, -1.0, -1.0)
     lp = lp_b + torch.log(row(1.5, 1.0, 1.0))
     adv, mask = row(1.0, -1.3, 5.0), torch.ones(1, 3, dtype=torch.bool)
     cfg = LossConfig(kind="ppo", clip_bounds="bapo")
-    stats = StepStats()
-    for cols in (slice(0, 2), slice(2, 3)):  # (0.8, 1.35) over 2 tokens, then (0.6, 1.2) over 1
-        loss, part = policy_loss(lp[:, cols], lp_b[:, cols], adv[:, cols], mask[:, cols], config=cfg,
-                                 loss_denominator=3.0)
-        batch = SimpleNamespace(num_tokens=int(mask[:, cols].sum()), loss_mask=mask[:, cols])
-        stats.add_micro_batch(loss, part, torch.zeros(mask[:, cols].shape), batch)
-    stats.grad_norms.append(1.0)
-    seqs = [TrainSequence(np.arange(2), np.arange(3), np.zeros(3), np.zeros(3, dtype=int), 1.0)]
-    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
-    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0,
-                      clip_fraction=record["clip_fraction"])
-    line = append_metrics_line(tmp_path / "metrics.jsonl", step, record, dropped=0)
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == line
+    # (0.8, 1.35) over 2 tokens, then (0.6, 1.2) over 1
+    parts = [(slice(None), slice(0, 2)), (slice(None), slice(2, 3))]
+    _, line = step_over_micro_batches(tmp_path / "metrics.jsonl", lp, lp_b, adv, mask, cfg, parts)
     assert line["bapo_clip_low"] == pytest.approx((2 * 0.8 + 0.6) / 3)
     assert line["bapo_clip_high"] == pytest.approx((2 * 1.35 + 1.2) / 3)

@@ -7,7 +7,6 @@ compares tightly; `lp_b = -2` unless stated, and a token's ratio is set through 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,11 +16,11 @@ import pytest
 import torch
 
 from asyncrl.spec import AlgorithmSpec
-from asyncrl.status_report import StepRecord
 from asyncrl.trainer.distributed import DistContext
 from asyncrl.trainer.losses import LossConfig, aggregate, policy_loss
 from asyncrl.trainer.plan import TrainSequence, loss_denominator, plan_step
-from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
+from asyncrl.trainer.step_metrics import StepStats
+from tests.loss_support import step_over_micro_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 
@@ -247,26 +246,14 @@ def test_step_metrics_aggregate_micro_batches_exactly(tmp_path: Path):
     lp, lp_b, prox, adv, mask, _, _ = _decoupled_batch()
     cfg = LossConfig(proximal="recompute")
     _, whole = policy_loss(lp, lp_b, adv, mask, config=cfg, prox_logprobs=prox)
-    stats = StepStats()
-    denom = float(mask.sum())
-    for i in range(2):
-        rows = slice(i, i + 1)
-        loss, part = policy_loss(lp[rows], lp_b[rows], adv[rows], mask[rows], config=cfg,
-                                 prox_logprobs=prox[rows], loss_denominator=denom)
-        batch = SimpleNamespace(num_tokens=int(mask[rows].sum()), loss_mask=mask[rows])
-        stats.add_micro_batch(loss, part, torch.zeros(1, 3), batch)
-    stats.grad_norms.append(1.0)
+    parts = [slice(0, 1), slice(1, 2)]  # one row each
+    stats, line = step_over_micro_batches(tmp_path / "metrics.jsonl", lp, lp_b, adv, mask, cfg, parts, prox=prox)
     values = stats.reduce(DistContext())
     for key in ("importance_weight_max", "importance_weight_min", "importance_weight_mean", "full_ratio_max",
                 "full_ratio_min", "full_ratio_mean", "behav_weight_max", "behav_weight_min",
                 "behav_weight_mean", "behav_ess", "behav_kl", "loss"):
         assert values[key] == pytest.approx(whole[key], rel=1e-12), key
 
-    seqs = [TrainSequence(np.arange(2), np.arange(3), np.zeros(3), np.zeros(3, dtype=int), 1.0)]
-    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
-    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0)
-    append_metrics_line(tmp_path / "metrics.jsonl", step, record, dropped=0)
-    line = json.loads((tmp_path / "metrics.jsonl").read_text())
     for key in ("importance_weight_mean", "full_ratio_max", "full_ratio_min", "full_ratio_mean",
                 "behav_weight_max", "behav_weight_min", "behav_weight_mean", "behav_ess", "behav_kl"):
         assert line[key] == pytest.approx(whole[key], rel=1e-12), key

@@ -33,6 +33,7 @@ from asyncrl.trainer.losses import (
     prepare_inputs,
     proximal_logprobs,
 )
+from tests.loss_support import step_over_micro_batches
 
 E = math.e
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
@@ -869,33 +870,12 @@ def test_stage_loss_metrics():
 
 def test_clip_fractions_per_side_reach_the_step_metrics(tmp_path):
     """clip_fraction_low/high are token-weighted step means in metrics.jsonl, like clip_fraction."""
-    import json
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from asyncrl.status_report import StepRecord
-    from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.plan import TrainSequence
-    from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
-
     lp, lp_b, prox, adv = _decoupled_case()  # t3 clipped high, t4 clipped low
     cfg = LossConfig(kind="decoupled", proximal="recompute")
     mask = ones_like(lp)
     _, whole = policy_loss(lp, lp_b, adv, mask, config=cfg, prox_logprobs=prox)
-    stats = StepStats()
-    for cols in (slice(0, 3), slice(3, 4)):  # two micro-batches of 3 and 1 tokens
-        loss, part = policy_loss(lp[:, cols], lp_b[:, cols], adv[:, cols], mask[:, cols], config=cfg,
-                                 prox_logprobs=prox[:, cols], loss_denominator=4.0)
-        batch = SimpleNamespace(num_tokens=int(mask[:, cols].sum()), loss_mask=mask[:, cols])
-        stats.add_micro_batch(loss, part, torch.zeros(mask[:, cols].shape), batch)
-    stats.grad_norms.append(1.0)
-    seqs = [TrainSequence(np.arange(2), np.arange(4), np.zeros(4), np.zeros(4, dtype=int), 1.0)]
-    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
-    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0,
-                      clip_fraction=record["clip_fraction"])  # (as the trainer loop fills it)
-    line = append_metrics_line(tmp_path / "metrics.jsonl", step, record, dropped=0)
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == line
+    parts = [(slice(None), slice(0, 3)), (slice(None), slice(3, 4))]  # two micro-batches of 3 and 1 tokens
+    _, line = step_over_micro_batches(tmp_path / "metrics.jsonl", lp, lp_b, adv, mask, cfg, parts, prox=prox)
     for key in ("clip_fraction", "clip_fraction_low", "clip_fraction_high"):
         assert line[key] == pytest.approx(whole[key], rel=1e-12), key
     assert (line["clip_fraction_low"], line["clip_fraction_high"]) == (0.25, 0.25)

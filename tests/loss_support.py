@@ -1,0 +1,42 @@
+"""Loss tests that go through the trainer's step metrics: micro-batches in, a metrics.jsonl line out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.status_report import StepRecord
+from asyncrl.trainer.distributed import DistContext
+from asyncrl.trainer.losses import LossConfig, policy_loss
+from asyncrl.trainer.plan import TrainSequence
+from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
+
+
+def step_over_micro_batches(path: Path, lp: torch.Tensor, lp_b: torch.Tensor, adv: torch.Tensor,
+                            mask: torch.Tensor, config: LossConfig, parts: list[Any], *,
+                            prox: torch.Tensor | None = None) -> tuple[StepStats, dict[str, Any]]:
+    """`policy_loss` on each part (an index into the `[B, T]` tensors: rows or columns) with the whole
+    batch's token count as the denominator, as the trainer splits a minibatch; then the step's
+    metrics.jsonl line written as the trainer writes it. Returns the stats and the line read back."""
+    stats = StepStats()
+    for part in parts:
+        loss, figures = policy_loss(lp[part], lp_b[part], adv[part], mask[part], config=config,
+                                    prox_logprobs=None if prox is None else prox[part],
+                                    loss_denominator=float(mask.sum()))
+        batch = SimpleNamespace(num_tokens=int(mask[part].sum()), loss_mask=mask[part])
+        stats.add_micro_batch(loss, figures, torch.zeros(mask[part].shape), batch)
+    stats.grad_norms.append(1.0)
+    width = lp.shape[1]
+    seqs = [TrainSequence(np.arange(2), np.arange(width), np.zeros(width), np.zeros(width, dtype=int), 1.0)]
+    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
+    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0,
+                      clip_fraction=record["clip_fraction"])  # (as the trainer loop fills it)
+    written = append_metrics_line(path, step, record, dropped=0)
+    line = json.loads(path.read_text())
+    assert line == written
+    return stats, line
