@@ -200,6 +200,13 @@ class AlgorithmSpec(SpecModel):
     """Largest c_high the search may raise to (b+; bapo_trainer.yaml ratio_upper_max; the README says 3.0)."""
     bapo_step: float = Field(default=0.05, gt=0)
     """Step of both bounds in the search (bapo_trainer.yaml ratio_lower_step and ratio_upper_step)."""
+    vcpo: bool = False
+    """VCPO (docs/algorithms.md): each update's learning rate x sqrt(min(1, ESS ratio / vcpoBaseEssRatio)),
+    the ESS of the minibatch's sequence weights pi_prox / pi_behav (loss 'decoupled' only)."""
+    vcpo_base_ess_ratio: float = Field(default=1.0, gt=0, le=1)
+    """ESS ratio at and above which the learning rate is not reduced (mit-han-lab/vcpo ess_scaling.base_ess_ratio)."""
+    vcpo_scaling: Literal["sqrt", "linear"] = "sqrt"
+    """sqrt (the paper's rule for AdamW) or linear in the ESS ratio (ess_scaling.scaling_rule)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -326,6 +333,19 @@ class AlgorithmSpec(SpecModel):
             if start > top:
                 raise ValueError(f"bapoClip{side}Start ({start}) must be <= bapoClip{side}Max ({top}): the search "
                                  "only raises a bound from its start up to its max")
+        return self
+
+    @model_validator(mode="after")
+    def _vcpo_consistent(self) -> AlgorithmSpec:
+        # (the same rules as CEL_RULES' vcpo entries; docs/algorithms.md, VCPO)
+        if self.vcpo and self.loss != "decoupled":
+            raise ValueError(f"vcpo requires loss 'decoupled', got loss {self.loss!r}: with 'ppo' the proximal is "
+                             "the behaviour policy, every weight is 1 and the scale always 1; allowed: vcpo true "
+                             "with loss 'decoupled', or vcpo false")
+        if not self.vcpo and (self.vcpo_base_ess_ratio != 1.0 or self.vcpo_scaling != "sqrt"):
+            raise ValueError(f"vcpoBaseEssRatio {self.vcpo_base_ess_ratio!r} and vcpoScaling {self.vcpo_scaling!r} "
+                             "only apply with vcpo true; allowed: vcpo true, or vcpoBaseEssRatio 1.0 and "
+                             "vcpoScaling 'sqrt' (their defaults)")
         return self
 
     @model_validator(mode="after")
@@ -521,6 +541,10 @@ class TrainerSpec(SpecModel):
     """Steps in a row whose every update had a non-finite gradient norm before the job fails
     (NonFiniteGradients). Such an update is skipped (weights and optimizer state unchanged); the
     step still consumes its groups and publishes the next policy version."""
+    weight_sync_lag: int = Field(default=0, ge=0)
+    """Experiment knob for staleness studies (0 in production): when version v is published the
+    engines are told to load version max(v - lag, 0), so every trained batch is at least `lag`
+    versions stale. At most the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))."""
     resources: Resources = Field(default_factory=Resources)
     nccl: NcclSettings | None = None
     """NCCL settings for multi-node training (interfaces, InfiniBand adapters, debug level)."""
@@ -722,6 +746,16 @@ class AsyncRLJobSpec(SpecModel):
     seed: int = 0
     """Global seed (sampling, initialisation order, data order)."""
 
+    @model_validator(mode="after")
+    def _sync_lag_within_bound(self) -> AsyncRLJobSpec:
+        # (the same rule as CEL_RULES' spec entry on trainer.weightSyncLag)
+        lag, bound = self.trainer.weight_sync_lag, self.staleness.version_bound
+        if lag > bound:
+            raise ValueError(f"trainer.weightSyncLag {lag} exceeds the staleness bound {bound} "
+                             "(staleness.maxHeadOffpolicyness, or ceil(asyncRatio) for policy 'per-sample'): "
+                             f"every group would be dropped as too stale; allowed: 0 to {bound}")
+        return self
+
     def max_concurrent_groups(self) -> int:
         """Groups in flight across all rollout pods (explicit, or B + the policy's groups ahead)."""
         s = self.staleness
@@ -914,6 +948,11 @@ CEL_RULES: list[tuple[str, str, str]] = [
      " && (has(self.bapoClipHighStart) ? self.bapoClipHighStart : 1.2)"
      " <= (has(self.bapoClipHighMax) ? self.bapoClipHighMax : 2.0)",
      "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max"),
+    ("spec.algorithm", "!has(self.vcpo) || !self.vcpo || !has(self.loss) || self.loss == 'decoupled'",
+     "vcpo requires loss 'decoupled'"),
+    ("spec.algorithm", "(has(self.vcpo) && self.vcpo) || ((!has(self.vcpoBaseEssRatio) || self.vcpoBaseEssRatio == 1.0)"
+     " && (!has(self.vcpoScaling) || self.vcpoScaling == 'sqrt'))",
+     "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true"),
     ("spec.algorithm",
      "!has(self.loglinearOnPolicy) || self.loglinearOnPolicy != 'current' || !has(self.minibatches)"
      " || self.minibatches == 1",
@@ -938,6 +977,12 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.staleness", "!has(self.policy) || self.policy != 'per-sample' || !has(self.maxHeadOffpolicyness)"
      " || self.maxHeadOffpolicyness == 4",
      "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)"),
+    ("spec", "!has(self.trainer) || !has(self.trainer.weightSyncLag) || self.trainer.weightSyncLag == 0"
+     " || (has(self.staleness) && has(self.staleness.asyncRatio)"
+     " ? double(self.trainer.weightSyncLag) - 1.0 < self.staleness.asyncRatio"
+     " : self.trainer.weightSyncLag <= (has(self.staleness) && has(self.staleness.maxHeadOffpolicyness)"
+     " ? self.staleness.maxHeadOffpolicyness : 4))",
+     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

@@ -195,6 +195,14 @@ class TrainerReport(_Report):
     """Per-step mean reward, oldest first."""
     staleness: StalenessReport = Field(default_factory=StalenessReport)
     clip_fraction: float = 0.0
+    clip_fraction_low: float = 0.0
+    """Last step: fraction of tokens clipped at the lower bound (negative advantage, ratio below 1 - eps)."""
+    clip_fraction_high: float = 0.0
+    """Last step: fraction of tokens clipped at the upper bound (positive advantage, ratio above 1 + eps)."""
+    bapo_clip_low: float = 0.0
+    """Last step: BAPO's adapted lower ratio bound (algorithm.clipBounds 'bapo'); 0 when off."""
+    bapo_clip_high: float = 0.0
+    """Last step: BAPO's adapted upper ratio bound; 0 when off."""
     importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
     """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight")."""
     behaviour: BehaviourReport = Field(default_factory=BehaviourReport)

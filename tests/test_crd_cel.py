@@ -147,6 +147,8 @@ BREAKERS = {
     "dynamicSamplingMaxDraws must be >= batchSize":
         {"algorithm": {"dynamicSampling": True, "dynamicSamplingMaxDraws": 31}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
+    "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
+        {"trainer": {"weightSyncLag": 99}},
     "policy 'per-sample' requires asyncRatio": {"staleness": {"policy": "per-sample"}},
     "asyncRatio requires policy 'per-sample'": {"staleness": {"asyncRatio": 0.5}},
     "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)":
@@ -157,6 +159,8 @@ BREAKERS = {
         {"algorithm": {"clipBounds": "bapo", "clipEpsHigh": 0.28}},
     "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max":
         {"algorithm": {"bapoStep": 0.1}},
+    "vcpo requires loss 'decoupled'": {"algorithm": {"vcpo": True, "loss": "ppo", "proximal": "recompute"}},
+    "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true": {"algorithm": {"vcpoScaling": "linear"}},
 }
 
 
@@ -215,3 +219,34 @@ def test_schema_rejects_bad_types():
     bad = merged(load("job.yaml"), {"spec": {"rollout": {"replicas": -1}}})
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft4Validator(SCHEMA).validate(defaulted(SCHEMA, bad))
+
+
+LAG_MESSAGE = "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))"
+
+
+@pytest.mark.parametrize("staleness, lag, ok", [
+    ({"maxHeadOffpolicyness": 2}, 2, True),
+    ({"maxHeadOffpolicyness": 2}, 3, False),
+    ({}, 4, True),
+    ({}, 5, False),
+    ({"policy": "per-sample", "asyncRatio": 1.5}, 2, True),
+    ({"policy": "per-sample", "asyncRatio": 1.5}, 3, False),
+    ({"policy": "per-sample", "asyncRatio": 2.0}, 2, True),
+    ({"policy": "per-sample", "asyncRatio": 0.0}, 1, False),
+])
+def test_weight_sync_lag_rule_agrees_with_the_spec(staleness, lag, ok):
+    """The CEL rule and the pydantic validator (ceil(asyncRatio) written without ceil) agree."""
+    from pydantic import ValidationError
+
+    from asyncrl.spec import AsyncRLJob
+
+    job = load("job.yaml")
+    job["spec"]["staleness"] = staleness
+    job["spec"]["trainer"] = {**job["spec"].get("trainer", {}), "weightSyncLag": lag}
+    assert (LAG_MESSAGE not in violations(job)) == ok
+    try:
+        AsyncRLJob.model_validate(job)
+        accepted = True
+    except ValidationError:
+        accepted = False
+    assert accepted == ok

@@ -88,6 +88,10 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         reward_history=[h.reward_mean for h in history],
         staleness=StalenessReport(mean=1.3, max=2, limit=2, dropped=3, histogram={"0": 20000, "1": 30000, "2": 11440}),
         clip_fraction=0.023,
+        clip_fraction_low=0.008,
+        clip_fraction_high=0.015,
+        bapo_clip_low=0.65,
+        bapo_clip_high=1.35,
         importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
         dead_lettered=1,
         zero_signal_groups=7,
@@ -239,6 +243,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                     for row in await page.locator("#details tr").all()])
     assert details["groups without signal (last step)"] == "25.0%"
     assert details["zero-signal groups skipped / starved steps"] == "7 / 1"
+    assert details["clipped low / high"] == "0.8% / 1.5%"
+    assert details["BAPO bounds low / high"] == "0.650 / 1.350"
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

@@ -658,6 +658,7 @@ def test_loss_config_defaults():
         "aggregation": "token-mean", "norm_length": 256, "objective": "ppo-clip", "sapo_tau_pos": 1.0,
         "sapo_tau_neg": 1.05, "clip_bounds": "fixed", "bapo_positive_share": 0.5, "bapo_clip_low_start": 0.6,
         "bapo_clip_low_max": 0.8, "bapo_clip_high_start": 1.2, "bapo_clip_high_max": 2.0, "bapo_step": 0.05,
+        "vcpo": False,
     }
     assert cfg.eps_high == 0.2 and LossConfig(eps_clip_high=0.28).eps_high == 0.28
 

@@ -245,3 +245,26 @@ def test_staleness_policy_rules_name_the_field_and_the_allowed_values(staleness,
     with pytest.raises(ValidationError) as err:
         AsyncRLJobSpec(model={"path": "m"}, staleness=staleness)
     assert says in str(err.value)
+
+
+# ---- VCPO's ESS-scaled learning rate (issue 20): vcpo and its vcpo* fields
+
+
+def test_vcpo_defaults_are_the_vcpo_codes():
+    algo = AsyncRLJobSpec(model={"path": "m"}).algorithm
+    assert (algo.vcpo, algo.vcpo_base_ess_ratio, algo.vcpo_scaling) == (False, 1.0, "sqrt")
+    on = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "algorithm": {"vcpo": True, "vcpoBaseEssRatio": 0.5}})
+    assert on.algorithm.vcpo and on.model_dump(by_alias=True)["algorithm"]["vcpoBaseEssRatio"] == 0.5
+
+
+@pytest.mark.parametrize("algorithm, says", [
+    ({"vcpo": True, "loss": "ppo", "proximal": "recompute"},
+     "vcpo requires loss 'decoupled', got loss 'ppo'"),
+    ({"vcpoScaling": "linear"}, "only apply with vcpo true; allowed: vcpo true"),
+    ({"vcpo": True, "vcpoBaseEssRatio": 1.5}, "vcpoBaseEssRatio"),
+    ({"vcpo": True, "vcpoScaling": "cube"}, "'sqrt' or 'linear'"),
+])
+def test_vcpo_rules_name_the_field_and_the_allowed_values(algorithm, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
+    assert says in str(err.value)

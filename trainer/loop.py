@@ -64,9 +64,16 @@ from asyncrl.trainer.checkpoint import (
 )
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import token_logprobs
-from asyncrl.trainer.losses import LossConfig, policy_loss
+from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale
 from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, plan_step, sequences_with_advantages
-from asyncrl.trainer.publish import drop_versions_after, prune_weights, weights_path, write_weights
+from asyncrl.trainer.publish import (
+    drop_versions_after,
+    prune_weights,
+    retained_versions,
+    served_version,
+    weights_path,
+    write_weights,
+)
 from asyncrl.trainer.step_metrics import (
     StepStats,
     append_eval_line,
@@ -93,6 +100,8 @@ FINAL_EVAL_POLL_S = 0.5
 # Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
 _SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
                            for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
+_LOSS_SHAPE_STATS = ("clip_fraction_low", "clip_fraction_high", "bapo_clip_low", "bapo_clip_high")
+"""Loss-shape figures of the last step shown in the report as they are (step_metrics.py computes them)."""
 SUCCEEDED_REASON = "MaxStepsReached"
 """The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
 
@@ -275,9 +284,10 @@ class Trainer:
             return []
         if catch_up_engines:
             try:
+                served = served_version(self.state.version, self.spec.trainer.weight_sync_lag)
                 resynced = await catch_up(
                     self.cfg.engine_kind, self.io.registry,
-                    weights_path(self.cfg.weights_dir, self.state.version).resolve(), self.state.version,
+                    weights_path(self.cfg.weights_dir, served).resolve(), served,
                     max_age_s=self.cfg.engine_max_age_s, timeout_s=self.cfg.weight_sync_timeout_s,
                     api_key=self.cfg.engine_api_key)
                 if resynced:
@@ -527,9 +537,10 @@ class Trainer:
         stats.proximal_seconds += time.perf_counter() - t_prox
 
         # Minibatch updates: forward, loss, backward per micro-batch, then clip and step.
-        skipped = 0
+        skipped, lr_scales = 0, []
         for m, plan in enumerate(plans):
             self.optimizer.zero_grad(set_to_none=True)
+            vcpo_sums = [0.0, 0.0, 0.0]  # VCPO: this rank's sum w, sum w^2, sequences of the minibatch
             micro_batches = plan.micro_batches or [[]]
             for k, rows in enumerate(micro_batches):
                 # DDP all-reduces once per update: on the last micro-batch.
@@ -546,10 +557,22 @@ class Trainer:
                     # DDP averages gradients over ranks; multiplying by world makes it the exact sum.
                     (loss * self.ctx.world_size).backward()
                     stats.add_micro_batch(loss, loss_stats, entropy, batch)
+                    vcpo_sums = [a + loss_stats.get(k, 0.0) for a, k in zip(vcpo_sums, VCPO_STAT_KEYS, strict=True)]
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.optimizer.grad_clip))
             stats.grad_norms.append(grad_norm)
+            # VCPO: one scale from the sums of every rank (a collective on every rank, skipped update or not)
+            scale = (vcpo_lr_scale(*D.all_reduce_sum(vcpo_sums, self.ctx), base_ess_ratio=algo.vcpo_base_ess_ratio,
+                                   scaling=algo.vcpo_scaling) if algo.vcpo else 1.0)
+            lr_scales.append(scale)
             if math.isfinite(grad_norm):
-                self.optimizer.step()
+                base_lrs = [g["lr"] for g in self.optimizer.param_groups]
+                for g, lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
+                    g["lr"] = lr * scale
+                try:
+                    self.optimizer.step()
+                finally:  # checkpoints and the next update keep the base learning rate
+                    for g, lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
+                        g["lr"] = lr
             else:  # (the gradients are zeroed before the next update and after the last)
                 skipped += 1
                 log.warning("step %d, minibatch %d/%d: gradient norm %s: update skipped (weights and optimizer "
@@ -559,6 +582,7 @@ class Trainer:
         # Metrics: means over all ranks; staleness, rewards and lengths of the whole batch.
         record = summarize_step(stats, seqs, groups, version, self.ctx)
         record["updates"], record["skipped_updates"] = len(plans), skipped
+        record["vcpo_lr_scale"] = sum(lr_scales) / len(lr_scales) if lr_scales else 1.0  # mean over updates
         return record
 
     def _recomputed_proximal(self, seqs: list[TrainSequence],
@@ -623,15 +647,18 @@ class Trainer:
         t0 = time.perf_counter()
         path = write_weights(D.unwrap(self.model), self.tokenizer, self.cfg.weights_dir, version) if write \
             else self.cfg.weights_dir / f"v{version}"
+        lag = self.spec.trainer.weight_sync_lag
+        served = served_version(version, lag)  # (trainer.weightSyncLag: the engines load an older version)
+        served_path = weights_path(self.cfg.weights_dir, served)
         sync_error = None
         engines = []
         if self.io is not None:
             await self.io.versions.publish(VersionEvent(version=version, weights_path=str(path.resolve()),
                                                         time=time.time()))
             engines = await self.io.registry.list(max_age_s=self.cfg.engine_max_age_s)
-            if engines:
+            if engines and (served == version or served_path.is_dir()):  # (lagged v0: the base model)
                 try:
-                    await update_engines(self.cfg.engine_kind, engines, path.resolve(), version,
+                    await update_engines(self.cfg.engine_kind, engines, served_path.resolve(), served,
                                          registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s,
                                          api_key=self.cfg.engine_api_key)
                 except WeightSyncError as exc:  # the failing engines are fenced: training goes on
@@ -644,11 +671,11 @@ class Trainer:
             ready = [e for e in engines if e.ready]
             if ready and all(e.fenced for e in ready):  # waits (no crash loop) and says so
                 sync_error = (f"all {len(ready)} ready engine(s) are fenced after failed weight updates; "
-                              f"rollout waits until catch-up loads version {version} into one: "
+                              f"rollout waits until catch-up loads version {served} into one: "
                               + "; ".join(f"{e.url}: {e.fenced}" for e in ready))
                 log.error("%s", sync_error)
         keep = {e.weight_version for e in engines} - {None}  # versions engines still serve
-        prune_weights(self.cfg.weights_dir, keep | {version - 1}, newest=version)
+        prune_weights(self.cfg.weights_dir, keep | retained_versions(version, lag), newest=version)
         seconds = time.perf_counter() - t0
         with self._report_lock:
             self.report.policy_version = version
@@ -690,6 +717,8 @@ class Trainer:
             for lag, n in record["staleness_histogram"].items():
                 r.staleness.histogram[str(lag)] = r.staleness.histogram.get(str(lag), 0) + n
             r.clip_fraction = shown["clip_fraction"]
+            for key in _LOSS_SHAPE_STATS:  # (clipped tokens by side; BAPO's adapted bounds, 0 when off)
+                setattr(r, key, finite_or_zero(record.get(key, 0.0)))
             for target, prefix in ((r.importance_weight, "importance_weight"),
                                    (r.behaviour.full_ratio, "full_ratio"), (r.behaviour.weight, "behav_weight")):
                 for stat in ("max", "min", "mean"):

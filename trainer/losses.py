@@ -41,6 +41,8 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OBJECTIVES: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
 CLIP_BOUNDS: tuple[str, ...] = ("fixed", "bapo")
+VcpoScaling = Literal["sqrt", "linear"]
+VCPO_SCALINGS: tuple[str, ...] = ("sqrt", "linear")
 
 # SAPO's gate temperatures for A > 0 and A <= 0: verl 0.9.1's ActorConfig defaults
 # (verl/workers/config/actor.py, tau_pos / tau_neg), tau_neg > tau_pos damps negative updates faster.
@@ -58,6 +60,16 @@ BAPO_CLIP_HIGH_START = 1.2
 BAPO_CLIP_HIGH_MAX = 2.0
 BAPO_STEP = 0.05
 BAPO_EPS = 1e-8
+
+# VCPO's ESS-scaled learning rate (arXiv 2602.17616; the released code mit-han-lab/vcpo @ c7f030f,
+# verl/trainer/config/actor/actor.yaml ess_scaling, megatron_actor.py, staleness_utils.py
+# compute_ess_info): lr = base_lr x sqrt(min(1, rho / rho_base)), rho the ESS ratio of the minibatch's
+# unclipped sequence weights; VCPO_EPS is the code's guard on sum w^2. The sequence log-weight is
+# clamped at VCPO_LOG_LIMIT so that w^2 stays finite in float64 (the code's float32 exp can overflow).
+VCPO_BASE_ESS_RATIO = 1.0
+VCPO_SCALING = "sqrt"
+VCPO_EPS = 1e-8
+VCPO_LOG_LIMIT = 300.0
 
 # Log-ratios entering exp() with grad are clamped to +-LOG_RATIO_LIMIT nats (ratio ~4.9e8): beyond
 # that a float32 loss (ratio x advantage x tokens) can overflow. Tokens past the limit get no
@@ -77,6 +89,8 @@ STAT_KEYS: tuple[str, ...] = (
 )
 BAPO_STAT_KEYS: tuple[str, ...] = ("bapo_clip_low", "bapo_clip_high")
 """Added to the stats with `clip_bounds="bapo"` only: the ratio bounds the search chose for the call."""
+VCPO_STAT_KEYS: tuple[str, ...] = ("vcpo_w_sum", "vcpo_w_sq_sum", "vcpo_sequences")
+"""Added to the stats with `vcpo=True` only: this call's sums of VCPO's sequence weights (`vcpo_weight_sums`)."""
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -207,6 +221,7 @@ class LossConfig:
     bapo_clip_high_start: float = BAPO_CLIP_HIGH_START
     bapo_clip_high_max: float = BAPO_CLIP_HIGH_MAX
     bapo_step: float = BAPO_STEP
+    vcpo: bool = False
 
     def __post_init__(self) -> None:
         choices = {
@@ -271,7 +286,7 @@ class LossConfig:
             "clip_bounds": "clip_bounds", "bapo_positive_share": "bapo_positive_share",
             "bapo_clip_low_start": "bapo_clip_low_start", "bapo_clip_low_max": "bapo_clip_low_max",
             "bapo_clip_high_start": "bapo_clip_high_start", "bapo_clip_high_max": "bapo_clip_high_max",
-            "bapo_step": "bapo_step",
+            "bapo_step": "bapo_step", "vcpo": "vcpo",
         }
         missing = [src for src in mapping.values() if not hasattr(spec, src)]
         if missing:
@@ -683,6 +698,7 @@ class LossTerms:
     m2: M2Mask
     proximal_s: float
     bounds: tuple[float, float] | None = None  # BAPO's ratio bounds (clip_bounds "bapo" only)
+    vcpo_sums: tuple[float, float, float] | None = None  # VCPO's weight sums (vcpo only)
 
 
 # The stats computed on the device (in this order, one sync); m2_before/after and proximal_s follow.
@@ -788,7 +804,40 @@ def loss_metrics(
     stats.update(m2_before=terms.m2.before, m2_after=terms.m2.after, proximal_s=terms.proximal_s)
     if terms.bounds is not None:
         stats.update(zip(BAPO_STAT_KEYS, terms.bounds))
+    if terms.vcpo_sums is not None:
+        stats.update(zip(VCPO_STAT_KEYS, terms.vcpo_sums))
     return stats
+
+
+# ------------------------------------------------------------------------------------ VCPO learning rate
+
+
+def vcpo_weight_sums(log_w: Tensor, mask: Tensor) -> tuple[float, float, float]:
+    """(sum w, sum w^2, n) over the sequences with a masked token, w = exp(sum_t log_w) per sequence.
+
+    VCPO weighs whole trajectories: `log_w = lp_p - lp_b` (step-start policy over behaviour, before
+    any cap), summed over each response. Sums, not the ESS, so micro-batches and ranks add up.
+    """
+    with torch.no_grad():
+        m = _bool_mask(mask)
+        seq = torch.where(m, log_w.detach().to(torch.float64), 0.0).sum(dim=1)[m.any(dim=1)]
+        w = seq.clamp(-VCPO_LOG_LIMIT, VCPO_LOG_LIMIT).exp()
+        s, q, n = torch.stack([w.sum(), w.pow(2).sum(), w.new_tensor(float(w.numel()))]).tolist()
+    return s, q, n
+
+
+def vcpo_lr_scale(w_sum: float, w_sq_sum: float, n: float, *, base_ess_ratio: float = VCPO_BASE_ESS_RATIO,
+                  scaling: str = VCPO_SCALING) -> float:
+    """VCPO's learning-rate multiplier: `sqrt(min(1, rho / rho_base))` (or linear), `rho = ESS / n`.
+
+    `ESS = (sum w)^2 / (sum w^2 + 1e-8)`: n when all weights are equal (fresh data), towards 1 when one
+    sequence carries them all; a stale minibatch then takes a smaller step. No sequence: 0 (as the code).
+    """
+    if scaling not in VCPO_SCALINGS:
+        raise ValueError(f"vcpo scaling must be one of {VCPO_SCALINGS}, got {scaling!r}")
+    ratio = (w_sum * w_sum / (w_sq_sum + VCPO_EPS)) / n if n > 0 else 0.0
+    scale = min(1.0, ratio / max(float(base_ess_ratio), 1e-8))
+    return math.sqrt(scale) if scaling == "sqrt" else scale
 
 
 # ------------------------------------------------------------------------------------ policy loss: checks
@@ -922,6 +971,7 @@ def policy_loss(
     loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator, norm_length=config.norm_length)
 
     # ---- 7. metrics: float64, detached, one device sync
+    vcpo_sums = vcpo_weight_sums(ratios.log_w, x.mask) if config.vcpo else None
     terms = LossTerms(loss=loss, keep=keep, ratios=ratios, weight=weight, surrogate=surrogate, m2=m2,
-                      proximal_s=prox.seconds, bounds=bounds)
+                      proximal_s=prox.seconds, bounds=bounds, vcpo_sums=vcpo_sums)
     return loss, loss_metrics(x, terms, versions, version)

@@ -34,6 +34,18 @@ def write_weights(model: Any, tokenizer: Any, weights_dir: Path, version: int) -
     return target
 
 
+def served_version(version: int, lag: int) -> int:
+    """The version the engines are told to load when `version` is published: `lag` older
+    (spec.trainer.weightSyncLag, a staleness-study knob), never below the base model's 0."""
+    return max(version - lag, 0)
+
+
+def retained_versions(version: int, lag: int) -> set[int]:
+    """Versions publish keeps besides those engines serve: the newest, the one before it, and back
+    to `version - lag`, the one lagged engines are told to load (and a restarted one catches up to)."""
+    return set(range(max(version - max(lag, 1), 0), version + 1))
+
+
 def published_versions(weights_dir: Path) -> list[int]:
     """Versions with a complete directory under `weights_dir`, ascending."""
     out = []

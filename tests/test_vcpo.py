@@ -1,0 +1,151 @@
+"""VCPO's ESS-scaled learning rate (docs/algorithms.md, VCPO): the pure functions against hand
+computations and the authors' code (tests/data/vcpo_golden.json), the spec's rules, and a real
+trainer step whose update is exactly the scaled one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+from trainer_support import chat_groups, make_job, model_and_tokenizer, tiny_model
+
+from asyncrl.spec import AlgorithmSpec
+from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale, vcpo_weight_sums
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_golden.json").read_text())
+JOB = "t-vcpo"
+
+
+def test_lr_scale_by_hand() -> None:
+    # equal weights: ESS = n, ratio 1 (less the 1e-8 guard), no reduction
+    assert vcpo_lr_scale(4.0, 4.0, 4.0) == pytest.approx(1.0, abs=1e-8)
+    # w = (1, 3): ESS = 16 / 10, ratio 0.8; sqrt rule 0.8944, linear 0.8; base 0.5 caps at 1
+    assert vcpo_lr_scale(4.0, 10.0, 2.0) == pytest.approx(math.sqrt(0.8))
+    assert vcpo_lr_scale(4.0, 10.0, 2.0, scaling="linear") == pytest.approx(0.8)
+    assert vcpo_lr_scale(4.0, 10.0, 2.0, base_ess_ratio=0.5) == 1.0
+    assert vcpo_lr_scale(4.0, 10.0, 2.0, base_ess_ratio=0.9, scaling="linear") == pytest.approx(0.8 / 0.9)
+    assert vcpo_lr_scale(0.0, 0.0, 0.0) == 0.0  # no sequence: the code's 0
+    with pytest.raises(ValueError, match="sqrt"):
+        vcpo_lr_scale(1.0, 1.0, 1.0, scaling="cube")
+
+
+def test_weight_sums_by_hand() -> None:
+    # sequence log-weights: row 0 sums 0.5 + 0.2 (the masked -9 ignored), row 1 -0.3, row 2 has no token
+    log_w = torch.tensor([[0.5, 0.2, -9.0], [-0.3, 0.0, 0.0], [4.0, 4.0, 4.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
+    s, q, n = vcpo_weight_sums(log_w, mask)
+    w = [math.exp(0.7), math.exp(-0.3)]
+    assert (s, q, n) == pytest.approx((sum(w), sum(x * x for x in w), 2.0))
+    # a huge sequence log-weight stays finite (clamped in float64)
+    s, q, _ = vcpo_weight_sums(torch.full((1, 4), 200.0), torch.ones(1, 4, dtype=torch.bool))
+    assert math.isfinite(s) and math.isfinite(q)
+
+
+@pytest.mark.parametrize("case", range(len(GOLDEN["cases"])))
+def test_matches_authors_code(case: int) -> None:
+    c = GOLDEN["cases"][case]
+    old, roll = torch.tensor(c["old_logprobs"], dtype=torch.float64), torch.tensor(c["rollout_logprobs"],
+                                                                                   dtype=torch.float64)
+    s, q, n = vcpo_weight_sums(old - roll, torch.tensor(c["mask"]))
+    assert (s * s / (q + 1e-8)) / n == pytest.approx(c["ess_ratio"], abs=1e-6)
+    for key, want in c["lr"].items():
+        scaling, base = key.split("/")
+        assert vcpo_lr_scale(s, q, n, base_ess_ratio=float(base), scaling=scaling) == pytest.approx(want, abs=1e-6)
+
+
+def test_policy_loss_reports_the_sums_only_with_vcpo() -> None:
+    g = torch.Generator().manual_seed(1)
+    lp, lp_b = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
+    prox = -torch.rand(3, 5, generator=g)
+    mask, adv = torch.ones(3, 5, dtype=torch.bool), torch.tensor([1.0, -1.0, 0.5])
+    kw = dict(prox_logprobs=prox, versions=torch.zeros(3, 5, dtype=torch.long), current_version=1)
+    _, plain = policy_loss(lp, lp_b, adv, mask, config=LossConfig(proximal="recompute"), **kw)
+    _, on = policy_loss(lp, lp_b, adv, mask, config=LossConfig(proximal="recompute", vcpo=True), **kw)
+    assert not set(VCPO_STAT_KEYS) & set(plain)
+    assert [on[k] for k in VCPO_STAT_KEYS] == pytest.approx(list(vcpo_weight_sums(prox - lp_b, mask)))
+
+
+def test_spec_rules() -> None:
+    assert AlgorithmSpec(vcpo=True, vcpo_scaling="linear", vcpo_base_ess_ratio=0.5).vcpo
+    assert LossConfig.from_spec(AlgorithmSpec(vcpo=True)).vcpo
+    with pytest.raises(ValidationError, match="vcpo requires loss 'decoupled'"):
+        AlgorithmSpec(vcpo=True, loss="ppo", proximal="recompute")
+    with pytest.raises(ValidationError, match="only apply with vcpo true"):
+        AlgorithmSpec(vcpo_scaling="linear")
+    with pytest.raises(ValidationError, match="sqrt"):
+        AlgorithmSpec(vcpo=True, vcpo_scaling="cube")
+    with pytest.raises(ValidationError, match=r"vcpoBaseEssRatio|vcpo_base_ess_ratio"):
+        AlgorithmSpec(vcpo=True, vcpo_base_ess_ratio=0.0)
+
+
+def _stale_groups(model: torch.nn.Module) -> list:
+    """Two groups whose behaviour log-probs are the model's own plus noise: sequence weights differ."""
+    from asyncrl.trainer.logprobs import token_logprobs
+
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in chat_groups(JOB, 2):
+        samples = []
+        for s in g.samples:
+            full = torch.tensor(np.concatenate([g.prompt_ids, s.response_ids]), dtype=torch.long)[None]
+            with torch.no_grad():
+                lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
+            behav = lp[0, len(g.prompt_ids) - 1:].numpy() + rng.normal(0, 0.7, len(s.response_ids))
+            samples.append(dataclasses.replace(s, behav_logprobs=behav.astype(np.float32)))
+        groups.append(dataclasses.replace(g, samples=samples))
+    return groups
+
+
+def test_trainer_step_takes_the_scaled_step() -> None:
+    """With plain SGD, VCPO's update is the plain update times the reported scale; the lr is restored."""
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.loop import RunConfig, Trainer
+
+    _, tok = model_and_tokenizer()
+    deltas, records, optimizers = [], [], []
+    for vcpo in (False, True):
+        model = tiny_model()
+        groups = _stale_groups(model)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        job = make_job(name=JOB, batch_size=2, algorithm={"proximal": "recompute", "vcpo": vcpo})
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok)
+        records.append(trainer.train_step(groups))
+        deltas.append({k: v - before[k] for k, v in model.state_dict().items()})
+        optimizers.append(opt)
+    scale = records[1]["vcpo_lr_scale"]
+    assert records[0]["vcpo_lr_scale"] == 1.0 and 0.0 < scale < 0.99
+    assert optimizers[1].param_groups[0]["lr"] == 1e-2  # checkpoints keep the base lr
+    # (float32 weights round each small difference, so compare the update as one vector)
+    plain = torch.cat([v.flatten().double() for v in deltas[0].values()])
+    scaled = torch.cat([v.flatten().double() for v in deltas[1].values()])
+    assert plain.norm() > 0
+    assert scaled.norm() / plain.norm() == pytest.approx(scale, rel=1e-3)
+    assert torch.nn.functional.cosine_similarity(scaled, plain, dim=0) > 0.999
+
+
+def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
+    """Two AdamW steps with vcpo on train, and the scale reaches the step's metrics.jsonl line."""
+    from asyncrl.status_report import StepRecord
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.step_metrics import append_metrics_line
+
+    _, tok = model_and_tokenizer()
+    model = tiny_model()
+    groups = _stale_groups(model)
+    job = make_job(name=JOB, batch_size=2, algorithm={"vcpo": True, "vcpoScaling": "linear"})
+    trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
+                      torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
+    records = [trainer.train_step(groups) for _ in range(2)]
+    assert all(np.isfinite(r["loss"]) and 0.0 < r["vcpo_lr_scale"] <= 1.0 for r in records)
+    step = StepRecord(step=1, policy_version=1, reward_mean=0.0, staleness_mean=0.0, staleness_max=0,
+                      clip_fraction=0.0)
+    line = append_metrics_line(tmp_path / "metrics.jsonl", step, records[1], dropped=0)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["vcpo_lr_scale"] == line["vcpo_lr_scale"]
