@@ -123,10 +123,14 @@ class GroupInbox:
             else:
                 keep.append(d)
         self.buffer = keep
-        if stale:
-            await self.admission.record_dropped(len(stale))
-            await self.consumer.ack(stale)
+        await self._discard(stale)
         return len(stale)
+
+    async def _discard(self, deliveries: list[Delivery]) -> None:
+        """Groups read but never to be trained: admission gets their capacity back, then they are acked."""
+        if deliveries:
+            await self.admission.record_dropped(len(deliveries))
+            await self.consumer.ack(deliveries)
 
     async def skip_zero_signal(self) -> list[TrajectoryGroup]:
         """With dynamic sampling: skip the buffered groups whose rewards are all equal among this
@@ -151,10 +155,8 @@ class GroupInbox:
                 keep.append(d)
                 kept += 1
         self.buffer = keep
-        if skipped:
-            await self.admission.record_dropped(len(skipped))
-            await self.consumer.ack(skipped)
-            self.step_skipped += len(skipped)
+        await self._discard(skipped)
+        self.step_skipped += len(skipped)
         return [d.group for d in skipped]
 
     def batch_target(self, more_skipped: int = 0) -> int:
