@@ -137,6 +137,13 @@ def test_dynamic_sampling_is_off_by_default_and_draws_four_batches():
     assert set_.dynamic_sampling_draws == 6
 
 
+def algorithm_error(algorithm: dict) -> str:
+    """The validation error of a job whose spec.algorithm is `algorithm` (it must be rejected)."""
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
+    return str(err.value)
+
+
 @pytest.mark.parametrize("algorithm, says", [
     ({"dynamicSampling": True, "batchSize": 8, "dynamicSamplingMaxDraws": 7},
      "dynamicSamplingMaxDraws (7) must be >= batchSize (8)"),
@@ -146,9 +153,7 @@ def test_dynamic_sampling_is_off_by_default_and_draws_four_batches():
      "dynamicSampling needs groupSize >= 2"),
 ])
 def test_dynamic_sampling_rules_name_the_field(algorithm, says):
-    with pytest.raises(ValidationError) as err:
-        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
-    assert says in str(err.value)
+    assert says in algorithm_error(algorithm)
 
 
 # ---- policy objectives (issue 20): combinations the chosen objective cannot honour are rejected
@@ -183,9 +188,7 @@ def test_objective_defaults_to_ppo_clip_with_verls_sapo_temperatures():
     ({"objective": "gspo", "clipEps": 0.3, "clipEpsHigh": 0.2}, "unless objective is 'cispo'"),
 ])
 def test_objective_rules_name_the_field_and_the_allowed_values(algorithm, says):
-    with pytest.raises(ValidationError) as err:
-        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
-    assert says in str(err.value)
+    assert says in algorithm_error(algorithm)
 
 
 # ---- BAPO's adaptive clip bounds (issue 20): clipBounds bapo and its bapo* fields
@@ -217,9 +220,7 @@ def test_clip_bounds_default_fixed_with_the_bapo_codes_defaults():
     ({"clipBounds": "bapo", "bapoClipHighMax": 1.0}, "bapoClipHighMax"),
 ])
 def test_clip_bounds_rules_name_the_field_and_the_allowed_values(algorithm, says):
-    with pytest.raises(ValidationError) as err:
-        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
-    assert says in str(err.value)
+    assert says in algorithm_error(algorithm)
 
 
 def test_staleness_policy_defaults_to_the_global_budget():
@@ -265,6 +266,4 @@ def test_vcpo_defaults_are_the_vcpo_codes():
     ({"vcpo": True, "vcpoScaling": "cube"}, "'sqrt' or 'linear'"),
 ])
 def test_vcpo_rules_name_the_field_and_the_allowed_values(algorithm, says):
-    with pytest.raises(ValidationError) as err:
-        AsyncRLJobSpec(model={"path": "m"}, algorithm=algorithm)
-    assert says in str(err.value)
+    assert says in algorithm_error(algorithm)
