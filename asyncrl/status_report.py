@@ -203,6 +203,8 @@ class TrainerReport(_Report):
     """Last step: BAPO's adapted lower ratio bound (algorithm.clipBounds 'bapo'); 0 when off."""
     bapo_clip_high: float = 0.0
     """Last step: BAPO's adapted upper ratio bound; 0 when off."""
+    vcpo_lr_scale: float = 1.0
+    """Last step: VCPO's learning-rate scale (algorithm.vcpo; the mean over the step's updates); 1 when off."""
     importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
     """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight")."""
     behaviour: BehaviourReport = Field(default_factory=BehaviourReport)

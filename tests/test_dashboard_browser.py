@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from polling import poll
 
 from asyncrl.health import Health
 from asyncrl.status_report import (
@@ -92,6 +93,7 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         clip_fraction_high=0.015,
         bapo_clip_low=0.65,
         bapo_clip_high=1.35,
+        vcpo_lr_scale=0.82,
         importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
         dead_lettered=1,
         zero_signal_groups=7,
@@ -245,6 +247,7 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert details["zero-signal groups skipped / starved steps"] == "7 / 1"
     assert details["clipped low / high"] == "0.8% / 1.5%"
     assert details["BAPO bounds low / high"] == "0.650 / 1.350"
+    assert details["VCPO learning-rate scale"] == "0.820"
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")
@@ -253,7 +256,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert await page.locator("#reward-chart circle").count() == 30
     for selector in ("#reward-chart path.series.reward", "#staleness-chart path.staleness-mean",
                      "#staleness-chart path.staleness-max"):
-        bbox = await page.locator(selector).bounding_box()
+        # (polled: the page redraws its charts every refresh, and a chart being redrawn has no box)
+        bbox = await poll(page.locator(selector).bounding_box, timeout=10, what=f"{selector} drawn")
         assert bbox is not None and bbox["width"] > 300 and bbox["height"] > 40, (selector, bbox)
     assert "η = 2" in (await page.text_content("#staleness-chart"))
     assert await page.locator("#staleness-histogram rect.bar").count() == 3

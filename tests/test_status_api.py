@@ -63,6 +63,11 @@ def make_report(steps: int = 30) -> TrainerReport:
         reward_history=[h.reward_mean for h in history],
         staleness=StalenessReport(mean=0.75, max=2, limit=2, dropped=3, histogram={"0": 10000, "1": 15000, "2": 5000}),
         clip_fraction=0.02,
+        clip_fraction_low=0.005,
+        clip_fraction_high=0.015,
+        bapo_clip_low=0.7,
+        bapo_clip_high=1.4,
+        vcpo_lr_scale=0.6,
         importance_weight=ImportanceWeightReport(max=1.7, min=0.4, mean=0.99),
         behaviour=BehaviourReport(full_ratio=ImportanceWeightReport(max=2.5, min=0.3, mean=1.01),
                                   weight=ImportanceWeightReport(max=1.4, min=0.8, mean=1.0), ess=0.93, kl=0.004),
@@ -191,6 +196,9 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
     assert g("asyncrl_trainer_token_staleness_count") == 30000
     assert g("asyncrl_trainer_token_staleness_sum") == 15000 + 2 * 5000
     assert g("asyncrl_trainer_clip_fraction") == 0.02
+    assert [g("asyncrl_trainer_clip_fraction_by_side", side=s) for s in ("low", "high")] == [0.005, 0.015]
+    assert [g("asyncrl_trainer_bapo_clip_bound", side=s) for s in ("low", "high")] == [0.7, 1.4]
+    assert g("asyncrl_trainer_vcpo_lr_scale") == 0.6
     assert g("asyncrl_trainer_importance_weight", stat="max") == 1.7
     assert g("asyncrl_trainer_importance_weight", stat="min") == 0.4
     assert g("asyncrl_trainer_importance_weight", stat="mean") == 0.99

@@ -311,6 +311,7 @@ function render(r) {
     ["loss (last step)", last ? fmt(last.loss, 4) : "–"], ["clip fraction", fmt(100 * r.clip_fraction, 1) + "%"],
     ["clipped low / high", `${fmt(100 * (r.clip_fraction_low ?? 0), 1)}% / ${fmt(100 * (r.clip_fraction_high ?? 0), 1)}%`],
     ["BAPO bounds low / high", r.bapo_clip_high ? `${fmt(r.bapo_clip_low, 3)} / ${fmt(r.bapo_clip_high, 3)}` : "off"],
+    ["VCPO learning-rate scale", fmt(r.vcpo_lr_scale ?? 1, 3)],
     ["importance weight min/mean/max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
     ["stale groups dropped", String(st.dropped ?? 0)],
     ["groups without signal (last step)", fmt(100 * (r.zero_signal_fraction ?? 0), 1) + "%"],

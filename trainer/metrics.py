@@ -136,6 +136,12 @@ class TrainerMetrics:
         self.staleness_histogram = _StalenessHistogram()
         r.register(self.staleness_histogram)
         self.clip_fraction = gauge("clip_fraction", "Fraction of tokens clipped in the last step.")
+        self.clip_fraction_side = gauge("clip_fraction_by_side", "Fraction of tokens clipped in the last step at "
+                                        "the lower (A < 0) or upper (A > 0) ratio bound.", ["side"])
+        self.bapo_bound = gauge("bapo_clip_bound", "BAPO's adapted ratio bound of the last step "
+                                "(algorithm.clipBounds bapo; 0 when off).", ["side"])
+        self.vcpo_lr_scale = gauge("vcpo_lr_scale", "VCPO's learning-rate scale in the last step "
+                                   "(algorithm.vcpo; 1 when off).")
         self.importance_weight = gauge("importance_weight", "Trust-region ratio u = pi/pi_prox of the last step.",
                                        ["stat"])
         self.full_ratio = gauge("full_ratio", "Stale ratio pi/pi_behav of the last step.", ["stat"])
@@ -213,6 +219,10 @@ class TrainerMetrics:
             self.dropped_last_step.set(report.staleness.dropped_last_step)
             self.staleness_histogram.set(report.staleness.histogram, report.staleness.limit)
             self.clip_fraction.set(report.clip_fraction)
+            for side in ("low", "high"):
+                self.clip_fraction_side.labels(side=side).set(getattr(report, f"clip_fraction_{side}"))
+                self.bapo_bound.labels(side=side).set(getattr(report, f"bapo_clip_{side}"))
+            self.vcpo_lr_scale.set(report.vcpo_lr_scale)
             for gauge_, source in ((self.importance_weight, report.importance_weight),
                                    (self.full_ratio, report.behaviour.full_ratio),
                                    (self.behaviour_weight, report.behaviour.weight)):
