@@ -214,7 +214,12 @@ class AlgorithmSpec(SpecModel):
     minibatches: int = Field(default=1, ge=1)
     """Optimizer updates per step; batchSize must be divisible by it."""
     micro_batch_tokens: int = Field(default=8192, ge=1)
-    """Token budget per forward/backward micro-batch."""
+    """Token budget per forward/backward micro-batch: positions fed to the model (padded: rows x
+    longest sequence; packed: the sequences' tokens, plus any padding at the ends of packed rows)."""
+    pack_sequences: bool = True
+    """Feed each micro-batch's sequences packed (attention kept within each sequence, position ids
+    restarting per sequence) instead of one padded row each, where the model's attention supports
+    it (transformers' sdpa, eager, flex, flash attention); other models fall back to padding."""
     max_new_tokens: int = Field(default=256, ge=1)
     """Response length limit (and Dr. GRPO's fixed length for seq-mean-token-sum-norm)."""
     temperature: float = Field(default=1.0, gt=0)
@@ -528,6 +533,10 @@ class TrainerSpec(SpecModel):
     the asyncrl trainer image of the operator's version."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer computes; auto = cuda when GPUs are requested or visible."""
+    parallelism: Literal["fsdp", "ddp"] = "fsdp"
+    """How several trainer processes share the model: fsdp (FSDP2: parameters, gradients and AdamW
+    state sharded across ranks, a float32 master copy with compute in model.dtype) or ddp (every
+    rank holds all of them). One process holds the whole model either way."""
     checkpoint_interval: int = Field(default=10, ge=1)
     """Steps between checkpoints."""
     max_steps: int = Field(default=100, ge=1)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from typing import Any
+
+from machine import load_average, machine_figures
 
 # Random-initialised architectures for machines without the weights (no hub access needed).
 ARCHS: dict[str, dict[str, Any]] = {
@@ -51,20 +51,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_model(args: argparse.Namespace) -> Any:
+    return build_model(args.model, args.arch, args.dtype, args.device, args.seed)
+
+
+def build_model(path: str, arch: str | None, dtype: str, device: str, seed: int = 0) -> Any:
+    """The model at `path`, or the random-initialised architecture `arch` (initialised on the CPU
+    from `seed`, so every device gets the same weights, then moved)."""
     import torch
 
     from asyncrl.models import load_causal_lm, torch_dtype
 
-    if args.arch is None:
-        return load_causal_lm(args.model, dtype=args.dtype, device=args.device)
+    if arch is None:
+        return load_causal_lm(path, dtype=dtype, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(ARCHS[args.arch])
+    fields = dict(ARCHS[arch])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(args.seed)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(args.dtype))
-    return model
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(device=device, dtype=torch_dtype(dtype))
 
 
 def make_batch(args: argparse.Namespace, vocab: int, current_version: int) -> Any:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.trainer.batch import split_minibatches
 
-    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_start = load_average()
     model = load_model(args)
     model.train()
     current_version = 7
@@ -179,12 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": sum(p.numel() for p in model.parameters()),
         "device": args.device,
         "dtype": args.dtype,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1m_start": load_start,
-        "load_avg_1m_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **machine_figures(load_start),
     }
     print(json.dumps(result))
     return 0

@@ -174,16 +174,19 @@ def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
     assert norm_small == pytest.approx(norm_big, rel=1e-4)
 
 
-def test_weights_are_written_atomically(tmp_path: Path) -> None:
+def test_weights_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors.torch
+    import torch
+
     from asyncrl.trainer.publish import published_versions, write_weights
 
-    class Broken:
-        def save_pretrained(self, path, **kw):
-            (Path(path) / "model.safetensors").write_bytes(b"half a model")
-            raise OSError("disk full")
+    def disk_full(tensors: dict, path: Path, **kw: object) -> None:
+        Path(path).write_bytes(b"half a model")
+        raise OSError("disk full")
 
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
     with pytest.raises(OSError, match="disk full"):
-        write_weights(Broken(), None, tmp_path, 3)
+        write_weights(torch.nn.Linear(2, 2), None, tmp_path, 3)
     assert published_versions(tmp_path) == []
     assert list(tmp_path.iterdir()) == []  # neither v3 nor a temporary directory remains
 

@@ -6,13 +6,18 @@ P + j - 1 of the `[N, L - 1]` tensors. The loss mask, the behaviour log-probs **
 are shifted by the same rule (DESIGN.md section 5: shifting only some of them is an off-by-one).
 Rows are right-padded: real tokens keep positions 0..len-1, and causal attention never lets a
 real token see the padding after it.
+
+What the model is fed (`ModelRows`) is either these padded rows or, with packing, the sequences laid
+end to end in fewer rows (`pack_rows`, `model_rows`); the per-token tensors above keep their
+padded `[N, L-1]` layout either way, so the loss never sees the difference.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -59,6 +64,99 @@ class TrainBatch:
                 t = t[:, : width if f.name in ("input_ids", "attention_mask") else width - 1]
             out[f.name] = t
         return TrainBatch(**out)
+
+
+Layout = Literal["padded", "rows", "one-row"]
+"""How a micro-batch's sequences are fed to the model. padded: one right-padded row per sequence.
+rows: packed (first-fit, longest first) into rows as wide as the longest sequence: attention that
+computes every pair of positions in a row (sdpa and eager with a mask) then does the padded
+layout's work per token, while short sequences fill the gaps. one-row: all in one row, for a
+varlen attention kernel (flash attention), which computes nothing across sequences."""
+
+
+def row_capacity(layout: Layout, longest: int) -> float:
+    """Positions one row of `layout` may hold when the micro-batch's longest sequence is `longest`
+    (padded: 0, so no sequence shares a row)."""
+    return {"padded": 0, "rows": longest, "one-row": math.inf}[layout]
+
+
+def first_fit(fill: Sequence[int], length: int, capacity: float) -> int:
+    """The first row (by its filled positions) with room for `length` more; len(fill): a new row."""
+    return next((j for j, used in enumerate(fill) if used + length <= capacity), len(fill))
+
+
+def pack_rows(lengths: Sequence[int], layout: Layout) -> list[list[int]]:
+    """The sequences (indices into `lengths`) of each row: longest first (ties in order), each into
+    the first row with room for it (first-fit decreasing; `plan.plan_microbatches` budgets the
+    same rows, so it must stay this rule)."""
+    capacity = row_capacity(layout, max(lengths, default=0))
+    rows: list[list[int]] = []
+    fill: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = first_fit(fill, lengths[i], capacity)
+        if j == len(rows):
+            rows.append([])
+            fill.append(0)
+        rows[j].append(i)
+        fill[j] += lengths[i]
+    return rows
+
+
+@dataclass
+class ModelRows:
+    """What the model is fed for a batch of N sequences: R rows of W positions, and where each
+    sequence lies in them. Position t of the batch's row i is `starts[i] + t` in the flattened
+    `[R * W]` rows (padded: `i * W + t`)."""
+
+    input_ids: Tensor  # [R, W] int64
+    position_ids: Tensor  # [R, W] int64: 0, 1, ... from each sequence's first token
+    attention_mask: Tensor | None  # [R, W] padded rows; None when packed (see `model_rows`)
+    starts: Tensor  # [N] int64
+
+    @property
+    def positions(self) -> int:
+        """Positions fed to the model (sequence tokens and padding)."""
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> ModelRows:
+        return ModelRows(self.input_ids.to(device), self.position_ids.to(device),
+                         None if self.attention_mask is None else self.attention_mask.to(device),
+                         self.starts.to(device))
+
+
+def padded_rows(input_ids: Tensor, attention_mask: Tensor) -> ModelRows:
+    """The padded rows as they are; position ids follow the attention mask (left padding too)."""
+    attn = attention_mask.long()
+    n, width = input_ids.shape
+    return ModelRows(input_ids, (attn.cumsum(-1) - 1).clamp(min=0), attn,
+                     torch.arange(n, device=input_ids.device) * width)
+
+
+def model_rows(batch: TrainBatch, layout: Layout, pad_id: int) -> ModelRows:
+    """`batch` as the model is fed it in `layout`. Packed rows go without an attention mask and with
+    position ids restarting at 0 for every sequence (and for a row's padding tail): transformers'
+    masking_utils then finds the sequences of a row from the position ids (a step other than +1
+    starts one) and masks attention between them (sdpa, eager, flex), and flash attention reads
+    them as varlen sequences (one row only)."""
+    if layout == "padded":
+        return padded_rows(batch.input_ids, batch.attention_mask)
+    lengths = (batch.prompt_lengths + batch.response_lengths).tolist()
+    rows = pack_rows(lengths, layout)
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), int(pad_id), dtype=torch.int64, device=batch.input_ids.device)
+    position_ids = torch.zeros_like(input_ids)
+    starts = torch.zeros(len(lengths), dtype=torch.int64, device=input_ids.device)
+    positions = torch.arange(width, device=input_ids.device)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = lengths[i]
+            input_ids[r, col : col + n] = batch.input_ids[i, :n]
+            position_ids[r, col : col + n] = positions[:n]
+            starts[i] = r * width + col
+            col += n
+        position_ids[r, col:] = positions[: width - col]  # the tail: a "sequence" of its own
+    return ModelRows(input_ids, position_ids, None, starts)
 
 
 def _field(seq: Any, name: str, index: int) -> Any:

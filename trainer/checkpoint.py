@@ -1,10 +1,15 @@
 """Trainer checkpoints: everything needed to continue exactly where a committed step left off.
 
-A checkpoint is a directory `step-{N}` holding the model and optimizer state dicts, the RNG
-states and `state.json` (policy version, step, counters, the trainer report, and the ids of the
-groups trained in its *window*: the steps since the checkpoint before it). It is written into a
-temporary sibling and renamed (`asyncrl.files`), so a trainer killed mid-write leaves the previous
-checkpoint intact.
+A checkpoint is a directory `step-{N}` holding the model and optimizer state as a
+torch.distributed.checkpoint (DCP) of fully-qualified names, each rank writing its own shards
+(FSDP) or one copy of what every rank holds (DDP, one process), the RNG states of every rank and
+`state.json` (policy version, step, counters, the trainer report, and the ids of the groups
+trained in its *window*: the steps since the checkpoint before it). DCP reshards on load, so a
+checkpoint resumes at any world size and parallelism. Every rank writes into the same temporary
+sibling (the checkpoint directory is on a volume every trainer pod mounts); once all have written,
+rank 0 adds state.json and renames it (`asyncrl.files`), so a trainer killed mid-write leaves the
+previous checkpoint intact: a directory without state.json is never loaded, and the next
+checkpoint removes it.
 
 Exactly once across the commit window. `Trainer.commit` writes the checkpoint, then acknowledges
 the window's stream entries (one atomic Lua script: SADD the Redis `trained` set, XACK, XDEL;
@@ -42,11 +47,15 @@ ignores them, so what it returns is exactly what the newest checkpoint's weights
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +63,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
+from asyncrl.files import fsync_dir, fsync_tree, remove_stray_temp_dirs
+from asyncrl.trainer.distributed import DistContext, barrier, broadcast_object, unwrap
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
@@ -130,21 +140,44 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState, *, keep: int = 2) -> Path:
-    """Write `step-{state.step}` atomically and keep only the newest `keep` checkpoints.
+def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState, *, keep: int = 2,
+                    ctx: DistContext | None = None) -> Path:
+    """Write `step-{state.step}` atomically and keep only the newest `keep` checkpoints; with a
+    process group every rank calls this (DCP's save is a collective; `state` is rank 0's).
 
     An existing directory of the same step (from a lost timeline) is replaced.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ctx = ctx or DistContext()
     root = Path(root)
     target = root / f"step-{state.step:06d}"
-    with atomic_directory(target) as tmp:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        (tmp / STATE_FILE).write_text(json.dumps(state.to_json()))
-    for _, old in checkpoint_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
+    tmp = None
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=root)
+    tmp_dir = Path(broadcast_object(tmp, ctx))
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with _single_process_quiet():
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir, no_dist=not ctx.enabled)
+        torch.save(_rng_state(), tmp_dir / f"rng-{ctx.rank}.pt")
+        barrier(ctx)  # (every rank's files are in)
+        if ctx.is_main:
+            (tmp_dir / STATE_FILE).write_text(json.dumps(state.to_json()))
+            fsync_tree(tmp_dir)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp_dir, target)
+            fsync_dir(root)
+            for _, old in checkpoint_dirs(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
+    finally:
+        if ctx.is_main and tmp_dir.exists():
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    barrier(ctx)
     return target
 
 
@@ -219,10 +252,49 @@ def read_state(path: Path) -> TrainerState:
     return TrainerState.from_json(json.loads((Path(path) / STATE_FILE).read_text()))
 
 
-def load_checkpoint(path: Path, model: Any, optimizer: Any, *, device: str = "cpu") -> TrainerState:
-    """Restore model, optimizer and RNG from `path`; returns its TrainerState."""
+def load_checkpoint(path: Path, model: Any, optimizer: Any, *, device: str = "cpu",
+                    ctx: DistContext | None = None) -> TrainerState:
+    """Restore model, optimizer and RNG from `path` into the model as this run wraps it (any world
+    size and parallelism: DCP reshards; with a process group every rank calls this, after
+    building the optimizer over the wrapped model); returns its TrainerState."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ctx = ctx or DistContext()
     path = Path(path)
-    model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    if (path / LEGACY_MODEL_FILE).exists():
+        _load_legacy(path, model, optimizer, device)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with _single_process_quiet():
+            dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=not ctx.enabled)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    rng = path / f"rng-{ctx.rank}.pt"
+    if not rng.exists():  # (a checkpoint of fewer ranks, or of the old layout)
+        rng = path / ("rng-0.pt" if (path / "rng-0.pt").exists() else "rng.pt")
+    _set_rng_state(torch.load(rng, weights_only=False))
     return read_state(path)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns at every save and load of one process that it assumes one process: it is right."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+LEGACY_MODEL_FILE = "model.pt"
+"""Checkpoints written before DCP: whole state dicts in model.pt and optimizer.pt, and rng.pt."""
+
+
+def _load_legacy(path: Path, model: Any, optimizer: Any, device: str) -> None:
+    """A checkpoint of the old layout, into an unsharded model (it holds no shard layout)."""
+    from asyncrl.trainer.distributed import is_sharded
+
+    if is_sharded(model):
+        raise ValueError(f"{path} is a checkpoint of the layout before sharded checkpoints (model.pt): resume "
+                         "it with spec.trainer.parallelism: ddp or on one process; its next checkpoint has "
+                         "the new layout")
+    unwrap(model).load_state_dict(torch.load(path / LEGACY_MODEL_FILE, map_location=device, weights_only=True))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))

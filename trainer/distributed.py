@@ -2,8 +2,17 @@
 
 Why one module: every rank runs the same training step, but only rank 0 talks to Redis, the
 engines and the disk. Rank 0 reads the batch and broadcasts it; all ranks then compute the same
-advantages and token counts, train on their shard, and DDP sums the gradients. With
-`WORLD_SIZE` unset the trainer runs as a plain single process (world 1, no process group).
+advantages and token counts and train on their shard of it. With `WORLD_SIZE` unset the trainer
+runs as a plain single process (world 1, no process group).
+
+Two ways to spread the model (spec.trainer.parallelism):
+  fsdp  FSDP2 (`fully_shard` per transformer block, then the root): each rank holds 1/world of the
+        parameters, gradients and AdamW state, gathers a block's parameters for its forward and
+        backward, and reduce-scatters the gradients. With a model dtype below float32 the sharded
+        master copy and the optimizer stay float32, compute runs in the model dtype and gradients
+        are reduced in float32 (mixed precision). Every rank must run the same forwards: an
+        empty micro-batch still runs one (the loop's `_pad_forward`).
+  ddp   every rank holds the whole model and all-reduces gradients once per update (`no_sync`).
 """
 
 from __future__ import annotations
@@ -70,19 +79,84 @@ def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) 
                        backend=backend, object_group=object_group)
 
 
-def wrap_model(model: Any, ctx: DistContext) -> Any:
-    """DDP across ranks (gradients all-reduced as averages), the bare model on one process."""
+def wrap_model(model: Any, ctx: DistContext, parallelism: str = "fsdp",
+               compute_dtype: torch.dtype | None = None) -> Any:
+    """The model as this rank trains it: FSDP2-sharded or DDP across ranks (gradients reduced as
+    averages), the bare model on one process. Build the optimizer after this: FSDP2 replaces the
+    parameters by their shards. `compute_dtype`: FSDP's compute dtype (the model must be loaded
+    in float32 then: that copy is the sharded master); ignored by DDP."""
     if not ctx.enabled:
         return model
+    if parallelism == "fsdp":
+        return shard_model(model, ctx, compute_dtype)
+    if parallelism != "ddp":
+        raise ValueError(f"parallelism must be 'fsdp' or 'ddp', got {parallelism!r}")
     if ctx.device.startswith("cuda"):
         return DDP(model, device_ids=[ctx.local_rank])
     return DDP(model)
 
 
+def transformer_blocks(model: Any) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of the classes HF says must not be split across
+    devices (`_no_split_modules`, e.g. LlamaDecoderLayer): FSDP's units of gather and reshard."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def shard_model(model: Any, ctx: DistContext, compute_dtype: torch.dtype | None = None) -> Any:
+    """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm, a
+    tied LM head) in the root unit, which stays gathered from its forward to its backward (so the
+    LM head applied outside the forward, trainer/logprobs.py, uses whole weights)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda" if ctx.device.startswith("cuda") else "cpu", (ctx.world_size,))
+    policy = MixedPrecisionPolicy() if compute_dtype in (None, torch.float32) else \
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules): "
+                         "cannot shard it with FSDP; use spec.trainer.parallelism: ddp")
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: Any) -> bool:
+    """True for an FSDP2 model (its parameters are DTensor shards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def runs_own_forward(model: Any) -> bool:
+    """True when the model's own forward must run for every use (DDP prepares its all-reduce there;
+    FSDP gathers the root's parameters there): trainer/logprobs.py then captures the hidden states."""
+    return unwrap(model) is not model or is_sharded(model)
+
+
 def unwrap(model: Any) -> Any:
-    """The underlying module: for saving weights and state dicts, and for the HF attributes a DDP
-    wrapper hides (`base_model_prefix`, the LM head: trainer/logprobs.py)."""
+    """The underlying module: for the HF attributes a DDP wrapper hides (`base_model_prefix`, the
+    LM head: trainer/logprobs.py). An FSDP2 model is its own module."""
     return getattr(model, "module", model)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor-sharded) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor is gathered (a collective: every rank calls it), a plain one is itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def clip_grad_norm(model: Any, max_norm: float) -> float:
+    """Clip the gradients to `max_norm` in place; the total norm before clipping, as a float (the
+    same on every rank: FSDP's shard norms are reduced, DDP's gradients are already identical)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(full_tensor(norm))
 
 
 def broadcast_object(obj: Any, ctx: DistContext) -> Any:
@@ -126,7 +200,8 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def no_sync_unless(model: Any, sync: bool, ctx: DistContext) -> Any:
-    """DDP's no_sync() for all but the last micro-batch of a minibatch (one all-reduce per update)."""
-    if ctx.enabled and not sync and hasattr(model, "no_sync"):
+    """DDP's no_sync() for all but the last micro-batch of a minibatch (one all-reduce per update).
+    FSDP reduce-scatters every micro-batch: its gradients stay sharded instead of whole."""
+    if ctx.enabled and not sync and isinstance(model, DDP):
         return model.no_sync()
     return contextlib.nullcontext()

@@ -4,21 +4,48 @@ The trainer must score tokens exactly as the engine sampled them: `log_softmax(l
 The full `[N, L, V]` logits tensor is never built: the decoder's hidden states go through the
 LM head in chunks of positions (only the positions asked for), each chunk upcast to float32,
 log-softmaxed and gathered. Entropy is a metric here (no entropy bonus), so it is computed
-without grad from the same chunk. A DDP-wrapped model takes the same path: its HF attributes are
-looked up on the wrapped module, and its own forward still runs (that is where DDP prepares the
-gradient all-reduce), with the LM head applied to no position.
+without grad from the same chunk. DDP- and FSDP-wrapped models take the same path: the HF
+attributes are looked up on the wrapped module, and the model's own forward still runs (that is
+where DDP prepares the gradient all-reduce and FSDP gathers the root's parameters), with the LM
+head applied to no position.
+
+Packed rows (`batch.ModelRows`, `packing_layout`) change only what the model is fed: the hidden
+state scoring position t of sequence i is read at `starts[i] + t` of the packed rows, and the
+log-probs land in the same padded `[N, L-1]` layout as without packing.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from asyncrl.trainer.distributed import unwrap
+from asyncrl.trainer.batch import Layout, ModelRows, padded_rows
+from asyncrl.trainer.distributed import runs_own_forward, unwrap
+
+PACKING_LAYOUTS: dict[str, Layout] = {
+    "sdpa": "rows", "eager": "rows", "flex_attention": "rows",
+    "flash_attention_2": "one-row", "flash_attention_3": "one-row", "flash_attention_4": "one-row",
+}
+"""The packed layout of each attention implementation that keeps packed sequences apart (transformers
+5: masking_utils builds the mask from the position ids when the attention mask is None, for sdpa,
+eager and flex; flash attention reads them as varlen sequences, on a batch of one row only). sdpa
+and eager compute every pair of positions of a row, so their rows stay as wide as the longest
+sequence (`batch.Layout`)."""
+
+
+def packing_layout(model: Any) -> Layout:
+    """How this model can be fed packed sequences, or "padded" when it cannot: an attention
+    implementation of `PACKING_LAYOUTS`, in a model whose code builds its mask with
+    `masking_utils.create_causal_mask` (the code that reads packed position ids)."""
+    inner = unwrap(model)
+    layout = PACKING_LAYOUTS.get(str(getattr(getattr(inner, "config", None), "_attn_implementation", None)))
+    module = sys.modules.get(getattr(type(inner).forward, "__module__", ""))
+    return layout if layout is not None and hasattr(module, "create_causal_mask") else "padded"
 
 
 def _logit_transform_free(model: Any) -> bool:
@@ -62,6 +89,7 @@ def token_logprobs(
     with_entropy: bool = True,
     chunk_tokens: int = 1024,
     checkpoint_head: bool = False,
+    rows: ModelRows | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`(logprobs, entropy)`, both `[N, L-1]` float32: position t scores token t+1.
 
@@ -71,20 +99,28 @@ def token_logprobs(
     `checkpoint_head=True` recomputes each chunk's logits in backward instead of keeping them
     (saves `tokens x vocab` floats of activation memory for ~one extra LM-head matmul).
     Position ids follow the attention mask, so left- and right-padded rows both score correctly.
+    `rows` (`batch.model_rows`) feeds the model these rows instead, e.g. the sequences packed:
+    the result keeps the layout of `input_ids` (then right-padded, with `mask` inside the sequences).
     """
     mask = _checked_mask(input_ids, attention_mask, mask, temperature)
     n, length = input_ids.shape
+    if rows is None:
+        rows = padded_rows(input_ids, attention_mask)
+    elif rows.starts.shape != (n,):
+        raise ValueError(f"rows.starts has shape {tuple(rows.starts.shape)}, expected {(n,)}")
     logprobs = torch.zeros((n, length - 1), dtype=torch.float32, device=input_ids.device)
     entropy = torch.zeros_like(logprobs)
 
-    # 1. Hidden states of every position but the last (the LM head is applied below, per chunk).
-    head, hidden = _hidden_states(model, input_ids, attention_mask)
+    # 1. Hidden states of every position fed (the LM head is applied below, per chunk).
+    head, hidden = _hidden_states(model, rows)
 
-    # 2. Only the masked positions go through the head.
+    # 2. Only the masked positions go through the head: position t of sequence i is read at
+    #    starts[i] + t of the rows fed.
     flat_idx = mask.reshape(-1).nonzero().squeeze(1)
     if flat_idx.numel() == 0:
         return logprobs + 0.0 * hidden.sum() if torch.is_grad_enabled() else logprobs, entropy
-    sel_hidden = hidden.reshape(n * (length - 1), -1).index_select(0, flat_idx)
+    source = rows.starts.index_select(0, flat_idx // (length - 1)) + flat_idx % (length - 1)
+    sel_hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source)
     sel_targets = input_ids[:, 1:].reshape(-1).index_select(0, flat_idx)
 
     # 3. The head in chunks of `chunk_tokens` (optionally recomputed in backward).
@@ -118,17 +154,16 @@ def _checked_mask(input_ids: Tensor, attention_mask: Tensor, mask: Tensor | None
     return mask.bool()
 
 
-def _hidden_states(model: Any, input_ids: Tensor, attention_mask: Tensor) -> tuple[Any, Tensor]:
-    """(head, hidden[:, :-1]): the base model's last hidden states and its LM head, or, for models
-    that transform logits after the head, the model's own logits with an identity head."""
-    attn = attention_mask.long()
-    inputs = {"input_ids": input_ids, "attention_mask": attn, "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
-              "use_cache": False}
+def _hidden_states(model: Any, rows: ModelRows) -> tuple[Any, Tensor]:
+    """(head, hidden `[R, W, H]`): the base model's last hidden states and its LM head, or, for
+    models that transform logits after the head, the model's own logits with an identity head."""
+    inputs = {"input_ids": rows.input_ids, "attention_mask": rows.attention_mask,
+              "position_ids": rows.position_ids, "use_cache": False}
     inner = unwrap(model)
-    if _logit_transform_free(inner) and (inner is model or _skips_head(inner)):
-        return inner.get_output_embeddings(), _base_hidden(model, inner, inputs)[:, :-1]
+    if _logit_transform_free(inner) and (not runs_own_forward(model) or _skips_head(inner)):
+        return inner.get_output_embeddings(), _base_hidden(model, inner, inputs)
     # generic fallback: the model's own logits (materialised once)
-    return torch.nn.Identity(), model(**inputs).logits[:, :-1]
+    return torch.nn.Identity(), model(**inputs).logits
 
 
 def _skips_head(model: Any) -> bool:
@@ -137,11 +172,12 @@ def _skips_head(model: Any) -> bool:
 
 
 def _base_hidden(model: Any, inner: Any, inputs: dict[str, Any]) -> Tensor:
-    """The base model's last hidden state. A wrapper's (DDP's) forward must run: it prepares the
-    gradient all-reduce, which calling the base model directly would skip on this rank. So it runs
-    with the LM head on no position, and the base model's output is taken from a forward hook."""
+    """The base model's last hidden state. A wrapped model's own forward must run: DDP prepares the
+    gradient all-reduce there and FSDP gathers the root's parameters, which calling the base model
+    directly would skip. So it runs with the LM head on no position, and the base model's output is
+    taken from a forward hook."""
     base = getattr(inner, inner.base_model_prefix)
-    if model is inner:
+    if not runs_own_forward(model):
         return base(**inputs).last_hidden_state
     captured: list[Tensor] = []
     handle = base.register_forward_hook(lambda _module, _args, output: captured.append(output.last_hidden_state))

@@ -11,8 +11,10 @@ One step:
   3. proximal log-probs: `recompute` runs a no-grad forward over the batch (timed), `loglinear`
      is A-3PO's interpolation inside the loss (timed too);
   4. for each minibatch, each rank forwards/backwards its shard in micro-batches under a token
-     budget (plan.py); every micro-batch loss is normalised by the whole minibatch's denominator
-     over all ranks, so the gradient is the exact token-mean of the minibatch; DDP sums the shards;
+     budget (plan.py), their sequences packed where the model's attention allows (`packSequences`,
+     batch.py; the log-probs come back in the padded layout the loss reads); every micro-batch
+     loss is normalised by the whole minibatch's denominator over all ranks, so the gradient is
+     the exact token-mean of the minibatch; DDP sums the shards;
      gradient clipping; AdamW, skipped when the gradient norm is not finite (weights and optimizer
      state untouched, counted); `maxNonFiniteSteps` steps in a row whose every update was skipped
      end training (NonFiniteGradientsError);
@@ -55,7 +57,7 @@ from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import AdmissionReport, EngineReport, EvalRecord, StepRecord, TrainerReport
 from asyncrl.trainer import distributed as D
-from asyncrl.trainer.batch import TrainBatch, build_batch
+from asyncrl.trainer.batch import Layout, ModelRows, TrainBatch, build_batch, model_rows
 from asyncrl.trainer.checkpoint import (
     TrainerState,
     append_trained,
@@ -63,7 +65,7 @@ from asyncrl.trainer.checkpoint import (
     truncate_trained_log,
 )
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
-from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.trainer.logprobs import packing_layout, token_logprobs
 from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale
 from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, plan_step, sequences_with_advantages
 from asyncrl.trainer.publish import (
@@ -100,8 +102,9 @@ FINAL_EVAL_POLL_S = 0.5
 # Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
 _SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
                            for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
-_LOSS_SHAPE_STATS = ("clip_fraction_low", "clip_fraction_high", "bapo_clip_low", "bapo_clip_high")
-"""Loss-shape figures of the last step shown in the report as they are (step_metrics.py computes them)."""
+_LOSS_SHAPE_STATS = ("clip_fraction_low", "clip_fraction_high", "bapo_clip_low", "bapo_clip_high", "vcpo_lr_scale")
+"""Loss-shape figures of the last step shown in the report as they are (step_metrics.py and train_step
+compute them)."""
 SUCCEEDED_REASON = "MaxStepsReached"
 """The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
 
@@ -149,16 +152,20 @@ def finite_or_zero(value: float) -> float:
     return value if math.isfinite(value) else 0.0
 
 
-def non_finite_parameters(model: Any, limit: int = 5) -> list[str]:
-    """Names of (up to `limit`) parameters holding NaN or Inf; [] when all are finite.
+def non_finite_parameters(model: Any, ctx: D.DistContext | None = None, limit: int = 5) -> list[str]:
+    """Names of (up to `limit`) parameters holding NaN or Inf; [] when all are finite. With a
+    process group every rank calls this and gets the same verdict (a sharded model's NaN may sit
+    in another rank's shard: then it is named as such).
 
     One fp32 sum per tensor (~20 ms for 135M parameters on one CPU core): NaN and Inf survive a sum.
     """
-    params = [(n, p.detach()) for n, p in D.unwrap(model).named_parameters()]
+    params = [(n, D.local_tensor(p.detach())) for n, p in D.unwrap(model).named_parameters()]
     sums = torch.stack([p.sum(dtype=torch.float32) for _, p in params])
-    if bool(torch.isfinite(sums).all()):
-        return []
-    return [n for n, p in params if not bool(torch.isfinite(p).all())][:limit]
+    bad = [] if bool(torch.isfinite(sums).all()) else \
+        [n for n, p in params if not bool(torch.isfinite(p).all())][:limit]
+    if ctx is not None and ctx.enabled and D.all_reduce_max([float(bool(bad))], ctx)[0] and not bad:
+        return ["(in another rank's shard)"]
+    return bad
 
 
 @dataclass(frozen=True)
@@ -235,6 +242,19 @@ class Trainer:
         self._incarnations: dict[str, str] = {}  # engine id -> the incarnation last seen in the registry
         self.recovery = None if io is None else RecoveryCounters(io.redis, io.admission.names)
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        self.layout = self._layout()
+
+    def _layout(self) -> Layout:
+        """How micro-batches are fed to the model: packed (`algorithm.packSequences`) where the
+        model's attention keeps packed sequences apart, else padded (said once, in the log)."""
+        if not self.spec.algorithm.pack_sequences or self.model is None:
+            return "padded"
+        layout = packing_layout(self.model)
+        if layout == "padded" and self.ctx.is_main:
+            impl = getattr(getattr(D.unwrap(self.model), "config", None), "_attn_implementation", None)
+            log.warning("packSequences: attention implementation %r of %s cannot keep packed sequences "
+                        "apart: micro-batches are padded", impl, type(D.unwrap(self.model)).__name__)
+        return layout
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
         """Rank 0's reader of evaluation results, with spec.evaluation and a Redis connection."""
@@ -405,16 +425,19 @@ class Trainer:
         self.state.start_window()
 
     async def startup_sync(self) -> None:
-        """After a resume, put the engines back on this lineage's weights (newer ones were lost)."""
-        if not self.ctx.is_main or self.io is None:
-            return
-        await self.io.admission.set_version(self.state.version)
-        lost = drop_versions_after(self.cfg.weights_dir, self.state.version)
-        if self.state.version == 0 and not lost:
-            return  # fresh start: the engines serve the base model, which is version 0
-        log.info("resuming at version %d (discarded newer weight dirs %s): re-publishing",
-                 self.state.version, lost)
-        await self.publish(self.state.version, write=True)
+        """After a resume, put the engines back on this lineage's weights (newer ones were lost).
+        Rank 0 decides; every rank takes part in writing them (a sharded model is gathered)."""
+        republish = False
+        if self.ctx.is_main and self.io is not None:
+            await self.io.admission.set_version(self.state.version)
+            lost = drop_versions_after(self.cfg.weights_dir, self.state.version)
+            # (a fresh start needs nothing: the engines serve the base model, which is version 0)
+            republish = self.state.version > 0 or bool(lost)
+            if republish:
+                log.info("resuming at version %d (discarded newer weight dirs %s): re-publishing",
+                         self.state.version, lost)
+        if D.broadcast_object(republish, self.ctx):
+            await self.publish(self.state.version, write=True)
 
     async def next_batch(self) -> list[Any] | None:
         """Rank 0: the B oldest fresh groups, or None when a stop was requested.
@@ -528,7 +551,7 @@ class Trainer:
         seqs = sequences_with_advantages(groups, algo)
 
         # Plan: minibatches of whole groups; this rank's micro-batches under the token budget.
-        plans = plan_step(groups, seqs, algo, rank=self.ctx.rank, world_size=self.ctx.world_size)
+        plans = plan_step(groups, seqs, algo, rank=self.ctx.rank, world_size=self.ctx.world_size, layout=self.layout)
 
         # Proximal log-probs for `recompute`: the current weights before any update (timed).
         # (`loglinear` is computed inside policy_loss; its time is added per micro-batch.)
@@ -541,15 +564,15 @@ class Trainer:
         for m, plan in enumerate(plans):
             self.optimizer.zero_grad(set_to_none=True)
             vcpo_sums = [0.0, 0.0, 0.0]  # VCPO: this rank's sum w, sum w^2, sequences of the minibatch
-            micro_batches = plan.micro_batches or [[]]
+            micro_batches = plan.rank_micro_batches()
             for k, rows in enumerate(micro_batches):
-                # DDP all-reduces once per update: on the last micro-batch.
+                # DDP all-reduces once per update: on the last micro-batch (FSDP reduce-scatters each).
                 with D.no_sync_unless(self.model, k == len(micro_batches) - 1, self.ctx):
-                    if not rows:  # this rank has no sequence in this minibatch: join the all-reduce
-                        _zero_loss(self.model, self.ctx.device).backward()
+                    if not rows:  # this rank has no sequence left in this minibatch: join the collectives
+                        (self._pad_forward() * 0.0).backward()
                         continue
-                    batch = self._batch(seqs, rows)
-                    logprobs, entropy = self._forward(batch)
+                    batch, fed = self._batch(seqs, rows)
+                    logprobs, entropy = self._forward(batch, fed)
                     loss, loss_stats = policy_loss(
                         logprobs, batch.behav_logprobs, batch.advantages, batch.loss_mask,
                         config=self.loss_config, versions=batch.versions, current_version=version,
@@ -557,8 +580,9 @@ class Trainer:
                     # DDP averages gradients over ranks; multiplying by world makes it the exact sum.
                     (loss * self.ctx.world_size).backward()
                     stats.add_micro_batch(loss, loss_stats, entropy, batch)
+                    stats.add_fed(fed.positions, sum(seqs[i].length for i in rows))
                     vcpo_sums = [a + loss_stats.get(k, 0.0) for a, k in zip(vcpo_sums, VCPO_STAT_KEYS, strict=True)]
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.optimizer.grad_clip))
+            grad_norm = D.clip_grad_norm(self.model, algo.optimizer.grad_clip)
             stats.grad_norms.append(grad_norm)
             # VCPO: one scale from the sums of every rank (a collective on every rank, skipped update or not)
             scale = (vcpo_lr_scale(*D.all_reduce_sum(vcpo_sums, self.ctx), base_ess_ratio=algo.vcpo_base_ess_ratio,
@@ -592,23 +616,38 @@ class Trainer:
             return {}
         self.model.eval()
         with torch.no_grad():
-            prox = {(m, k): self._forward(self._batch(seqs, rows), with_entropy=False)[0]
-                    for m, plan in enumerate(plans) for k, rows in enumerate(plan.micro_batches)}
+            prox = {(m, k): self._forward(*self._batch(seqs, rows), with_entropy=False)[0] if rows
+                    else self._pad_forward()  # (FSDP: every rank runs as many forwards)
+                    for m, plan in enumerate(plans) for k, rows in enumerate(plan.rank_micro_batches())}
         self.model.train()
         return prox
 
-    def _batch(self, seqs: list[TrainSequence], rows: list[int]) -> TrainBatch:
-        return build_batch([seqs[i] for i in rows], self.pad_id,
-                           advantages=[seqs[i].advantage for i in rows]).to(self.ctx.device)
+    def _pad_forward(self) -> torch.Tensor:
+        """A forward (through the LM head) of one 2-token row, for a rank with no micro-batch left
+        where another rank still has one: FSDP gathers parameters in every forward and reduces
+        every parameter's gradient in every backward, collectives every rank must join (and DDP's
+        all-reduce expects a gradient for every parameter). Scaled by 0 it changes no gradient."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.ctx.device)
+        return token_logprobs(self.model, ids, torch.ones_like(ids), self.spec.algorithm.temperature,
+                              mask=torch.ones((1, 1), dtype=torch.bool, device=self.ctx.device),
+                              with_entropy=False)[0].sum()
 
-    def _forward(self, batch: TrainBatch, *, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature.
+    def _batch(self, seqs: list[TrainSequence], rows: list[int]) -> tuple[TrainBatch, ModelRows]:
+        """The micro-batch's padded tensors (what the loss reads) and the rows the model is fed (laid
+        out on the host: packing is a few slice copies per sequence)."""
+        batch = build_batch([seqs[i] for i in rows], self.pad_id, advantages=[seqs[i].advantage for i in rows])
+        return batch.to(self.ctx.device), model_rows(batch, self.layout, self.pad_id).to(self.ctx.device)
+
+    def _forward(self, batch: TrainBatch, fed: ModelRows, *,
+                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature,
+        in the batch's padded layout whatever rows the model was fed.
 
         With `model.gradientCheckpointing` the LM head's chunk logits are recomputed in backward
         too: with the decoder's activations checkpointed they are the largest activation left."""
         return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.spec.algorithm.temperature,
                               mask=batch.loss_mask, with_entropy=with_entropy,
-                              checkpoint_head=self.spec.model.gradient_checkpointing)
+                              checkpoint_head=self.spec.model.gradient_checkpointing, rows=fed)
 
     # ------------------------------------------------------------------ publish and commit
 
@@ -618,7 +657,7 @@ class Trainer:
         The weights are identical on every rank after the update, so every rank takes the same
         decision on them; a fatal weight-sync error only rank 0 sees is broadcast, so no rank is
         left waiting in a collective for a rank that stopped training."""
-        bad = non_finite_parameters(self.model)
+        bad = non_finite_parameters(self.model, self.ctx)
         if bad:
             raise NonFiniteWeightsError(
                 f"non-finite weights after step {self.state.step + 1} (not published): {', '.join(bad)}")
@@ -637,16 +676,20 @@ class Trainer:
             raise TrainerFailed(*verdict)
 
     async def publish(self, version: int, *, write: bool = True) -> None:
-        """Rank 0: weights/v{version}, version event, engines updated, admission told; all ranks advance."""
+        """Every rank: weights/v{version} (a sharded model is gathered: every rank takes part, rank 0
+        writes); then rank 0: version event, engines updated, admission told. All ranks advance."""
         self.state.version = version
-        if not self.ctx.is_main:
-            return
         self._set_phase("Publishing", f"publishing version {version}")
+        from asyncrl.models import torch_dtype
         from asyncrl.transport.versions import VersionEvent
 
         t0 = time.perf_counter()
-        path = write_weights(D.unwrap(self.model), self.tokenizer, self.cfg.weights_dir, version) if write \
-            else self.cfg.weights_dir / f"v{version}"
+        path = weights_path(self.cfg.weights_dir, version)
+        if write:
+            write_weights(self.model, self.tokenizer, self.cfg.weights_dir, version,
+                          dtype=torch_dtype(self.spec.model.dtype), ctx=self.ctx)
+        if not self.ctx.is_main:
+            return
         lag = self.spec.trainer.weight_sync_lag
         served = served_version(version, lag)  # (trainer.weightSyncLag: the engines load an older version)
         served_path = weights_path(self.cfg.weights_dir, served)
@@ -717,7 +760,7 @@ class Trainer:
             for lag, n in record["staleness_histogram"].items():
                 r.staleness.histogram[str(lag)] = r.staleness.histogram.get(str(lag), 0) + n
             r.clip_fraction = shown["clip_fraction"]
-            for key in _LOSS_SHAPE_STATS:  # (clipped tokens by side; BAPO's adapted bounds, 0 when off)
+            for key in _LOSS_SHAPE_STATS:  # (clipped tokens by side; BAPO's adapted bounds, 0 when off; VCPO's scale)
                 setattr(r, key, finite_or_zero(record.get(key, 0.0)))
             for target, prefix in ((r.importance_weight, "importance_weight"),
                                    (r.behaviour.full_ratio, "full_ratio"), (r.behaviour.weight, "behav_weight")):
@@ -842,7 +885,9 @@ class Trainer:
             with self._report_lock:
                 self.state.report = self.report.model_dump(mode="json")
             append_trained(self.cfg.checkpoint_dir, self.state)  # (the lineage log first, fsynced)
-            path = save_checkpoint(self.cfg.checkpoint_dir, D.unwrap(self.model), self.optimizer, self.state)
+        # every rank writes its part (rank 0's state.json completes it)
+        path = save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.state, ctx=self.ctx)
+        if self.ctx.is_main:
             acked = await self.inbox.ack_trained() if self.inbox is not None else 0
             with self._report_lock:
                 self.report.last_checkpoint = str(path)
@@ -850,9 +895,4 @@ class Trainer:
         self.state.start_window()
         self._committed_step = self.state.step
         D.barrier(self.ctx)
-
-
-def _zero_loss(model: Any, device: str) -> Any:
-    """A loss of exactly 0 that touches every parameter (so DDP's all-reduce sees this rank)."""
-    return sum((p.sum() * 0.0 for p in model.parameters() if p.requires_grad), torch.zeros((), device=device))
 

@@ -322,7 +322,7 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     evaluation results, and are closed when the run ends."""
     import torch  # (heavy: see the note at the top)
 
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
     from asyncrl.status_report import TrainerReport
     from asyncrl.trainer import distributed as D
     from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
@@ -332,19 +332,25 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     job = with_overrides(job, args)
     spec = job.spec
     torch.manual_seed(spec.seed)
-    model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device)
+    # FSDP keeps a float32 master copy (sharded, with the optimizer state) and computes in the
+    # model dtype; DDP and one process train in the model dtype itself.
+    sharded = ctx.enabled and spec.trainer.parallelism == "fsdp"
+    model = load_causal_lm(spec.model.path, "float32" if sharded else spec.model.dtype,
+                           "cpu" if sharded else ctx.device)  # (fully_shard moves each rank's shard)
     if spec.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
+    model = D.wrap_model(model, ctx, spec.trainer.parallelism,
+                         compute_dtype=torch_dtype(spec.model.dtype) if sharded else None)
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
     opt = spec.algorithm.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
-                                  eps=opt.eps, weight_decay=opt.weight_decay)
+                                  eps=opt.eps, weight_decay=opt.weight_decay)  # (over the shards: after wrapping)
     cfg = RunConfig.from_runtime(runtime, job)
     state, report = None, None
     ckpt = None if args.no_resume else latest_checkpoint(cfg.checkpoint_dir)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, device=ctx.device)
+        state = load_checkpoint(ckpt, model, optimizer, device=ctx.device, ctx=ctx)
         if state.report:
             report = TrainerReport.model_validate(state.report)
             report.last_checkpoint = str(ckpt)
@@ -352,8 +358,7 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     if ctx.is_main and cfg.metrics_path is not None:
         # lines of steps after the checkpoint (or of a run that never checkpointed) were lost
         truncate_metrics(cfg.metrics_path, state.step if state else 0)
-    wrapped = D.wrap_model(model, ctx)
-    return Trainer(job, cfg, ctx, wrapped, optimizer, tokenizer, io=io, state=state, report=report,
+    return Trainer(job, cfg, ctx, model, optimizer, tokenizer, io=io, state=state, report=report,
                    trackers=trackers)
 
 

@@ -2,9 +2,10 @@
 
 groups -> sequences with advantages (the group-wise estimator, then the optional token-weighted
 batch normalisation) -> minibatches of whole groups (one optimizer update each) -> this rank's
-micro-batches (every world-size-th sequence, longest first, rows x longest row <= the token budget),
-plus each minibatch's loss normaliser over all ranks, so that the micro-batch losses add up to the
-exact minibatch loss (`policy_loss(loss_denominator=...)`).
+micro-batches (every world-size-th sequence, longest first, the positions fed to the model <= the
+token budget: rows x longest padded, the sum of lengths packed in one row), plus each minibatch's
+loss normaliser over all ranks, so that the micro-batch losses add up to the exact minibatch loss
+(`policy_loss(loss_denominator=...)`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from asyncrl.spec import AlgorithmSpec
+from asyncrl.trainer.batch import Layout, first_fit, row_capacity
 from asyncrl.trainer.losses import LossConfig, compute_advantages, normalize_advantages
 
 
@@ -46,6 +48,13 @@ class MinibatchPlan:
     """This rank's share of `rows`, cut under the token budget (empty when it has none)."""
     loss_denominator: float
     """The whole minibatch's normaliser over all ranks (see `loss_denominator`)."""
+    forwards: int = 1
+    """Micro-batches of the rank that has the most (at least 1): every rank runs this many
+    forwards, the ones past its own micro-batches on an empty one (FSDP's gathers are collectives)."""
+
+    def rank_micro_batches(self) -> list[list[int]]:
+        """This rank's micro-batches padded with empty ones to `forwards`."""
+        return self.micro_batches + [[] for _ in range(self.forwards - len(self.micro_batches))]
 
 
 def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[TrainSequence]:
@@ -68,15 +77,19 @@ def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[Tr
 
 
 def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec, *, rank: int = 0,
-              world_size: int = 1) -> list[MinibatchPlan]:
-    """The step's minibatches with this rank's micro-batches and each minibatch's normaliser."""
+              world_size: int = 1, layout: Layout = "padded") -> list[MinibatchPlan]:
+    """The step's minibatches with this rank's micro-batches (budgeted for `layout`, the same on
+    every rank) and each minibatch's normaliser."""
     config = LossConfig.from_spec(algo)  # the one spec -> loss mapping, so normaliser and loss agree
     plans = []
     for rows in minibatch_rows([len(g.samples) for g in groups], algo.minibatches):
-        local = plan_microbatches([seqs[i].length for i in rows], algo.micro_batch_tokens,
-                                  rank=rank, world_size=world_size)
+        lengths = [seqs[i].length for i in rows]
+        local = plan_microbatches(lengths, algo.micro_batch_tokens, rank=rank, world_size=world_size, layout=layout)
+        forwards = max(len(plan_microbatches(lengths, algo.micro_batch_tokens, rank=r, world_size=world_size,
+                                             layout=layout))
+                       for r in range(world_size))
         plans.append(MinibatchPlan(rows, [[rows[j] for j in micro] for micro in local],
-                                   loss_denominator(seqs, rows, config)))
+                                   loss_denominator(seqs, rows, config), max(forwards, 1)))
     return plans
 
 
@@ -88,23 +101,31 @@ def minibatch_rows(group_sizes: list[int], count: int) -> list[list[int]]:
     return [r for r in rows if r]
 
 
-def plan_microbatches(lengths: list[int], budget: int, *, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-    """This rank's micro-batches (indices into `lengths`): longest first, padded tokens <= `budget`.
+def plan_microbatches(lengths: list[int], budget: int, *, rank: int = 0, world_size: int = 1,
+                      layout: Layout = "padded") -> list[list[int]]:
+    """This rank's micro-batches (indices into `lengths`): longest first, each feeding the model at
+    most `budget` positions as `layout` lays it out (`batch.pack_rows`: rows x widest row; padded:
+    rows x longest, packed in one row: the sum of lengths).
 
     The rank takes every world-size-th sequence of the longest-first order; a sequence longer than
-    the budget still forms its own micro-batch.
+    the budget still forms its own micro-batch. The rows are first-fit decreasing, as
+    `batch.pack_rows` lays them out: sequences come longest first, so placing each as it comes is
+    that rule, and the widest row is known as the micro-batch grows.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     micro: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    fill: list[int] = []  # the current micro-batch's rows: positions used
     for i in order[rank::world_size]:
-        longest_if = max(longest, lengths[i])
-        if current and longest_if * (len(current) + 1) > budget:
+        n = lengths[i]
+        j = first_fit(fill, n, row_capacity(layout, lengths[current[0]] if current else n))
+        grown = [*fill, 0] if j == len(fill) else list(fill)
+        grown[j] += n
+        if current and len(grown) * max(grown) > budget:
             micro.append(current)
-            current, longest_if = [], lengths[i]
+            current, grown = [], [n]
         current.append(i)
-        longest = longest_if
+        fill = grown
     if current:
         micro.append(current)
     return micro

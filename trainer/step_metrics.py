@@ -2,10 +2,10 @@
 
 Means are token-weighted sums over this rank's micro-batches, summed over ranks and divided once
 (so they do not depend on how the batch was cut): loss-mask stats by `tokens`, behaviour-weight
-stats by `kept_tokens`, and the behaviour ESS is formed from those sums, not averaged. The loss is
-the sum of the micro-batch losses (each already normalised by its whole minibatch) averaged over
-the minibatches. Staleness, rewards and lengths come from the broadcast batch, so they are
-identical on every rank without a reduction.
+stats by `kept_tokens`, the padding fraction by positions fed to the model, and the behaviour
+ESS is formed from those sums, not averaged. The loss is the sum of the micro-batch losses (each
+already normalised by its whole minibatch) averaged over the minibatches. Staleness, rewards and
+lengths come from the broadcast batch, so they are identical on every rank without a reduction.
 
 metrics.jsonl also holds one line per held-out evaluation result (`"event": "eval"`, the
 EvalRecord, and the trainer step it was read at); per-step lines have no `event` key.
@@ -38,7 +38,7 @@ KEPT_STATS = ("behav_weight_mean", "behav_weight_sq_mean")
 """Stats of `policy_loss` over the kept tokens: step means weighted by `kept_tokens`."""
 EXTREMES = ("importance_weight", "full_ratio", "behav_weight")
 """`policy_loss`'s `<name>_max`/`<name>_min` pairs: step max and min over micro-batches and ranks."""
-MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy")
+MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy", "padding_fraction")
 """Everything summed over ranks, in this order (the same list on every rank)."""
 STEP_LOSS_KEYS = ("loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
                   "behav_filtered_fraction",
@@ -92,6 +92,12 @@ class StepStats:
         if ntok:
             self.add("entropy", float(entropy[batch.loss_mask].mean()), ntok)
 
+    def add_fed(self, positions: int, tokens: int) -> None:
+        """Fold in what a micro-batch fed the model: `positions`, `tokens` of them sequence tokens
+        (the rest padding). The step's `padding_fraction` is padding / positions over all ranks."""
+        if positions:
+            self.add("padding_fraction", (positions - tokens) / positions, positions)
+
     def reduce(self, ctx: D.DistContext) -> dict[str, float]:
         """Means, ratio extremes, the behaviour ESS and proximal seconds over all ranks (collective)."""
         n = len(MEANS)
@@ -131,6 +137,7 @@ def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any
         "staleness_max": max(lags) if lags else 0,
         "staleness_histogram": dict(lags),
         "proximal_seconds": values["proximal_seconds"],
+        "padding_fraction": values["padding_fraction"],
         "compute_seconds": time.perf_counter() - stats.started,
         "group_ids": [g.group_id for g in groups],
     }
