@@ -29,8 +29,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(root: Path) -> None:
-    """fsync every file under `root` (before the rename that publishes it)."""
+def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             with open(os.path.join(dirpath, name), "rb") as fh:
@@ -50,7 +49,7 @@ def atomic_directory(target: Path, *, replace: bool = True) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield tmp
-        fsync_tree(tmp)
+        _fsync_tree(tmp)
         if target.exists() and replace:
             shutil.rmtree(target)
         try:

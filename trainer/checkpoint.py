@@ -53,7 +53,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.files import fsync_dir, fsync_tree, remove_stray_temp_dirs
+from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
 from asyncrl.trainer.distributed import DistContext, barrier, broadcast_object, unwrap
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -153,12 +152,10 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
     ctx = ctx or DistContext()
     root = Path(root)
     target = root / f"step-{state.step:06d}"
-    tmp = None
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{target.name}-", dir=root)
-    tmp_dir = Path(broadcast_object(tmp, ctx))
-    try:
+    # Rank 0 owns the temporary directory (asyncrl.files: fsynced and renamed when the block ends,
+    # removed if it raises); the other ranks write into it by the name rank 0 broadcasts.
+    with atomic_directory(target) if ctx.is_main else contextlib.nullcontext() as tmp:
+        tmp_dir = Path(broadcast_object(str(tmp) if tmp is not None else None, ctx))
         model_state, optim_state = get_state_dict(model, optimizer)
         with _single_process_quiet():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir, no_dist=not ctx.enabled)
@@ -166,17 +163,10 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
         barrier(ctx)  # (every rank's files are in)
         if ctx.is_main:
             (tmp_dir / STATE_FILE).write_text(json.dumps(state.to_json()))
-            fsync_tree(tmp_dir)
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(tmp_dir, target)
-            fsync_dir(root)
-            for _, old in checkpoint_dirs(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
-    finally:
-        if ctx.is_main and tmp_dir.exists():
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+    if ctx.is_main:
+        for _, old in checkpoint_dirs(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        remove_stray_temp_dirs(root, "step-")  # temp dirs of a writer that was killed
     barrier(ctx)
     return target
 
