@@ -390,7 +390,8 @@ def main(args: argparse.Namespace) -> int:
     # as in a cluster (the operator's engine-auth Secret), so the local path exercises it too.
     runtime = Runtime(redis_url=redis.url, weights_dir=run_dir / "weights",
                       checkpoint_dir=run_dir / "checkpoints", run_dir=run_dir,
-                      engine_api_key=secrets.token_urlsafe(32))
+                      engine_api_key=secrets.token_urlsafe(32),
+                      weight_group_port=free_port())  # (trainer.weightTransport collective: engines dial it)
     names = runtime.stream_names(name)
     previous = _previous_attempt(redis.url, names, runtime.weights_dir, max_steps)
     if previous is not None:  # this run directory's job already ended and has nothing left to do

@@ -26,6 +26,11 @@ ENV_ROLLOUT_REPLICAS = "ASYNCRL_ROLLOUT_REPLICAS"
 ENV_STATUS_TOKEN = "ASYNCRL_STATUS_TOKEN"
 ENV_JOB_UID = "ASYNCRL_JOB_UID"
 ENV_ENGINE_API_KEY = "ASYNCRL_ENGINE_API_KEY"
+ENV_WEIGHT_GROUP_ADDRESS = "ASYNCRL_WEIGHT_GROUP_ADDRESS"
+ENV_WEIGHT_GROUP_PORT = "ASYNCRL_WEIGHT_GROUP_PORT"
+DEFAULT_WEIGHT_GROUP_PORT = 29600
+"""With trainer.weightTransport collective: the address engines dial to join the trainer's weight
+group (the trainer rank 0 pod's stable DNS name) and the port of the group's store on it."""
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 """Set to "false" (the rollout pods do), the pinned SGLang's GET /health answers 200 once the server is
 up without generating a token, so it does not wait behind a pause: the readiness probe, and a route
@@ -69,6 +74,10 @@ class Runtime:
     job_uid: str = ""
     """The AsyncRLJob's metadata.uid (the operator sets it; "" for local runs): in every Redis key
     and in the trainer's outcome record, so a re-created job never reads an old run."""
+    weight_group_address: str = "127.0.0.1"
+    """Where engines reach the trainer's rank 0 for collective weight sync (trainer.weightTransport)."""
+    weight_group_port: int = DEFAULT_WEIGHT_GROUP_PORT
+    """The weight group's store port on the trainer's rank 0."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The engines' API key (SGLang/vLLM `--api-key`): the worker and the trainer send it as a bearer
     token on every engine request. None: the engines are open (the NetworkPolicy is the only fence)."""
@@ -90,6 +99,8 @@ class Runtime:
             status_token=env.get(ENV_STATUS_TOKEN) or None,
             job_uid=env.get(ENV_JOB_UID, ""),
             engine_api_key=env.get(ENV_ENGINE_API_KEY) or None,
+            weight_group_address=env.get(ENV_WEIGHT_GROUP_ADDRESS) or base.weight_group_address,
+            weight_group_port=_env_int(ENV_WEIGHT_GROUP_PORT, DEFAULT_WEIGHT_GROUP_PORT),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -112,6 +123,10 @@ class Runtime:
             out[ENV_JOB_UID] = self.job_uid
         if self.engine_api_key:
             out[ENV_ENGINE_API_KEY] = self.engine_api_key
+        if self.weight_group_address != Runtime.weight_group_address:
+            out[ENV_WEIGHT_GROUP_ADDRESS] = self.weight_group_address
+        if self.weight_group_port != DEFAULT_WEIGHT_GROUP_PORT:
+            out[ENV_WEIGHT_GROUP_PORT] = str(self.weight_group_port)
         return out
 
     def stream_names(self, job: str) -> StreamNames:

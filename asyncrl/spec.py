@@ -30,6 +30,8 @@ SHORT_NAMES = ["arj"]
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
+COLLECTIVE_ENGINES = ("sglang", "hf")
+"""Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
 JobPhase = Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
@@ -537,6 +539,11 @@ class TrainerSpec(SpecModel):
     """How several trainer processes share the model: fsdp (FSDP2: parameters, gradients and AdamW
     state sharded across ranks, a float32 master copy with compute in model.dtype) or ddp (every
     rank holds all of them). One process holds the whole model either way."""
+    weight_transport: Literal["disk", "collective"] = "disk"
+    """How published weights reach the engines. disk: every engine loads weights/v{N} from the shared
+    volume. collective: the trainer's rank 0 and every engine form one process group (NCCL for sglang,
+    gloo for hf) and rank 0 broadcasts each version in buckets; disk stays for engines that join late
+    or restart and for any broadcast that fails. vllm engines support disk only."""
     checkpoint_interval: int = Field(default=10, ge=1)
     """Steps between checkpoints."""
     max_steps: int = Field(default=100, ge=1)
@@ -763,6 +770,15 @@ class AsyncRLJobSpec(SpecModel):
             raise ValueError(f"trainer.weightSyncLag {lag} exceeds the staleness bound {bound} "
                              "(staleness.maxHeadOffpolicyness, or ceil(asyncRatio) for policy 'per-sample'): "
                              f"every group would be dropped as too stale; allowed: 0 to {bound}")
+        return self
+
+    @model_validator(mode="after")
+    def _collective_needs_a_group_engine(self) -> AsyncRLJobSpec:
+        # (the same rule as CEL_RULES' spec entry on trainer.weightTransport)
+        if self.trainer.weight_transport == "collective" and self.rollout.engine not in COLLECTIVE_ENGINES:
+            raise ValueError(f"trainer.weightTransport 'collective' needs rollout.engine sglang or hf, got "
+                             f"rollout.engine '{self.rollout.engine}' (vllm's server cannot join a process group); "
+                             f"allowed with {self.rollout.engine}: disk")
         return self
 
     def max_concurrent_groups(self) -> int:
@@ -992,6 +1008,10 @@ CEL_RULES: list[tuple[str, str, str]] = [
      " : self.trainer.weightSyncLag <= (has(self.staleness) && has(self.staleness.maxHeadOffpolicyness)"
      " ? self.staleness.maxHeadOffpolicyness : 4))",
      "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))"),
+    ("spec", "!has(self.trainer) || !has(self.trainer.weightTransport) || self.trainer.weightTransport != 'collective'"
+     " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in ['sglang', 'hf']",
+     "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vllm's server cannot join a process"
+     " group); allowed with vllm: disk"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

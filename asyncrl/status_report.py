@@ -234,6 +234,11 @@ class TrainerReport(_Report):
     proximal_seconds: float = 0.0
     step_seconds: float = 0.0
     weight_sync_seconds: float = 0.0
+    weight_transport: Literal["disk", "collective"] = "disk"
+    """How published weights reach the engines (trainer.weightTransport)."""
+    weight_sync_disk_fallbacks: int = 0
+    """Collective sync: engine updates that fell back to disk (the group could not be formed, or a
+    broadcast failed) in this trainer's life."""
     last_checkpoint: str | None = None
     rollout: list[EngineReport] = Field(default_factory=list)
     history: list[StepRecord] = Field(default_factory=list)

@@ -36,6 +36,8 @@ CONFIG_FILE = f"{CONFIG_DIR}/job.yaml"
 SHARED_DIR = "/shared"
 ENGINE_PORT = 30000
 RDZV_PORT = 29500
+WEIGHT_GROUP_PORT = R.DEFAULT_WEIGHT_GROUP_PORT
+"""With trainer.weightTransport collective: the weight group's TCPStore on trainer rank 0."""
 REDIS_PORT = 6379
 GPU_RESOURCE = "nvidia.com/gpu"
 RUN_AS_USER = 1000
@@ -455,6 +457,16 @@ def _tcp(*ports: int) -> list[Obj]:
     return [{"protocol": "TCP", "port": p} for p in ports]
 
 
+def _from_component(name: str, component: str) -> Obj:
+    """A NetworkPolicy peer: one component's pods of the job, in the job's namespace."""
+    return {"podSelector": {"matchLabels": N.selector_labels(name, component)}}
+
+
+def _collective(job: AsyncRLJob) -> bool:
+    """trainer.weightTransport collective: trainer rank 0 and every engine form one process group."""
+    return job.spec.trainer.weight_transport == "collective"
+
+
 def redis_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """Only the job's own pods, and the operator (which reads the trainer's outcome record there),
     reach the managed Redis."""
@@ -474,13 +486,21 @@ def rollout_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     could pause generation or load other weights. The trainer calls it (pause, update, resume) at each
     pod's IP; the worker beside the engine uses 127.0.0.1, which no policy filters. Selecting the pods
     denies every other port too; the kubelet's probes come from the node, which Kubernetes always admits.
+
+    With trainer.weightTransport collective the engines are ranks of the trainer's weight group: NCCL
+    (and Gloo, for hf) connect rank to rank on ephemeral ports in both directions, the trainer's rank 0
+    to the engines and the engines to each other (bootstrap ring, broadcast ring or tree, Gloo's full
+    mesh), so every port is open from the job's trainer and rollout pods; disk transport adds nothing.
     """
     name = job.metadata.name
+    ingress: list[Obj] = [{"from": [_from_job(name)], "ports": _tcp(ENGINE_PORT)}]
+    if _collective(job):
+        ingress.append({"from": [_from_component(name, "trainer"), _from_component(name, "rollout")]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(job, ctx, N.rollout(name), "rollout"),
             "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "rollout")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [_from_job(name)], "ports": _tcp(ENGINE_PORT)}]}}
+                     "ingress": ingress}}
 
 
 def trainer_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -496,17 +516,21 @@ def trainer_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     Egress is not restricted (policyTypes: Ingress only): the trainer reaches the experiment trackers'
     servers (W&B, an MLflow tracking server) and model hubs; a namespace whose default policy denies
     egress must allow those itself.
+    With trainer.weightTransport collective the job's rollout pods are admitted on every port too: the
+    engines dial the weight group's store (WEIGHT_GROUP_PORT) and then NCCL/Gloo connect on ephemeral ports.
     """
     name = job.metadata.name
     status = job.spec.trainer.status_port
+    ingress: list[Obj] = [{"from": [_from_component(name, "trainer")]},
+                          {"from": [_from_job(name)], "ports": _tcp(RDZV_PORT, status)},
+                          {"from": [_from_operator()], "ports": _tcp(status)}]
+    if _collective(job):
+        ingress.append({"from": [_from_component(name, "rollout")]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": _meta(job, ctx, N.trainer(name), "trainer"),
             "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "trainer")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [
-                         {"from": [{"podSelector": {"matchLabels": N.selector_labels(name, "trainer")}}]},
-                         {"from": [_from_job(name)], "ports": _tcp(RDZV_PORT, status)},
-                         {"from": [_from_operator()], "ports": _tcp(status)}]}}
+                     "ingress": ingress}}
 
 
 def shared_pvc(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -553,6 +577,9 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "0.0.0.0", "--port", port]
         env.append(light_health)  # (and the key from ASYNCRL_ENGINE_API_KEY: hf_server.main)
         image = ro.worker_image or ctx.rollout_image
+    if _collective(job):  # the engine is an NCCL/Gloo peer of the trainer: the trainer's NCCL settings
+        overlay_env = {e.name for e in (ro.pod_template.env if ro.pod_template and ro.pod_template.env else [])}
+        env += MN.nccl_env(job.spec.trainer.nccl, overlay_env)
     container: Obj = {
         "name": "engine",
         "image": image,
@@ -634,20 +661,25 @@ def trainer_command(job: AsyncRLJob, namespace: str) -> list[str]:
     entry = ["-m", "asyncrl.cli", "trainer", "--config", CONFIG_FILE]
     if t.replicas <= 1:
         return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={nproc}", *entry]
-    sts = N.trainer(job.metadata.name)
-    endpoint = f"{sts}-0.{sts}.{namespace}.svc:{RDZV_PORT}"
+    endpoint = f"{MN.rank0_host(job.metadata.name, namespace)}:{RDZV_PORT}"
     return ["torchrun", f"--nnodes={t.replicas}", f"--nproc-per-node={nproc}", "--rdzv-backend=static",
             f"--rdzv-endpoint={endpoint}", f"--node-rank=$({MN.ENV_NODE_RANK})", f"--rdzv-id={job.metadata.name}",
             *entry]
 
 
 def trainer_headless_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """Gives each trainer pod a stable DNS name (MN.rank0_host): the rendezvous and, with
+    trainer.weightTransport collective, the weight group's store on pod 0."""
     name = job.metadata.name
+    ports = [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}]
+    if _collective(job):
+        ports.append({"name": "weight-group", "port": WEIGHT_GROUP_PORT, "targetPort": WEIGHT_GROUP_PORT,
+                      "protocol": "TCP"})
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(job, ctx, N.trainer(name), "trainer"),
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": N.selector_labels(name, "trainer"),
-                     "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT, "protocol": "TCP"}]}}
+                     "ports": ports}}
 
 
 def status_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -669,6 +701,11 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     replicas = 0 if ctx.stopped else t.replicas
     tracker_env, tracker_env_from = _tracker_env(job)
     overlay_env = {e.name for e in (t.pod_template.env if t.pod_template and t.pod_template.env else [])}
+    collective = _collective(job)
+    # collective: rank 0 hosts the weight group's store; the engines get its address from the trainer
+    weight_group_env = [{"name": R.ENV_WEIGHT_GROUP_ADDRESS, "value": MN.rank0_host(name, ctx.namespace)},
+                        {"name": R.ENV_WEIGHT_GROUP_PORT, "value": str(WEIGHT_GROUP_PORT)}] if collective else []
+    weight_group_port = [{"name": "weight-group", "containerPort": WEIGHT_GROUP_PORT, "protocol": "TCP"}]
     container: Obj = {
         "name": "trainer",
         "image": t.image or ctx.trainer_image,
@@ -677,9 +714,11 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                 {"name": R.ENV_STATUS_TOKEN, "valueFrom": {"secretKeyRef": {
                     "name": N.status_secret(name), "key": "token"}}},
                 *([MN.node_rank_env()] if t.replicas > 1 else []),
+                *weight_group_env,
                 *MN.nccl_env(t.nccl, overlay_env)],
         "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
-                  {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"}],
+                  {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"},
+                  *(weight_group_port if collective else [])],
         "volumeMounts": [*_MOUNTS, _DSHM],
         "securityContext": MN.rdma_capabilities(t.rdma, _container_security(read_only_root=False)),
     }

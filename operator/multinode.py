@@ -9,6 +9,7 @@ import math
 import re
 from typing import Any
 
+from asyncrl.operator import names as N
 from asyncrl.spec import AsyncRLJob, NcclSettings, RdmaSettings
 
 Obj = dict[str, Any]
@@ -54,6 +55,14 @@ def termination_grace_seconds(job: AsyncRLJob) -> int:
         return GRACE_FLOOR_SECONDS
     write = params * _DTYPE_BYTES[job.spec.model.dtype] * _COPIES / CHECKPOINT_WRITE_BYTES_PER_SECOND
     return max(GRACE_FLOOR_SECONDS, math.ceil(write) + GRACE_MARGIN_SECONDS)
+
+
+def rank0_host(job_name: str, namespace: str) -> str:
+    """The stable DNS name of trainer pod 0 (global rank 0) through the trainer's headless Service:
+    where torchrun's static rendezvous meets and, with trainer.weightTransport collective, where the
+    engines dial the weight group's store. Resolves before the pod is Ready (publishNotReadyAddresses)."""
+    sts = N.trainer(job_name)
+    return f"{sts}-0.{sts}.{namespace}.svc"
 
 
 def node_rank_env() -> Obj:

@@ -92,6 +92,11 @@ class HFEngine:
         self._closed = False
         self._ids = itertools.count()
         self._model_lock = threading.Lock()
+        self._groups: dict[str, Any] = {}
+        """Weight groups joined (collective weight sync), by name."""
+        self._group_backends: dict[str, str] = {}
+        self._group_received: dict[str, set[str]] = {}
+        """Parameters received in each group since its last versioned bucket."""
         self.tokens_generated = 0
         self._thread = threading.Thread(target=self._loop, name="hf-engine", daemon=True)
         self._thread.start()
@@ -154,6 +159,73 @@ class HFEngine:
                 self.weight_version = version
             self.model_path = str(path)
 
+    # ------------------------------------------------------------------ collective weight sync
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str, backend: str, timeout_s: float = 120.0) -> None:
+        """Join the trainer's weight group as rank `rank_offset` (one process: no tensor parallelism).
+
+        Blocks until every member joined, as SGLang's init_weights_update_group does."""
+        from asyncrl.weight_group import open_group
+
+        if group_name in self._groups:
+            raise WeightUpdateError(f"weight group {group_name!r} already exists; destroy it first")
+        if backend == "nccl" and self.device == "cpu":
+            raise WeightUpdateError("backend nccl needs a CUDA engine; this one runs on cpu (use gloo)")
+        self._groups[group_name] = open_group(master_address, master_port, rank_offset, world_size,
+                                              group_name=group_name, backend=backend, timeout_s=timeout_s)
+        self._group_backends[group_name] = backend
+
+    def leave_weight_group(self, group_name: str) -> None:
+        from asyncrl.weight_group import close_group
+
+        group = self._groups.pop(group_name, None)
+        if group is None:
+            raise WeightUpdateError(f"weight group {group_name!r} does not exist")
+        self._group_received.pop(group_name, None)
+        self._group_backends.pop(group_name, None)
+        close_group(group)
+
+    def update_weights_from_group(self, specs: list[Any], group_name: str, version: int | None = None) -> None:
+        """Receive one bucket of tensors from the group's rank 0 and load it between decoding steps.
+
+        Every tensor is received before anything is checked (the sender's broadcast must complete);
+        a bucket that names an unknown parameter or a wrong shape changes nothing. The bucket that
+        carries `version` closes the version: it is refused (and the label kept) unless the buckets
+        since the last version covered every parameter."""
+        from asyncrl.weight_group import receive
+
+        group = self._groups.get(group_name)
+        if group is None:
+            raise WeightUpdateError(f"weight group {group_name!r} does not exist; "
+                                    "call /init_weights_update_group first")
+        device = "cpu" if self._group_backends.get(group_name, "gloo") == "gloo" else self.device
+        tensors = receive(group, specs, device)
+        state = self._checked({s.name: t for s, t in zip(specs, tensors)}, f"group {group_name}", complete=False)
+        received = self._group_received.setdefault(group_name, set())
+        with self._model_lock:
+            with torch.no_grad():
+                params = dict(self.model.named_parameters())
+                for name, tensor in state.items():
+                    params[name].copy_(tensor)
+            received.update(state)
+            if version is not None:
+                missing = sorted(set(params) - received)
+                received.clear()
+                if missing:
+                    raise WeightUpdateError(
+                        f"version {version} is incomplete: {len(missing)} parameter(s) never received "
+                        f"({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''}); label not changed")
+                self.weight_version = version
+
+    def parameter_head(self, name: str, size: int) -> list[float] | None:
+        """The first `size` values of parameter `name` (flattened, as floats); None if there is none."""
+        param = dict(self.model.named_parameters()).get(name)
+        if param is None:
+            return None
+        with self._model_lock:
+            return param.detach().flatten()[:size].float().cpu().tolist()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -182,21 +254,27 @@ class HFEngine:
                 state.update(load_file(str(f)))
             except Exception as exc:  # a truncated or foreign file
                 raise WeightUpdateError(f"cannot read {f}: {exc}") from exc
+        return self._checked(state, str(folder))
+
+    def _checked(self, state: dict[str, torch.Tensor], source: str, *,
+                 complete: bool = True) -> dict[str, torch.Tensor]:
+        """`state` with each tensor in its parameter's dtype and device; WeightUpdateError names a
+        tensor the model lacks, a wrong shape, or (`complete`) a parameter `state` lacks."""
         params = dict(self.model.named_parameters())
         # Tied weights (lm_head = embed_tokens) appear once in named_parameters; accept either name.
         all_names = set(self.model.state_dict())
         state = {k: v for k, v in state.items() if k in params or k not in all_names}
         unknown = sorted(set(state) - set(params))
-        missing = sorted(set(params) - set(state))
+        missing = sorted(set(params) - set(state)) if complete else []
         if unknown or missing:
             raise WeightUpdateError(
-                f"{folder} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"{source} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"unexpected {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
         out = {}
         for name, tensor in state.items():
             p = params[name]
             if tuple(tensor.shape) != tuple(p.shape):
-                raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} in {folder}, model has {tuple(p.shape)}")
+                raise WeightUpdateError(f"{name}: shape {tuple(tensor.shape)} in {source}, model has {tuple(p.shape)}")
             out[name] = tensor.to(dtype=p.dtype, device=p.device)
         return out
 

@@ -5,6 +5,9 @@ answers the same requests as an SGLang 0.5.10.post1 server, so the rollout worke
 the trainer's weight sync (pause, update, continue) drive it with the `sglang` adapter, exactly as
 they would a GPU server:
   POST /generate  /pause_generation {mode}  /continue_generation  /update_weights_from_disk
+  POST /init_weights_update_group  /update_weights_from_distributed  /destroy_weights_update_group
+       (collective weight sync over gloo, or NCCL on a CUDA engine: asyncrl/weight_group.py)
+  GET|POST /get_weights_by_name {name, truncate_size}: a parameter's first values (checks a sync)
   GET  /model_info (and /get_model_info)  /get_weight_version  /ready  /health  /stats
 Errors are HTTP 400 with {"error": {"message"}} (validation errors too, as SGLang does).
 
@@ -59,9 +62,10 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_
     from pydantic import BaseModel, ConfigDict, Field
 
     from asyncrl.rollout.engines.auth import require_api_key
-    from asyncrl.rollout.engines.base import SamplingParams
+    from asyncrl.rollout.engines.base import SamplingParams, parse_version
     from asyncrl.rollout.hf_engine import WeightUpdateError
     from asyncrl.runtime import HEALTH_GENERATION_ENV
+    from asyncrl.weight_group import BACKENDS, GROUP_NAME, TensorSpec, parse_dtype
 
     class SamplingIn(BaseModel):
         """SGLang's `sampling_params` wire schema (this server speaks SGLang's native API)."""
@@ -170,6 +174,101 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_
         if version is not None:
             msg += f" Weight version updated to {version}."
         return {"success": True, "message": msg, "num_paused_requests": 0}
+
+    class InitGroupIn(BaseModel):
+        """SGLang's InitWeightsUpdateGroupReqInput."""
+
+        model_config = ConfigDict(extra="forbid")
+        master_address: str
+        master_port: int = Field(ge=1, le=65535)
+        rank_offset: int = Field(ge=1)
+        world_size: int = Field(ge=2)
+        group_name: str = GROUP_NAME
+        backend: str = "nccl"
+
+    class GroupUpdateIn(BaseModel):
+        """SGLang's UpdateWeightsFromDistributedReqInput (load_format: only the default, per-tensor)."""
+
+        model_config = ConfigDict(extra="forbid")
+        names: list[str]
+        dtypes: list[str]
+        shapes: list[list[int]]
+        group_name: str = GROUP_NAME
+        flush_cache: bool = True
+        abort_all_requests: bool = False
+        weight_version: str | None = None
+        load_format: str | None = None
+
+    class GroupIn(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        group_name: str = GROUP_NAME
+
+    class WeightsByNameIn(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        name: str
+        truncate_size: int = Field(default=100, ge=1)
+
+    app.state.request_models = {"/init_weights_update_group": InitGroupIn,
+                                "/update_weights_from_distributed": GroupUpdateIn,
+                                "/destroy_weights_update_group": GroupIn}
+    """The pin's request models these routes copy (tests/test_sglang_routes.py compares the fields)."""
+
+    def outcome(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitGroupIn) -> Any:
+        if body.backend not in BACKENDS:
+            return outcome(False, f"backend {body.backend!r} is not one of {', '.join(BACKENDS)}")
+        try:
+            await asyncio.to_thread(engine.join_weight_group, body.master_address, body.master_port,
+                                    body.rank_offset, body.world_size, body.group_name, body.backend)
+        except Exception as exc:  # a refused rendezvous, a timeout, a bad rank: the caller needs the words
+            return outcome(False, f"Failed to initialize custom process group: {exc}.")
+        return outcome(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: GroupUpdateIn) -> Any:
+        if not len(body.names) == len(body.dtypes) == len(body.shapes):
+            return outcome(False, "names, dtypes and shapes must have the same length")
+        if body.load_format is not None:
+            return outcome(False, f"load_format {body.load_format!r} is not supported (only the default)")
+        version = None
+        if body.weight_version is not None:
+            version = parse_version(body.weight_version)
+            if version is None:
+                return outcome(False, f"weight_version {body.weight_version!r} is not an integer")
+        try:
+            specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(body.names, body.dtypes, body.shapes)]
+            for spec in specs:
+                parse_dtype(spec.dtype)
+        except ValueError as exc:
+            return outcome(False, str(exc))
+        if body.abort_all_requests:
+            await asyncio.to_thread(engine.pause, "abort")
+        try:
+            await asyncio.to_thread(engine.update_weights_from_group, specs, body.group_name, version)
+        except Exception as exc:  # the sender vanished, or a tensor the model cannot take
+            return outcome(False, f"Failed to update parameter online: {exc}.")
+        finally:
+            if body.abort_all_requests:
+                engine.resume()
+        return outcome(True, "Succeeded to update parameter online.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: GroupIn) -> Any:
+        try:
+            await asyncio.to_thread(engine.leave_weight_group, body.group_name)
+        except WeightUpdateError:
+            return outcome(False, "The group to be destroyed does not exist.")
+        return outcome(True, "Succeeded to destroy custom process group.")
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(body: WeightsByNameIn) -> Any:
+        values = engine.parameter_head(body.name, body.truncate_size)
+        if values is None:
+            return error(f"Get parameter by name failed: no parameter {body.name!r}")
+        return values
 
     incarnation = uuid.uuid4().hex  # this server's life: a restarted server has another one
 

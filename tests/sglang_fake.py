@@ -51,6 +51,11 @@ token before its 503; the pin waits SGLANG_HEALTH_CHECK_TIMEOUT = 20 s), `update
 knobs are kept). Tests poll `fake.state`
 directly (the server runs in a thread of the test process); `state.control_calls` records pause /
 update / continue in the order they arrived.
+
+Collective weight sync (the pin's ModelRunner with tp 1): `/init_weights_update_group` really joins
+the trainer's group (asyncrl/weight_group.py, the pin's construction) over gloo, and refuses nccl as
+the pin would without a GPU; `/update_weights_from_distributed` really receives one broadcast per
+name and keeps the tensors in `state.received`; the label moves only when the request succeeds.
 """
 
 
@@ -95,6 +100,10 @@ class FakeState:
     """Every control call in order: "pause:<mode>", "update:<weight_version>", "continue"."""
     api_key: str | None = None
     """The pin's `--api-key`: every route but /health* then needs the bearer token (401 otherwise)."""
+    groups: dict[str, Any] = field(default_factory=dict)
+    """Weight groups joined (name -> torch process group): the pin's `_model_update_group`."""
+    received: dict[str, Any] = field(default_factory=dict)
+    """The last tensor received for each name over a weight group (the fake's "model")."""
 
 
 def fake_token(prompt: list[int], i: int) -> int:
@@ -140,12 +149,36 @@ def create_app(state: FakeState) -> Any:
         weight_version: str | None = None
         flush_cache: bool = True
 
+    class InitWeightsUpdateGroupReqInput(BaseReq):
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+        group_name: str = "weight_update_group"
+        backend: str = "nccl"
+
+    class UpdateWeightsFromDistributedReqInput(BaseReq):
+        names: list[str]
+        dtypes: list[str]
+        shapes: list[list[int]]
+        group_name: str = "weight_update_group"
+        flush_cache: bool = True
+        abort_all_requests: bool = False
+        weight_version: str | None = None
+        load_format: str | None = None
+
+    class DestroyWeightsUpdateGroupReqInput(BaseReq):
+        group_name: str = "weight_update_group"
+
     # No docs or OpenAPI routes: every route here is one the pin has (tests/test_sglang_routes.py).
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     require_api_key(app, state.api_key)  # the pin's decide_request_auth with only api_key set
     app.state.request_models = {"/generate": GenerateReqInput, "/pause_generation": PauseGenerationReqInput,
                                 "/continue_generation": ContinueGenerationReqInput,
-                                "/update_weights_from_disk": UpdateWeightFromDiskReqInput}
+                                "/update_weights_from_disk": UpdateWeightFromDiskReqInput,
+                                "/init_weights_update_group": InitWeightsUpdateGroupReqInput,
+                                "/update_weights_from_distributed": UpdateWeightsFromDistributedReqInput,
+                                "/destroy_weights_update_group": DestroyWeightsUpdateGroupReqInput}
     resume = asyncio.Event()
     abort_epoch = {"n": 0}
     pause_cond = asyncio.Lock()  # the pin's is_pause_cond
@@ -311,6 +344,58 @@ def create_app(state: FakeState) -> Any:
             state.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": 0}
+
+    def outcome(success: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> Any:
+        """The pin's ModelRunner.init_weights_update_group (tp 1): join as rank_offset, blocking."""
+        from asyncrl.weight_group import open_group
+
+        state.control_calls.append(f"init_group:{obj.group_name}")
+        if obj.backend == "nccl":  # the pin then needs CUDA, which the fake has not
+            return outcome(False, "Failed to initialize custom process group: NCCL needs a GPU.")
+        try:
+            state.groups[obj.group_name] = await asyncio.to_thread(
+                open_group, obj.master_address, obj.master_port, obj.rank_offset, obj.world_size,
+                group_name=obj.group_name, backend=obj.backend, timeout_s=30.0)
+        except Exception as exc:
+            return outcome(False, f"Failed to initialize custom process group: {exc}.")
+        return outcome(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> Any:
+        """Receive one tensor per name from rank 0, in order; the label moves only on success."""
+        from asyncrl.weight_group import TensorSpec, receive
+
+        state.control_calls.append(f"group_update:{obj.weight_version}")
+        if obj.group_name not in state.groups:  # (the pin asserts; the scheduler's error reaches the caller)
+            return outcome(False, f"Group {obj.group_name} not in {list(state.groups)}. "
+                                  "Please call `init_weights_update_group` first.")
+        specs = [TensorSpec(n, d, tuple(sh)) for n, d, sh in zip(obj.names, obj.dtypes, obj.shapes)]
+        try:
+            tensors = await asyncio.to_thread(receive, state.groups[obj.group_name], specs, "cpu")
+        except Exception as exc:
+            return outcome(False, f"Failed to update parameter online: {exc}. The full weights of the "
+                                  "ModelRunner are partially updated. Please discard the whole weights.")
+        state.received.update({spec.name: t for spec, t in zip(specs, tensors)})
+        message = "Succeeded to update parameter online."
+        if obj.weight_version is not None:
+            state.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return outcome(True, message)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> Any:
+        from asyncrl.weight_group import close_group
+
+        state.control_calls.append(f"destroy_group:{obj.group_name}")
+        group = state.groups.pop(obj.group_name, None)
+        if group is None:
+            return outcome(False, "The group to be destroyed does not exist.")
+        close_group(group)
+        return outcome(True, "Succeeded to destroy custom process group.")
 
     async def model_info() -> dict[str, Any]:
         """Reads server state only: answers while paused (the pin's readiness route for us)."""

@@ -13,6 +13,7 @@ import yaml
 from asyncrl.cli import COMMANDS
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
+from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.runtime import (
     ENV_ENGINE_API_KEY,
@@ -21,6 +22,8 @@ from asyncrl.runtime import (
     ENV_POD_NAME,
     ENV_REDIS_URL,
     ENV_STATUS_TOKEN,
+    ENV_WEIGHT_GROUP_ADDRESS,
+    ENV_WEIGHT_GROUP_PORT,
     ENV_WEIGHTS_DIR,
 )
 
@@ -414,3 +417,80 @@ def test_engine_api_key_reaches_the_engine_worker_and_trainer(variant):
                 assert c["command"][at + 1] == f"$({ENV_ENGINE_API_KEY})"
             elif c["name"] == "engine" and "vllm" in " ".join(c["command"]):
                 assert env["VLLM_API_KEY"]["valueFrom"] == ref and "--api-key" not in c["command"]
+
+
+# ---- collective weight sync (trainer.weightTransport collective): trainer env, port, Service, policies
+
+
+def _by_key(objs: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def _weight_group_wiring(objs: list[dict]) -> list[str]:
+    """Every trace of the weight group in the manifests (env, container or Service port, a policy rule
+    without ports)."""
+    found = []
+    for o in objs:
+        text = yaml.safe_dump(o)
+        if ENV_WEIGHT_GROUP_ADDRESS in text or ENV_WEIGHT_GROUP_PORT in text or "weight-group" in text:
+            found.append(o["metadata"]["name"])
+        if o["kind"] == "NetworkPolicy":
+            found += [f"{o['metadata']['name']}: all ports from {r['from']}" for r in o["spec"]["ingress"]
+                      if "ports" not in r and r["from"] != [{"podSelector": {"matchLabels": N.selector_labels(
+                          o["metadata"]["labels"][N.LABEL_JOB], "trainer")}}]]
+    return found
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_disk_transport_renders_exactly_as_without_the_field(variant):
+    """weightTransport disk (the default, explicit or not) adds no env, port or policy rule."""
+    explicit = copy.deepcopy(VARIANTS[variant])
+    explicit["spec"].setdefault("trainer", {})["weightTransport"] = "disk"
+    assert build(explicit) == build(VARIANTS[variant])
+    assert _weight_group_wiring(build(VARIANTS[variant])) == []
+
+
+@pytest.mark.parametrize("engine", ["sglang", "hf"])
+def test_collective_wires_rank0_address_port_and_policies(engine):
+    job = "qwen25-gsm8k"
+    disk = build(example(**{"rollout.engine": engine, "trainer.replicas": 2}))
+    collective = build(example(**{"rollout.engine": engine, "trainer.replicas": 2,
+                                  "trainer.weightTransport": "collective"}))
+    objs = _by_key(collective)
+    sts = objs[("StatefulSet", N.trainer(job))]
+    trainer = sts["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    # pod 0's stable DNS name through the headless Service: the host torchrun's rendezvous uses
+    rdzv = next(a for a in trainer["command"] if a.startswith("--rdzv-endpoint="))
+    assert env[ENV_WEIGHT_GROUP_ADDRESS] == MN.rank0_host(job, "ns") == \
+        f"{N.trainer(job)}-0.{N.trainer(job)}.ns.svc" == rdzv.removeprefix("--rdzv-endpoint=").rsplit(":", 1)[0]
+    assert env[ENV_WEIGHT_GROUP_PORT] == "29600" == str(B.WEIGHT_GROUP_PORT)
+    assert {"name": "weight-group", "containerPort": 29600, "protocol": "TCP"} in trainer["ports"]
+    headless = objs[("Service", N.trainer(job))]
+    assert headless["spec"]["ports"][-1] == {"name": "weight-group", "port": 29600, "targetPort": 29600,
+                                             "protocol": "TCP"}
+    assert sts["spec"]["serviceName"] == headless["metadata"]["name"] and headless["spec"]["clusterIP"] == "None"
+    rollout_peer = {"podSelector": {"matchLabels": N.selector_labels(job, "rollout")}}
+    trainer_peer = {"podSelector": {"matchLabels": N.selector_labels(job, "trainer")}}
+    trainer_policy, rollout_policy = _policy(collective, "trainer"), _policy(collective, "rollout")
+    # every port, both ways: the engines dial the store, then NCCL/Gloo connect on ephemeral ports
+    # (trainer to engine, engine to trainer and engine to engine)
+    assert trainer_policy["spec"]["ingress"][-1] == {"from": [rollout_peer]}
+    assert rollout_policy["spec"]["ingress"][-1] == {"from": [trainer_peer, rollout_peer]}
+    # and the disk policies' rules are all still there, in order, first
+    assert trainer_policy["spec"]["ingress"][:-1] == _policy(disk, "trainer")["spec"]["ingress"]
+    assert rollout_policy["spec"]["ingress"][:-1] == _policy(disk, "rollout")["spec"]["ingress"]
+    # the engines get no trainer address (the trainer hands it to them) and no NCCL env without spec.trainer.nccl
+    deploy = objs[("Deployment", N.rollout(job))]
+    for c in deploy["spec"]["template"]["spec"]["containers"]:
+        names = {e["name"] for e in c["env"]}
+        assert ENV_WEIGHT_GROUP_ADDRESS not in names and not any(n.startswith(("NCCL_", "GLOO_")) for n in names)
+    # nothing else differs from the disk job (the config map says collective; the pods' config hash follows)
+    changed = {k for k, o in _by_key(disk).items() if o != objs[k]}
+    assert changed == {("ConfigMap", N.config_map(job)), ("Service", N.trainer(job)),
+                       ("NetworkPolicy", N.trainer(job)), ("NetworkPolicy", N.rollout(job)),
+                       ("StatefulSet", N.trainer(job)), ("Deployment", N.rollout(job))}
+    assert len(_weight_group_wiring(collective)) == 4, "what the disk test finds none of: Service, StatefulSet, 2 rules"
+    for obj in collective:
+        for version in ("1.29.0", kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(obj, version, strict=True)

@@ -126,6 +126,9 @@ def test_examples_pass_schema_and_cel(path):
     assert violations(obj, old=obj) == [], "an unchanged object passes the transition rules"
 
 
+COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vllm's server cannot"
+                      " join a process group); allowed with vllm: disk")
+
 BREAKERS = {
     "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},
     "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
@@ -149,6 +152,7 @@ BREAKERS = {
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
         {"trainer": {"weightSyncLag": 99}},
+    COLLECTIVE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
     "policy 'per-sample' requires asyncRatio": {"staleness": {"policy": "per-sample"}},
     "asyncRatio requires policy 'per-sample'": {"staleness": {"asyncRatio": 0.5}},
     "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)":
@@ -249,4 +253,35 @@ def test_weight_sync_lag_rule_agrees_with_the_spec(staleness, lag, ok):
         accepted = True
     except ValidationError:
         accepted = False
+    assert accepted == ok
+
+
+@pytest.mark.parametrize("engine", [None, "sglang", "hf", "vllm"])
+@pytest.mark.parametrize("transport", [None, "disk", "collective"])
+def test_weight_transport_rule_agrees_with_the_spec(engine, transport):
+    """collective needs an engine that can join a process group (sglang, the default, or hf); the CEL
+    rule and the pydantic validator agree on every engine x transport, unset fields included."""
+    from pydantic import ValidationError
+
+    from asyncrl.spec import AsyncRLJob
+
+    job = load("job.yaml")
+    if engine is None:
+        job["spec"]["rollout"].pop("engine", None)
+    else:
+        job["spec"]["rollout"]["engine"] = engine
+    if transport is not None:
+        job["spec"]["trainer"]["weightTransport"] = transport
+    ok = not (transport == "collective" and engine == "vllm")
+    assert (COLLECTIVE_MESSAGE not in violations(job)) == ok
+    # CEL without the schema's defaults, as for an object whose fields are absent
+    raw = [m for path, rule, m in cel_rules() if m == COLLECTIVE_MESSAGE and not evaluate(rule, at(job, path))]
+    assert (raw == []) == ok
+    try:
+        AsyncRLJob.model_validate(job)
+        accepted = True
+    except ValidationError as err:
+        accepted = False
+        assert "trainer.weightTransport 'collective' needs rollout.engine sglang or hf" in str(err)
+        assert "allowed with vllm: disk" in str(err)
     assert accepted == ok

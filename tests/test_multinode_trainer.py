@@ -91,6 +91,32 @@ def test_nccl_settings_become_env_and_the_overlay_wins():
         ("NCCL_IB_DISABLE", "0"), ("NCCL_DEBUG", "INFO")], "the overlay's NCCL_DEBUG, once, after ours"
 
 
+def rollout_containers(doc: dict) -> dict[str, dict]:
+    deploy = B.rollout_deployment(parse_job(doc), B.BuildContext(owner_uid="u", namespace=NS))
+    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("engine", ["sglang", "hf"])
+def test_collective_engines_get_the_trainers_nccl_settings_and_their_overlay_wins(engine):
+    """With weightTransport collective the engines are NCCL (sglang) or Gloo (hf) peers of trainer rank 0:
+    the engine container gets the same variables of spec.trainer.nccl as the trainer (a rollout
+    podTemplate variable of the same name wins); the worker does not; disk gives the engine none."""
+    nccl = {"socketIfname": "^lo,docker", "ibHca": "=mlx5_0:1", "ibDisable": True, "debug": "WARN"}
+    doc = job_doc(replicas=2, nccl=nccl, weightTransport="collective")
+    doc["spec"]["rollout"].update(engine=engine, podTemplate={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
+    ours = [(e["name"], e.get("value")) for e in container(doc)["env"] if e["name"].startswith(("NCCL_", "GLOO_"))]
+    assert ours == [("NCCL_SOCKET_IFNAME", "^lo,docker"), ("GLOO_SOCKET_IFNAME", "^lo,docker"),
+                    ("NCCL_IB_HCA", "=mlx5_0:1"), ("NCCL_IB_DISABLE", "1"), ("NCCL_DEBUG", "WARN")]
+    pod = rollout_containers(doc)
+    engine_env = [(e["name"], e.get("value")) for e in pod["engine"]["env"] if e["name"].startswith(("NCCL_", "GLOO_"))]
+    assert engine_env == [*ours[:-1], ("NCCL_DEBUG", "INFO")], "the trainer's, NCCL_DEBUG from the rollout overlay"
+    assert [e for e in pod["worker"]["env"] if e["name"].startswith(("NCCL_", "GLOO_"))] == [
+        {"name": "NCCL_DEBUG", "value": "INFO"}], "the worker only has the overlay's"
+    disk = job_doc(replicas=2, nccl=nccl)
+    disk["spec"]["rollout"]["engine"] = engine
+    assert not any(e["name"].startswith(("NCCL_", "GLOO_")) for e in rollout_containers(disk)["engine"]["env"])
+
+
 def test_rdma_requests_the_device_and_ipc_lock_only():
     c = container(job_doc(replicas=2, gpusPerReplica=8,
                           rdma={"resourceName": "rdma/rdma_shared_device_a", "count": 2}))

@@ -154,3 +154,42 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
         [name, ",".join(f"{k}={v}" for k, v in sorted(guards[c]["spec"]["podSelector"]["matchLabels"].items()))]
         for c, name in (("redis", N.redis_network_policy(JOB)), ("trainer", N.trainer(JOB)),
                         ("rollout", N.rollout(JOB))))
+
+
+@pytest.mark.parametrize("transport", ["disk", "collective"])
+async def test_collective_weight_sync_opens_trainer_and_rollout_to_each_other_only(emu, operator, transport):
+    """trainer.weightTransport collective: the engines dial the weight group's store on trainer pod 0
+    (29600) and NCCL/Gloo then connect on ephemeral ports both ways, trainer to engine and engine to
+    engine; so the stored policies admit every port between the job's trainer and rollout pods, and
+    still nothing from another job or the operator. With disk nothing of that is open."""
+    doc = job_doc()
+    doc["spec"]["trainer"]["weightTransport"] = transport
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
+        assert resp.status == 201, await resp.text()
+    await wait_for(lambda: len(policies(emu)) == 3 and emu.get("deployments", NS, N.rollout(JOB)),
+                   what="the job's three NetworkPolicies", log=operator.log)
+    stored = policies(emu)
+    trainer_policy, rollout_policy = stored[N.trainer(JOB)], stored[N.rollout(JOB)]
+    trainer, rollout = emu.get("statefulsets", NS, N.trainer(JOB)), emu.get("deployments", NS, N.rollout(JOB))
+    labels = {c: w["spec"]["template"]["metadata"]["labels"] for c, w in (("trainer", trainer), ("rollout", rollout))}
+    stranger = {N.LABEL_JOB: "another-job", N.LABEL_COMPONENT: "rollout"}
+    collective = transport == "collective"
+
+    trainer_container = trainer["spec"]["template"]["spec"]["containers"][0]
+    trainer_ports = {p["name"]: p["containerPort"] for p in trainer_container["ports"]}
+    headless = {p["name"]: p["port"] for p in emu.get("services", NS, N.trainer(JOB))["spec"]["ports"]}
+    if collective:
+        assert trainer_ports["weight-group"] == B.WEIGHT_GROUP_PORT == 29600
+        assert headless == {"rdzv": B.RDZV_PORT, "weight-group": B.WEIGHT_GROUP_PORT}
+    else:
+        assert "weight-group" not in trainer_ports and headless == {"rdzv": B.RDZV_PORT}
+    for port in (B.WEIGHT_GROUP_PORT, 41234):  # the store, an ephemeral NCCL/Gloo port
+        assert admits(trainer_policy, labels["rollout"], port) == collective, ("engine -> trainer", port)
+        assert admits(rollout_policy, labels["trainer"], port) == collective, ("trainer -> engine", port)
+        assert admits(rollout_policy, labels["rollout"], port) == collective, ("engine -> engine", port)
+        assert not admits(trainer_policy, stranger, port) and not admits(rollout_policy, stranger, port)
+        assert not admits_operator(trainer_policy, port) and not admits_operator(rollout_policy, port)
+    # what the disk transport admits holds either way
+    assert admits(rollout_policy, labels["trainer"], B.ENGINE_PORT)
+    assert not admits(rollout_policy, stranger, B.ENGINE_PORT)
+    assert admits(trainer_policy, labels["trainer"], 41234), "rank to rank, as before"

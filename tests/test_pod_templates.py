@@ -59,6 +59,8 @@ def build(doc: dict, engine: str | None = None) -> list[dict]:
     doc = copy.deepcopy(doc)
     if engine:
         doc["spec"]["rollout"]["engine"] = engine
+    if engine == "vllm":  # (the example's collective weight sync needs sglang or hf: vllm is disk only)
+        doc["spec"]["trainer"]["weightTransport"] = "disk"
     return B.build_children(parse_job(doc), B.BuildContext(owner_uid="uid-1", namespace="rl", redis_password="pw"))
 
 

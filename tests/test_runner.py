@@ -29,8 +29,10 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.slow
 def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None:
+    # (collective weight sync: the trainer broadcasts each version to the engine over gloo; the
+    # other runs here keep the default, disk)
     job = write_job(tmp_path / "job.yaml", name="t-run", batch_size=2, group_size=4, eta=ETA, max_steps=3,
-                    checkpoint_interval=2, max_new_tokens=8)
+                    checkpoint_interval=2, max_new_tokens=8, trainer={"weightTransport": "collective"})
     run_dir = tmp_path / "run"
     port = free_port()
     proc = subprocess.Popen(ASYNCRL + ["run", str(job), "--max-steps", "3", "--run-dir", str(run_dir),
@@ -83,8 +85,11 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
     lineage = lineage_group_ids(run_dir / "checkpoints")
     assert state["groups_trained"] == 6
     assert len(lineage) == len(set(lineage)) == 6
-    # The engine was moved to every new version by the trainer.
+    # The engine was moved to every new version by the trainer, over the weight group, never from disk.
     assert [e["weight_version"] for e in state["report"]["rollout"]] == [3]
+    assert state["report"]["weight_transport"] == "collective"
+    assert state["report"]["weight_sync_disk_fallbacks"] == 0
+    assert "weight group asyncrl-" in (run_dir / "logs" / "trainer.log").read_text()
 
     # Every trained group was acknowledged: reopen the run's Redis (AOF) and look.
     from asyncrl.transport.names import StreamNames

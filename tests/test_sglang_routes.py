@@ -30,6 +30,7 @@ from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import LEGACY_MODEL_INFO_PATH, MODEL_INFO_PATH, PINNED_VERSION, SGLangEngine
 from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
 from asyncrl.spec import RolloutSpec
+from asyncrl.weight_group import TensorSpec
 
 REPO = Path(__file__).resolve().parent.parent
 PIN_DIR = REPO / ".tools" / f"sglang-{PINNED_VERSION}"
@@ -298,6 +299,9 @@ def test_hf_engine_probes_are_routes_of_our_hf_server():
 # ---------------------------------------------------------------- the adapter's calls
 
 
+GROUP_ROUTES = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
+
+
 @dataclass
 class Recorder:
     calls: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -315,6 +319,8 @@ class Recorder:
             return httpx.Response(200, json={"text": "x", "output_ids": [11], "meta_info": meta})
         if path == "/update_weights_from_disk":
             return httpx.Response(200, json={"success": True, "message": "ok", "num_paused_requests": 0})
+        if path in GROUP_ROUTES:
+            return httpx.Response(200, json={"success": True, "message": "ok"})
         if path in (MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH):
             return httpx.Response(200, json={"model_path": "m", "weight_version": "3"})
         return httpx.Response(200, json={"message": "ok", "status": "ok"})
@@ -328,6 +334,11 @@ async def _drive_adapter(missing: frozenset[str] = frozenset()) -> list[tuple[st
     await engine.pause("abort")
     await engine.pause("retract")
     await engine.update_weights("/shared/weights/v3", 3)
+    await engine.init_weight_group("trainer-0.trainer", 29600, 1, 3, "asyncrl-1", "nccl")
+    specs = [TensorSpec("model.norm.weight", "bfloat16", (576,)), TensorSpec("lm_head.weight", "float32", (8, 4))]
+    await engine.update_weights_from_group(specs[:1], "asyncrl-1", None)
+    await engine.update_weights_from_group(specs[1:], "asyncrl-1", 4)
+    await engine.destroy_weight_group("asyncrl-1")
     await engine.resume()
     assert await engine.ready()
     await engine.model_info()
@@ -362,7 +373,8 @@ def test_adapter_calls_are_routes_of_the_pin_with_its_fields():
             assert not unknown, f"sampling parameters {sorted(unknown)} are not in the pin's SamplingParams"
     used = {p for _, p, _ in calls}
     assert used == {"/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation",
-                    MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH}, f"the adapter's routes changed: {sorted(used)}"
+                    MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH, *GROUP_ROUTES}, \
+        f"the adapter's routes changed: {sorted(used)}"
 
 
 def test_adapter_wire_values_the_pin_reads():
@@ -376,6 +388,40 @@ def test_adapter_wire_values_the_pin_reads():
                                   "abort_all_requests": False}
     assert "weight_version" in pin_fields("UpdateWeightFromDiskReqInput")
     assert [b for _, p, b in calls if p == "/continue_generation"] == [{}, {}], "the pin requires a JSON body"
+
+
+def test_weight_group_calls_carry_what_the_pin_needs():
+    """The pin's handlers read `backend` and `group_name` (defaults: nccl, weight_update_group) and
+    `getattr(torch, dtype)` each dtype: we always send the group's own name and plain dtype names."""
+    calls = adapter_calls()
+    (init,) = {json.dumps(b, sort_keys=True) for _, p, b in calls if p == "/init_weights_update_group"}
+    assert json.loads(init) == {"master_address": "trainer-0.trainer", "master_port": 29600, "rank_offset": 1,
+                                "world_size": 3, "group_name": "asyncrl-1", "backend": "nccl"}
+    updates = [b for _, p, b in calls if p == "/update_weights_from_distributed"][:2]
+    assert [u["names"] for u in updates] == [["model.norm.weight"], ["lm_head.weight"]]
+    assert [u["dtypes"] for u in updates] == [["bfloat16"], ["float32"]]
+    assert [u["shapes"] for u in updates] == [[[576]], [[8, 4]]]
+    # only the version's last bucket labels it (and flushes the cache); every bucket names the group
+    assert ["weight_version" in u for u in updates] == [False, True] and updates[1]["weight_version"] == "4"
+    assert [u["flush_cache"] for u in updates] == [False, True]
+    assert {u["group_name"] for u in updates} == {"asyncrl-1"}
+    assert {p for _, p, b in calls if b == {"group_name": "asyncrl-1"}} == {"/destroy_weights_update_group"}
+
+
+def test_the_hf_server_request_models_are_the_pins():
+    """The hf server's weight-group routes take exactly the pin's fields (a trainer talking to both
+    cannot send something only one of them reads)."""
+    from asyncrl.rollout.hf_server import create_app
+
+    pin = pin_routes()
+    models = create_app(object()).state.request_models
+    assert sorted(models) == sorted(GROUP_ROUTES)
+    for path, model in models.items():
+        (pin_model,) = pin[path].body_models
+        fields = set(pin_fields(pin_model))
+        own = fields - set(pin_fields("BaseReq"))  # (BaseReq: rid and SGLang's internal routing fields)
+        assert own and own <= set(model.model_fields) <= fields, path
+        assert model.model_config.get("extra") == "forbid", f"hf server {path} must refuse unknown fields"
 
 
 # ---------------------------------------------------------------- the fake and the hf server

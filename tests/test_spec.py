@@ -267,3 +267,31 @@ def test_vcpo_defaults_are_the_vcpo_codes():
 ])
 def test_vcpo_rules_name_the_field_and_the_allowed_values(algorithm, says):
     assert says in algorithm_error(algorithm)
+
+
+# ---- collective weight sync: trainer.weightTransport
+
+
+def test_weight_transport_defaults_to_disk_and_collective_works_with_sglang_and_hf():
+    assert AsyncRLJobSpec(model={"path": "m"}).trainer.weight_transport == "disk"
+    for engine in ("sglang", "hf"):
+        spec = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "rollout": {"engine": engine},
+                                              "trainer": {"weightTransport": "collective"}})
+        assert spec.trainer.weight_transport == "collective"
+        assert spec.model_dump(by_alias=True)["trainer"]["weightTransport"] == "collective"
+    vllm_disk = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "rollout": {"engine": "vllm"},
+                                               "trainer": {"weightTransport": "disk"}})
+    assert vllm_disk.trainer.weight_transport == "disk"
+
+
+@pytest.mark.parametrize("spec, says", [
+    ({"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
+     "trainer.weightTransport 'collective' needs rollout.engine sglang or hf, got rollout.engine 'vllm'"),
+    ({"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
+     "(vllm's server cannot join a process group); allowed with vllm: disk"),
+    ({"trainer": {"weightTransport": "nccl"}}, "'disk' or 'collective'"),
+])
+def test_weight_transport_rules_name_the_field_and_the_allowed_values(spec, says):
+    with pytest.raises(ValidationError) as err:
+        AsyncRLJobSpec.model_validate({"model": {"path": "m"}, **spec})
+    assert says in str(err.value)

@@ -64,6 +64,7 @@ from asyncrl.trainer.checkpoint import (
     save_checkpoint,
     truncate_trained_log,
 )
+from asyncrl.trainer.collective_sync import CollectiveSync
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import packing_layout, token_logprobs
 from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale
@@ -194,12 +195,16 @@ class RunConfig:
     """Another consumer's entry idle this long is taken over (far above the longest step)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """Bearer token for the engines' admin calls (their `--api-key`; Runtime.engine_api_key)."""
+    weight_group_address: str = "127.0.0.1"
+    """With trainer.weightTransport collective: where the engines reach rank 0 (Runtime)."""
+    weight_group_port: int = 29600
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, job: AsyncRLJob) -> RunConfig:
         return cls(engine_kind=job.spec.rollout.engine, weights_dir=Path(runtime.weights_dir),
                    checkpoint_dir=Path(runtime.checkpoint_dir),
-                   metrics_path=Path(runtime.run_dir) / "metrics.jsonl", engine_api_key=runtime.engine_api_key)
+                   metrics_path=Path(runtime.run_dir) / "metrics.jsonl", engine_api_key=runtime.engine_api_key,
+                   weight_group_address=runtime.weight_group_address, weight_group_port=runtime.weight_group_port)
 
 
 class Trainer:
@@ -241,6 +246,8 @@ class Trainer:
         self._last_prune = -math.inf
         self._incarnations: dict[str, str] = {}  # engine id -> the incarnation last seen in the registry
         self.recovery = None if io is None else RecoveryCounters(io.redis, io.admission.names)
+        self.collective = self._collective_sync() if ctx.is_main else None
+        self.report.weight_transport = "collective" if self.collective is not None else "disk"
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         self.layout = self._layout()
 
@@ -255,6 +262,22 @@ class Trainer:
             log.warning("packSequences: attention implementation %r of %s cannot keep packed sequences "
                         "apart: micro-batches are padded", impl, type(D.unwrap(self.model)).__name__)
         return layout
+
+    def _collective_sync(self) -> CollectiveSync | None:
+        """Rank 0's side of the weight group (trainer.weightTransport: collective), else None.
+
+        NCCL when the engines are SGLang and this process has a GPU (tensors go from its device);
+        gloo otherwise (our hf engine; an SGLang engine takes gloo too, slower). An SGLang engine
+        has one rank per tensor-parallel GPU (rollout.gpusPerReplica)."""
+        if self.spec.trainer.weight_transport != "collective":
+            return None
+        nccl = self.cfg.engine_kind == "sglang" and torch.cuda.is_available()
+        return CollectiveSync(
+            address=self.cfg.weight_group_address, port=self.cfg.weight_group_port,
+            backend="nccl" if nccl else "gloo",
+            engine_ranks=self.spec.rollout.gpus_per_replica if self.cfg.engine_kind == "sglang" else 1,
+            timeout_s=self.cfg.weight_sync_timeout_s,
+            device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
         """Rank 0's reader of evaluation results, with spec.evaluation and a Redis connection."""
@@ -371,6 +394,8 @@ class Trainer:
         finally:
             if self.trackers is not None:
                 self.trackers.close()
+            if self.collective is not None:  # (the engines drop theirs when they next join a group)
+                await self.collective.close()
 
     async def _run(self) -> str:
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
@@ -703,7 +728,7 @@ class Trainer:
                 try:
                     await update_engines(self.cfg.engine_kind, engines, served_path.resolve(), served,
                                          registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s,
-                                         api_key=self.cfg.engine_api_key)
+                                         api_key=self.cfg.engine_api_key, collective=self.collective)
                 except WeightSyncError as exc:  # the failing engines are fenced: training goes on
                     self._sync_failures += 1
                     sync_error = str(exc)
@@ -723,6 +748,8 @@ class Trainer:
         with self._report_lock:
             self.report.policy_version = version
             self.report.weight_sync_seconds = seconds
+            if self.collective is not None:
+                self.report.weight_sync_disk_fallbacks = self.collective.stats.disk_fallbacks
             if sync_error:
                 self.report.message = sync_error
         if self._evaluation_due(version):  # (its weights are out: the engines serve it, or catch up)

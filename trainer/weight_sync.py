@@ -42,13 +42,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.errors import TrainerError
-from asyncrl.rollout.engines import make_engine
+from asyncrl.rollout.engines import Engine, make_engine
 from asyncrl.rollout.engines.base import EngineError
+from asyncrl.trainer.collective_sync import CollectiveSync, GroupMember
 from asyncrl.transport.versions import EngineInfo, EngineRegistry
 
 log = logging.getLogger("asyncrl.trainer.weight_sync")
@@ -85,51 +86,58 @@ class SyncResult:
 
 async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: int, *,
                          registry: EngineRegistry | None = None, timeout_s: float = 120.0,
-                         include_fenced: bool = False, api_key: str | None = None) -> SyncResult:
+                         include_fenced: bool = False, api_key: str | None = None,
+                         collective: CollectiveSync | None = None) -> SyncResult:
     """Update every ready engine to `version` (steps 1-5 above), concurrently; raise naming the failures.
 
     `engines`: registry entries (not ready ones, and fenced ones unless `include_fenced`, are left
     out); a bare URL is updated without a record (nothing to label by). A registry entry that
-    fails is fenced (`WeightSyncError.fenced`). `api_key`: the engines' --api-key, sent as a bearer token.
+    fails is fenced (`WeightSyncError.fenced`). `api_key`: the engines' --api-key, sent as a bearer
+    token. `collective`: step 3 is one broadcast to all the paused engines (trainer/collective_sync.py);
+    an engine it did not load loads `path` from disk instead. Each step has `timeout_s`.
     """
     start = time.perf_counter()
     chosen = [e for e in engines if isinstance(e, str) or (e.ready and (include_fenced or not e.fenced))]
     skipped = tuple(e.url for e in engines if not isinstance(e, str) and e not in chosen)
+    targets = [_Target(e, make_engine(kind, e if isinstance(e, str) else e.url, timeout=timeout_s,
+                                      api_key=api_key)) for e in chosen]
+    try:
+        await asyncio.gather(*(t.attempt(_pause(t, registry, version, timeout_s), timeout_s) for t in targets))
+        paused = [t for t in targets if t.error is None]
+        if collective is not None and paused:
+            missed = await collective.sync([t.member() for t in paused], path, version)
+            for t in paused:
+                if t.url in missed:
+                    log.warning("%s: collective weight sync failed (%s): loading v%d from disk", t.url,
+                                missed[t.url], version)
+                else:
+                    t.loaded = True
+        await asyncio.gather(*(t.attempt(_load_from_disk(t, path, version), timeout_s)
+                               for t in paused if not t.loaded))
+        await asyncio.gather(*(_release(t, registry, timeout_s) for t in targets))
+    finally:
+        await asyncio.gather(*(t.client.close() for t in targets), return_exceptions=True)
 
-    async def one(engine: EngineInfo | str) -> tuple[str, str | None]:
-        url, engine_id = (engine, None) if isinstance(engine, str) else (engine.url, engine.engine_id)
-        incarnation = None if isinstance(engine, str) else engine.incarnation
-        try:
-            await asyncio.wait_for(_update_one(kind, url, engine_id, incarnation, str(path), version, registry,
-                                               timeout_s, api_key), timeout_s)
-            return url, None
-        except asyncio.TimeoutError:
-            return url, f"no answer within {timeout_s:g}s"
-        except Exception as exc:  # reported with the server's url
-            error = f"{type(exc).__name__}: {exc}"
-            if registry is not None and engine_id is not None and unreachable(exc):
-                try:
-                    await registry.remove(engine_id)
-                    error += " (unregistered until its worker's next heartbeat)"
-                except Exception as remove_exc:
-                    log.warning("%s: could not unregister the unreachable engine: %s", url, remove_exc)
-            return url, error
-
-    results = await asyncio.gather(*(one(e) for e in chosen))
-    failures = {url: err for url, err in results if err is not None}
-    if failures:
-        fenced = []
-        for engine in chosen:
-            if isinstance(engine, str) or engine.url not in failures or registry is None:
-                continue
+    failures = {t.url: t.error for t in targets if t.error is not None}
+    if not failures:
+        return SyncResult(seconds=time.perf_counter() - start, engines=len(chosen), skipped=skipped)
+    fenced = []
+    for t in targets:
+        if t.error is None or registry is None or t.engine_id is None:
+            continue
+        if t.exc is not None and unreachable(t.exc):
             try:
-                await registry.fence(engine.engine_id, failures[engine.url], backoff_s=FENCE_BACKOFF_S,
-                                     backoff_max_s=FENCE_BACKOFF_MAX_S)
-                fenced.append(engine.engine_id)
-            except Exception as exc:  # Redis down: the next push tries it again, nothing worse
-                log.warning("%s: could not fence the failing engine: %s", engine.url, exc)
-        raise WeightSyncError(failures, fenced=fenced, updated=len(chosen) - len(failures))
-    return SyncResult(seconds=time.perf_counter() - start, engines=len(chosen), skipped=skipped)
+                await registry.remove(t.engine_id)
+                failures[t.url] += " (unregistered until its worker's next heartbeat)"
+            except Exception as remove_exc:
+                log.warning("%s: could not unregister the unreachable engine: %s", t.url, remove_exc)
+        try:
+            await registry.fence(t.engine_id, failures[t.url], backoff_s=FENCE_BACKOFF_S,
+                                 backoff_max_s=FENCE_BACKOFF_MAX_S)
+            fenced.append(t.engine_id)
+        except Exception as exc:  # Redis down: the next push tries it again, nothing worse
+            log.warning("%s: could not fence the failing engine: %s", t.url, exc)
+    raise WeightSyncError(failures, fenced=fenced, updated=len(chosen) - len(failures))
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -140,36 +148,70 @@ def unreachable(exc: BaseException) -> bool:
     return isinstance(cause, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
-async def _update_one(kind: str, url: str, engine_id: str | None, incarnation: str | None, path: str,
-                      version: int, registry: EngineRegistry | None, timeout_s: float,
-                      api_key: str | None = None) -> None:
-    """One engine: mark, pause, load, record, resume (the adapter's HTTP timeout bounds each call)."""
-    engine = make_engine(kind, url, timeout=timeout_s, api_key=api_key)
-    loaded = False
-    try:
-        if registry is not None and engine_id is not None:
-            await registry.begin_update(engine_id, version, timeout_s)
+class _Target:
+    """One engine through steps 1-5: its client, how far it got, and its first failure."""
+
+    def __init__(self, engine: EngineInfo | str, client: Engine):
+        self.url: str = engine if isinstance(engine, str) else engine.url
+        self.engine_id: str | None = None if isinstance(engine, str) else engine.engine_id
+        self.incarnation: str | None = None if isinstance(engine, str) else engine.incarnation
+        self.client = client
+        self.marked = False
+        self.loaded = False
+        self.error: str | None = None
+        self.exc: BaseException | None = None
+
+    async def attempt(self, step: Awaitable[None], timeout_s: float) -> None:
+        """Run one step under `timeout_s`; a failure is recorded with the server's url, not raised."""
         try:
-            await engine.pause(mode="abort")
-            await engine.update_weights(path, version)
-            loaded = True
-        finally:  # also after a failed or timed-out pause/load: clear the mark, never leave a server paused
-            cleanup_error: Exception | None = None
-            if registry is not None and engine_id is not None:
-                try:
-                    await registry.end_update(engine_id, loaded=loaded, incarnation=incarnation)  # (step 4)
-                except Exception as exc:
-                    cleanup_error = exc
-            try:
-                await engine.resume()
-            except Exception as exc:
-                cleanup_error = cleanup_error or exc
-            if cleanup_error is not None:
-                if loaded:
-                    raise cleanup_error
-                log.warning("%s: cleaning up after the failed update failed too: %s", url, cleanup_error)
-    finally:
-        await engine.close()
+            await asyncio.wait_for(step, timeout_s)
+        except asyncio.TimeoutError:
+            self.error = f"no answer within {timeout_s:g}s"
+        except Exception as exc:  # reported with the server's url
+            self.error, self.exc = f"{type(exc).__name__}: {exc}", exc
+
+    def member(self) -> GroupMember:
+        return GroupMember(url=self.url, engine_id=self.engine_id or self.url,
+                           incarnation=self.incarnation or "", client=self.client)
+
+
+async def _pause(t: _Target, registry: EngineRegistry | None, version: int, timeout_s: float) -> None:
+    """Steps 1-2: mark the record "updating to `version`", then pause (running requests abort)."""
+    if registry is not None and t.engine_id is not None:
+        await registry.begin_update(t.engine_id, version, timeout_s)
+        t.marked = True
+    await t.client.pause(mode="abort")
+
+
+async def _load_from_disk(t: _Target, path: Path, version: int) -> None:
+    """Step 3 over the shared volume."""
+    await t.client.update_weights(str(path), version)
+    t.loaded = True
+
+
+async def _release(t: _Target, registry: EngineRegistry | None, timeout_s: float) -> None:
+    """Steps 4-5, also after a failed or timed-out pause or load: clear the mark, never leave a server
+    paused. A cleanup failure fails the engine only if it loaded (otherwise it already failed)."""
+    cleanup_error: str | None = None
+    if t.marked:
+        try:
+            assert registry is not None and t.engine_id is not None
+            await asyncio.wait_for(registry.end_update(t.engine_id, loaded=t.loaded, incarnation=t.incarnation),
+                                   timeout_s)
+        except Exception as exc:
+            cleanup_error = f"{type(exc).__name__}: {exc}"
+    try:
+        await asyncio.wait_for(t.client.resume(), timeout_s)
+    except asyncio.TimeoutError:
+        cleanup_error = cleanup_error or f"resume: no answer within {timeout_s:g}s"
+    except Exception as exc:
+        cleanup_error = cleanup_error or f"{type(exc).__name__}: {exc}"
+    if cleanup_error is None:
+        return
+    if t.loaded and t.error is None:
+        t.error = cleanup_error
+    else:
+        log.warning("%s: cleaning up after the failed update failed too: %s", t.url, cleanup_error)
 
 
 async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int, *, max_age_s: float = 30.0,

@@ -10,13 +10,17 @@ generates and reads the labels.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import httpx
 
 from asyncrl.errors import RolloutError
 from asyncrl.rollout.engines.auth import auth_header
+
+if TYPE_CHECKING:
+    from asyncrl.weight_group import TensorSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract"]
@@ -82,6 +86,26 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, path: str, version: int) -> None:
         """Load weights from a directory and label them `version` (call while paused)."""
+
+    supports_weight_group: ClassVar[bool] = False
+    """True when the server can join the trainer's weight group (collective weight sync)."""
+
+    async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                group_name: str, backend: str) -> None:
+        """Join the trainer's weight group (answers once every member joined)."""
+        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+                          retryable=False)
+
+    async def update_weights_from_group(self, specs: Sequence[TensorSpec], group_name: str,
+                                        version: int | None) -> None:
+        """Receive and load one bucket the trainer broadcasts; `version` on the last bucket labels it."""
+        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+                          retryable=False)
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        """Leave the weight group."""
+        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+                          retryable=False)
 
     @abc.abstractmethod
     async def resume(self) -> None:

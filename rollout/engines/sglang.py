@@ -9,6 +9,10 @@ Routes used, all present in the pin's `sglang/srt/entrypoints/http_server.py` wi
 (tests/test_sglang_routes.py checks them, and the request fields, against the pinned source):
   POST /generate  /pause_generation {mode}  /continue_generation {}
   POST /update_weights_from_disk {model_path, weight_version, abort_all_requests}
+  POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
+       /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
+       abort_all_requests, weight_version}  /destroy_weights_update_group {group_name}
+       (collective weight sync: the trainer broadcasts one tensor per name, in order; trainer/collective_sync.py)
   GET  /model_info (falls back to the deprecated /get_model_info on 404): readiness, model path and
        weight version. The pin has no `/ready`; its `/health` generates a token, so it blocks while
        generation is paused and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); its
@@ -25,7 +29,8 @@ Our in-process `hf` engine server (asyncrl.rollout.hf_server) speaks the same su
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -37,6 +42,9 @@ from asyncrl.rollout.engines.base import (
     SamplingParams,
     label_version,
 )
+
+if TYPE_CHECKING:
+    from asyncrl.weight_group import TensorSpec
 
 PINNED_VERSION = "0.5.10.post1"
 """The SGLang release we speak to; scripts/fetch-sglang-source.sh reads it, tests check images use it."""
@@ -96,13 +104,8 @@ class SGLangEngine(HTTPEngine):
         await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def update_weights(self, path: str, version: int) -> None:
-        body = await self._json_lenient(
-            "/update_weights_from_disk",
-            {"model_path": str(path), "weight_version": str(version), "abort_all_requests": False},
-        )
-        if not body.get("success", False):
-            raise EngineError(f"update_weights_from_disk({path}) failed: {body.get('message')}", url=self.url,
-                              retryable=False)
+        await self._succeed("/update_weights_from_disk",
+                            {"model_path": str(path), "weight_version": str(version), "abort_all_requests": False})
 
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
@@ -119,6 +122,31 @@ class SGLangEngine(HTTPEngine):
             raise EngineError(f"POST {path} returned HTTP {resp.status_code}: {body}", url=self.url,
                               status=resp.status_code, retryable=resp.status_code >= 500)
         return body
+
+    supports_weight_group = True
+
+    async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                group_name: str, backend: str) -> None:
+        await self._succeed("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_group(self, specs: Sequence[TensorSpec], group_name: str,
+                                        version: int | None) -> None:
+        payload: dict[str, Any] = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
+                                   "shapes": [list(s.shape) for s in specs], "group_name": group_name,
+                                   "flush_cache": version is not None, "abort_all_requests": False}
+        if version is not None:
+            payload["weight_version"] = str(version)
+        await self._succeed("/update_weights_from_distributed", payload)
+
+    async def destroy_weight_group(self, group_name: str) -> None:
+        await self._succeed("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _succeed(self, path: str, payload: dict[str, Any]) -> None:
+        body = await self._json_lenient(path, payload)
+        if not body.get("success", False):
+            raise EngineError(f"{path.lstrip('/')} failed: {body.get('message')}", url=self.url, retryable=False)
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", json={})
