@@ -543,7 +543,8 @@ class TrainerSpec(SpecModel):
     """How published weights reach the engines. disk: every engine loads weights/v{N} from the shared
     volume. collective: the trainer's rank 0 and every engine form one process group (NCCL for sglang,
     gloo for hf) and rank 0 broadcasts each version in buckets; disk stays for engines that join late
-    or restart and for any broadcast that fails. vllm engines support disk only."""
+    or restart and for any broadcast that fails. vllm engines: disk only (vLLM 0.32's own NCCL
+    weight transfer is another protocol, not spoken yet)."""
     checkpoint_interval: int = Field(default=10, ge=1)
     """Steps between checkpoints."""
     max_steps: int = Field(default=100, ge=1)
@@ -777,7 +778,8 @@ class AsyncRLJobSpec(SpecModel):
         # (the same rule as CEL_RULES' spec entry on trainer.weightTransport)
         if self.trainer.weight_transport == "collective" and self.rollout.engine not in COLLECTIVE_ENGINES:
             raise ValueError(f"trainer.weightTransport 'collective' needs rollout.engine sglang or hf, got "
-                             f"rollout.engine '{self.rollout.engine}' (vllm's server cannot join a process group); "
+                             f"rollout.engine '{self.rollout.engine}' (vLLM 0.32's own weight transfer is another "
+                             "protocol, not spoken yet); "
                              f"allowed with {self.rollout.engine}: disk")
         return self
 
@@ -1010,8 +1012,8 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))"),
     ("spec", "!has(self.trainer) || !has(self.trainer.weightTransport) || self.trainer.weightTransport != 'collective'"
      " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in ['sglang', 'hf']",
-     "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vllm's server cannot join a process"
-     " group); allowed with vllm: disk"),
+     "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vLLM 0.32's own weight transfer is "
+     "another protocol, not spoken yet); allowed with vllm: disk"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

@@ -126,8 +126,8 @@ def test_examples_pass_schema_and_cel(path):
     assert violations(obj, old=obj) == [], "an unchanged object passes the transition rules"
 
 
-COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vllm's server cannot"
-                      " join a process group); allowed with vllm: disk")
+COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine sglang or hf ("
+                      "vLLM 0.32's own weight transfer is another protocol, not spoken yet); allowed with vllm: disk")
 
 BREAKERS = {
     "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},

@@ -168,3 +168,36 @@ def errors(doc: dict) -> list[tuple[str, str]]:
 def test_bad_settings_name_the_field_and_what_is_allowed(trainer, path, says):
     [(where, message)] = errors(job_doc(**copy.deepcopy(trainer)))
     assert where == path and says in message, message
+
+
+def test_the_multinode_example_renders_fsdp_and_the_collective_sync_wiring():
+    """examples/job-multinode.yaml through `asyncrl render`, as a user reads it: 2 trainer nodes of 8
+    FSDP2 ranks, and the weight group (rank 0's address and port, its port on the container and the
+    headless Service, NCCL settings on the engines, trainer <-> rollout policies)."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "job-multinode.yaml"
+    out = subprocess.run([sys.executable, "-m", "asyncrl.cli", "render", str(example)], capture_output=True,
+                         text=True, check=True).stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    job = "qwen25-7b-multinode"
+    config = yaml.safe_load(docs[("ConfigMap", f"{job}-config")]["data"]["job.yaml"])
+    assert config["spec"]["trainer"]["parallelism"] == "fsdp"
+    assert config["spec"]["trainer"]["weightTransport"] == "collective"
+    sts = docs[("StatefulSet", f"{job}-trainer")]
+    (trainer,) = sts["spec"]["template"]["spec"]["containers"]
+    assert sts["spec"]["replicas"] == 2
+    assert trainer["command"][:4] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=static"]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    rank0 = MN.rank0_host(job, "rl")
+    assert env["ASYNCRL_WEIGHT_GROUP_ADDRESS"] == rank0 and env["ASYNCRL_WEIGHT_GROUP_PORT"] == "29600"
+    assert {"name": "weight-group", "containerPort": 29600, "protocol": "TCP"} in trainer["ports"]
+    assert "weight-group" in {p["name"] for p in docs[("Service", f"{job}-trainer")]["spec"]["ports"]}
+    engines = {c["name"]: c for c in
+               docs[("Deployment", f"{job}-rollout")]["spec"]["template"]["spec"]["containers"]}
+    engine_env = {e["name"]: e.get("value") for e in engines["engine"]["env"]}
+    assert engine_env["NCCL_SOCKET_IFNAME"] == "eth0" and engine_env["NCCL_IB_HCA"] == "mlx5"
+    rollout_policy = docs[("NetworkPolicy", f"{job}-rollout")]["spec"]["ingress"]
+    trainer_policy = docs[("NetworkPolicy", f"{job}-trainer")]["spec"]["ingress"]
+    assert any("ports" not in rule and any(p["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                                           == "trainer" for p in rule["from"]) for rule in rollout_policy)
+    assert any("ports" not in rule and any(p["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                                           == "rollout" for p in rule["from"]) for rule in trainer_policy)

@@ -288,7 +288,7 @@ def test_weight_transport_defaults_to_disk_and_collective_works_with_sglang_and_
     ({"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
      "trainer.weightTransport 'collective' needs rollout.engine sglang or hf, got rollout.engine 'vllm'"),
     ({"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
-     "(vllm's server cannot join a process group); allowed with vllm: disk"),
+     "(vLLM 0.32's own weight transfer is another protocol, not spoken yet); allowed with vllm: disk"),
     ({"trainer": {"weightTransport": "nccl"}}, "'disk' or 'collective'"),
 ])
 def test_weight_transport_rules_name_the_field_and_the_allowed_values(spec, says):

@@ -20,7 +20,8 @@ are paused) is one broadcast instead of every engine reading the version from th
     publish. After a group could not be formed, publishes use disk for `retry_after_s` instead of
     paying the join timeout each time.
 
-vLLM engines cannot join (their adapter says so); the spec refuses collective with vllm.
+vLLM engines stay on disk: vLLM 0.32 has its own NCCL weight transfer (/init_weight_transfer_engine,
+/update_weights, ...), another protocol that we do not speak yet; the spec refuses collective with vllm.
 """
 
 from __future__ import annotations

@@ -93,18 +93,18 @@ class Engine(abc.ABC):
     async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                 group_name: str, backend: str) -> None:
         """Join the trainer's weight group (answers once every member joined)."""
-        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+        raise EngineError(f"{type(self).__name__} does not speak collective weight sync (disk only)", url=self.url,
                           retryable=False)
 
     async def update_weights_from_group(self, specs: Sequence[TensorSpec], group_name: str,
                                         version: int | None) -> None:
         """Receive and load one bucket the trainer broadcasts; `version` on the last bucket labels it."""
-        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+        raise EngineError(f"{type(self).__name__} does not speak collective weight sync (disk only)", url=self.url,
                           retryable=False)
 
     async def destroy_weight_group(self, group_name: str) -> None:
         """Leave the weight group."""
-        raise EngineError(f"{type(self).__name__} cannot join a weight group (disk only)", url=self.url,
+        raise EngineError(f"{type(self).__name__} does not speak collective weight sync (disk only)", url=self.url,
                           retryable=False)
 
     @abc.abstractmethod
