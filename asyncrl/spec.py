@@ -30,6 +30,8 @@ SHORT_NAMES = ["arj"]
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
+OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""The aggregations VCPO's baseline composes with (per-sequence, as the authors' code asserts)."""
 COLLECTIVE_ENGINES = ("sglang", "hf")
 """Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
@@ -209,6 +211,11 @@ class AlgorithmSpec(SpecModel):
     """ESS ratio at and above which the learning rate is not reduced (mit-han-lab/vcpo ess_scaling.base_ess_ratio)."""
     vcpo_scaling: Literal["sqrt", "linear"] = "sqrt"
     """sqrt (the paper's rule for AdamW) or linear in the ESS ratio (ess_scaling.scaling_rule)."""
+    vcpo_baseline: bool = False
+    """VCPO's off-policy optimal baseline (docs/algorithms.md): per group, the baseline is the mean of
+    the rewards weighted by ||grad log pi(tau_i)||^2 w_i^2 instead of the plain mean (advantages
+    (R_i - b) / std). Costs one extra backward per trajectory per update; needs aggregation
+    seq-mean-token-mean or seq-mean-token-sum-norm, advantageEstimator grpo and one trainer process."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -353,6 +360,16 @@ class AlgorithmSpec(SpecModel):
             raise ValueError(f"vcpoBaseEssRatio {self.vcpo_base_ess_ratio!r} and vcpoScaling {self.vcpo_scaling!r} "
                              "only apply with vcpo true; allowed: vcpo true, or vcpoBaseEssRatio 1.0 and "
                              "vcpoScaling 'sqrt' (their defaults)")
+        if self.vcpo_baseline:
+            if self.aggregation not in OPOB_AGGREGATIONS:
+                raise ValueError(f"vcpoBaseline needs a per-sequence aggregation, got aggregation "
+                                 f"{self.aggregation!r}: the baseline weighs whole trajectories (the authors' code "
+                                 "asserts the same); allowed: " + ", ".join(f"'{a}'" for a in OPOB_AGGREGATIONS))
+            if self.advantage_estimator != "grpo":
+                raise ValueError(f"vcpoBaseline replaces the group baseline and std of advantageEstimator 'grpo', "
+                                 f"got {self.advantage_estimator!r}; allowed: advantageEstimator 'grpo'")
+            if self.batch_normalize_advantages:
+                raise ValueError("vcpoBaseline sets the advantages itself: batchNormalizeAdvantages must be false")
         return self
 
     @model_validator(mode="after")
@@ -783,6 +800,17 @@ class AsyncRLJobSpec(SpecModel):
                              f"allowed with {self.rollout.engine}: disk")
         return self
 
+    @model_validator(mode="after")
+    def _vcpo_baseline_in_one_process(self) -> AsyncRLJobSpec:
+        # (the same rule as CEL_RULES' spec entry on algorithm.vcpoBaseline)
+        processes = self.trainer.replicas * max(self.trainer.gpus_per_replica, 1)
+        if self.algorithm.vcpo_baseline and processes > 1:
+            raise ValueError(f"algorithm.vcpoBaseline needs one trainer process, got trainer.replicas "
+                             f"{self.trainer.replicas} x gpusPerReplica {self.trainer.gpus_per_replica}: the "
+                             "per-trajectory gradient norms are not gathered across ranks yet; allowed: "
+                             "trainer.replicas 1 with gpusPerReplica 0 or 1, or vcpoBaseline false")
+        return self
+
     def max_concurrent_groups(self) -> int:
         """Groups in flight across all rollout pods (explicit, or B + the policy's groups ahead)."""
         s = self.staleness
@@ -977,6 +1005,15 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max"),
     ("spec.algorithm", "!has(self.vcpo) || !self.vcpo || !has(self.loss) || self.loss == 'decoupled'",
      "vcpo requires loss 'decoupled'"),
+    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || (has(self.aggregation)"
+     " && self.aggregation in ['seq-mean-token-mean', 'seq-mean-token-sum-norm'])",
+     "vcpoBaseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"),
+    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || !has(self.advantageEstimator)"
+     " || self.advantageEstimator == 'grpo'",
+     "vcpoBaseline needs advantageEstimator 'grpo'"),
+    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || !has(self.batchNormalizeAdvantages)"
+     " || !self.batchNormalizeAdvantages",
+     "vcpoBaseline needs batchNormalizeAdvantages false"),
     ("spec.algorithm", "(has(self.vcpo) && self.vcpo) || ((!has(self.vcpoBaseEssRatio) || self.vcpoBaseEssRatio == 1.0)"
      " && (!has(self.vcpoScaling) || self.vcpoScaling == 'sqrt'))",
      "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true"),
@@ -1014,6 +1051,11 @@ CEL_RULES: list[tuple[str, str, str]] = [
      " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in ['sglang', 'hf']",
      "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vLLM 0.32's own weight transfer is "
      "another protocol, not spoken yet); allowed with vllm: disk"),
+    ("spec", "!has(self.algorithm) || !has(self.algorithm.vcpoBaseline) || !self.algorithm.vcpoBaseline"
+     " || ((has(self.trainer) && has(self.trainer.replicas) ? self.trainer.replicas : 1)"
+     " * (has(self.trainer) && has(self.trainer.gpusPerReplica) && self.trainer.gpusPerReplica > 1"
+     " ? self.trainer.gpusPerReplica : 1)) == 1",
+     "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

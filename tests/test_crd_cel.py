@@ -165,6 +165,16 @@ BREAKERS = {
         {"algorithm": {"bapoStep": 0.1}},
     "vcpo requires loss 'decoupled'": {"algorithm": {"vcpo": True, "loss": "ppo", "proximal": "recompute"}},
     "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true": {"algorithm": {"vcpoScaling": "linear"}},
+    "vcpoBaseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'":
+        {"algorithm": {"vcpoBaseline": True}, "trainer": {"gpusPerReplica": 1}},
+    "vcpoBaseline needs advantageEstimator 'grpo'":
+        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean", "advantageEstimator": "rloo"},
+         "trainer": {"gpusPerReplica": 1}},
+    "vcpoBaseline needs batchNormalizeAdvantages false":
+        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean", "batchNormalizeAdvantages": True},
+         "trainer": {"gpusPerReplica": 1}},
+    "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
+        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean"}},
 }
 
 

@@ -226,26 +226,15 @@ def test_restart_discards_newer_versions_and_half_written_temp_dirs(tmp_path):
 @pytest.mark.parametrize("objective", ["gspo", "cispo", "sapo", "bapo"])
 def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     """Two real steps of the trainer on the tiny model with each objective: finite loss, weights move."""
-    import dataclasses
-
     import numpy as np
-    from trainer_support import chat_groups, tiny_model
+    from trainer_support import own_behaviour_groups, tiny_model
 
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.logprobs import token_logprobs
     from asyncrl.trainer.loop import RunConfig, Trainer
 
     _, tok = model_and_tokenizer()
     model = tiny_model()
-    groups = []
-    for g in chat_groups(JOB, 2):  # behaviour log-probs: the tiny model's own, so ratios start at 1
-        samples = []
-        for s in g.samples:
-            full = torch.tensor(np.concatenate([g.prompt_ids, s.response_ids]), dtype=torch.long)[None]
-            with torch.no_grad():
-                lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
-            samples.append(dataclasses.replace(s, behav_logprobs=lp[0, len(g.prompt_ids) - 1:].numpy()))
-        groups.append(dataclasses.replace(g, samples=samples))
+    groups = own_behaviour_groups(model, JOB, 2)  # behaviour: the tiny model's own, so ratios start at 1
     algorithm = {"clipBounds": "bapo"} if objective == "bapo" else {"objective": objective}  # (bapo: ppo-clip's bounds)
     job = make_job(name=JOB, batch_size=2, algorithm=algorithm)
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,

@@ -4,7 +4,6 @@ trainer step whose update is exactly the scaled one."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,12 +12,20 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_support import chat_groups, make_job, model_and_tokenizer, tiny_model
+from trainer_support import make_job, model_and_tokenizer, own_behaviour_groups, tiny_model
 
 from asyncrl.spec import AlgorithmSpec
-from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale, vcpo_weight_sums
+from asyncrl.trainer.losses import (
+    VCPO_STAT_KEYS,
+    LossConfig,
+    opob_advantages,
+    policy_loss,
+    vcpo_lr_scale,
+    vcpo_weight_sums,
+)
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_golden.json").read_text())
+BASELINE_GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_baseline_golden.json").read_text())
 JOB = "t-vcpo"
 
 
@@ -86,20 +93,7 @@ def test_spec_rules() -> None:
 
 def _stale_groups(model: torch.nn.Module) -> list:
     """Two groups whose behaviour log-probs are the model's own plus noise: sequence weights differ."""
-    from asyncrl.trainer.logprobs import token_logprobs
-
-    rng = np.random.default_rng(0)
-    groups = []
-    for g in chat_groups(JOB, 2):
-        samples = []
-        for s in g.samples:
-            full = torch.tensor(np.concatenate([g.prompt_ids, s.response_ids]), dtype=torch.long)[None]
-            with torch.no_grad():
-                lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
-            behav = lp[0, len(g.prompt_ids) - 1:].numpy() + rng.normal(0, 0.7, len(s.response_ids))
-            samples.append(dataclasses.replace(s, behav_logprobs=behav.astype(np.float32)))
-        groups.append(dataclasses.replace(g, samples=samples))
-    return groups
+    return own_behaviour_groups(model, JOB, 2, noise=0.7)
 
 
 def test_trainer_step_takes_the_scaled_step() -> None:
@@ -149,3 +143,118 @@ def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
                       clip_fraction=0.0)
     line = append_metrics_line(tmp_path / "metrics.jsonl", step, records[1], dropped=0)
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["vcpo_lr_scale"] == line["vcpo_lr_scale"]
+
+
+# ---------------------------------------------------------------- the off-policy optimal baseline
+
+
+@pytest.mark.parametrize("case", range(len(BASELINE_GOLDEN["cases"])))
+def test_baseline_matches_authors_code(case: int) -> None:
+    """The authors accumulate (R_i / std) g_i and g_i / std per trajectory, then subtract the group's
+    OPOB times the latter: our advantages applied to the same g_i give the same gradient, and the
+    same baselines."""
+    c = BASELINE_GOLDEN["cases"][case]
+    grads = torch.tensor(c["grads"], dtype=torch.float64)
+    adv, baselines = opob_advantages(c["rewards"], grads.pow(2).sum(dim=1).tolist(), c["is_weights"],
+                                     c["group_sizes"])
+    assert baselines == pytest.approx(c["baselines"], abs=1e-6)
+    total = (torch.tensor(adv, dtype=torch.float64)[:, None] * grads).sum(dim=0)
+    assert total.tolist() == pytest.approx(c["accumulated_gradient"], abs=1e-6)
+
+
+def test_baseline_by_hand() -> None:
+    # equal weights and norms: the plain mean, i.e. GRPO's advantages (R - mean) / std
+    adv, (b,) = opob_advantages([1.0, 0.0, 1.0, 0.0], [2.0] * 4, [1.0] * 4, [4])
+    assert b == pytest.approx(0.5) and adv == pytest.approx([1.0, -1.0, 1.0, -1.0])
+    # one trajectory with 9x the weight (w = 3): b = (9*1 + 0 + 0) / 11; std 0.4714 (R = 1, 0, 0)
+    adv, (b,) = opob_advantages([1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [3.0, 1.0, 1.0], [3])
+    std = float(np.std([1.0, 0.0, 0.0]))
+    assert b == pytest.approx(9 / 11) and adv == pytest.approx([(1 - 9 / 11) / std, -(9 / 11) / std, -(9 / 11) / std])
+    # equal rewards: no signal, nothing divided by a zero std
+    adv, _ = opob_advantages([1.0, 1.0], [1.0, 5.0], [1.0, 2.0], [2])
+    assert adv == pytest.approx([0.0, 0.0], abs=1e-6)
+    # a non-finite weight: that group falls back to its plain mean
+    adv, (b,) = opob_advantages([1.0, 0.0], [float("inf"), 1.0], [1.0, 1.0], [2])
+    assert b == 0.5 and adv == pytest.approx([1.0, -1.0])
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        opob_advantages([1.0], [1.0, 2.0], [1.0], [1])
+
+
+@pytest.mark.parametrize("change, says", [
+    ({}, "needs a per-sequence aggregation"),
+    ({"aggregation": "seq-mean-token-mean", "advantage_estimator": "rloo"}, "advantageEstimator 'grpo'"),
+    ({"aggregation": "seq-mean-token-mean", "batch_normalize_advantages": True}, "batchNormalizeAdvantages"),
+])
+def test_baseline_spec_rules(change: dict, says: str) -> None:
+    assert AlgorithmSpec(vcpo_baseline=True, aggregation="seq-mean-token-sum-norm").vcpo_baseline
+    with pytest.raises(ValidationError, match=says):
+        AlgorithmSpec(vcpo_baseline=True, **change)
+
+
+def test_baseline_needs_one_trainer_process() -> None:
+    algorithm = {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean"}
+    assert make_job(algorithm=algorithm).spec.algorithm.vcpo_baseline
+    with pytest.raises(ValidationError, match="needs one trainer process"):
+        make_job(algorithm=algorithm, trainer={"gpusPerReplica": 2, "device": "cuda"})
+
+
+def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
+    """A real step (loss 'ppo', behaviour = the model's own log-probs, so each trajectory's gradient
+    at advantage 1 is -grad sum_t log pi): the advantages the trainer trains with are the OPOB ones
+    computed here independently from the model's per-sequence gradient norms."""
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.logprobs import token_logprobs
+    from asyncrl.trainer.loop import RunConfig, Trainer
+
+    _, tok = model_and_tokenizer()
+    model = tiny_model()
+    groups = own_behaviour_groups(model, JOB, 2)  # behaviour: the model's own (ratio 1 at the step's start)
+    expected = []
+    for g in groups:  # ||grad sum_t log pi(y_t)||^2 per sample, then b and (R - b) / std by hand
+        norms = []
+        for s in g.samples:
+            model.zero_grad(set_to_none=True)
+            full = torch.tensor(np.concatenate([g.prompt_ids, s.response_ids]), dtype=torch.long)[None]
+            lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
+            lp[0, len(g.prompt_ids) - 1:].sum().backward()
+            norms.append(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+        rewards = np.array([s.reward for s in g.samples])
+        b = float((np.array(norms) * rewards).sum() / (sum(norms) + 1e-8))
+        expected += list((rewards - b) / rewards.std())
+    model.zero_grad(set_to_none=True)
+    job = make_job(name=JOB, batch_size=2, algorithm={"loss": "ppo", "proximal": "recompute", "vcpoBaseline": True,
+                                                       "minibatches": 1, "aggregation": "seq-mean-token-mean"})
+    trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
+                      torch.optim.SGD(model.parameters(), lr=1e-3), tok)
+    used: list[float] = []
+    real = trainer._vcpo_baseline
+
+    def spy(seqs, sizes, plan, prox, m):  # the advantages the minibatch then trains with
+        out = real(seqs, sizes, plan, prox, m)
+        used.extend(seqs[i].advantage for i in plan.rows)
+        return out
+
+    trainer._vcpo_baseline = spy  # type: ignore[method-assign]
+    record = trainer.train_step(groups)
+    assert used == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    assert np.isfinite(record["loss"]) and record["vcpo_baseline_shift"] > 0.0
+
+
+@pytest.mark.parametrize("proximal", ["recompute", "loglinear"])
+def test_baseline_with_the_decoupled_loss_and_stale_data(proximal: str) -> None:
+    """Stale behaviour log-probs (weights away from 1) under the decoupled loss, with VCPO's lr scale
+    too: the step trains (finite loss and weights), and the baselines moved off the plain means."""
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.loop import RunConfig, Trainer
+
+    _, tok = model_and_tokenizer()
+    model = tiny_model()
+    groups = _stale_groups(model)
+    job = make_job(name=JOB, batch_size=2, algorithm={"proximal": proximal, "vcpo": True, "vcpoBaseline": True,
+                                                       "minibatches": 2, "aggregation": "seq-mean-token-sum-norm"})
+    trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
+                      torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
+    record = trainer.train_step(groups)
+    assert np.isfinite(record["loss"]) and record["updates"] == 2 and record["skipped_updates"] == 0
+    assert record["vcpo_baseline_shift"] > 0.0 and 0.0 < record["vcpo_lr_scale"] < 1.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

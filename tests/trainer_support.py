@@ -219,3 +219,28 @@ def chat_groups(job: str, count: int) -> list[Any]:
         groups.append(TrajectoryGroup(job, f"g{g:04d}", f"p{g}", prompt, samples, "engine-test",
                                       1000.0 + g, 1000.0 + g))
     return groups
+
+
+def own_behaviour_groups(model: Any, job: str, count: int, *, noise: float = 0.0, seed: int = 0) -> list[Any]:
+    """`chat_groups(job, count)` whose behaviour log-probs are `model`'s own (so every ratio starts
+    at 1), plus Gaussian noise of std `noise` per token (stale data: sequence weights away from 1)."""
+    import dataclasses
+
+    import torch
+
+    from asyncrl.trainer.logprobs import token_logprobs
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in chat_groups(job, count):
+        samples = []
+        for s in g.samples:
+            full = torch.tensor(np.concatenate([g.prompt_ids, s.response_ids]), dtype=torch.long)[None]
+            with torch.no_grad():
+                lp, _ = token_logprobs(model, full, torch.ones_like(full), 1.0, with_entropy=False)
+            behav = lp[0, len(g.prompt_ids) - 1:].numpy()
+            if noise:
+                behav = behav + rng.normal(0, noise, len(s.response_ids))
+            samples.append(dataclasses.replace(s, behav_logprobs=behav.astype(np.float32)))
+        groups.append(dataclasses.replace(g, samples=samples))
+    return groups

@@ -42,6 +42,7 @@ What to train comes from the validated job spec; `RunConfig` holds only what the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -67,8 +68,8 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.collective_sync import CollectiveSync
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import packing_layout, token_logprobs
-from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale
-from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, plan_step, sequences_with_advantages
+from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, opob_advantages, policy_loss, vcpo_lr_scale
+from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, group_sizes, plan_step, sequences_with_advantages
 from asyncrl.trainer.publish import (
     drop_versions_after,
     prune_weights,
@@ -585,8 +586,10 @@ class Trainer:
         stats.proximal_seconds += time.perf_counter() - t_prox
 
         # Minibatch updates: forward, loss, backward per micro-batch, then clip and step.
-        skipped, lr_scales = 0, []
+        skipped, lr_scales, baseline_shifts = 0, [], []
         for m, plan in enumerate(plans):
+            if algo.vcpo_baseline:  # VCPO's baseline: the minibatch's advantages at the current weights
+                baseline_shifts += self._vcpo_baseline(seqs, group_sizes(groups, plan.rows), plan, prox, m)
             self.optimizer.zero_grad(set_to_none=True)
             vcpo_sums = [0.0, 0.0, 0.0]  # VCPO: this rank's sum w, sum w^2, sequences of the minibatch
             micro_batches = plan.rank_micro_batches()
@@ -632,7 +635,45 @@ class Trainer:
         record = summarize_step(stats, seqs, groups, version, self.ctx)
         record["updates"], record["skipped_updates"] = len(plans), skipped
         record["vcpo_lr_scale"] = sum(lr_scales) / len(lr_scales) if lr_scales else 1.0  # mean over updates
+        if algo.vcpo_baseline:  # how far VCPO's baselines moved from the groups' plain means
+            record["vcpo_baseline_shift"] = (sum(abs(x) for x in baseline_shifts) / len(baseline_shifts)
+                                             if baseline_shifts else 0.0)
         return record
+
+    def _vcpo_baseline(self, seqs: list[TrainSequence], sizes: list[int], plan: MinibatchPlan,
+                       prox: dict[tuple[int, int], torch.Tensor], m: int) -> list[float]:
+        """VCPO's off-policy optimal baseline for minibatch `m` (losses.opob_advantages): one
+        forward and backward per trajectory gives the norm of its score gradient at the current
+        weights (the loss at advantage 1, summed over its tokens, batch-dependent bounds and masks
+        off) and its sequence weight; the advantages of the minibatch's sequences are replaced.
+        One process only (the spec says so). Returns each group's baseline minus its mean reward."""
+        norms: dict[int, float] = {}
+        weights: dict[int, float] = {}
+        config = dataclasses.replace(self.loss_config, aggregation="token-mean", vcpo=True, clip_bounds="fixed",
+                                     m2_threshold=None)
+        for k, rows in enumerate(plan.rank_micro_batches()):
+            for r, i in enumerate(rows):  # one row at a time: a backward through a batch costs the batch
+                batch, fed = self._batch(seqs, [i])
+                logprobs, _ = self._forward(batch, fed, with_entropy=False)
+                p = prox.get((m, k))  # (recompute: the row's step-start log-probs, its micro-batch's row r)
+                loss, stats = policy_loss(
+                    logprobs, batch.behav_logprobs, torch.ones_like(batch.advantages), batch.loss_mask,
+                    config=config, versions=batch.versions, current_version=self.state.version,
+                    prox_logprobs=None if p is None else p[r:r + 1, :logprobs.shape[1]], loss_denominator=1.0)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                norms[i] = float(torch.stack([q.grad.detach().double().pow(2).sum()
+                                              for q in self.model.parameters() if q.grad is not None]).sum())
+                weights[i] = stats["vcpo_w_sum"]
+        self.optimizer.zero_grad(set_to_none=True)
+        rows = plan.rows
+        rewards = [seqs[i].reward for i in rows]
+        advantages, baselines = opob_advantages(rewards, [norms[i] for i in rows], [weights[i] for i in rows], sizes)
+        for i, a in zip(rows, advantages, strict=True):
+            seqs[i].advantage = a
+        it = iter(rewards)
+        means = [sum(next(it) for _ in range(n)) / n for n in sizes]
+        return [b - mu for b, mu in zip(baselines, means, strict=True)]
 
     def _recomputed_proximal(self, seqs: list[TrainSequence],
                              plans: list[MinibatchPlan]) -> dict[tuple[int, int], torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -838,6 +839,41 @@ def vcpo_lr_scale(w_sum: float, w_sq_sum: float, n: float, *, base_ess_ratio: fl
     ratio = (w_sum * w_sum / (w_sq_sum + VCPO_EPS)) / n if n > 0 else 0.0
     scale = min(1.0, ratio / max(float(base_ess_ratio), 1e-8))
     return math.sqrt(scale) if scaling == "sqrt" else scale
+
+
+# ------------------------------------------------------------------------------------ VCPO baseline
+
+
+def opob_advantages(rewards: Sequence[float], grad_sq_norms: Sequence[float], is_weights: Sequence[float],
+                    group_sizes: Sequence[int], *, eps: float = VCPO_EPS) -> tuple[list[float], list[float]]:
+    """VCPO's off-policy optimal baseline (OPOB) per group: advantages `(R_i - b) / std` and each
+    group's `b`.
+
+    `b = sum_i W_i R_i / (sum_i W_i + eps)`, `W_i = ||g_i||^2 w_i^2`: `g_i` the gradient of
+    trajectory i's token-sum surrogate at advantage 1, `w_i` its sequence importance weight (proximal
+    over behaviour). A trajectory whose score gradient is large or whose weight is large, the ones
+    that dominate the update's variance, pulls the baseline towards its own reward. `std` is the
+    group's population standard deviation of R (not divided when <= eps, as the code). A group with a
+    non-finite W falls back to its plain mean (the code would propagate NaN).
+    """
+    if not len(rewards) == len(grad_sq_norms) == len(is_weights) == sum(group_sizes):
+        raise ValueError(f"rewards ({len(rewards)}), grad_sq_norms ({len(grad_sq_norms)}) and is_weights "
+                         f"({len(is_weights)}) must each have one entry per sequence of the groups "
+                         f"({sum(group_sizes)})")
+    advantages: list[float] = []
+    baselines: list[float] = []
+    start = 0
+    for n in group_sizes:
+        r = torch.tensor(rewards[start:start + n], dtype=torch.float64)
+        w = (torch.tensor(grad_sq_norms[start:start + n], dtype=torch.float64)
+             * torch.tensor(is_weights[start:start + n], dtype=torch.float64).pow(2))
+        b = float((r * w).sum() / (w.sum() + eps)) if bool(torch.isfinite(w).all()) else float(r.mean())
+        std = float(r.to(torch.float32).std(unbiased=False)) if n > 1 else 0.0
+        scale = 1.0 / std if std > eps else 1.0
+        advantages.extend(((r - b) * scale).tolist())
+        baselines.append(b)
+        start += n
+    return advantages, baselines
 
 
 # ------------------------------------------------------------------------------------ policy loss: checks

@@ -93,6 +93,13 @@ def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec,
     return plans
 
 
+def group_sizes(groups: list[Any], rows: list[int]) -> list[int]:
+    """The sizes of the groups whose sequences `rows` (a minibatch's: whole groups, in order) are."""
+    offsets = [0, *itertools.accumulate(len(g.samples) for g in groups)]
+    chosen = set(rows)
+    return [len(g.samples) for g, start in zip(groups, offsets) if start in chosen]
+
+
 def minibatch_rows(group_sizes: list[int], count: int) -> list[list[int]]:
     """Sequence indices of `count` consecutive runs of whole groups (empty runs left out)."""
     offsets = [0, *itertools.accumulate(group_sizes)]
