@@ -135,7 +135,8 @@ def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_p
     """Under DDP and FSDP the LM head runs in chunks (no [N, L, V] logits), with and without the
     head's activation checkpointing, and each rank's log-probs and its (reduced) gradient equal the
     unwrapped model's on the same data. FSDP with a bfloat16 model dtype keeps float32 shards and
-    publishes bfloat16 weights, gathered in buckets into an HF directory transformers loads."""
+    publishes bfloat16 weights, gathered in buckets into an HF directory transformers loads. And the
+    trainer's FSDP load (only rank 0 reads the weights) gives every rank the same model."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [torchrun, "--nproc-per-node=2", f"--master-port={free_port()}", __file__, str(tmp_path)]
@@ -153,6 +154,10 @@ def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_p
     assert published["shard_dtype"] == "torch.float32" and published["compute_dtype"] == "torch.bfloat16"
     assert published["files"] > 1 and published["index"]  # several buckets, with HF's index
     assert published["loaded_dtype"] == "torch.bfloat16" and published["max_diff"] == 0.0
+    for rank in (0, 1):  # the model sharded with only rank 0 loading it: the same model on every rank
+        loaded = json.loads((tmp_path / f"sharded-load{rank}.json").read_text())
+        assert loaded == {"sharded": True, "params_equal": True, "params": True, "buffers_equal": True,
+                          "generation_config": True, "attention": True, "checkpointing": True}, (rank, loaded)
 
 
 def _wrapper_worker(out: Path) -> None:
@@ -216,7 +221,30 @@ def _wrapper_worker(out: Path) -> None:
                 "grad_scale": max(float(reference[n].abs().max()) for n in reference)})
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(results))
     _publish_bf16(model, ctx, out)
+    _sharded_load(model, ctx, out)
     D.shutdown(ctx)
+
+
+def _sharded_load(model: Any, ctx: Any, out: Path) -> None:
+    """load_sharded_model: rank 0 loads, the other ranks build on the meta device; every rank's
+    shards, buffers (the rotary frequencies a state dict leaves out), generation config and
+    attention implementation then equal those of the model loaded whole."""
+    import torch
+    from trainer_support import MODEL
+
+    from asyncrl.trainer import distributed as D
+
+    sharded = D.load_sharded_model(MODEL, ctx, gradient_checkpointing=True)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    (out / f"sharded-load{ctx.rank}.json").write_text(json.dumps({
+        "sharded": D.is_sharded(sharded),
+        "params_equal": all(torch.equal(D.full_tensor(p), params[n]) for n, p in sharded.named_parameters()),
+        "params": sorted(n for n, _ in sharded.named_parameters()) == sorted(params),
+        "buffers_equal": all(torch.equal(b, buffers[n]) for n, b in sharded.named_buffers()),
+        "generation_config": sharded.generation_config.to_dict() == model.generation_config.to_dict(),
+        "attention": sharded.config._attn_implementation == model.config._attn_implementation,
+        "checkpointing": sharded.is_gradient_checkpointing}))
 
 
 def _publish_bf16(model: Any, ctx: Any, out: Path) -> None:

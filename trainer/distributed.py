@@ -123,6 +123,43 @@ def shard_model(model: Any, ctx: DistContext, compute_dtype: torch.dtype | None 
     return model
 
 
+def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype | None = None, *,
+                       gradient_checkpointing: bool = False) -> Any:
+    """The model FSDP2-sharded across ranks with only rank 0 ever holding it whole: rank 0 loads
+    the float32 weights on the CPU, every other rank builds the architecture on the meta device (no
+    memory), all shard it, allocate their shards, and rank 0 broadcasts each tensor's shards
+    (`set_model_state_dict(broadcast_from_rank0)`) and the buffers a state dict leaves out (e.g. the
+    rotary frequencies). Before this every rank loaded the whole float32 model: for a 32B model,
+    128 GB of host memory per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from asyncrl.models import load_causal_lm, resolve_model_path
+
+    source = load_causal_lm(path, "float32", "cpu") if ctx.is_main else None
+    resolved = resolve_model_path(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolved), dtype=torch.float32)
+    try:  # what the checkpoint says about generation (the publisher writes it), not the config's defaults
+        model.generation_config = GenerationConfig.from_pretrained(resolved)
+    except OSError:
+        pass
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model = shard_model(model, ctx, compute_dtype)
+    model.to_empty(device=ctx.device)
+    set_model_state_dict(model, source.state_dict() if source is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    loaded = dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if source is not None:
+                buffer.copy_(loaded[name])
+            dist.broadcast(buffer, src=0)
+    del source, loaded
+    return model
+
+
 def is_sharded(model: Any) -> bool:
     """True for an FSDP2 model (its parameters are DTensor shards)."""
     from torch.distributed.fsdp import FSDPModule

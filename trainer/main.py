@@ -334,14 +334,15 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     torch.manual_seed(spec.seed)
     # FSDP keeps a float32 master copy (sharded, with the optimizer state) and computes in the
     # model dtype; DDP and one process train in the model dtype itself.
-    sharded = ctx.enabled and spec.trainer.parallelism == "fsdp"
-    model = load_causal_lm(spec.model.path, "float32" if sharded else spec.model.dtype,
-                           "cpu" if sharded else ctx.device)  # (fully_shard moves each rank's shard)
-    if spec.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if ctx.enabled and spec.trainer.parallelism == "fsdp":  # (only rank 0 loads the whole model)
+        model = D.load_sharded_model(spec.model.path, ctx, torch_dtype(spec.model.dtype),
+                                     gradient_checkpointing=spec.model.gradient_checkpointing)
+    else:
+        model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device)
+        if spec.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model = D.wrap_model(model, ctx, spec.trainer.parallelism)
     model.train()
-    model = D.wrap_model(model, ctx, spec.trainer.parallelism,
-                         compute_dtype=torch_dtype(spec.model.dtype) if sharded else None)
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
     opt = spec.algorithm.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
