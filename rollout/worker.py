@@ -380,6 +380,8 @@ class RolloutWorker:
         self._saves: set[asyncio.Future] = set()
         self._done_locals: set[int] = set()
         self._low_water = 0
+        self._saved_low_water = -1  # (the last value written: -1, none yet)
+        self._cursor_lock = asyncio.Lock()
         self._eval_progress: _EvalProgress | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -907,19 +909,27 @@ class RolloutWorker:
         task.add_done_callback(self._saves.discard)
 
     async def _save_cursor(self) -> None:
+        """Write the low-water mark. One write at a time, each of the value current when it starts:
+        saves started by completions that finish close together (and the final one at shutdown)
+        would otherwise race on separate connections and an older value could land last."""
         if self.shared_cursor:
             return
-        try:
-            await self.redis.set(self.cursor_key, self._low_water)
-        except Exception as exc:
-            log.warning("could not save the dataset cursor: %s", exc)
+        async with self._cursor_lock:
+            value = self._low_water
+            if value == self._saved_low_water:
+                return
+            try:
+                await self.redis.set(self.cursor_key, value)
+                self._saved_low_water = value
+            except Exception as exc:
+                log.warning("could not save the dataset cursor: %s", exc)
 
     async def _restore_cursor(self) -> None:
         if self.shared_cursor:
             return
         raw = await self.redis.get(self.cursor_key)
         if raw is not None:
-            self._low_water = int(raw)
+            self._low_water = self._saved_low_water = int(raw)
             self.cursor.next = self._low_water
             log.info("resuming shard %d/%d at prompt %d", self.cfg.rollout_index, self.cfg.rollout_replicas,
                      self._low_water)

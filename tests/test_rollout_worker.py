@@ -286,3 +286,30 @@ async def test_a_long_answer_is_generated_in_segments_that_continue_each_other(e
         assert ids[start:start + 16] == [fake_token(prompt + ids[:start], j) for j in range(len(ids[start:start + 16]))]
     assert list(sample.behav_logprobs) == pytest.approx([fake_logprob(j, "default") for j in range(16)] * 2
                                                         + [fake_logprob(j, "default") for j in range(8)], abs=1e-6)
+
+
+async def test_cursor_saves_never_go_back(env):
+    """Completions close together start several saves; on separate connections an older value could
+    land last (seen in CI: the shard cursor read 1 after 3 groups). A SET that takes longer the
+    smaller its value provokes exactly that: the saved cursor must still end at the newest."""
+    redis, fake, names = env
+    worker = make_worker(redis, fake, names, index=0, replicas=2)
+
+    class SlowOldValues:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def set(self, key, value):
+            await asyncio.sleep(0.05 * (3 - int(value)))
+            return await self.inner.set(key, value)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    worker.redis = SlowOldValues(redis)
+    for local in range(3):
+        worker._mark_done(local)
+        await asyncio.sleep(0)  # each save starts before the next completion
+    await worker._save_cursor()  # the final save at shutdown, while the older ones are in flight
+    await asyncio.gather(*list(worker._saves))
+    assert await redis.get(cursor_key(names, 0, 2)) == b"3"
