@@ -267,18 +267,17 @@ class Trainer:
     def _collective_sync(self) -> CollectiveSync | None:
         """Rank 0's side of the weight group (trainer.weightTransport: collective), else None.
 
-        NCCL when the engines are SGLang and this process has a GPU (tensors go from its device);
-        gloo otherwise (our hf engine; an SGLang engine takes gloo too, slower). An SGLang engine
-        has one rank per tensor-parallel GPU (rollout.gpusPerReplica)."""
+        NCCL when the engines are SGLang and this process trains on a GPU (tensors go from its
+        device); gloo otherwise (our hf engine; an SGLang engine takes gloo too, slower). An SGLang
+        engine has one rank per tensor-parallel GPU (rollout.gpusPerReplica)."""
         if self.spec.trainer.weight_transport != "collective":
             return None
-        nccl = self.cfg.engine_kind == "sglang" and torch.cuda.is_available()
+        nccl = self.cfg.engine_kind == "sglang" and self.ctx.device.startswith("cuda")
         return CollectiveSync(
             address=self.cfg.weight_group_address, port=self.cfg.weight_group_port,
             backend="nccl" if nccl else "gloo",
             engine_ranks=self.spec.rollout.gpus_per_replica if self.cfg.engine_kind == "sglang" else 1,
-            timeout_s=self.cfg.weight_sync_timeout_s,
-            device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+            timeout_s=self.cfg.weight_sync_timeout_s, device=self.ctx.device if nccl else "cpu")
 
     def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
         """Rank 0's reader of evaluation results, with spec.evaluation and a Redis connection."""
@@ -652,10 +651,10 @@ class Trainer:
         config = dataclasses.replace(self.loss_config, aggregation="token-mean", vcpo=True, clip_bounds="fixed",
                                      m2_threshold=None)
         for k, rows in enumerate(plan.rank_micro_batches()):
+            p = prox.get((m, k))  # (recompute: the step-start log-probs of this micro-batch; row r is i's)
             for r, i in enumerate(rows):  # one row at a time: a backward through a batch costs the batch
                 batch, fed = self._batch(seqs, [i])
                 logprobs, _ = self._forward(batch, fed, with_entropy=False)
-                p = prox.get((m, k))  # (recompute: the row's step-start log-probs, its micro-batch's row r)
                 loss, stats = policy_loss(
                     logprobs, batch.behav_logprobs, torch.ones_like(batch.advantages), batch.loss_mask,
                     config=config, versions=batch.versions, current_version=self.state.version,
