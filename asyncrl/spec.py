@@ -32,6 +32,25 @@ JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
 OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
 """The aggregations VCPO's baseline composes with (per-sequence, as the authors' code asserts)."""
+TB_BETA = 0.012
+TB_BETA_ANNEAL_STEPS = 500
+TB_UNUSED: tuple[tuple[str, str, Any], ...] = (
+    ("loss", "loss", "decoupled"), ("proximal", "proximal", "loglinear"),
+    ("loglinearOnPolicy", "loglinear_on_policy", "behave"), ("clipEps", "clip_eps", 0.2),
+    ("clipEpsHigh", "clip_eps_high", None), ("dualClip", "dual_clip", None),
+    ("behaviourCap", "behaviour_cap", 5.0), ("behaviourCapMode", "behaviour_cap_mode", "mask"),
+    ("behaviourCapLevel", "behaviour_cap_level", "token"), ("m2Threshold", "m2_threshold", None),
+    ("aggregation", "aggregation", "token-mean"), ("advantageEstimator", "advantage_estimator", "grpo"),
+    ("batchNormalizeAdvantages", "batch_normalize_advantages", False), ("clipBounds", "clip_bounds", "fixed"),
+    ("vcpo", "vcpo", False), ("vcpoBaseline", "vcpo_baseline", False),
+    ("dynamicSampling", "dynamic_sampling", False))
+"""(camelCase, field, default) of the algorithm settings objective 'tb' does not use: it has no
+importance ratio, clip, behaviour weight, advantage or token aggregation, and every group carries
+signal (equal rewards still pull towards the reference). Set to anything else, they are errors."""
+TB_ONLY: tuple[tuple[str, str, Any], ...] = (
+    ("tbBeta", "tb_beta", TB_BETA), ("tbBetaFinal", "tb_beta_final", None),
+    ("tbBetaAnnealSteps", "tb_beta_anneal_steps", TB_BETA_ANNEAL_STEPS), ("replay", "replay", None))
+"""(camelCase, field, default) of the settings only objective 'tb' uses."""
 COLLECTIVE_ENGINES = ("sglang", "hf")
 """Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
@@ -152,6 +171,29 @@ class OptimizerSpec(SpecModel):
     """Max global gradient norm."""
 
 
+class ReplaySpec(SpecModel):
+    """TBA's replay buffer (bbartoldson/TBA src/buffer_utils.py), kept by the trainer process.
+
+    Each of a step's batchSize group slots is filled, with probability onPolicyProb, by a fresh
+    group from the stream, else by a group replayed from the buffer: a prompt already trained on
+    (in turn, each before any again) and groupSize of its kept trajectories, drawn by
+    softmax(rewardPriority x reward). Every trained fresh trajectory is kept, the newest
+    capacityPerPrompt per prompt (a response seen again replaces its older copy) and the newest
+    capacity overall. The buffer lives in the trainer's memory (status: replay) and starts empty
+    after a restart."""
+
+    on_policy_prob: float = Field(default=0.95, ge=0, le=1)
+    """Chance that a batch slot takes a fresh group (TBA's GSM8K on_policy_prob 0.95; TL;DR 0.5); a
+    step always trains at least one fresh group."""
+    capacity_per_prompt: int = Field(default=100, ge=1)
+    """Trajectories kept per prompt, the newest (TBA's max_capacity_per_query)."""
+    capacity: int = Field(default=16384, ge=1)
+    """Trajectories kept in all, the newest: bounds the trainer's memory (TBA has no overall bound)."""
+    reward_priority: float = Field(default=1.0, ge=0)
+    """Inverse temperature of the softmax over rewards that picks a replayed prompt's trajectories
+    (TBA's inv_temp: 1 in its buffer and TL;DR runs; 0 = uniform, as its GSM8K run)."""
+
+
 class AlgorithmSpec(SpecModel):
     """The RL algorithm: advantage estimator, loss and sampling settings."""
 
@@ -183,8 +225,9 @@ class AlgorithmSpec(SpecModel):
     """Tokens M2 is computed over: all (paper) or harmful ones (released code)."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses are reduced; seq-mean-token-sum-norm (Dr. GRPO): token sum / (rows x maxNewTokens)."""
-    objective: Literal["ppo-clip", "gspo", "cispo", "sapo"] = "ppo-clip"
-    """Objective on u: ppo-clip, gspo (sequence-level u), cispo (clipped weight), sapo (soft gate)."""
+    objective: Literal["ppo-clip", "gspo", "cispo", "sapo", "tb"] = "ppo-clip"
+    """Objective on u: ppo-clip, gspo (sequence-level u), cispo (clipped weight), sapo (soft gate); or tb:
+    TBA's trajectory balance against the frozen initial model, no ratio (docs/algorithms.md)."""
     sapo_tau_pos: float = Field(default=1.0, gt=0)
     """SAPO gate temperature for positive advantages (verl 0.9.1's default); objective sapo only."""
     sapo_tau_neg: float = Field(default=1.05, gt=0)
@@ -216,6 +259,17 @@ class AlgorithmSpec(SpecModel):
     the rewards weighted by ||grad log pi(tau_i)||^2 w_i^2 instead of the plain mean (advantages
     (R_i - b) / std). Costs one extra backward per trajectory per update; needs aggregation
     seq-mean-token-mean or seq-mean-token-sum-norm, advantageEstimator grpo and one trainer process."""
+    tb_beta: float = Field(default=TB_BETA, gt=0)
+    """Trajectory balance's reward temperature beta: the policy is pulled towards pi_ref x exp(R / beta)
+    (bbartoldson/TBA's GSM8K kl_coef, 0.012); objective tb only."""
+    tb_beta_final: float | None = Field(default=None, gt=0)
+    """Anneal beta linearly from tbBeta to this over tbBetaAnnealSteps steps (TBA's GSM8K: 0.004 over 500);
+    unset = constant tbBeta; objective tb only."""
+    tb_beta_anneal_steps: int = Field(default=TB_BETA_ANNEAL_STEPS, ge=1)
+    """Steps over which beta goes from tbBeta to tbBetaFinal (TBA's kl_coef_decay_target_iter)."""
+    replay: ReplaySpec | None = None
+    """TBA's replay buffer (objective tb only; unset = train on fresh groups only): part of each step's
+    batch is drawn from the trajectories already trained on, by reward and recency (docs/algorithms.md)."""
     group_size: int = Field(default=8, ge=1)
     """Samples per prompt (n); the unit of advantage normalisation."""
     batch_size: int = Field(default=8, ge=1)
@@ -370,6 +424,22 @@ class AlgorithmSpec(SpecModel):
                                  f"got {self.advantage_estimator!r}; allowed: advantageEstimator 'grpo'")
             if self.batch_normalize_advantages:
                 raise ValueError("vcpoBaseline sets the advantages itself: batchNormalizeAdvantages must be false")
+        return self
+
+    @model_validator(mode="after")
+    def _tb_consistent(self) -> AlgorithmSpec:
+        # (the same rules as CEL_RULES' two entries built from TB_UNUSED and TB_ONLY)
+        tb = self.objective == "tb"
+        for camel, name, default in TB_UNUSED if tb else ():
+            if getattr(self, name) != default:
+                raise ValueError(f"{camel} {getattr(self, name)!r} does not apply to objective 'tb': trajectory "
+                                 "balance has no importance ratio, clip, behaviour weight, advantage or token "
+                                 "aggregation, and every group carries signal; allowed with objective 'tb': "
+                                 f"{camel} {default!r} (its default)")
+        for camel, name, default in () if tb else TB_ONLY:
+            if getattr(self, name) != default:
+                raise ValueError(f"{camel} only applies to objective 'tb', got objective {self.objective!r}; "
+                                 f"allowed: objective 'tb' with {camel}, or {camel} {default!r} (its default)")
         return self
 
     @model_validator(mode="after")
@@ -590,6 +660,11 @@ class TrainerSpec(SpecModel):
     pod_template: TrainerPodTemplate | None = None
     """Scheduling, identity, env and volumes added to the trainer pods."""
 
+    @property
+    def processes(self) -> int:
+        """Trainer processes (ranks): one per GPU of each replica, one per CPU-only replica."""
+        return self.replicas * max(self.gpus_per_replica, 1)
+
 
 class SecretKeyRef(SpecModel):
     """A key inside a Secret in the job's namespace."""
@@ -803,12 +878,23 @@ class AsyncRLJobSpec(SpecModel):
     @model_validator(mode="after")
     def _vcpo_baseline_in_one_process(self) -> AsyncRLJobSpec:
         # (the same rule as CEL_RULES' spec entry on algorithm.vcpoBaseline)
-        processes = self.trainer.replicas * max(self.trainer.gpus_per_replica, 1)
+        processes = self.trainer.processes
         if self.algorithm.vcpo_baseline and processes > 1:
             raise ValueError(f"algorithm.vcpoBaseline needs one trainer process, got trainer.replicas "
                              f"{self.trainer.replicas} x gpusPerReplica {self.trainer.gpus_per_replica}: the "
                              "per-trajectory gradient norms are not gathered across ranks yet; allowed: "
                              "trainer.replicas 1 with gpusPerReplica 0 or 1, or vcpoBaseline false")
+        return self
+
+    @model_validator(mode="after")
+    def _tb_in_one_process(self) -> AsyncRLJobSpec:
+        # (the same rule as CEL_RULES' spec entry on algorithm.objective 'tb')
+        processes = self.trainer.processes
+        if self.algorithm.objective == "tb" and processes > 1:
+            raise ValueError(f"algorithm.objective 'tb' needs one trainer process, got trainer.replicas "
+                             f"{self.trainer.replicas} x gpusPerReplica {self.trainer.gpus_per_replica}: the "
+                             "groups' log-partition sums, the reference model and the replay buffer are not "
+                             "shared across ranks yet; allowed: trainer.replicas 1 with gpusPerReplica 0 or 1")
         return self
 
     def max_concurrent_groups(self) -> int:
@@ -965,6 +1051,20 @@ class AsyncRLJob(SpecModel):
 # (json path of the object the rule is attached to, rule, message). The CRD generator attaches
 # them; tests evaluate each with cel-python against the same cases the pydantic validators see.
 
+def _cel_at_default(camel: str, default: Any) -> str:
+    """A CEL condition: field `camel` of `self` is absent or equal to `default` (None: absent)."""
+    if default is None:
+        return f"!has(self.{camel})"
+    literal = ("true" if default else "false") if isinstance(default, bool) else (
+        f"'{default}'" if isinstance(default, str) else repr(default))
+    return f"(!has(self.{camel}) || self.{camel} == {literal})"
+
+
+_ONE_TRAINER_PROCESS_CEL = ("((has(self.trainer) && has(self.trainer.replicas) ? self.trainer.replicas : 1)"
+                            " * (has(self.trainer) && has(self.trainer.gpusPerReplica)"
+                            " && self.trainer.gpusPerReplica > 1 ? self.trainer.gpusPerReplica : 1)) == 1")
+"""CEL on `spec`: the trainer runs as one process (TrainerSpec.processes)."""
+
 CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
      "proximal 'loglinear' requires loss 'decoupled'"),
@@ -1025,6 +1125,16 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "topP must be 1.0: the trainer scores the full distribution"),
     ("spec.algorithm", "!has(self.topK) || self.topK == -1",
      "topK must be -1: the trainer scores the full distribution"),
+    ("spec.algorithm", "!has(self.objective) || self.objective != 'tb' || ("
+     + " && ".join(_cel_at_default(camel, default) for camel, _, default in TB_UNUSED) + ")",
+     "objective 'tb' has no ratio, clip, behaviour weight, advantage or aggregation: leave "
+     + ", ".join(camel for camel, _, _ in TB_UNUSED) + " at their defaults"),
+    ("spec.algorithm", "(has(self.objective) && self.objective == 'tb') || ("
+     + " && ".join(_cel_at_default(camel, default) for camel, _, default in TB_ONLY) + ")",
+     "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'"),
+    ("spec", "!has(self.algorithm) || !has(self.algorithm.objective) || self.algorithm.objective != 'tb'"
+     " || " + _ONE_TRAINER_PROCESS_CEL,
+     "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
     ("spec.algorithm", "!has(self.dynamicSampling) || !self.dynamicSampling || self.groupSize >= 2",
      "dynamicSampling needs groupSize >= 2"),
     ("spec.algorithm", "!has(self.dynamicSamplingMaxDraws) || (has(self.dynamicSampling) && self.dynamicSampling)",
@@ -1052,9 +1162,7 @@ CEL_RULES: list[tuple[str, str, str]] = [
      "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vLLM 0.32's own weight transfer is "
      "another protocol, not spoken yet); allowed with vllm: disk"),
     ("spec", "!has(self.algorithm) || !has(self.algorithm.vcpoBaseline) || !self.algorithm.vcpoBaseline"
-     " || ((has(self.trainer) && has(self.trainer.replicas) ? self.trainer.replicas : 1)"
-     " * (has(self.trainer) && has(self.trainer.gpusPerReplica) && self.trainer.gpusPerReplica > 1"
-     " ? self.trainer.gpusPerReplica : 1)) == 1",
+     " || " + _ONE_TRAINER_PROCESS_CEL,
      "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),

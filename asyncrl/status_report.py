@@ -169,6 +169,19 @@ class AdmissionReport(_Report):
     """Leases of dead rollout workers returned by their replacements."""
 
 
+class ReplayReport(_Report):
+    """TBA's replay buffer (algorithm.replay): what it holds and what it has given."""
+
+    trajectories: int = 0
+    prompts: int = 0
+    bytes: int = 0
+    """Host memory of the kept token ids, log-probs and versions."""
+    capacity: int = 0
+    """The most trajectories it keeps (algorithm.replay.capacity)."""
+    replayed_groups: int = 0
+    """Groups trained from the buffer in this trainer's life (the buffer starts empty after a restart)."""
+
+
 class TrainerReport(_Report):
     """What the trainer publishes about itself at `GET /status`."""
 
@@ -205,6 +218,10 @@ class TrainerReport(_Report):
     """Last step: BAPO's adapted upper ratio bound; 0 when off."""
     vcpo_lr_scale: float = 1.0
     """Last step: VCPO's learning-rate scale (algorithm.vcpo; the mean over the step's updates); 1 when off."""
+    tb_beta: float | None = None
+    """Last step: trajectory balance's reward temperature (objective tb); None otherwise."""
+    replay: ReplayReport | None = None
+    """TBA's replay buffer (algorithm.replay); None (absent) without one."""
     importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
     """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight")."""
     behaviour: BehaviourReport = Field(default_factory=BehaviourReport)

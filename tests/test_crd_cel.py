@@ -129,6 +129,8 @@ def test_examples_pass_schema_and_cel(path):
 COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine sglang or hf ("
                       "vLLM 0.32's own weight transfer is another protocol, not spoken yet); allowed with vllm: disk")
 
+TB_UNUSED_MESSAGE = next(m for _, _, m in CEL_RULES if m.startswith("objective 'tb' has no ratio"))
+
 BREAKERS = {
     "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},
     "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
@@ -175,13 +177,22 @@ BREAKERS = {
          "trainer": {"gpusPerReplica": 1}},
     "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
         {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean"}},
+    TB_UNUSED_MESSAGE: {"algorithm": {"objective": "tb", "behaviourCap": 3.0, "clipEpsHigh": None},
+                        "trainer": {"gpusPerReplica": 1}},
+    "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'": {"algorithm": {"replay": {}}},
+    "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
+        {"algorithm": {"objective": "tb", "clipEpsHigh": None}},
 }
 
 
 def merged(base: dict, change: dict) -> dict:
+    """`base` with `change` merged in; a None value removes the field."""
     out = copy.deepcopy(base)
     for k, v in change.items():
-        out[k] = merged(out.get(k, {}), v) if isinstance(v, dict) else v
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merged(out.get(k, {}), v) if isinstance(v, dict) else v
     return out
 
 

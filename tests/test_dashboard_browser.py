@@ -25,6 +25,7 @@ from asyncrl.status_report import (
     EngineReport,
     EvalRecord,
     ImportanceWeightReport,
+    ReplayReport,
     StalenessReport,
     StepRecord,
     TrainerReport,
@@ -94,6 +95,8 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         bapo_clip_low=0.65,
         bapo_clip_high=1.35,
         vcpo_lr_scale=0.82,
+        tb_beta=0.012,
+        replay=ReplayReport(trajectories=300, prompts=20, bytes=2 * 1048576, capacity=16384, replayed_groups=9),
         importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
         dead_lettered=1,
         zero_signal_groups=7,
@@ -248,6 +251,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert details["clipped low / high"] == "0.8% / 1.5%"
     assert details["BAPO bounds low / high"] == "0.650 / 1.350"
     assert details["VCPO learning-rate scale"] == "0.820"
+    assert details["trajectory balance β"] == "0.0120"
+    assert details["replay buffer"] == "300 / 16384 trajectories, 2.0 MiB, 9 groups replayed"
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

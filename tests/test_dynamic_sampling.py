@@ -67,9 +67,9 @@ def run_trainer(tmp_path: Path, redis_url: str, groups: list[Any], *, max_steps:
         trainer = Trainer(job, cfg, DistContext(), model, opt, tok, io=io)
         real_step = trainer.train_step
 
-        def step(batch: list[Any]) -> dict[str, Any]:
+        def step(batch: list[Any], replayed: Any = None) -> dict[str, Any]:
             batches.append([g.group_id for g in batch])
-            return real_step(batch)
+            return real_step(batch, replayed)
 
         trainer.train_step = step  # type: ignore[method-assign]
         try:

@@ -172,7 +172,7 @@ def test_objective_defaults_to_ppo_clip_with_verls_sapo_temperatures():
 
 
 @pytest.mark.parametrize("algorithm, says", [
-    ({"objective": "dapo"}, "'ppo-clip', 'gspo', 'cispo' or 'sapo'"),
+    ({"objective": "dapo"}, "'ppo-clip', 'gspo', 'cispo', 'sapo' or 'tb'"),
     ({"objective": "gspo", "m2Threshold": 0.04},
      "m2Threshold 0.04 requires objective 'ppo-clip', got objective 'gspo'"),
     ({"objective": "sapo", "m2Threshold": 0.04},

@@ -21,6 +21,7 @@ from asyncrl.status_report import (
     EngineReport,
     ImportanceWeightReport,
     OutageReport,
+    ReplayReport,
     StalenessReport,
     StepRecord,
     TrainerReport,
@@ -68,6 +69,8 @@ def make_report(steps: int = 30) -> TrainerReport:
         bapo_clip_low=0.7,
         bapo_clip_high=1.4,
         vcpo_lr_scale=0.6,
+        tb_beta=0.012,
+        replay=ReplayReport(trajectories=300, prompts=20, bytes=123456, capacity=16384, replayed_groups=9),
         importance_weight=ImportanceWeightReport(max=1.7, min=0.4, mean=0.99),
         behaviour=BehaviourReport(full_ratio=ImportanceWeightReport(max=2.5, min=0.3, mean=1.01),
                                   weight=ImportanceWeightReport(max=1.4, min=0.8, mean=1.0), ess=0.93, kl=0.004),
@@ -199,6 +202,9 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
     assert [g("asyncrl_trainer_clip_fraction_by_side", side=s) for s in ("low", "high")] == [0.005, 0.015]
     assert [g("asyncrl_trainer_bapo_clip_bound", side=s) for s in ("low", "high")] == [0.7, 1.4]
     assert g("asyncrl_trainer_vcpo_lr_scale") == 0.6
+    assert g("asyncrl_trainer_tb_beta") == 0.012
+    assert (g("asyncrl_trainer_replay_trajectories"), g("asyncrl_trainer_replay_bytes"),
+            g("asyncrl_trainer_replayed_groups")) == (300, 123456, 9)
     assert g("asyncrl_trainer_importance_weight", stat="max") == 1.7
     assert g("asyncrl_trainer_importance_weight", stat="min") == 0.4
     assert g("asyncrl_trainer_importance_weight", stat="mean") == 0.99

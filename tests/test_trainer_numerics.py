@@ -78,8 +78,8 @@ def _record_changes(trainer: Any) -> list[bool]:
     last = [_snapshot(trainer)]
     step = trainer.train_step
 
-    def recorded(groups: list[Any]) -> dict[str, Any]:
-        record = step(groups)
+    def recorded(groups: list[Any], replayed: Any = None) -> dict[str, Any]:
+        record = step(groups, replayed)
         now = _snapshot(trainer)
         unchanged.append(_same(now, last[0]))
         last[0] = now

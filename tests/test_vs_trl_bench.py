@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_support import load_benchmark
 
 from asyncrl.loader import load_job, load_jobs_text
 
@@ -16,17 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"
 
 
-def _load(name: str):
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-vs = _load("vs_trl")
-peer = _load("trl_peer")
+vs = load_benchmark("vs_trl")
+peer = load_benchmark("trl_peer")
 
 
 def recs(rewards: list[float], dt: float = 10.0, start: float = 0.0) -> list[dict]:
@@ -307,7 +298,7 @@ def test_reward_at_versions_compares_the_generating_policy_not_the_step():
 
 # ----------------------------------------------------------------------------- benchmarks/heldout.py
 
-heldout = _load("heldout")
+heldout = load_benchmark("heldout")
 
 
 def test_heldout_reads_a_finished_runs_final_weights_and_seed(tmp_path):

@@ -312,6 +312,9 @@ function render(r) {
     ["clipped low / high", `${fmt(100 * (r.clip_fraction_low ?? 0), 1)}% / ${fmt(100 * (r.clip_fraction_high ?? 0), 1)}%`],
     ["BAPO bounds low / high", r.bapo_clip_high ? `${fmt(r.bapo_clip_low, 3)} / ${fmt(r.bapo_clip_high, 3)}` : "off"],
     ["VCPO learning-rate scale", fmt(r.vcpo_lr_scale ?? 1, 3)],
+    ["trajectory balance β", r.tb_beta != null ? fmt(r.tb_beta, 4) : "off"],
+    ["replay buffer", r.replay ? `${r.replay.trajectories} / ${r.replay.capacity} trajectories, ` +
+      `${fmt(r.replay.bytes / 1048576, 1)} MiB, ${r.replay.replayed_groups} groups replayed` : "off"],
     ["importance weight min/mean/max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
     ["stale groups dropped", String(st.dropped ?? 0)],
     ["groups without signal (last step)", fmt(100 * (r.zero_signal_fraction ?? 0), 1) + "%"],

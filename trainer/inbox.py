@@ -170,10 +170,10 @@ class GroupInbox:
         """True when dynamic sampling's `max_draws` cut this step's batch below B (see the top)."""
         return self.batch_target() < self.batch_size
 
-    def take_batch(self) -> list[TrajectoryGroup] | None:
-        """The `batch_target` (B) oldest buffered groups (now uncommitted), or None while fewer are
-        buffered."""
-        target = self.batch_target()
+    def take_batch(self, limit: int | None = None) -> list[TrajectoryGroup] | None:
+        """The `batch_target` (B) oldest buffered groups (now uncommitted), at most `limit` (the rest
+        of the step's batch comes from elsewhere: the replay buffer), or None while fewer are buffered."""
+        target = self.batch_target() if limit is None else min(self.batch_target(), limit)
         if len(self.buffer) < target:
             return None
         self._sort_buffer()

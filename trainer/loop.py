@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import threading
@@ -51,12 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, EngineReport, EvalRecord, StepRecord, TrainerReport
+from asyncrl.status_report import AdmissionReport, EngineReport, EvalRecord, ReplayReport, StepRecord, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import Layout, ModelRows, TrainBatch, build_batch, model_rows
 from asyncrl.trainer.checkpoint import (
@@ -69,7 +71,14 @@ from asyncrl.trainer.collective_sync import CollectiveSync
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
 from asyncrl.trainer.logprobs import packing_layout, token_logprobs
 from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, opob_advantages, policy_loss, vcpo_lr_scale
-from asyncrl.trainer.plan import MinibatchPlan, TrainSequence, group_sizes, plan_step, sequences_with_advantages
+from asyncrl.trainer.plan import (
+    MinibatchPlan,
+    TrainSequence,
+    group_sizes,
+    plan_microbatches,
+    plan_step,
+    sequences_with_advantages,
+)
 from asyncrl.trainer.publish import (
     drop_versions_after,
     prune_weights,
@@ -78,6 +87,7 @@ from asyncrl.trainer.publish import (
     weights_path,
     write_weights,
 )
+from asyncrl.trainer.replay import ReplayBuffer, ReplayedGroup
 from asyncrl.trainer.step_metrics import (
     StepStats,
     append_eval_line,
@@ -87,6 +97,7 @@ from asyncrl.trainer.step_metrics import (
     summarize_step,
     written_evaluations,
 )
+from asyncrl.trainer.trajectory_balance import group_log_z, sequence_sums, tb_beta, trajectory_balance_loss
 from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engines
 from asyncrl.transport.recovery import RecoveryCounters
 
@@ -213,10 +224,22 @@ class Trainer:
 
     def __init__(self, job: AsyncRLJob, cfg: RunConfig, ctx: D.DistContext, model: Any, optimizer: Any,
                  tokenizer: Any, *, io: StreamIO | None = None, state: TrainerState | None = None,
-                 report: TrainerReport | None = None, trackers: Trackers | None = None):
+                 report: TrainerReport | None = None, trackers: Trackers | None = None,
+                 reference_model: Any = None):
         self.spec = job.spec  # what to train: algorithm, staleness limit, steps, checkpoint interval
         self.cfg = cfg        # what the spec does not say: paths, waits, engine protocol
-        self.loss_config = LossConfig.from_spec(self.spec.algorithm)
+        algo = self.spec.algorithm
+        self.trajectory_balance = algo.objective == "tb"
+        # (objective tb trains with trajectory_balance.py, not policy_loss)
+        self.loss_config = LossConfig() if self.trajectory_balance else LossConfig.from_spec(algo)
+        if self.trajectory_balance and reference_model is None:
+            raise ValueError("objective 'tb' needs the frozen reference model (reference_model)")
+        self.reference_model = reference_model
+        self.replay = None if algo.replay is None else ReplayBuffer(
+            job=job.metadata.name, group_size=algo.group_size, capacity_per_prompt=algo.replay.capacity_per_prompt,
+            capacity=algo.replay.capacity, reward_priority=algo.replay.reward_priority)
+        self._replay_slots = 0  # rank 0: batch slots of the step being drawn that the replay buffer fills
+        self._replayed_total = 0
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -409,9 +432,10 @@ class Trainer:
             groups = D.broadcast_object(groups, self.ctx)
             if groups is None:  # rank 0 was asked to stop
                 break
+            replayed = self.draw_replay()  # (algorithm.replay: objective tb, one process)
             # 3-4. Train: advantages, proximal, minibatch updates (identical on every rank).
             self._set_phase("Training")
-            record = self.train_step(groups)
+            record = self.train_step(groups, replayed)
             self._count_skipped(record)  # (fails after maxNonFiniteSteps all-skipped steps in a row)
             # 5. Publish version + 1 (finite weights only); then counters, report, metrics.jsonl.
             await self.publish_next()
@@ -474,7 +498,9 @@ class Trainer:
         with no sign but a flat step count."""
         assert self.inbox is not None
         self._draw = StepDraw()
-        self._set_phase("Waiting", f"waiting for {self.spec.algorithm.batch_size} trajectory groups")
+        self._replay_slots = self.replay_slots()
+        fresh = self.spec.algorithm.batch_size - self._replay_slots
+        self._set_phase("Waiting", f"waiting for {fresh} trajectory groups")
         last_refresh = 0.0
         if self.stop_requested:
             return None
@@ -485,7 +511,7 @@ class Trainer:
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
             self._count_zero_signal(await self.inbox.skip_zero_signal())
             starved = self.inbox.starved()
-            batch = self.inbox.take_batch()
+            batch = self.inbox.take_batch(fresh)
             if batch is not None:
                 self._draw.add(batch, skipped=False)
                 if starved:
@@ -501,6 +527,25 @@ class Trainer:
                 await self.check_admission()
                 last_check = time.monotonic()
             await self.inbox.read()
+
+    def _replay_rng(self, stream: int) -> np.random.Generator:
+        """A generator for the step's replay draws (stream 0: the slots, 1: the groups): a function of
+        the seed and the step only, so a resumed run draws the slots the lost life would have."""
+        return np.random.default_rng((self.spec.seed, self.state.step, stream))
+
+    def replay_slots(self) -> int:
+        """Of the step's batchSize group slots, how many the replay buffer fills: each with probability
+        1 - onPolicyProb (TBA), none while it is empty, and at least one slot left for a fresh group."""
+        replay, b = self.spec.algorithm.replay, self.spec.algorithm.batch_size
+        if self.replay is None or replay is None or not self.replay.prompts:
+            return 0
+        return min(int(self._replay_rng(0).binomial(b, 1.0 - replay.on_policy_prob)), b - 1)
+
+    def draw_replay(self) -> list[ReplayedGroup]:
+        """The groups `next_batch` left to the replay buffer (none without one)."""
+        if self.replay is None or not self._replay_slots:
+            return []
+        return self.replay.sample_groups(self._replay_slots, self._replay_rng(1), now=time.time())
 
     async def check_admission(self) -> None:
         """Rank 0: reconcile admission's accounting (a leak would starve producers: inbox.reconcile)
@@ -563,20 +608,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ one update
 
-    def train_step(self, groups: list[Any]) -> dict[str, Any]:
-        """One training step on `groups` (identical on every rank); returns the step's metrics.
+    def train_step(self, groups: list[Any], replayed: list[ReplayedGroup] | None = None) -> dict[str, Any]:
+        """One training step on the fresh `groups` and the `replayed` ones (identical on every rank);
+        returns the step's metrics (rewards, tokens and staleness: of the fresh groups).
 
         An update whose gradient norm is NaN or Inf is skipped: AdamW would spread it into every
         parameter. The norm is taken after DDP's all-reduce, of gradients that are then identical on
         every rank (a NaN on one rank reaches all of them), so every rank skips the same updates."""
         algo, version = self.spec.algorithm, self.state.version
         stats = StepStats()  # (starts the step's compute clock)
+        replayed = replayed or []
+        trained = [*groups, *(r.group for r in replayed)]
 
         # Sequences and advantages: every rank computes the same from the broadcast groups.
-        seqs = sequences_with_advantages(groups, algo)
+        seqs = sequences_with_advantages(trained, algo)
+        fresh = sum(len(g.samples) for g in groups)  # (the fresh groups' sequences come first)
 
         # Plan: minibatches of whole groups; this rank's micro-batches under the token budget.
-        plans = plan_step(groups, seqs, algo, rank=self.ctx.rank, world_size=self.ctx.world_size, layout=self.layout)
+        plans = plan_step(trained, seqs, algo, rank=self.ctx.rank, world_size=self.ctx.world_size, layout=self.layout)
+
+        # Trajectory balance: log pi_ref of every response (the replay buffer kept the replayed ones').
+        beta = tb_beta(self.state.step + 1, algo.tb_beta, algo.tb_beta_final, algo.tb_beta_anneal_steps)
+        if self.trajectory_balance:
+            for s, ref in zip(seqs[fresh:], (x for r in replayed for x in r.ref_sums), strict=True):
+                s.ref_sum = ref
+            for i, ref in self._sequence_sums(self.reference_model, seqs, list(range(fresh))).items():
+                seqs[i].ref_sum = ref
+        log_zs: list[float] = []
+        residual_sq = 0.0
 
         # Proximal log-probs for `recompute`: the current weights before any update (timed).
         # (`loglinear` is computed inside policy_loss; its time is added per micro-batch.)
@@ -588,7 +647,10 @@ class Trainer:
         skipped, lr_scales, baseline_shifts = 0, [], []
         for m, plan in enumerate(plans):
             if algo.vcpo_baseline:  # VCPO's baseline: the minibatch's advantages at the current weights
-                baseline_shifts += self._vcpo_baseline(seqs, group_sizes(groups, plan.rows), plan, prox, m)
+                baseline_shifts += self._vcpo_baseline(seqs, group_sizes(trained, plan.rows), plan, prox, m)
+            log_z = self._log_partitions(seqs, group_sizes(trained, plan.rows), plan, beta) \
+                if self.trajectory_balance else {}
+            log_zs += list(log_z.values())
             self.optimizer.zero_grad(set_to_none=True)
             vcpo_sums = [0.0, 0.0, 0.0]  # VCPO: this rank's sum w, sum w^2, sequences of the minibatch
             micro_batches = plan.rank_micro_batches()
@@ -600,10 +662,18 @@ class Trainer:
                         continue
                     batch, fed = self._batch(seqs, rows)
                     logprobs, entropy = self._forward(batch, fed)
-                    loss, loss_stats = policy_loss(
-                        logprobs, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                        config=self.loss_config, versions=batch.versions, current_version=version,
-                        prox_logprobs=prox.get((m, k)), loss_denominator=plan.loss_denominator)
+                    if self.trajectory_balance:
+                        tb_ref, tb_rewards, tb_log_z = (logprobs.new_tensor(column) for column in zip(
+                            *[(seqs[i].ref_sum, seqs[i].reward, log_z[i]) for i in rows]))
+                        loss, loss_stats = trajectory_balance_loss(
+                            logprobs, batch.behav_logprobs, batch.loss_mask, tb_ref, tb_rewards, tb_log_z,
+                            beta=beta, denominator=plan.loss_denominator)
+                        residual_sq += loss_stats["tb_residual_sq_sum"]
+                    else:
+                        loss, loss_stats = policy_loss(
+                            logprobs, batch.behav_logprobs, batch.advantages, batch.loss_mask,
+                            config=self.loss_config, versions=batch.versions, current_version=version,
+                            prox_logprobs=prox.get((m, k)), loss_denominator=plan.loss_denominator)
                     # DDP averages gradients over ranks; multiplying by world makes it the exact sum.
                     (loss * self.ctx.world_size).backward()
                     stats.add_micro_batch(loss, loss_stats, entropy, batch)
@@ -630,9 +700,20 @@ class Trainer:
                             "state unchanged)", self.state.step + 1, m + 1, len(plans), grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
 
-        # Metrics: means over all ranks; staleness, rewards and lengths of the whole batch.
-        record = summarize_step(stats, seqs, groups, version, self.ctx)
+        # Metrics: means over all ranks; staleness, rewards and lengths of the fresh groups.
+        record = summarize_step(stats, seqs[:fresh], groups, version, self.ctx)
         record["updates"], record["skipped_updates"] = len(plans), skipped
+        if self.trajectory_balance:
+            # (log Z: mean over the step's sequences of their group's; residual: root mean square)
+            record.update(tb_beta=beta, tb_log_z_mean=sum(log_zs) / len(log_zs) if log_zs else 0.0,
+                          tb_residual_rms=math.sqrt(residual_sq / len(seqs)) if seqs else 0.0)
+        if self.replay is not None:  # keep what was trained fresh; then what the buffer holds
+            for g, start in zip(groups, itertools.accumulate((len(g.samples) for g in groups), initial=0)):
+                self.replay.add(g, [seqs[i].ref_sum for i in range(start, start + len(g.samples))])
+            self._replayed_total += len(replayed)
+            held = self.replay.stats()
+            record.update(replayed_groups=len(replayed), replay_trajectories=held.trajectories,
+                          replay_bytes=held.bytes)
         record["vcpo_lr_scale"] = sum(lr_scales) / len(lr_scales) if lr_scales else 1.0  # mean over updates
         if algo.vcpo_baseline:  # how far VCPO's baselines moved from the groups' plain means
             record["vcpo_baseline_shift"] = (sum(abs(x) for x in baseline_shifts) / len(baseline_shifts)
@@ -687,6 +768,32 @@ class Trainer:
         self.model.train()
         return prox
 
+    def _sequence_sums(self, model: Any, seqs: list[TrainSequence], rows: list[int]) -> dict[int, float]:
+        """No-grad log pi(y|x) of each of `rows`' responses under `model` (the policy or the frozen
+        reference), in micro-batches under the token budget; one process (objective tb)."""
+        lengths = [seqs[i].length for i in rows]
+        sums: dict[int, float] = {}
+        training = model.training
+        model.eval()
+        with torch.no_grad():
+            for micro in plan_microbatches(lengths, self.spec.algorithm.micro_batch_tokens, layout=self.layout):
+                idx = [rows[j] for j in micro]
+                batch, fed = self._batch(seqs, idx)
+                logprobs, _ = self._forward(batch, fed, with_entropy=False, model=model)
+                sums.update(zip(idx, sequence_sums(logprobs, batch.loss_mask).tolist()))
+        model.train(training)
+        return sums
+
+    def _log_partitions(self, seqs: list[TrainSequence], sizes: list[int], plan: MinibatchPlan,
+                        beta: float) -> dict[int, float]:
+        """Trajectory balance's log Z of each sequence's group for minibatch `plan`, at the weights it
+        is about to update (detached, as TBA's): a no-grad pass over the minibatch first, because a
+        group's sequences may sit in different micro-batches."""
+        sums = self._sequence_sums(self.model, seqs, plan.rows)
+        rows = plan.rows
+        return dict(zip(rows, group_log_z([sums[i] for i in rows], [seqs[i].ref_sum for i in rows],
+                                          [seqs[i].reward for i in rows], sizes, beta), strict=True))
+
     def _pad_forward(self) -> torch.Tensor:
         """A forward (through the LM head) of one 2-token row, for a rank with no micro-batch left
         where another rank still has one: FSDP gathers parameters in every forward and reduces
@@ -703,15 +810,15 @@ class Trainer:
         batch = build_batch([seqs[i] for i in rows], self.pad_id, advantages=[seqs[i].advantage for i in rows])
         return batch.to(self.ctx.device), model_rows(batch, self.layout, self.pad_id).to(self.ctx.device)
 
-    def _forward(self, batch: TrainBatch, fed: ModelRows, *,
-                 with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: TrainBatch, fed: ModelRows, *, with_entropy: bool = True,
+                 model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature,
         in the batch's padded layout whatever rows the model was fed.
 
         With `model.gradientCheckpointing` the LM head's chunk logits are recomputed in backward
         too: with the decoder's activations checkpointed they are the largest activation left."""
-        return token_logprobs(self.model, batch.input_ids, batch.attention_mask, self.spec.algorithm.temperature,
-                              mask=batch.loss_mask, with_entropy=with_entropy,
+        return token_logprobs(self.model if model is None else model, batch.input_ids, batch.attention_mask,
+                              self.spec.algorithm.temperature, mask=batch.loss_mask, with_entropy=with_entropy,
                               checkpoint_head=self.spec.model.gradient_checkpointing, rows=fed)
 
     # ------------------------------------------------------------------ publish and commit
@@ -829,6 +936,11 @@ class Trainer:
             r.clip_fraction = shown["clip_fraction"]
             for key in _LOSS_SHAPE_STATS:  # (clipped tokens by side; BAPO's adapted bounds, 0 when off; VCPO's scale)
                 setattr(r, key, finite_or_zero(record.get(key, 0.0)))
+            r.tb_beta = record.get("tb_beta")
+            if self.replay is not None:
+                held = self.replay.stats()
+                r.replay = ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
+                                        capacity=held.capacity, replayed_groups=self._replayed_total)
             for target, prefix in ((r.importance_weight, "importance_weight"),
                                    (r.behaviour.full_ratio, "full_ratio"), (r.behaviour.weight, "behav_weight")):
                 for stat in ("max", "min", "mean"):

@@ -343,6 +343,9 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
             model.gradient_checkpointing_enable()
         model = D.wrap_model(model, ctx, spec.trainer.parallelism)
     model.train()
+    reference = None
+    if spec.algorithm.objective == "tb":  # trajectory balance's frozen pi_ref: the model training starts from
+        reference = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device).eval().requires_grad_(False)
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
     opt = spec.algorithm.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
@@ -360,7 +363,7 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
         # lines of steps after the checkpoint (or of a run that never checkpointed) were lost
         truncate_metrics(cfg.metrics_path, state.step if state else 0)
     return Trainer(job, cfg, ctx, model, optimizer, tokenizer, io=io, state=state, report=report,
-                   trackers=trackers)
+                   trackers=trackers, reference_model=reference)
 
 
 async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:

@@ -142,6 +142,13 @@ class TrainerMetrics:
                                 "(algorithm.clipBounds bapo; 0 when off).", ["side"])
         self.vcpo_lr_scale = gauge("vcpo_lr_scale", "VCPO's learning-rate scale in the last step "
                                    "(algorithm.vcpo; 1 when off).")
+        self.tb_beta = gauge("tb_beta", "Trajectory balance's reward temperature in the last step (objective tb; "
+                             "NaN otherwise).")
+        self.replay_trajectories = gauge("replay_trajectories", "Trajectories in TBA's replay buffer "
+                                         "(algorithm.replay; 0 without one).")
+        self.replay_bytes = gauge("replay_bytes", "Host memory held by the replay buffer's trajectories.")
+        self.replayed_groups = gauge("replayed_groups", "Groups trained from the replay buffer in this "
+                                     "trainer's life.")
         self.importance_weight = gauge("importance_weight", "Trust-region ratio u = pi/pi_prox of the last step.",
                                        ["stat"])
         self.full_ratio = gauge("full_ratio", "Stale ratio pi/pi_behav of the last step.", ["stat"])
@@ -223,6 +230,11 @@ class TrainerMetrics:
                 self.clip_fraction_side.labels(side=side).set(getattr(report, f"clip_fraction_{side}"))
                 self.bapo_bound.labels(side=side).set(getattr(report, f"bapo_clip_{side}"))
             self.vcpo_lr_scale.set(report.vcpo_lr_scale)
+            self.tb_beta.set(math.nan if report.tb_beta is None else report.tb_beta)
+            replay = report.replay
+            self.replay_trajectories.set(replay.trajectories if replay else 0)
+            self.replay_bytes.set(replay.bytes if replay else 0)
+            self.replayed_groups.set(replay.replayed_groups if replay else 0)
             for gauge_, source in ((self.importance_weight, report.importance_weight),
                                    (self.full_ratio, report.behaviour.full_ratio),
                                    (self.behaviour_weight, report.behaviour.weight)):

@@ -11,6 +11,7 @@ loss normaliser over all ranks, so that the micro-batch losses add up to the exa
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class TrainSequence:
     versions: np.ndarray
     reward: float
     advantage: float = 0.0
+    ref_sum: float = math.nan
+    """log pi_ref of the response (objective tb): the reference model's, or kept by the replay buffer;
+    NaN until known (a loss that read it unset would not be finite)."""
 
     @property
     def length(self) -> int:
@@ -80,7 +84,8 @@ def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec,
               world_size: int = 1, layout: Layout = "padded") -> list[MinibatchPlan]:
     """The step's minibatches with this rank's micro-batches (budgeted for `layout`, the same on
     every rank) and each minibatch's normaliser."""
-    config = LossConfig.from_spec(algo)  # the one spec -> loss mapping, so normaliser and loss agree
+    # the one spec -> loss mapping, so normaliser and loss agree (trajectory balance: no policy loss)
+    config = None if algo.objective == "tb" else LossConfig.from_spec(algo)
     plans = []
     for rows in minibatch_rows([len(g.samples) for g in groups], algo.minibatches):
         lengths = [seqs[i].length for i in rows]
@@ -138,13 +143,16 @@ def plan_microbatches(lengths: list[int], budget: int, *, rank: int = 0, world_s
     return micro
 
 
-def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossConfig) -> float:
+def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossConfig | None) -> float:
     """The whole minibatch's normaliser (over all ranks), so micro-batch losses add up exactly.
 
+    No config (objective tb): the minibatch's sequences, trajectory balance's mean over trajectories.
     token-mean: response tokens; seq-mean-token-mean: non-empty responses; seq-mean-token-sum-norm
     (Dr. GRPO): rows x the fixed length `config.norm_length` (maxNewTokens), what `aggregate` uses
     for a single call, never a padded width (which would depend on the longest row).
     """
+    if config is None:
+        return float(len(rows))
     if config.aggregation == "token-mean":
         return float(sum(len(seqs[i].response_ids) for i in rows))
     if config.aggregation == "seq-mean-token-mean":
