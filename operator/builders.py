@@ -313,8 +313,13 @@ def job_document(job: AsyncRLJob) -> Obj:
 
 
 def config_hash(job: AsyncRLJob) -> str:
-    """Hash of the spec minus the live fields: pods restart when (and only when) it changes."""
-    spec = job.spec.to_wire()
+    """Hash of the spec minus the live fields: pods restart when (and only when) it changes.
+
+    Fields at their defaults are left out, so an operator upgrade that adds a spec field (at a
+    default that keeps the old behaviour) does not restart every running job's pods; the flip side,
+    an upgrade that changes a default restarts nothing either (running pods keep the old value
+    until they restart), so a changed default is called out in the release notes."""
+    spec = job.spec.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True, mode="json")
     for path in _LIVE_FIELDS:
         node = spec
         for key in path[:-1]:

@@ -387,3 +387,17 @@ def test_wire_form_of_the_example_round_trips():
     assert parse_job(job.to_wire()) == job
     assert job.to_wire()["spec"]["trainer"]["podTemplate"]["volumes"][2]["ephemeral"] == \
         overlay_of(load(), "trainer")["volumes"][2]["ephemeral"]
+
+
+def test_fields_at_their_defaults_do_not_change_the_config_hash():
+    """An operator upgrade that adds spec fields (at defaults that keep the old behaviour) must not roll
+    every running job's pods; setting one away from its default does."""
+    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    base = B.config_hash(parse_job(doc))
+    spelled = copy.deepcopy(doc)
+    spelled["spec"]["algorithm"].update(vcpo=False, objective="ppo-clip", clipBounds="fixed")
+    spelled["spec"]["trainer"]["weightTransport"] = "disk"
+    assert B.config_hash(parse_job(spelled)) == base
+    changed = copy.deepcopy(doc)
+    changed["spec"]["algorithm"]["vcpo"] = True
+    assert B.config_hash(parse_job(changed)) != base
