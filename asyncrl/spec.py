@@ -440,6 +440,9 @@ class AlgorithmSpec(SpecModel):
             if getattr(self, name) != default:
                 raise ValueError(f"{camel} only applies to objective 'tb', got objective {self.objective!r}; "
                                  f"allowed: objective 'tb' with {camel}, or {camel} {default!r} (its default)")
+        if self.replay is not None and self.batch_size < 2:
+            raise ValueError(f"replay needs batchSize >= 2, got batchSize {self.batch_size}: every step keeps one "
+                             "slot for a fresh group, so with one slot nothing would ever be replayed")
         return self
 
     @model_validator(mode="after")
@@ -1132,6 +1135,8 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.algorithm", "(has(self.objective) && self.objective == 'tb') || ("
      + " && ".join(_cel_at_default(camel, default) for camel, _, default in TB_ONLY) + ")",
      "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'"),
+    ("spec.algorithm", "!has(self.replay) || self.batchSize >= 2",
+     "replay needs batchSize >= 2 (every step keeps one slot for a fresh group)"),
     ("spec", "!has(self.algorithm) || !has(self.algorithm.objective) || self.algorithm.objective != 'tb'"
      " || " + _ONE_TRAINER_PROCESS_CEL,
      "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),

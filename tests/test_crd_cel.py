@@ -180,6 +180,9 @@ BREAKERS = {
     TB_UNUSED_MESSAGE: {"algorithm": {"objective": "tb", "behaviourCap": 3.0, "clipEpsHigh": None},
                         "trainer": {"gpusPerReplica": 1}},
     "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'": {"algorithm": {"replay": {}}},
+    "replay needs batchSize >= 2 (every step keeps one slot for a fresh group)":
+        {"algorithm": {"objective": "tb", "clipEpsHigh": None, "replay": {}, "batchSize": 1, "minibatches": 1},
+         "trainer": {"gpusPerReplica": 1}},
     "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
         {"algorithm": {"objective": "tb", "clipEpsHigh": None}},
 }

@@ -168,6 +168,8 @@ def test_tb_settings_need_tb_and_one_trainer_process() -> None:
             AlgorithmSpec.model_validate(change)
     spec = AlgorithmSpec.model_validate({"objective": "tb", "tbBetaFinal": 0.004, "replay": {"onPolicyProb": 0.5}})
     assert spec.replay is not None and spec.replay.capacity_per_prompt == 100 and spec.replay.reward_priority == 1.0
+    with pytest.raises(ValidationError, match="replay needs batchSize >= 2"):
+        AlgorithmSpec.model_validate({"objective": "tb", "replay": {}, "batchSize": 1})
     with pytest.raises(ValidationError, match=r"onPolicyProb|on_policy_prob"):
         AlgorithmSpec.model_validate({"objective": "tb", "replay": {"onPolicyProb": 1.5}})
     with pytest.raises(ValidationError, match="objective 'tb' needs one trainer process"):
