@@ -8,14 +8,12 @@ runs on the tiny one-layer copy of SmolLM2 (tests/trainer_support.py): a step ta
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-from trainer_support import chat_groups, make_job, model_and_tokenizer, publish, read_jsonl, redis_query, tiny_model
+from trainer_support import chat_groups, make_job, read_jsonl, redis_query, run_trainer_on_groups
 
 from asyncrl.transport.streams import trained_ids
 
@@ -36,49 +34,12 @@ NONE, ONES, MIXED = [0.0] * 4, [1.0] * 4, [0.0, 1.0, 0.0, 1.0]
 
 def run_trainer(tmp_path: Path, redis_url: str, groups: list[Any], *, max_steps: int,
                 algorithm: dict[str, Any]) -> tuple[Any, list[list[str]]]:
-    """Publish `groups` (admission counting them as accepted), run a trainer for `max_steps`;
-    returns it and the group ids of each batch that entered a training step."""
-    from asyncrl.runtime import Runtime
-    from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
-    from asyncrl.trainer.main import connect_io
-
-    publish(redis_url, JOB, groups)
-
-    async def accept(r: Any) -> None:
-        from asyncrl.transport.names import StreamNames
-
-        await r.hset(StreamNames.for_job(JOB).admission, "accepted", len(groups))
-
-    redis_query(redis_url, accept)
+    """Publish `groups`, run a trainer for `max_steps`; returns it and the group ids of each batch
+    that entered a training step."""
     job = make_job(name=JOB, batch_size=2, eta=8, max_steps=max_steps, checkpoint_interval=1,
                    algorithm=algorithm)
-    runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
-                      run_dir=tmp_path, pod_name="trainer-0")
-    batches: list[list[str]] = []
-
-    async def go() -> Any:
-        _, tok = model_and_tokenizer()
-        model = tiny_model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        cfg = RunConfig(engine_kind="hf", weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
-                        metrics_path=tmp_path / "metrics.jsonl", read_block_ms=50)
-        io = await connect_io(job, runtime)
-        trainer = Trainer(job, cfg, DistContext(), model, opt, tok, io=io)
-        real_step = trainer.train_step
-
-        def step(batch: list[Any], replayed: Any = None) -> dict[str, Any]:
-            batches.append([g.group_id for g in batch])
-            return real_step(batch, replayed)
-
-        trainer.train_step = step  # type: ignore[method-assign]
-        try:
-            assert await trainer.run() == "Succeeded"
-        finally:
-            await io.redis.aclose()
-        return trainer
-
-    return asyncio.run(go()), batches
+    trainer, steps = run_trainer_on_groups(tmp_path, redis_url, job, groups)
+    return trainer, [fresh for fresh, _ in steps]
 
 
 def redis_state(redis_url: str) -> tuple[set[str], int, int, int]:

@@ -8,12 +8,22 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_support import chat_groups, make_job, model_and_tokenizer, own_behaviour_groups, tiny_model
+from trainer_support import (
+    chat_groups,
+    make_job,
+    model_and_tokenizer,
+    own_behaviour_groups,
+    read_jsonl,
+    redis_query,
+    run_trainer_on_groups,
+    tiny_model,
+)
 
 from asyncrl.spec import TB_UNUSED, AlgorithmSpec
 from asyncrl.trainer.replay import ReplayBuffer, softmax_priorities
@@ -261,3 +271,32 @@ def test_trajectory_balance_lowers_its_loss_on_a_fixed_batch() -> None:
     groups = chat_groups(JOB, 2)
     losses = [trainer.train_step(groups)["loss"] for _ in range(6)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_run_reads_fewer_fresh_groups_while_it_replays_and_acknowledges_only_those(tmp_path: Path,
+                                                                                     redis_url: str) -> None:
+    """Against a real Redis: onPolicyProb 0 gives every slot but one to the buffer once it holds
+    something, so step 1 reads 2 fresh groups and steps 2-3 read 1 each and replay 1; only the 4 fresh
+    groups are acknowledged, the fifth stays in the stream, and the report carries the buffer."""
+    from asyncrl.transport.names import StreamNames
+    from asyncrl.transport.streams import trained_ids
+
+    groups = chat_groups(JOB, 5)
+    job = make_job(name=JOB, batch_size=2, eta=8, max_steps=3, checkpoint_interval=1,
+                   algorithm={"objective": "tb", "replay": {"onPolicyProb": 0.0}})
+    trainer, steps = run_trainer_on_groups(tmp_path, redis_url, job, groups, reference_model=tiny_model())
+    assert [(len(fresh), len(replayed)) for fresh, replayed in steps] == [(2, 0), (1, 1), (1, 1)]
+    assert {p for _, replayed in steps for p in replayed} <= {g.prompt_id for g in groups[:3]}
+    trained = [gid for fresh, _ in steps for gid in fresh]
+    assert trained == [g.group_id for g in groups[:4]]  # the oldest first, each once
+
+    async def acked(r: Any) -> set[str]:
+        return await trained_ids(r, StreamNames.for_job(JOB))
+
+    assert redis_query(redis_url, acked) == set(trained)
+    lines = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [x["replayed_groups"] for x in lines] == [0, 1, 1]
+    assert [x["replay_trajectories"] for x in lines] == [8, 12, 16]
+    report = trainer.get_report()
+    assert report.groups_trained == 4 and report.replay is not None
+    assert (report.replay.trajectories, report.replay.replayed_groups, report.replay.capacity) == (16, 2, 16384)

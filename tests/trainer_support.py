@@ -244,3 +244,53 @@ def own_behaviour_groups(model: Any, job: str, count: int, *, noise: float = 0.0
             samples.append(dataclasses.replace(s, behav_logprobs=behav.astype(np.float32)))
         groups.append(dataclasses.replace(g, samples=samples))
     return groups
+
+
+def run_trainer_on_groups(tmp_path: Path, redis_url: str, job: Any, groups: list[Any], *,
+                          reference_model: Any = None) -> tuple[Any, list[tuple[list[str], list[str]]]]:
+    """Publish `groups` to `job`'s stream (admission counting them as accepted) and run a trainer of
+    the tiny model on them until the job's maxSteps; returns it and, per training step, the ids of
+    its fresh groups and of the prompts it replayed."""
+    import asyncio
+
+    import torch
+
+    from asyncrl.runtime import Runtime
+    from asyncrl.trainer.distributed import DistContext
+    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.main import connect_io
+    from asyncrl.transport.names import StreamNames
+
+    name = job.metadata.name
+    publish(redis_url, name, groups)
+
+    async def accept(r: Any) -> None:
+        await r.hset(StreamNames.for_job(name).admission, "accepted", len(groups))
+
+    redis_query(redis_url, accept)
+    runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
+                      run_dir=tmp_path, pod_name="trainer-0")
+    steps: list[tuple[list[str], list[str]]] = []
+
+    async def go() -> Any:
+        _, tok = model_and_tokenizer()
+        model = tiny_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cfg = RunConfig(engine_kind="hf", weights_dir=tmp_path / "weights", checkpoint_dir=tmp_path / "ckpt",
+                        metrics_path=tmp_path / "metrics.jsonl", read_block_ms=50)
+        io = await connect_io(job, runtime)
+        trainer = Trainer(job, cfg, DistContext(), model, opt, tok, io=io, reference_model=reference_model)
+        real_step = trainer.train_step
+
+        def step(batch: list[Any], replayed: Any = None) -> dict[str, Any]:
+            steps.append(([g.group_id for g in batch], [r.group.prompt_id for r in replayed or []]))
+            return real_step(batch, replayed)
+
+        trainer.train_step = step
+        try:
+            assert await trainer.run() == "Succeeded"
+        finally:
+            await io.redis.aclose()
+        return trainer
+
+    return asyncio.run(go()), steps
