@@ -153,9 +153,8 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_
     async def update_weights_from_disk(body: UpdateIn) -> Any:
         version = None
         if body.weight_version is not None:
-            try:
-                version = int(str(body.weight_version).removeprefix("v"))
-            except ValueError:
+            version = parse_version(body.weight_version)  # (the same reading as the group route's)
+            if version is None:
                 return JSONResponse({"success": False,
                                      "message": f"weight_version {body.weight_version!r} is not an integer",
                                      "num_paused_requests": 0}, status_code=400)

@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -165,6 +166,11 @@ async def test_http_server_speaks_the_sglang_surface(engine, tokenizer, tmp_path
         assert err.value.status == 400
         with pytest.raises(EngineError) as err:
             await client.update_weights(str(tmp_path / "nothing-here"), 10)
+        assert (await client.model_info())["weight_version"] == "9"
+        async with httpx.AsyncClient() as http:  # a label that is not a version number: refused, nothing loaded
+            resp = await http.post(f"{server.url}/update_weights_from_disk",
+                                   json={"model_path": str(tmp_path / "v9"), "weight_version": "latest"})
+        assert resp.status_code == 400 and "'latest' is not an integer" in resp.json()["message"]
         assert (await client.model_info())["weight_version"] == "9"
     finally:
         engine.update_weights(str(_save(state, tmp_path / "v0")), 0)
