@@ -289,7 +289,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert await page.locator("#eval-chart circle.eval-passk").count() == 0  # k = 1: no pass@k
     assert await page.locator("#eval-legend-k").is_hidden()
     assert "policy version" in (await page.text_content("#eval-chart"))
-    bbox = await page.locator("#eval-chart path.series.eval-pass1").bounding_box()
+    bbox = await poll(page.locator("#eval-chart path.series.eval-pass1").bounding_box, timeout=10,
+                      what="#eval-chart pass@1 drawn")  # (polled: redrawn every refresh, as above)
     assert bbox is not None and bbox["width"] > 300 and bbox["height"] > 20, bbox
     green, total = ink(await page.locator("#eval-chart").screenshot(), greenish)
     assert green > 0.002 * total, (green, total)
