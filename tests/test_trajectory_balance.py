@@ -250,7 +250,6 @@ def test_steps_with_replay_fill_the_buffer_and_train_replayed_groups() -> None:
     first = trainer.train_step(groups)
     assert first["replayed_groups"] == 0 and first["replay_trajectories"] == 8 and first["replay_bytes"] > 0
     assert trainer.replay_slots() == 1  # onPolicyProb 0: every slot but the one kept for a fresh group
-    trainer._replay_slots = trainer.replay_slots()
     replayed = trainer.draw_replay()
     assert len(replayed) == 1 and replayed[0].group.prompt_id in {g.prompt_id for g in groups}
     fresh = [dataclasses.replace(groups[0], group_id="g-fresh", samples=[

@@ -238,7 +238,6 @@ class Trainer:
         self.replay = None if algo.replay is None else ReplayBuffer(
             job=job.metadata.name, group_size=algo.group_size, capacity_per_prompt=algo.replay.capacity_per_prompt,
             capacity=algo.replay.capacity, reward_priority=algo.replay.reward_priority)
-        self._replay_slots = 0  # rank 0: batch slots of the step being drawn that the replay buffer fills
         self._replayed_total = 0
         self.ctx = ctx
         self.model = model
@@ -498,8 +497,7 @@ class Trainer:
         with no sign but a flat step count."""
         assert self.inbox is not None
         self._draw = StepDraw()
-        self._replay_slots = self.replay_slots()
-        fresh = self.spec.algorithm.batch_size - self._replay_slots
+        fresh = self.spec.algorithm.batch_size - self.replay_slots()
         self._set_phase("Waiting", f"waiting for {fresh} trajectory groups")
         last_refresh = 0.0
         if self.stop_requested:
@@ -542,10 +540,12 @@ class Trainer:
         return min(int(self._replay_rng(0).binomial(b, 1.0 - replay.on_policy_prob)), b - 1)
 
     def draw_replay(self) -> list[ReplayedGroup]:
-        """The groups `next_batch` left to the replay buffer (none without one)."""
-        if self.replay is None or not self._replay_slots:
+        """The groups `next_batch` left to the replay buffer (none without one): `replay_slots` again,
+        the same draw (a function of the seed and the step, and the buffer is unchanged in between)."""
+        slots = self.replay_slots()
+        if self.replay is None or not slots:
             return []
-        return self.replay.sample_groups(self._replay_slots, self._replay_rng(1), now=time.time())
+        return self.replay.sample_groups(slots, self._replay_rng(1), now=time.time())
 
     async def check_admission(self) -> None:
         """Rank 0: reconcile admission's accounting (a leak would starve producers: inbox.reconcile)
