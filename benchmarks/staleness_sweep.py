@@ -41,6 +41,9 @@ Figures (one JSON object; per stabiliser and staleness, mean/min/max/std over se
 The plot (--plot): the 5-step moving-average reward vs step, mean over seeds, one panel per staleness
 level and one line per stabiliser; drawn by .venv-trl's matplotlib (or --plot-python's).
 
+Disk: once a cell's result.json is written, its run's weights/ and checkpoints/ (every published version,
+about 0.5 GB each for the embedded model) are deleted; --keep-weights keeps them.
+
 Resumable: a stabiliser+staleness+seed whose result.json in --out has at least --steps steps of the same
 job and the same derived spec is not run again (a partial or different one is run afresh).
 
@@ -312,8 +315,23 @@ def load_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job
     return found
 
 
+HEAVY_RUN_PARTS = ("weights", "checkpoints")
+"""What `asyncrl run` leaves in a run directory that the sweep's figures never read."""
+
+
+def prune_run(cell_dir: Path) -> int:
+    """Delete a finished cell's weights and checkpoints (a sweep of 30+ runs would fill the disk); bytes freed."""
+    freed = 0
+    for part in HEAVY_RUN_PARTS:
+        target = cell_dir / "run" / part
+        if target.is_dir():
+            freed += sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+            shutil.rmtree(target)
+    return freed
+
+
 def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job: Path,
-             document: dict[str, Any]) -> None:
+             document: dict[str, Any], keep_weights: bool = False) -> None:
     """Train one cell afresh (a partial attempt's clock means nothing) and store result.json."""
     from asyncrl.loader import load_job
 
@@ -332,10 +350,15 @@ def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job:
                    "derived_spec": document["spec"],
                    "load_average": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}})
     (d / "result.json").write_text(json.dumps(result, indent=2, default=str))
+    if not keep_weights:
+        freed = prune_run(d)
+        print(f"staleness_sweep: deleted {freed / 1e9:.1f} GB of weights and checkpoints in {d / 'run'}",
+              file=sys.stderr, flush=True)
 
 
 def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str], levels: list[int],
-          seeds: list[int], steps: int, device: str | None) -> tuple[Results, dict[str, str]]:
+          seeds: list[int], steps: int, device: str | None,
+          keep_weights: bool = False) -> tuple[Results, dict[str, str]]:
     """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all."""
     failed: dict[str, str] = {}
     results: Results = {}
@@ -346,7 +369,7 @@ def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str]
                 found = load_cell(out, name, level, seed, steps, job, doc["spec"])
                 if found is None:
                     try:
-                        run_cell(out, name, level, seed, steps, job, doc)
+                        run_cell(out, name, level, seed, steps, job, doc, keep_weights)
                     except SystemExit as exc:  # async_vs_sync.run's failure: keep going, rerun next time
                         failed[f"{name}/s{level}/seed{seed}"] = str(exc)[-2000:]
                         print(f"staleness_sweep: {name} staleness {level} seed {seed} failed:\n{exc}",
@@ -452,6 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PNG path (default docs/staleness_sweep.png, drawn only where .venv-trl exists; "
                              "given explicitly, .venv-trl is set up when missing; '' = no plot)")
     parser.add_argument("--plot-python", type=Path, default=None, help="interpreter with matplotlib for the plot")
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="keep each finished run's weights/ and checkpoints/ (default: deleted once measured)")
     parser.add_argument("--window", type=int, default=WINDOW, help=f"moving-average window (default {WINDOW})")
     parser.add_argument("--render-plot", nargs=2, metavar=("SERIES_JSON", "PNG"), help=argparse.SUPPRESS)
     return parser
@@ -491,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in grid["stabilisers"] if s not in skipped]
     out.mkdir(parents=True, exist_ok=True)
     results, failed = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
-                            grid["device"])
+                            grid["device"], args.keep_weights)
     figures = {"job": str(args.job), "steps": grid["steps"], "seeds": grid["seeds"], "staleness": grid["levels"],
                "stabilisers": grid["stabilisers"], "device": grid["device"] or "the job's", "out": str(out),
                "overrides": {n: STABILISERS[n] for n in grid["stabilisers"]},

@@ -219,6 +219,21 @@ def test_a_finished_cell_is_reused_only_for_the_same_job_spec_and_enough_steps(l
     assert sw.load_cell(tmp_path, "m2po", 2, 1, 4, LOCAL, spec) is None
 
 
+def test_a_measured_cell_keeps_its_figures_and_loses_its_weights(local, tmp_path):
+    spec = sw.derive(local, "default", 0)["spec"]
+    _store(tmp_path, "default", 0, 0, 4, LOCAL, spec)
+    run = sw.run_dir(tmp_path, sw.cell_name("default", 0), 0) / "run"
+    for part, size in (("weights/v3", 1000), ("checkpoints/step-3", 24)):
+        (run / part).mkdir(parents=True)
+        (run / part / "model.safetensors").write_bytes(b"x" * size)
+    (run / "metrics.jsonl").write_text("{}\n")
+    assert sw.prune_run(run.parent) == 1024
+    assert not (run / "weights").exists() and not (run / "checkpoints").exists()
+    assert (run / "metrics.jsonl").exists()
+    assert sw.load_cell(tmp_path, "default", 0, 0, 4, LOCAL, spec) is not None
+    assert sw.prune_run(run.parent) == 0  # nothing left to free; no error
+
+
 def test_plot_series_has_a_panel_per_level_and_skips_without_matplotlib(tmp_path, monkeypatch):
     series = sw.sweep_series(_cell_results(), [0, 2])
     assert list(series) == ["0", "2"] and sorted(series["2"]) == ["default", "m2po", "vcpo"]
