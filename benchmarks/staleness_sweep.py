@@ -44,6 +44,9 @@ level and one line per stabiliser; drawn by .venv-trl's matplotlib (or --plot-py
 Disk: once a cell's result.json is written, its run's weights/ and checkpoints/ (every published version,
 about 0.5 GB each for the embedded model) are deleted; --keep-weights keeps them.
 
+A sweep done over several sittings: --no-train summarises what --out holds for the grid given (the
+cells not run yet are listed under "missing").
+
 Resumable: a stabiliser+staleness+seed whose result.json in --out has at least --steps steps of the same
 job and the same derived spec is not run again (a partial or different one is run afresh).
 
@@ -315,6 +318,9 @@ def load_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job
     return found
 
 
+NOT_RUN = "missing: not run yet (--no-train)"
+"""`sweep`'s reason for a cell that --no-train found no result for (the JSON lists these as `missing`)."""
+
 HEAVY_RUN_PARTS = ("weights", "checkpoints")
 """What `asyncrl run` leaves in a run directory that the sweep's figures never read."""
 
@@ -357,9 +363,12 @@ def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job:
 
 
 def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str], levels: list[int],
-          seeds: list[int], steps: int, device: str | None,
-          keep_weights: bool = False) -> tuple[Results, dict[str, str]]:
-    """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all."""
+          seeds: list[int], steps: int, device: str | None, keep_weights: bool = False,
+          train: bool = True) -> tuple[Results, dict[str, str]]:
+    """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all.
+
+    With `train` False nothing is run: a missing cell is reported as such (a summary of a sweep done
+    over several sittings)."""
     failed: dict[str, str] = {}
     results: Results = {}
     for seed in seeds:
@@ -367,7 +376,9 @@ def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str]
             for name in stabilisers:
                 doc = derive(document, name, level, device)
                 found = load_cell(out, name, level, seed, steps, job, doc["spec"])
-                if found is None:
+                if found is None and not train:
+                    failed[f"{name}/s{level}/seed{seed}"] = NOT_RUN
+                elif found is None:
                     try:
                         run_cell(out, name, level, seed, steps, job, doc, keep_weights)
                     except SystemExit as exc:  # async_vs_sync.run's failure: keep going, rerun next time
@@ -460,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     cpu, full = CPU_DEFAULTS, FULL_DEFAULTS
     parser.add_argument("--job", type=Path, default=REPO / "examples" / "local.yaml",
                         help="base job (default examples/local.yaml)")
-    parser.add_argument("--stabilisers", help=f"comma list of {', '.join(STABILISERS)} "
+    parser.add_argument("--stabilisers", help=f"comma list of {', '.join(STABILISERS)}, or all "
                         f"(default {cpu['stabilisers']}; --full: all)")
     parser.add_argument("--staleness", help=f"comma list of forced staleness levels (default {cpu['staleness']})")
     parser.add_argument("--seeds", help=f"comma list of seeds (default {cpu['seeds']}; --full: {full['seeds']})")
@@ -475,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="PNG path (default docs/staleness_sweep.png, drawn only where .venv-trl exists; "
                              "given explicitly, .venv-trl is set up when missing; '' = no plot)")
     parser.add_argument("--plot-python", type=Path, default=None, help="interpreter with matplotlib for the plot")
+    parser.add_argument("--no-train", action="store_true",
+                        help="train nothing: summarise (and plot) the cells of the grid already in --out; "
+                             "the cells not run yet are listed under missing")
     parser.add_argument("--keep-weights", action="store_true",
                         help="keep each finished run's weights/ and checkpoints/ (default: deleted once measured)")
     parser.add_argument("--window", type=int, default=WINDOW, help=f"moving-average window (default {WINDOW})")
@@ -486,7 +500,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The sweep's grid: explicit flags over --full's or the CPU defaults."""
     base = FULL_DEFAULTS if args.full else CPU_DEFAULTS
     pick = {k: base[k] if getattr(args, k) is None else getattr(args, k) for k in base}
-    return {"stabilisers": parse_list(pick["stabilisers"]), "levels": parse_list(pick["staleness"], int),
+    names = ",".join(STABILISERS) if pick["stabilisers"] == "all" else pick["stabilisers"]
+    return {"stabilisers": parse_list(names), "levels": parse_list(pick["staleness"], int),
             "seeds": parse_list(pick["seeds"], int), "steps": int(pick["steps"]), "device": pick["device"]}
 
 
@@ -516,12 +531,13 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in grid["stabilisers"] if s not in skipped]
     out.mkdir(parents=True, exist_ok=True)
     results, failed = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
-                            grid["device"], args.keep_weights)
+                            grid["device"], args.keep_weights, train=not args.no_train)
     figures = {"job": str(args.job), "steps": grid["steps"], "seeds": grid["seeds"], "staleness": grid["levels"],
                "stabilisers": grid["stabilisers"], "device": grid["device"] or "the job's", "out": str(out),
                "overrides": {n: STABILISERS[n] for n in grid["stabilisers"]},
                **summarise(results, grid["stabilisers"], grid["levels"], grid["seeds"], skipped, args.window),
-               "failed": failed, "machine": machine_figures(load_start)}
+               "failed": {k: v for k, v in failed.items() if v != NOT_RUN},
+               "missing": [k for k, v in failed.items() if v == NOT_RUN], "machine": machine_figures(load_start)}
     plot = str(DEFAULT_PLOT) if args.plot is None else args.plot
     if plot:
         title = f"{args.job.name}: {grid['steps']} steps, seeds {','.join(map(str, grid['seeds']))}"

@@ -263,6 +263,20 @@ def test_settings_cpu_defaults_full_and_explicit_flags():
     mine = sw.settings(sw.build_parser().parse_args(["--full", "--seeds", "3", "--staleness", "0, 4",
                                                      "--stabilisers", "default,tba", "--steps", "2"]))
     assert mine == {"stabilisers": ["default", "tba"], "levels": [0, 4], "seeds": [3], "steps": 2, "device": "auto"}
+    every = sw.settings(sw.build_parser().parse_args(["--stabilisers", "all"]))
+    assert every["stabilisers"] == list(sw.STABILISERS)
+
+
+def test_no_train_summarises_the_stored_cells_and_lists_the_missing(local, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("--no-train must not train")
+
+    monkeypatch.setattr(sw, "run_cell", refuse)
+    _store(tmp_path, "default", 8, 0, 4, LOCAL, sw.derive(local, "default", 8)["spec"])
+    results, failed = sw.sweep(local, LOCAL, tmp_path, ["default", "m2po"], [8], [0, 1], 4, None, train=False)
+    assert list(results) == ["default"] and list(results["default"][8]) == [0]
+    assert sorted(failed) == ["default/s8/seed1", "m2po/s8/seed0", "m2po/s8/seed1"]
+    assert set(failed.values()) == {sw.NOT_RUN}
 
 
 def test_unknown_stabiliser_is_refused(capsys):
