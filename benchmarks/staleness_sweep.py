@@ -26,7 +26,11 @@ version 0 until version s + 1 is published), so `staleness_after_lag` (steps aft
 be s.
 
 Figures (one JSON object; per stabiliser and staleness, mean/min/max/std over seeds):
-  reward_last_quarter   mean reward of the last quarter of steps
+  heldout_pass_at_1     the final policy's greedy pass@1 on --heldout-prompts (256) held-out prompts
+                        (`asyncrl eval` of the run's final weights under the job's spec.evaluation,
+                        as benchmarks/heldout.py): what the stabiliser trained, free of the lag
+  reward_last_quarter   mean reward of the last quarter of steps (the training batches' reward: of
+                        samples generated s versions earlier)
   reward_final_ma       final 5-step moving average of reward
   s_per_step            wall seconds per step (clock as benchmarks/vs_trl.py: start-up of step 1 included)
   time_to_target_s      per seed, the first wall second at which the 5-step moving average reaches the
@@ -34,25 +38,29 @@ Figures (one JSON object; per stabiliser and staleness, mean/min/max/std over se
   sync_over_this        default@0's time to its own target / this time (> 1: there sooner than sync RL)
   staleness_mean        mean staleness of the trained tokens over all steps (trainer metrics.jsonl)
   staleness_after_lag   the same over steps s + 1 .. N: the proof that staleness s was forced
-  recommendation        per staleness level, the stabiliser with the best mean reward_last_quarter and
-                        whether its lead over `default` exceeds the seed spread (the larger std of
-                        the two); if it does not, "cannot separate at this scale"
+  recommendation        per staleness level, the stabiliser with the best mean heldout_pass_at_1
+                        (reward_last_quarter with --heldout-prompts 0) and whether its lead over
+                        `default` exceeds the seed spread (the larger std of the two); if it does
+                        not, "cannot separate at this scale". Why not the training reward: step k's
+                        reward is that of policy k-1-s, so 12 steps at staleness 8 end on the
+                        policies of updates 1-3, made at staleness <= 2
   machine               threads, cores, load average, torch and Python (benchmarks/machine.py)
 The plot (--plot): the 5-step moving-average reward vs step, mean over seeds, one panel per staleness
 level and one line per stabiliser; drawn by .venv-trl's matplotlib (or --plot-python's).
 
-Disk: once a cell's result.json is written, its run's weights/ and checkpoints/ (every published version,
-about 0.5 GB each for the embedded model) are deleted; --keep-weights keeps them.
+Disk: once a cell is measured (its final policy evaluated, result.json written), its run's weights/
+and checkpoints/ (about 8 GB for 12 steps of the embedded model) are deleted; --keep-weights keeps them.
 
 A sweep done over several sittings: --no-train summarises what --out holds for the grid given (the
 cells not run yet are listed under "missing").
 
 Resumable: a stabiliser+staleness+seed whose result.json in --out has at least --steps steps of the same
-job and the same derived spec is not run again (a partial or different one is run afresh).
+job and the same derived spec, and its held-out figure on the same number of prompts, is not run again
+(a partial or different one is run afresh).
 
 CPU (2 cores): default and tba (the objective that needs no correction for staleness) at staleness 0,
-2 and 8, seeds 0 and 1, 12 steps: 12 runs of about 6-7 minutes each, about 80 minutes; others with
---stabilisers.
+2 and 8, seeds 0 and 1, 12 steps: 12 runs of about 6-8 minutes each (the held-out evaluation of
+the final policy included), about 90 minutes; others with --stabilisers.
   .venv/bin/python benchmarks/staleness_sweep.py
   .venv/bin/python benchmarks/staleness_sweep.py --stabilisers default,recompute --staleness 0,2 --seeds 0 \\
       --steps 6 --out runs/sweep_small --plot ''
@@ -79,7 +87,8 @@ BENCHMARKS = Path(__file__).resolve().parent
 if str(BENCHMARKS) not in sys.path:
     sys.path.insert(0, str(BENCHMARKS))
 
-from vs_trl import (  # noqa: E402  (benchmarks/ is not a package)
+from heldout import evaluate, final_weights  # noqa: E402  (benchmarks/ is not a package)
+from vs_trl import (  # noqa: E402
     TRL_VENV,
     WINDOW,
     compact_json,
@@ -109,6 +118,9 @@ STABILISERS: dict[str, dict[str, Any]] = {
 }
 """Stabiliser -> overrides of the job's spec (YAML names; None deletes a key). The staleness fields
 (maxHeadOffpolicyness or asyncRatio, weightSyncLag) are set per level by `staleness_overrides`."""
+
+HELDOUT_PROMPTS = 256
+"""Held-out prompts the final policy of each cell answers (greedy; the job's spec.evaluation otherwise)."""
 
 REFERENCE = "default"
 """The stabiliser whose synchronous (staleness 0) run sets each seed's target."""
@@ -210,6 +222,12 @@ def mean_staleness(records: list[dict[str, Any]], after_step: int = 0) -> float 
     return statistics.fmean(vals) if vals else None
 
 
+def heldout_pass_at_1(cell: dict[str, Any]) -> float | None:
+    """pass@1 of a cell's final policy on the held-out prompts (None: not evaluated)."""
+    value = cell["result"].get("heldout", {}).get("pass_at_1")
+    return None if value is None else float(value)
+
+
 def seed_targets(results: Results, seeds: list[int], window: int = WINDOW) -> dict[int, float | None]:
     """Per seed, the final moving average of the reference's synchronous run (None: not run)."""
     ref = results.get(REFERENCE, {}).get(0, {})
@@ -221,6 +239,7 @@ def cell_figures(by_seed: dict[int, dict[str, Any]], seeds: list[int], level: in
                  window: int = WINDOW) -> dict[str, Any]:
     """The figures of one stabiliser at one staleness level, from its per-seed step records."""
     recs = {s: by_seed[s]["records"] for s in seeds if s in by_seed}
+    heldout = [heldout_pass_at_1(by_seed[s]) if s in by_seed else None for s in seeds]
 
     def per_seed(fn: Any) -> list[Any]:
         return [fn(recs[s]) if s in recs else None for s in seeds]
@@ -232,6 +251,7 @@ def cell_figures(by_seed: dict[int, dict[str, Any]], seeds: list[int], level: in
     return {
         "seeds_done": sorted(recs),
         "steps": [len(recs[s]) for s in sorted(recs)],
+        "heldout_pass_at_1": spread(heldout),
         "reward_last_quarter": spread(per_seed(lambda r: last_quarter(rewards(r)))),
         "reward_final_ma": spread(per_seed(lambda r: final_moving_average(rewards(r), window))),
         "s_per_step": spread(per_seed(s_per_step), 2),
@@ -246,25 +266,36 @@ def cell_figures(by_seed: dict[int, dict[str, Any]], seeds: list[int], level: in
     }
 
 
-def recommend_level(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The stabiliser with the best mean last-quarter reward at one level, and whether its lead over
-    the reference exceeds the seed spread (the larger std of the two; one seed can never separate)."""
-    means = {name: c["reward_last_quarter"]["mean"] for name, c in cells.items()
-             if c.get("reward_last_quarter", {}).get("mean") is not None}
+RANKED_BY = "heldout_pass_at_1"
+"""The figure the recommendation ranks by: the final policy's held-out pass@1. The training reward
+of a step is that of samples the policy generated s versions earlier, so in N steps at staleness s
+the last quarter's reward shows the policies of updates 1..N-1-s; with 12 steps at staleness 8 those
+were made at staleness <= 2, and no stabiliser's handling of staleness 8 could show in it."""
+
+
+def measured_seeds(figure: dict[str, Any]) -> int:
+    """How many seeds a spread figure has a value for (a run can lack the held-out one)."""
+    return sum(v is not None for v in figure["per_seed"])
+
+
+def recommend_level(cells: dict[str, dict[str, Any]], figure: str = RANKED_BY) -> dict[str, Any]:
+    """The stabiliser with the best mean `figure` at one level, and whether its lead over the
+    reference exceeds the seed spread (the larger std of the two; one seed can never separate)."""
+    means = {name: c[figure]["mean"] for name, c in cells.items() if c.get(figure, {}).get("mean") is not None}
     if not means:
         return {"best": None, "pick": None, "verdict": "no finished runs"}
     best = max(means, key=lambda name: means[name])
-    out: dict[str, Any] = {"best": best, "best_reward_last_quarter": means[best]}
+    out: dict[str, Any] = {"ranked_by": figure, "best": best, f"best_{figure}": means[best]}
     if REFERENCE not in means:
         return {**out, "pick": None, "verdict": f"no {REFERENCE} run at this staleness to compare with"}
-    ref, top = cells[REFERENCE]["reward_last_quarter"], cells[best]["reward_last_quarter"]
+    ref, top = cells[REFERENCE][figure], cells[best][figure]
     lead = round(means[best] - means[REFERENCE], 4)
     noise = max(ref["std"], top["std"])
-    seeds = min(len(cells[REFERENCE]["seeds_done"]), len(cells[best]["seeds_done"]))
-    out.update({f"{REFERENCE}_reward_last_quarter": means[REFERENCE], f"lead_over_{REFERENCE}": lead,
+    seeds = min(measured_seeds(ref), measured_seeds(top))
+    out.update({f"{REFERENCE}_{figure}": means[REFERENCE], f"lead_over_{REFERENCE}": lead,
                 "seed_spread": noise, "seeds": seeds})
     if best == REFERENCE:
-        return {**out, "separable": None, "pick": REFERENCE, "verdict": f"{REFERENCE} has the best mean reward"}
+        return {**out, "separable": None, "pick": REFERENCE, "verdict": f"{REFERENCE} has the best mean"}
     if seeds >= 2 and lead > noise:
         return {**out, "separable": True, "pick": best,
                 "verdict": f"{best}: lead {lead} over {REFERENCE} exceeds the seed spread {noise}"}
@@ -273,7 +304,8 @@ def recommend_level(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarise(results: Results, stabilisers: list[str], levels: list[int], seeds: list[int],
-              skipped: dict[str, str] | None = None, window: int = WINDOW) -> dict[str, Any]:
+              skipped: dict[str, str] | None = None, window: int = WINDOW,
+              ranked_by: str = RANKED_BY) -> dict[str, Any]:
     """Named figures per stabiliser x staleness, the recommendation per level, and reward per step."""
     skipped = skipped or {}
     targets = seed_targets(results, seeds, window)
@@ -296,7 +328,8 @@ def summarise(results: Results, stabilisers: list[str], levels: list[int], seeds
         "target_per_seed": {str(s): None if t is None else round(t, 4) for s, t in targets.items()},
         "target_definition": f"final {window}-step moving average of {REFERENCE}'s reward at staleness 0, per seed",
         "cells": cells,
-        "recommendation": {str(lv): recommend_level({n: c[str(lv)] for n, c in ran.items()}) for lv in levels},
+        "recommendation": {str(lv): recommend_level({n: c[str(lv)] for n, c in ran.items()}, ranked_by)
+                           for lv in levels},
         "reward_per_step": per_step,
     }
 
@@ -310,10 +343,13 @@ def cell_name(stabiliser: str, level: int) -> str:
 
 
 def load_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job: Path,
-              spec: dict[str, Any]) -> dict[str, Any] | None:
-    """A finished cell run of this job with this derived spec and at least `steps` steps, or None."""
+              spec: dict[str, Any], heldout_prompts: int = HELDOUT_PROMPTS) -> dict[str, Any] | None:
+    """A finished cell run of this job with this derived spec, at least `steps` steps and its final
+    policy evaluated on `heldout_prompts` held-out prompts (0: not asked for), or None."""
     found = load_result(out, cell_name(stabiliser, level), seed, steps, job)
     if found is None or found["result"].get("derived_spec") != spec:
+        return None
+    if heldout_prompts and found["result"].get("heldout", {}).get("prompts") != heldout_prompts:
         return None
     return found
 
@@ -336,8 +372,17 @@ def prune_run(cell_dir: Path) -> int:
     return freed
 
 
+def evaluate_final_policy(cell_dir: Path, prompts: int) -> dict[str, Any]:
+    """`asyncrl eval` of the run's final weights under the derived job's spec.evaluation (benchmarks/
+    heldout.py's, greedy) on `prompts` held-out prompts: the policy the stabiliser trained, with no lag."""
+    weights, _ = final_weights(cell_dir / "run")
+    found = evaluate(weights, cell_dir / "job.yaml", ["--prompts", str(prompts), "--threads", str(os.cpu_count() or 1)])
+    return {"prompts": found["prompts"], "pass_at_1": found["pass_at_1"], "policy_version": found["policy_version"],
+            "response_length": round(found["response_length"], 2), "seconds": round(found["seconds"], 1)}
+
+
 def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job: Path,
-             document: dict[str, Any], keep_weights: bool = False) -> None:
+             document: dict[str, Any], keep_weights: bool = False, heldout_prompts: int = HELDOUT_PROMPTS) -> None:
     """Train one cell afresh (a partial attempt's clock means nothing) and store result.json."""
     from asyncrl.loader import load_job
 
@@ -355,6 +400,8 @@ def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job:
     result.update({"stabiliser": stabiliser, "staleness": level, "source_job": str(job),
                    "derived_spec": document["spec"],
                    "load_average": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)}})
+    if heldout_prompts:
+        result["heldout"] = evaluate_final_policy(d, heldout_prompts)
     (d / "result.json").write_text(json.dumps(result, indent=2, default=str))
     if not keep_weights:
         freed = prune_run(d)
@@ -364,7 +411,7 @@ def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job:
 
 def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str], levels: list[int],
           seeds: list[int], steps: int, device: str | None, keep_weights: bool = False,
-          train: bool = True) -> tuple[Results, dict[str, str]]:
+          train: bool = True, heldout_prompts: int = HELDOUT_PROMPTS) -> tuple[Results, dict[str, str]]:
     """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all.
 
     With `train` False nothing is run: a missing cell is reported as such (a summary of a sweep done
@@ -375,18 +422,18 @@ def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str]
         for level in levels:
             for name in stabilisers:
                 doc = derive(document, name, level, device)
-                found = load_cell(out, name, level, seed, steps, job, doc["spec"])
+                found = load_cell(out, name, level, seed, steps, job, doc["spec"], heldout_prompts)
                 if found is None and not train:
                     failed[f"{name}/s{level}/seed{seed}"] = NOT_RUN
                 elif found is None:
                     try:
-                        run_cell(out, name, level, seed, steps, job, doc, keep_weights)
+                        run_cell(out, name, level, seed, steps, job, doc, keep_weights, heldout_prompts)
                     except SystemExit as exc:  # async_vs_sync.run's failure: keep going, rerun next time
                         failed[f"{name}/s{level}/seed{seed}"] = str(exc)[-2000:]
                         print(f"staleness_sweep: {name} staleness {level} seed {seed} failed:\n{exc}",
                               file=sys.stderr, flush=True)
                         continue
-                    found = load_cell(out, name, level, seed, steps, job, doc["spec"])
+                    found = load_cell(out, name, level, seed, steps, job, doc["spec"], heldout_prompts)
                 else:
                     print(f"staleness_sweep: {name} staleness {level} seed {seed}: already in {out}",
                           file=sys.stderr)
@@ -489,6 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-train", action="store_true",
                         help="train nothing: summarise (and plot) the cells of the grid already in --out; "
                              "the cells not run yet are listed under missing")
+    parser.add_argument("--heldout-prompts", type=int, default=HELDOUT_PROMPTS,
+                        help=f"held-out prompts the final policy of each run answers, greedy (default "
+                             f"{HELDOUT_PROMPTS}; 0 = do not evaluate, and rank by the training reward)")
     parser.add_argument("--keep-weights", action="store_true",
                         help="keep each finished run's weights/ and checkpoints/ (default: deleted once measured)")
     parser.add_argument("--window", type=int, default=WINDOW, help=f"moving-average window (default {WINDOW})")
@@ -531,11 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in grid["stabilisers"] if s not in skipped]
     out.mkdir(parents=True, exist_ok=True)
     results, failed = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
-                            grid["device"], args.keep_weights, train=not args.no_train)
+                            grid["device"], args.keep_weights, train=not args.no_train,
+                            heldout_prompts=args.heldout_prompts)
     figures = {"job": str(args.job), "steps": grid["steps"], "seeds": grid["seeds"], "staleness": grid["levels"],
                "stabilisers": grid["stabilisers"], "device": grid["device"] or "the job's", "out": str(out),
                "overrides": {n: STABILISERS[n] for n in grid["stabilisers"]},
-               **summarise(results, grid["stabilisers"], grid["levels"], grid["seeds"], skipped, args.window),
+               **summarise(results, grid["stabilisers"], grid["levels"], grid["seeds"], skipped, args.window,
+                          RANKED_BY if args.heldout_prompts else "reward_last_quarter"),
                "failed": {k: v for k, v in failed.items() if v != NOT_RUN},
                "missing": [k for k, v in failed.items() if v == NOT_RUN], "machine": machine_figures(load_start)}
     plot = str(DEFAULT_PLOT) if args.plot is None else args.plot

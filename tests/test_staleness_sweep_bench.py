@@ -124,17 +124,26 @@ def test_written_job_is_the_derived_one_and_loads(local, tmp_path):
 # ------------------------------------------------------------------------------ figures
 
 
+def cell(records: list[dict], heldout: float | None) -> dict:
+    """A loaded cell as vs_trl.load_result gives it, with its final policy's held-out pass@1."""
+    return {"records": records, "result": {} if heldout is None else {"heldout": {"pass_at_1": heldout,
+                                                                                   "prompts": 256}}}
+
+
 def _cell_results() -> dict:
-    # default@0 sets the targets: seed 0 ends at 0.5 (reached at 100 s), seed 1 at 0.4 (at 200 s)
+    # default@0 sets the targets: seed 0 ends at 0.5 (reached at 100 s), seed 1 at 0.4 (at 200 s).
+    # Held-out pass@1 at level 2: default 0.3, 0.3; m2po 0.6, 0.7 (ahead beyond the spread); vcpo 0.8
+    # and not evaluated (one seed: not ahead on evidence). vcpo also has the best training reward on
+    # seed 1, which the recommendation must not rank by.
     return {
-        "default": {0: {0: {"records": recs([0.0] * 5 + [0.5] * 5)},
-                        1: {"records": recs([0.0] * 5 + [0.4] * 5, dt=20.0)}},
-                    2: {0: {"records": recs([0.0] * 5 + [0.2] * 5, staleness=1.5)},
-                        1: {"records": recs([0.0] * 5 + [0.2] * 5, staleness=1.5)}}},
-        "m2po": {2: {0: {"records": recs([0.0] * 3 + [0.5] * 7, dt=5.0, staleness=1.5)},
-                     1: {"records": recs([0.0] * 3 + [0.6] * 7, dt=5.0, staleness=1.5)}}},
-        "vcpo": {2: {0: {"records": recs([0.0] * 10, staleness=1.5)},
-                     1: {"records": recs([0.0] * 5 + [0.5] * 5, staleness=1.5)}}},
+        "default": {0: {0: cell(recs([0.0] * 5 + [0.5] * 5), 0.5),
+                        1: cell(recs([0.0] * 5 + [0.4] * 5, dt=20.0), 0.4)},
+                    2: {0: cell(recs([0.0] * 5 + [0.2] * 5, staleness=1.5), 0.3),
+                        1: cell(recs([0.0] * 5 + [0.2] * 5, staleness=1.5), 0.3)}},
+        "m2po": {2: {0: cell(recs([0.0] * 3 + [0.5] * 7, dt=5.0, staleness=1.5), 0.6),
+                     1: cell(recs([0.0] * 3 + [0.6] * 7, dt=5.0, staleness=1.5), 0.7)}},
+        "vcpo": {2: {0: cell(recs([0.0] * 10, staleness=1.5), 0.8),
+                     1: cell(recs([0.0] * 5 + [0.9] * 5, staleness=1.5), None)}},
     }
 
 
@@ -153,6 +162,9 @@ def test_summary_targets_times_and_ratios():
     assert out["cells"]["default"]["2"]["time_to_target_s"]["reached"] == "0/2"
     vcpo0 = out["cells"]["vcpo"]["0"]
     assert vcpo0["seeds_done"] == [] and vcpo0["reward_last_quarter"]["mean"] is None
+    assert vcpo0["heldout_pass_at_1"]["mean"] is None
+    assert m2po["heldout_pass_at_1"]["per_seed"] == [0.6, 0.7]
+    assert out["cells"]["vcpo"]["2"]["heldout_pass_at_1"] == sw.spread([0.8, None])
     assert out["reward_per_step"]["m2po"]["2"]["1"][-1] == 0.6 and out["reward_per_step"]["m2po"]["0"] == {}
 
 
@@ -163,24 +175,31 @@ def test_staleness_figures_prove_the_forcing():
     assert sw.mean_staleness(r) == pytest.approx((sum(range(8)) + 8 + 8) / 10)
     assert sw.mean_staleness(r, 8) == 8.0
     assert sw.mean_staleness(r, 10) is None
-    cell = sw.cell_figures({0: {"records": r}}, [0], 8, {0: None}, {0: None})
-    assert cell["staleness_after_lag"]["mean"] == 8.0 and cell["staleness_mean"]["mean"] == pytest.approx(4.4)
-    assert cell["time_to_target_s"]["per_seed"] == [None]
+    figures = sw.cell_figures({0: cell(r, None)}, [0], 8, {0: None}, {0: None})
+    assert figures["staleness_after_lag"]["mean"] == 8.0 and figures["staleness_mean"]["mean"] == pytest.approx(4.4)
+    assert figures["time_to_target_s"]["per_seed"] == [None]
 
 
 def test_recommendation_separates_a_lead_beyond_the_seed_spread():
     out = sw.summarise(_cell_results(), ["default", "m2po", "vcpo"], [0, 2], [0, 1])
     rec = out["recommendation"]["2"]
-    # m2po 0.55 (std 0.0707) vs default 0.2 (std 0): lead 0.35 > 0.0707
-    assert rec["best"] == "m2po" and rec["pick"] == "m2po" and rec["separable"] is True
-    assert rec["lead_over_default"] == pytest.approx(0.35) and rec["seed_spread"] == pytest.approx(0.0707)
+    # held-out: vcpo 0.8 (one seed evaluated) ranks first, cannot be separated on one seed
+    assert rec["ranked_by"] == "heldout_pass_at_1" and rec["best"] == "vcpo" and rec["separable"] is False
+    without_vcpo = sw.summarise(_cell_results(), ["default", "m2po"], [0, 2], [0, 1])["recommendation"]["2"]
+    # m2po 0.65 (std 0.0707) vs default 0.3 (std 0): lead 0.35 > 0.0707
+    assert without_vcpo["best"] == "m2po" and without_vcpo["pick"] == "m2po" and without_vcpo["separable"] is True
+    assert without_vcpo["lead_over_default"] == pytest.approx(0.35)
+    assert without_vcpo["seed_spread"] == pytest.approx(0.0707)
     assert out["recommendation"]["0"]["best"] == "default" and out["recommendation"]["0"]["pick"] == "default"
+    by_reward = sw.summarise(_cell_results(), ["default", "m2po", "vcpo"], [2], [0, 1],
+                             ranked_by="reward_last_quarter")["recommendation"]["2"]
+    assert by_reward["ranked_by"] == "reward_last_quarter" and by_reward["best"] == "m2po"
 
 
 def test_recommendation_cannot_separate_a_lead_within_the_spread():
-    cells = {"default": {"reward_last_quarter": sw.spread([0.30, 0.40]), "seeds_done": [0, 1]},
-             "vcpo": {"reward_last_quarter": sw.spread([0.30, 0.46]), "seeds_done": [0, 1]},
-             "m2po": {"reward_last_quarter": sw.spread([0.20, 0.30]), "seeds_done": [0, 1]}}
+    cells = {"default": {"heldout_pass_at_1": sw.spread([0.30, 0.40]), "seeds_done": [0, 1]},
+             "vcpo": {"heldout_pass_at_1": sw.spread([0.30, 0.46]), "seeds_done": [0, 1]},
+             "m2po": {"heldout_pass_at_1": sw.spread([0.20, 0.30]), "seeds_done": [0, 1]}}
     rec = sw.recommend_level(cells)
     assert rec["best"] == "vcpo" and rec["separable"] is False and rec["pick"] == "default"
     assert rec["verdict"].startswith("cannot separate at this scale")
@@ -188,8 +207,8 @@ def test_recommendation_cannot_separate_a_lead_within_the_spread():
 
 
 def test_recommendation_with_one_seed_or_no_default():
-    one = {"default": {"reward_last_quarter": sw.spread([0.1]), "seeds_done": [0]},
-           "bapo": {"reward_last_quarter": sw.spread([0.9]), "seeds_done": [0]}}
+    one = {"default": {"heldout_pass_at_1": sw.spread([0.1]), "seeds_done": [0]},
+           "bapo": {"heldout_pass_at_1": sw.spread([0.9]), "seeds_done": [0]}}
     rec = sw.recommend_level(one)
     assert rec["best"] == "bapo" and rec["separable"] is False and "one seed" in rec["verdict"]
     alone = sw.recommend_level({"bapo": one["bapo"]})
@@ -200,11 +219,15 @@ def test_recommendation_with_one_seed_or_no_default():
 # ------------------------------------------------------------------------------ resuming, plot, command line
 
 
-def _store(out: Path, name: str, level: int, seed: int, steps: int, job: Path, spec: dict) -> None:
+def _store(out: Path, name: str, level: int, seed: int, steps: int, job: Path, spec: dict,
+           heldout_prompts: int | None = sw.HELDOUT_PROMPTS) -> None:
     d = out / name / f"s{level}" / f"seed{seed}"
     d.mkdir(parents=True)
     (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs([0.1] * steps)))
-    (d / "result.json").write_text(json.dumps({"source_job": str(job), "derived_spec": spec}))
+    result = {"source_job": str(job), "derived_spec": spec}
+    if heldout_prompts is not None:
+        result["heldout"] = {"prompts": heldout_prompts, "pass_at_1": 0.25}
+    (d / "result.json").write_text(json.dumps(result))
 
 
 def test_a_finished_cell_is_reused_only_for_the_same_job_spec_and_enough_steps(local, tmp_path):
@@ -217,6 +240,43 @@ def test_a_finished_cell_is_reused_only_for_the_same_job_spec_and_enough_steps(l
     assert sw.load_cell(tmp_path, "m2po", 2, 0, 4, LOCAL, sw.derive(local, "m2po", 8)["spec"]) is None
     assert sw.load_cell(tmp_path, "m2po", 2, 0, 4, tmp_path / "other.yaml", spec) is None
     assert sw.load_cell(tmp_path, "m2po", 2, 1, 4, LOCAL, spec) is None
+    assert sw.load_cell(tmp_path, "m2po", 2, 0, 4, LOCAL, spec, heldout_prompts=64) is None  # other prompts
+
+
+def test_a_cell_measured_before_the_heldout_figure_is_run_again_unless_asked_for_none(local, tmp_path):
+    spec = sw.derive(local, "tba", 8)["spec"]
+    _store(tmp_path, "tba", 8, 0, 12, LOCAL, spec, heldout_prompts=None)
+    assert sw.load_cell(tmp_path, "tba", 8, 0, 12, LOCAL, spec) is None
+    assert sw.load_cell(tmp_path, "tba", 8, 0, 12, LOCAL, spec, heldout_prompts=0) is not None
+
+
+def test_run_cell_evaluates_the_final_policy_before_deleting_the_weights(local, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run(job, eta, seed, steps, d):  # what `asyncrl run` leaves: weights, checkpoints, run.json
+        final = d / "run" / "weights" / f"v{steps}"
+        final.mkdir(parents=True)
+        (final / "model.safetensors").write_bytes(b"w" * 10)
+        (d / "run" / "checkpoints").mkdir()
+        (d / "run" / "job.yaml").write_text((d / "job.yaml").read_text())
+        (d / "run" / "run.json").write_text(json.dumps({"final_weights": str(final)}))
+        (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs([0.1] * steps)))
+        return {"job": str(job), "eta": eta, "seed": seed, "steps": steps}
+
+    def fake_evaluate(model, job, extra):
+        assert Path(model, "model.safetensors").exists(), "evaluated after the weights were deleted"
+        calls.append((Path(model).name, Path(job).name, extra))
+        return {"prompts": 256, "pass_at_1": 0.5, "policy_version": 3, "response_length": 11.25, "seconds": 9.0}
+
+    monkeypatch.setattr(sw, "run_asyncrl", fake_run)
+    monkeypatch.setattr(sw, "evaluate", fake_evaluate)
+    doc = sw.derive(local, "bapo", 2)
+    sw.run_cell(tmp_path, "bapo", 2, 0, 3, LOCAL, doc)
+    assert calls and calls[0][:2] == ("v3", "job.yaml") and calls[0][2][:2] == ["--prompts", "256"]
+    d = sw.run_dir(tmp_path, sw.cell_name("bapo", 2), 0)
+    assert not (d / "run" / "weights").exists() and not (d / "run" / "checkpoints").exists()
+    found = sw.load_cell(tmp_path, "bapo", 2, 0, 3, LOCAL, doc["spec"])
+    assert found is not None and sw.heldout_pass_at_1(found) == 0.5
 
 
 def test_a_measured_cell_keeps_its_figures_and_loses_its_weights(local, tmp_path):
@@ -238,7 +298,7 @@ def test_plot_series_has_a_panel_per_level_and_skips_without_matplotlib(tmp_path
     series = sw.sweep_series(_cell_results(), [0, 2])
     assert list(series) == ["0", "2"] and sorted(series["2"]) == ["default", "m2po", "vcpo"]
     assert list(series["0"]) == ["default"] and series["2"]["m2po"]["seeds"] == 2
-    assert series["2"]["vcpo"]["reward_ma"][-1] == pytest.approx(0.25)  # mean of 0.0 and 0.5
+    assert series["2"]["vcpo"]["reward_ma"][-1] == pytest.approx(0.45)  # mean of 0.0 and 0.9
     monkeypatch.setattr(sw, "TRL_VENV", tmp_path / "no-venv")
     assert sw.plot_python(None, explicit=False) is None
     assert sw.plot_python(Path("/some/python"), explicit=False) == Path("/some/python")
