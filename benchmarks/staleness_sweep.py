@@ -45,8 +45,9 @@ Figures (one JSON object; per stabiliser and staleness, mean/min/max/std over se
                         reward is that of policy k-1-s, so 12 steps at staleness 8 end on the
                         policies of updates 1-3, made at staleness <= 2
   machine               threads, cores, load average, torch and Python (benchmarks/machine.py)
-The plot (--plot): the 5-step moving-average reward vs step, mean over seeds, one panel per staleness
-level and one line per stabiliser; drawn by .venv-trl's matplotlib (or --plot-python's).
+The plot (--plot): one column per staleness level; above, the 5-step moving-average reward vs step,
+mean over seeds, a line per stabiliser; below, the final policies' held-out pass@1, a bar per
+stabiliser (mean) and a dot per seed; drawn by .venv-trl's matplotlib (or --plot-python's).
 
 Disk: once a cell is measured (its final policy evaluated, result.json written), its run's weights/
 and checkpoints/ (about 8 GB for 12 steps of the embedded model) are deleted; --keep-weights keeps them.
@@ -451,16 +452,42 @@ def sweep_series(results: Results, levels: list[int], window: int = WINDOW) -> d
                                  window) for lv in levels}
 
 
-def render_plot(series: dict[str, Any], path: Path, title: str = "", window: int = WINDOW) -> None:
-    """One panel per staleness level: moving-average reward vs step, a line per stabiliser."""
+def sweep_heldout(results: Results, levels: list[int]) -> dict[str, dict[str, list[float]]]:
+    """Per staleness level, each stabiliser's held-out pass@1 per evaluated seed (the plot's bars)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for lv in levels:
+        by_name = {name: [v for c in by_level[lv].values() if (v := heldout_pass_at_1(c)) is not None]
+                   for name, by_level in results.items() if lv in by_level}
+        out[str(lv)] = {name: vals for name, vals in by_name.items() if vals}
+    return out
+
+
+def render_plot(series: dict[str, Any], path: Path, title: str = "", window: int = WINDOW,
+                heldout: dict[str, dict[str, list[float]]] | None = None) -> None:
+    """One column per staleness level: moving-average reward vs step, a line per stabiliser; below
+    it (when any run was evaluated) the final policies' held-out pass@1, a bar per stabiliser (the
+    mean) with a dot per seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.5), sharey=True,
-                             constrained_layout=True, squeeze=False)
+    bars = heldout is not None and any(heldout.values())
+    fig, axes = plt.subplots(2 if bars else 1, len(series), figsize=(5.5 * len(series), 9.0 if bars else 4.5),
+                             sharey="row", constrained_layout=True, squeeze=False)
+    names = list(dict.fromkeys(name for by_name in (heldout or {}).values() for name in by_name))
+    for ax, level in zip(axes[1] if bars else [], series):  # the same rows in every column
+        by_name = (heldout or {}).get(level, {})
+        for i, name in enumerate(names):
+            if vals := by_name.get(name):
+                ax.barh(i, sum(vals) / len(vals), color="tab:blue", alpha=0.5)
+                ax.plot(vals, [i] * len(vals), "k.", markersize=6)
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(-0.6, len(names) - 0.4)
+        ax.set_xlim(0, 1)
+        ax.set_xlabel("final policy: held-out pass@1 (bar: mean; dots: seeds)")
+        ax.grid(axis="x", alpha=0.3)
     for ax, (level, by_name) in zip(axes[0], series.items()):
         for name, s in by_name.items():
             ax.plot(s["step"], s["reward_ma"], marker="o", markersize=3,
@@ -491,10 +518,10 @@ def plot_python(given: Path | None, explicit: bool) -> Path | None:
 
 
 def write_plot(series: dict[str, Any], png: Path, out: Path, title: str, python: Path | None,
-               window: int = WINDOW) -> str:
+               window: int = WINDOW, heldout: dict[str, dict[str, list[float]]] | None = None) -> str:
     """Draw the plot in `python` (which has matplotlib); returns what happened, for stderr and JSON."""
     data = out / "plot_series.json"
-    data.write_text(json.dumps({"series": series, "title": title, "window": window}))
+    data.write_text(json.dumps({"series": series, "title": title, "window": window, "heldout": heldout}))
     if python is None or not python.exists():
         return f"not drawn: no interpreter with matplotlib (pass --plot-python or --plot); series in {data}"
     proc = subprocess.run([str(python), str(Path(__file__).resolve()), "--render-plot", str(data), str(png)],
@@ -560,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render_plot:  # (run by an interpreter that has matplotlib)
         data = json.loads(Path(args.render_plot[0]).read_text())
-        render_plot(data["series"], Path(args.render_plot[1]), data.get("title", ""), data.get("window", WINDOW))
+        render_plot(data["series"], Path(args.render_plot[1]), data.get("title", ""), data.get("window", WINDOW),
+                    data.get("heldout"))
         return 0
     grid = settings(args)
     unknown = [s for s in grid["stabilisers"] if s not in STABILISERS]
@@ -595,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         title = f"{args.job.name}: {grid['steps']} steps, seeds {','.join(map(str, grid['seeds']))}"
         series = sweep_series(results, grid["levels"], args.window)
         figures["plot"] = write_plot(series, Path(plot).resolve(), out, title,
-                                     plot_python(args.plot_python, args.plot is not None), args.window)
+                                     plot_python(args.plot_python, args.plot is not None), args.window,
+                                     sweep_heldout(results, grid["levels"]))
         print(f"staleness_sweep: plot {figures['plot']}", file=sys.stderr)
     (out / "summary.json").write_text(json.dumps(figures, indent=2))
     print(compact_json(figures))

@@ -307,9 +307,17 @@ def test_plot_series_has_a_panel_per_level_and_skips_without_matplotlib(tmp_path
     assert not (tmp_path / "p.png").exists()
 
 
-def test_render_plot_draws_a_png(tmp_path):
+def test_heldout_bars_are_the_evaluated_seeds_per_level():
+    bars = sw.sweep_heldout(_cell_results(), [0, 2, 8])
+    assert bars == {"0": {"default": [0.5, 0.4]}, "2": {"default": [0.3, 0.3], "m2po": [0.6, 0.7], "vcpo": [0.8]},
+                    "8": {}}
+
+
+@pytest.mark.parametrize("with_heldout", [False, True])
+def test_render_plot_draws_a_png(tmp_path, with_heldout):
     pytest.importorskip("matplotlib")
-    sw.render_plot(sw.sweep_series(_cell_results(), [0, 2]), tmp_path / "p.png", "title")
+    heldout = sw.sweep_heldout(_cell_results(), [0, 2]) if with_heldout else None
+    sw.render_plot(sw.sweep_series(_cell_results(), [0, 2]), tmp_path / "p.png", "title", heldout=heldout)
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
