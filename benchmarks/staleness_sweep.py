@@ -355,9 +355,6 @@ def load_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job
     return found
 
 
-NOT_RUN = "missing: not run yet (--no-train)"
-"""`sweep`'s reason for a cell that --no-train found no result for (the JSON lists these as `missing`)."""
-
 HEAVY_RUN_PARTS = ("weights", "checkpoints")
 """What `asyncrl run` leaves in a run directory that the sweep's figures never read."""
 
@@ -412,12 +409,15 @@ def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job:
 
 def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str], levels: list[int],
           seeds: list[int], steps: int, device: str | None, keep_weights: bool = False,
-          train: bool = True, heldout_prompts: int = HELDOUT_PROMPTS) -> tuple[Results, dict[str, str]]:
-    """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all.
+          train: bool = True,
+          heldout_prompts: int = HELDOUT_PROMPTS) -> tuple[Results, dict[str, str], list[str]]:
+    """Run every missing cell (seed by seed, so each seed's target run comes first) and load them all:
+    (results, the cells that failed with why, the cells not run).
 
-    With `train` False nothing is run: a missing cell is reported as such (a summary of a sweep done
-    over several sittings)."""
+    With `train` False nothing is run: a cell without a result is only listed as not run (a summary
+    of a sweep done over several sittings)."""
     failed: dict[str, str] = {}
+    missing: list[str] = []
     results: Results = {}
     for seed in seeds:
         for level in levels:
@@ -425,7 +425,7 @@ def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str]
                 doc = derive(document, name, level, device)
                 found = load_cell(out, name, level, seed, steps, job, doc["spec"], heldout_prompts)
                 if found is None and not train:
-                    failed[f"{name}/s{level}/seed{seed}"] = NOT_RUN
+                    missing.append(f"{name}/s{level}/seed{seed}")
                 elif found is None:
                     try:
                         run_cell(out, name, level, seed, steps, job, doc, keep_weights, heldout_prompts)
@@ -440,7 +440,7 @@ def sweep(document: dict[str, Any], job: Path, out: Path, stabilisers: list[str]
                           file=sys.stderr)
                 if found is not None:
                     results.setdefault(name, {}).setdefault(level, {})[seed] = found
-    return results, failed
+    return results, failed, missing
 
 
 # ------------------------------------------------------------------------------ plot
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"staleness_sweep: skipping {name}: its derived job fails validation:\n{why}", file=sys.stderr)
     runnable = [s for s in grid["stabilisers"] if s not in skipped]
     out.mkdir(parents=True, exist_ok=True)
-    results, failed = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
+    results, failed, missing = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
                             grid["device"], args.keep_weights, train=not args.no_train,
                             heldout_prompts=args.heldout_prompts)
     figures = {"job": str(args.job), "steps": grid["steps"], "seeds": grid["seeds"], "staleness": grid["levels"],
@@ -616,8 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                "overrides": {n: STABILISERS[n] for n in grid["stabilisers"]},
                **summarise(results, grid["stabilisers"], grid["levels"], grid["seeds"], skipped, args.window,
                           RANKED_BY if args.heldout_prompts else "reward_last_quarter"),
-               "failed": {k: v for k, v in failed.items() if v != NOT_RUN},
-               "missing": [k for k, v in failed.items() if v == NOT_RUN], "machine": machine_figures(load_start)}
+               "failed": failed, "missing": missing, "machine": machine_figures(load_start)}
     plot = str(DEFAULT_PLOT) if args.plot is None else args.plot
     if plot:
         title = f"{args.job.name}: {grid['steps']} steps, seeds {','.join(map(str, grid['seeds']))}"

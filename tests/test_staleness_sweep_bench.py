@@ -341,10 +341,11 @@ def test_no_train_summarises_the_stored_cells_and_lists_the_missing(local, tmp_p
 
     monkeypatch.setattr(sw, "run_cell", refuse)
     _store(tmp_path, "default", 8, 0, 4, LOCAL, sw.derive(local, "default", 8)["spec"])
-    results, failed = sw.sweep(local, LOCAL, tmp_path, ["default", "m2po"], [8], [0, 1], 4, None, train=False)
+    results, failed, missing = sw.sweep(local, LOCAL, tmp_path, ["default", "m2po"], [8], [0, 1], 4, None,
+                                        train=False)
     assert list(results) == ["default"] and list(results["default"][8]) == [0]
-    assert sorted(failed) == ["default/s8/seed1", "m2po/s8/seed0", "m2po/s8/seed1"]
-    assert set(failed.values()) == {sw.NOT_RUN}
+    assert sorted(missing) == ["default/s8/seed1", "m2po/s8/seed0", "m2po/s8/seed1"]
+    assert failed == {}
 
 
 def test_unknown_stabiliser_is_refused(capsys):
