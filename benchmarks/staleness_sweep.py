@@ -609,8 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     runnable = [s for s in grid["stabilisers"] if s not in skipped]
     out.mkdir(parents=True, exist_ok=True)
     results, failed, missing = sweep(document, job, out, runnable, grid["levels"], grid["seeds"], grid["steps"],
-                            grid["device"], args.keep_weights, train=not args.no_train,
-                            heldout_prompts=args.heldout_prompts)
+                                     grid["device"], args.keep_weights, train=not args.no_train,
+                                     heldout_prompts=args.heldout_prompts)
     figures = {"job": str(args.job), "steps": grid["steps"], "seeds": grid["seeds"], "staleness": grid["levels"],
                "stabilisers": grid["stabilisers"], "device": grid["device"] or "the job's", "out": str(out),
                "overrides": {n: STABILISERS[n] for n in grid["stabilisers"]},
