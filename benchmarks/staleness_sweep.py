@@ -38,10 +38,12 @@ Figures (one JSON object; per stabiliser and staleness, mean/min/max/std over se
   sync_over_this        default@0's time to its own target / this time (> 1: there sooner than sync RL)
   staleness_mean        mean staleness of the trained tokens over all steps (trainer metrics.jsonl)
   staleness_after_lag   the same over steps s + 1 .. N: the proof that staleness s was forced
-  recommendation        per staleness level, the stabiliser with the best mean heldout_pass_at_1
-                        (reward_last_quarter with --heldout-prompts 0) and whether its lead over
-                        `default` exceeds the seed spread (the larger std of the two); if it does
-                        not, "cannot separate at this scale". Why not the training reward: step k's
+  recommendation        per staleness level, the stabiliser with the best heldout_pass_at_1
+                        (reward_last_quarter with --heldout-prompts 0) on the seeds every stabiliser
+                        has (selected_on_seeds), and whether its lead over `default` on the seeds the
+                        two share (lead_on_seeds: a paired lead) exceeds the seed spread (the larger
+                        std of the two); if it does not, "cannot separate at this scale". Run the
+                        leaders on more seeds to confirm them. Why not the training reward: step k's
                         reward is that of policy k-1-s, so 12 steps at staleness 8 end on the
                         policies of updates 1-3, made at staleness <= 2
   machine               threads, cores, load average, torch and Python (benchmarks/machine.py)
@@ -279,28 +281,47 @@ def measured_seeds(figure: dict[str, Any]) -> int:
     return sum(v is not None for v in figure["per_seed"])
 
 
-def recommend_level(cells: dict[str, dict[str, Any]], figure: str = RANKED_BY) -> dict[str, Any]:
-    """The stabiliser with the best mean `figure` at one level, and whether its lead over the
-    reference exceeds the seed spread (the larger std of the two; one seed can never separate)."""
-    means = {name: c[figure]["mean"] for name, c in cells.items() if c.get(figure, {}).get("mean") is not None}
-    if not means:
+def recommend_level(cells: dict[str, dict[str, Any]], figure: str = RANKED_BY,
+                    seeds: list[int] | None = None) -> dict[str, Any]:
+    """The best stabiliser at one level, and whether its lead over the reference exceeds the seed
+    spread (the larger std of the two; one seed can never separate).
+
+    The best is selected on the seeds every ranked stabiliser has, and its lead is paired: measured on
+    the seeds it shares with the reference. Means over unequal seed sets would favour a stabiliser run
+    only on a lucky seed over one also run on an unlucky one (the sweep runs its leaders on a second
+    seed, so it always has unequal sets). `seeds` names the positions of the per-seed figures."""
+    per_seed = {name: c[figure]["per_seed"] for name, c in cells.items()
+                if c.get(figure, {}).get("mean") is not None}
+    if not per_seed:
         return {"best": None, "pick": None, "verdict": "no finished runs"}
-    best = max(means, key=lambda name: means[name])
-    out: dict[str, Any] = {"ranked_by": figure, "best": best, f"best_{figure}": means[best]}
-    if REFERENCE not in means:
+    positions = range(len(next(iter(per_seed.values()))))
+    names = seeds if seeds is not None else list(positions)
+    shared = [i for i in positions if all(v[i] is not None for v in per_seed.values())]
+
+    def mean_on(name: str, at: list[int]) -> float:
+        return statistics.fmean(per_seed[name][i] for i in at) if at else cells[name][figure]["mean"]
+
+    best = max(per_seed, key=lambda name: mean_on(name, shared))
+    out: dict[str, Any] = {"ranked_by": figure, "best": best, "selected_on_seeds": [names[i] for i in shared],
+                           f"best_{figure}": cells[best][figure]["mean"]}
+    if REFERENCE not in per_seed:
         return {**out, "pick": None, "verdict": f"no {REFERENCE} run at this staleness to compare with"}
-    ref, top = cells[REFERENCE][figure], cells[best][figure]
-    lead = round(means[best] - means[REFERENCE], 4)
-    noise = max(ref["std"], top["std"])
-    seeds = min(measured_seeds(ref), measured_seeds(top))
-    out.update({f"{REFERENCE}_{figure}": means[REFERENCE], f"lead_over_{REFERENCE}": lead,
-                "seed_spread": noise, "seeds": seeds})
+    pairs = [i for i in positions if per_seed[best][i] is not None and per_seed[REFERENCE][i] is not None]
+    top, ref = ([per_seed[n][i] for i in pairs] for n in (best, REFERENCE))
+    lead = round(statistics.fmean(top) - statistics.fmean(ref), 4) if pairs else None
+    noise = round(max(spread(top)["std"] or 0.0, spread(ref)["std"] or 0.0), 4)
+    out.update({f"{REFERENCE}_{figure}": cells[REFERENCE][figure]["mean"], f"lead_over_{REFERENCE}": lead,
+                "lead_on_seeds": [names[i] for i in pairs], "seed_spread": noise, "seeds": len(pairs)})
     if best == REFERENCE:
         return {**out, "separable": None, "pick": REFERENCE, "verdict": f"{REFERENCE} has the best mean"}
-    if seeds >= 2 and lead > noise:
+    if lead is not None and len(pairs) >= 2 and lead > noise:
         return {**out, "separable": True, "pick": best,
                 "verdict": f"{best}: lead {lead} over {REFERENCE} exceeds the seed spread {noise}"}
-    why = "one seed" if seeds < 2 else f"lead {lead} <= seed spread {noise}"
+    if lead is not None and lead <= 0:
+        why = f"{best} led on seeds {out['selected_on_seeds']}, {REFERENCE} on the {len(pairs)} they share"
+    else:
+        why = (f"no seed shared with {REFERENCE}" if not pairs else "one seed" if len(pairs) < 2
+               else f"lead {lead} <= seed spread {noise}")
     return {**out, "separable": False, "pick": REFERENCE, "verdict": f"cannot separate at this scale ({why})"}
 
 
@@ -329,7 +350,7 @@ def summarise(results: Results, stabilisers: list[str], levels: list[int], seeds
         "target_per_seed": {str(s): None if t is None else round(t, 4) for s, t in targets.items()},
         "target_definition": f"final {window}-step moving average of {REFERENCE}'s reward at staleness 0, per seed",
         "cells": cells,
-        "recommendation": {str(lv): recommend_level({n: c[str(lv)] for n, c in ran.items()}, ranked_by)
+        "recommendation": {str(lv): recommend_level({n: c[str(lv)] for n, c in ran.items()}, ranked_by, seeds)
                            for lv in levels},
         "reward_per_step": per_step,
     }

@@ -216,6 +216,39 @@ def test_recommendation_with_one_seed_or_no_default():
     assert sw.recommend_level({})["best"] is None
 
 
+def test_recommendation_selects_on_the_shared_seeds_and_pairs_the_lead():
+    # As measured at staleness 0: seed 1 failed for every stabiliser run on it. By mean over each one's
+    # own seeds, m2po (run on seed 0 only) would lead default (run on both) by 0.26; on the seed all
+    # share, gspo leads, and against default on the seeds the two share its lead is 0.035.
+    cells = {"default": {"heldout_pass_at_1": sw.spread([0.47, 0.05])},
+             "gspo": {"heldout_pass_at_1": sw.spread([0.54, 0.05])},
+             "m2po": {"heldout_pass_at_1": sw.spread([0.52, None])}}
+    rec = sw.recommend_level(cells, seeds=[0, 1])
+    assert rec["best"] == "gspo" and rec["selected_on_seeds"] == [0] and rec["lead_on_seeds"] == [0, 1]
+    assert rec["lead_over_default"] == pytest.approx(0.035) and rec["seeds"] == 2
+    assert rec["seed_spread"] == pytest.approx(0.3465) and rec["separable"] is False and rec["pick"] == "default"
+    assert rec["best_heldout_pass_at_1"] == pytest.approx(0.295)
+
+
+def test_recommendation_says_when_the_selected_leader_falls_behind_on_the_shared_seeds():
+    # As measured at staleness 8: m2po led on seed 0 and fell to 0.129 on seed 1.
+    cells = {"default": {"heldout_pass_at_1": sw.spread([0.445, 0.418])},
+             "m2po": {"heldout_pass_at_1": sw.spread([0.488, 0.129])},
+             "sapo": {"heldout_pass_at_1": sw.spread([0.445, None])}}
+    rec = sw.recommend_level(cells, seeds=[0, 1])
+    assert rec["best"] == "m2po" and rec["lead_over_default"] == pytest.approx(-0.123)
+    assert rec["pick"] == "default" and rec["separable"] is False
+    assert rec["verdict"] == "cannot separate at this scale (m2po led on seeds [0], default on the 2 they share)"
+
+
+def test_recommendation_without_a_seed_every_stabiliser_has_ranks_by_mean():
+    cells = {"default": {"heldout_pass_at_1": sw.spread([0.4, None])},
+             "vcpo": {"heldout_pass_at_1": sw.spread([None, 0.6])}}
+    rec = sw.recommend_level(cells, seeds=[3, 4])
+    assert rec["best"] == "vcpo" and rec["selected_on_seeds"] == [] and rec["lead_over_default"] is None
+    assert rec["seeds"] == 0 and rec["pick"] == "default" and "no seed shared with default" in rec["verdict"]
+
+
 # ------------------------------------------------------------------------------ resuming, plot, command line
 
 
