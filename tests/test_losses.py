@@ -341,6 +341,41 @@ def test_sapo_decoupled_gates_u_softly_with_a_temperature_per_sign():
     assert abs(float(lp2.grad[0, 0])) < abs(float(lp.grad[0, 0])) and float(lp2.grad[0, 1]) == float(lp.grad[0, 1])
 
 
+FRESH_DATA_STABILISERS = {
+    "recompute": LossConfig(proximal="recompute"),
+    "m2po": LossConfig(m2_threshold=0.04),
+    "bapo": LossConfig(clip_bounds="bapo"),
+    "vcpo": LossConfig(vcpo=True),
+    "gspo": LossConfig(objective="gspo", eps_clip=3e-4, eps_clip_high=4e-4),
+    "cispo": LossConfig(objective="cispo", eps_clip=0.99, eps_clip_high=0.28),
+    "sapo": LossConfig(objective="sapo"),
+}
+
+
+@pytest.mark.parametrize("name", FRESH_DATA_STABILISERS)
+def test_on_fresh_data_every_stabiliser_takes_the_default_step(name):
+    """At staleness 0, before the step's first update, every ratio is 1: no clip binds, M2 is 0, the
+    ESS is 1 and each objective's gradient is the policy gradient. Why the staleness sweep's runs at
+    staleness 0 coincide (docs/benchmarks.md); a stabiliser that changed fresh-data steps would show here."""
+    g = torch.Generator().manual_seed(0)
+    lp_b = -3.0 * torch.rand(4, 6, generator=g, dtype=torch.float64)
+    mask = torch.arange(6) < torch.tensor([[6], [3], [5], [1]])
+    adv = torch.randn(4, generator=g, dtype=torch.float64)
+    versions = torch.where(mask, 7, -1)
+
+    def gradient(config: LossConfig) -> torch.Tensor:
+        lp = lp_b.clone().requires_grad_(True)
+        loss, stats = policy_loss(lp, lp_b, adv, mask, config=config, versions=versions, current_version=7,
+                                  prox_logprobs=lp_b.clone())
+        loss.backward()
+        assert stats["clip_fraction"] == 0.0 and stats["m2_masked_fraction"] == 0.0
+        return lp.grad
+
+    default = gradient(LossConfig())
+    assert default.abs().sum() > 0
+    assert torch.allclose(gradient(FRESH_DATA_STABILISERS[name]), default, rtol=1e-12, atol=1e-15)
+
+
 def test_ppo_clip_objective_is_the_default_and_unchanged():
     lp, lp_b, prox, adv = _decoupled_case()
     cfg = LossConfig(kind="decoupled", proximal="recompute")
