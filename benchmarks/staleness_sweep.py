@@ -276,11 +276,6 @@ the last quarter's reward shows the policies of updates 1..N-1-s; with 12 steps 
 were made at staleness <= 2, and no stabiliser's handling of staleness 8 could show in it."""
 
 
-def measured_seeds(figure: dict[str, Any]) -> int:
-    """How many seeds a spread figure has a value for (a run can lack the held-out one)."""
-    return sum(v is not None for v in figure["per_seed"])
-
-
 def recommend_level(cells: dict[str, dict[str, Any]], figure: str = RANKED_BY,
                     seeds: list[int] | None = None) -> dict[str, Any]:
     """The best stabiliser at one level, and whether its lead over the reference exceeds the seed
@@ -317,11 +312,12 @@ def recommend_level(cells: dict[str, dict[str, Any]], figure: str = RANKED_BY,
     if lead is not None and len(pairs) >= 2 and lead > noise:
         return {**out, "separable": True, "pick": best,
                 "verdict": f"{best}: lead {lead} over {REFERENCE} exceeds the seed spread {noise}"}
-    if lead is not None and lead <= 0:
+    if lead is None:
+        why = f"no seed shared with {REFERENCE}"
+    elif lead <= 0:
         why = f"{best} led on seeds {out['selected_on_seeds']}, {REFERENCE} on the {len(pairs)} they share"
     else:
-        why = (f"no seed shared with {REFERENCE}" if not pairs else "one seed" if len(pairs) < 2
-               else f"lead {lead} <= seed spread {noise}")
+        why = "one seed" if len(pairs) < 2 else f"lead {lead} <= seed spread {noise}"
     return {**out, "separable": False, "pick": REFERENCE, "verdict": f"cannot separate at this scale ({why})"}
 
 
