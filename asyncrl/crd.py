@@ -75,14 +75,32 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         out.setdefault("type", "object")
         required = set(out.get("required", []))
         for name, prop in out["properties"].items():
-            # Default nested objects to {} so the API server applies their inner defaults; CEL rules
-            # then see fully defaulted objects, exactly as pydantic does.
+            # Default nested objects so that CEL rules see fully defaulted objects, exactly as
+            # pydantic does. The default is the object with its inner defaults filled in, not {}:
+            # the API server checks each default against its property's CEL rules as written, without
+            # defaulting inside it first, so a rule reading self.batchSize rejects `default: {}` (and
+            # with it the whole CRD). At run time the two are the same: the server fills inner
+            # defaults into a defaulted {} anyway.
             # Objects with required fields of their own (e.g. redis.external) stay absent instead, and
             # so do optional (nullable) ones: absent is not empty there (a podTemplate or an env
             # valueFrom defaulted to {} would change the spec's hash or break exactly-one-of rules).
             if (name not in required and prop.get("type") == "object" and "properties" in prop
                     and not prop.get("required") and not prop.get("nullable")):
-                prop.setdefault("default", {})
+                prop.setdefault("default", structural_default({}, prop))
+    return out
+
+
+def structural_default(obj: Any, schema: dict[str, Any]) -> Any:
+    """`obj` with every absent property that has a default filled in, recursively: what the API
+    server's structural defaulting makes of it before validation and CEL."""
+    if not isinstance(obj, dict) or "properties" not in schema:
+        return obj
+    out = dict(obj)
+    for name, prop in schema["properties"].items():
+        if name not in out and "default" in prop:
+            out[name] = copy.deepcopy(prop["default"])
+        if name in out:
+            out[name] = structural_default(out[name], prop)
     return out
 
 

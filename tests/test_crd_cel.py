@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from asyncrl.crd import build_crd
+from asyncrl.crd import build_crd, structural_default
 from asyncrl.spec import CEL_RULES, IMMUTABLE_FIELDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,15 +22,7 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 def defaulted(schema: dict, obj: Any) -> Any:
     """Structural defaulting, as the API server does before validation and CEL."""
-    if not isinstance(obj, dict) or "properties" not in schema:
-        return obj
-    out = dict(obj)
-    for name, prop in schema["properties"].items():
-        if name not in out and "default" in prop:
-            out[name] = copy.deepcopy(prop["default"])
-        if name in out:
-            out[name] = defaulted(prop, out[name])
-    return out
+    return structural_default(obj, schema)
 
 
 def at(obj: dict, dotted: str) -> Any:
@@ -55,8 +47,9 @@ def schema_at(dotted: str) -> dict:
     return node
 
 
-def cel_rules() -> list[tuple[str, str, str]]:
-    """Every (path, rule, message) attached to the schema, found by walking it (not from spec.py)."""
+def cel_rules(root: dict = SCHEMA) -> list[tuple[str, str, str]]:
+    """Every (path, rule, message) attached to `root` and below, found by walking it (not from
+    spec.py); the path is relative to `root` ("" for root's own rules)."""
     found: list[tuple[str, str, str]] = []
 
     def walk(node: dict, path: str) -> None:
@@ -65,7 +58,7 @@ def cel_rules() -> list[tuple[str, str, str]]:
         for name, prop in (node.get("properties") or {}).items():
             walk(prop, f"{path}.{name}" if path else name)
 
-    walk(SCHEMA, "")
+    walk(root, "")
     return found
 
 
@@ -73,10 +66,15 @@ ENV = celpy.Environment()
 
 
 def evaluate(rule: str, new: Any, old: Any = None) -> bool:
+    """The rule's verdict; a rule that cannot be evaluated (a missing key, a type error) fails, as
+    it does in the API server (cel-python returns such errors as values, which would read as true)."""
     activation = {"self": celpy.json_to_cel(new)}
     if old is not None:
         activation["oldSelf"] = celpy.json_to_cel(old)
-    return bool(ENV.program(ENV.compile(rule)).evaluate(activation))
+    result = ENV.program(ENV.compile(rule)).evaluate(activation)
+    if isinstance(result, celpy.CELEvalError):
+        raise result
+    return bool(result)
 
 
 def violations(obj: dict, old: dict | None = None) -> list[str]:
@@ -92,8 +90,65 @@ def violations(obj: dict, old: dict | None = None) -> list[str]:
     return out
 
 
+def defaults_in_schema() -> list[tuple[str, dict]]:
+    """(path, property schema) of every property that declares a `default`."""
+    found: list[tuple[str, dict]] = []
+
+    def walk(node: dict, path: str) -> None:
+        if "default" in node:
+            found.append((path, node))
+        for name, prop in (node.get("properties") or {}).items():
+            walk(prop, f"{path}.{name}" if path else name)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+
+    walk(SCHEMA, "")
+    return found
+
+
+def default_errors(prop: dict) -> list[str]:
+    """What the API server says of one property's `default` when the CRD is created: the default
+    as written (nothing defaulted inside it) must pass the property's schema and every CEL rule of
+    the property and of the properties below it that the default holds, evaluated once with
+    oldSelf = the default (transition rules too) and once without an old object."""
+    value = prop["default"]
+    errors = [f"schema: {e.message}" for e in jsonschema.Draft4Validator(prop).iter_errors(value)]
+    for path, rule, message in cel_rules(prop):
+        if path and not present(value, path):
+            continue
+        self_value = at(value, path) if path else value
+        for old in (self_value, None):
+            if "oldSelf" in rule and old is None:
+                continue
+            try:
+                passed = evaluate(rule, self_value, old)
+            except celpy.CELEvalError as e:
+                errors.append(f"{path or '.'}: {e.args[0] if e.args else e} evaluating rule: {message}")
+                continue
+            if not passed:
+                errors.append(f"{path or '.'}: {message}")
+    return errors
+
+
+def test_every_default_is_accepted_as_the_api_server_checks_it():
+    """A default the API server refuses rejects the whole CRD, so `helm install` fails on every
+    cluster: `default: {}` under a rule reading self.batchSize did exactly that."""
+    checked = defaults_in_schema()
+    assert any(p == "spec.algorithm" for p, _ in checked), "the walk must reach the algorithm default"
+    failures = {path: errors for path, prop in checked if (errors := default_errors(prop))}
+    assert failures == {}
+
+
+def test_default_errors_sees_a_default_that_misses_a_key_a_rule_reads():
+    algorithm = copy.deepcopy(schema_at("spec.algorithm"))
+    algorithm["default"] = {}
+    errors = default_errors(algorithm)
+    assert any("batchSize must be divisible by minibatches" in e for e in errors), errors
+    assert default_errors(schema_at("spec.algorithm")) == []
+
+
 # An optional object with required fields of its own (spec.redis.external) must not get a
-# `default: {}`: the API server would default it into every job and reject the job.
+# default: the API server would default it into every job and reject the job.
 
 
 def test_optional_objects_with_required_fields_have_no_default():
@@ -101,7 +156,7 @@ def test_optional_objects_with_required_fields_have_no_default():
 
     def walk(node: dict, path: str) -> None:
         for name, prop in (node.get("properties") or {}).items():
-            if prop.get("required") and "default" in prop and prop["default"] == {}:
+            if prop.get("required") and "default" in prop:
                 with_required.append(f"{path}.{name}")
             walk(prop, f"{path}.{name}")
 
