@@ -1,7 +1,7 @@
 """A Kubernetes API emulator good enough to host a real kopf operator and a real kubectl.
 
 kmock's KubernetesEmulator (PyPI `kmock`) keeps objects in memory and streams watch events, but as
-shipped it cannot host kopf or kubectl (see DESIGN.md §7). This test-side subclass fixes exactly
+shipped it cannot host kopf or kubectl. This test-side subclass fixes exactly
 what they need:
 
 - `/api/v1/namespaces[/<name>]` (kmock's path parser raises on them: HTTP 500) are served here;

@@ -1,7 +1,7 @@
 """Issue 16: the A-3PO proximal at d = 0, M2PO on the full stale ratio, Dr. GRPO's fixed normaliser,
 and the ratio metrics (u, w, pi/pi_b, k3 KL, ESS) from one call to metrics.jsonl.
 
-Each case is computed by hand from DESIGN.md section 5. Float64 throughout, so the hand arithmetic
+Each case is computed by hand from the rules in docs/algorithms.md. Float64 throughout, so the hand arithmetic
 compares tightly; `lp_b = -2` unless stated, and a token's ratio is set through `lp - lp_b`.
 """
 

@@ -1,4 +1,4 @@
-"""policy_loss: every branch against numbers derived by hand from DESIGN.md section 5.
+"""policy_loss: every branch against numbers derived by hand from docs/algorithms.md.
 
 Conventions: tensors are float64 so the hand arithmetic can be compared tightly; `r` is the
 ratio we want for a token, realised as `lp = lp_b + log(r)` with `lp_b = -1`.

@@ -3,7 +3,7 @@
 A sequence is stored whole (`prompt + response`). The model's output at position t scores token
 t + 1, so every per-token quantity of response token j (at position P + j) lives at position
 P + j - 1 of the `[N, L - 1]` tensors. The loss mask, the behaviour log-probs **and the versions**
-are shifted by the same rule (DESIGN.md section 5: shifting only some of them is an off-by-one).
+are shifted by the same rule (docs/algorithms.md: shifting only some of them is an off-by-one).
 Rows are right-padded: real tokens keep positions 0..len-1, and causal attention never lets a
 real token see the padding after it.
 

@@ -3,7 +3,7 @@ and the policy objectives PPO-clip, GSPO, CISPO and SAPO.
 
 Everything here works on tensors that are already aligned (position t scores token t, see
 `asyncrl.trainer.batch`) and is pure: no model, no I/O. The rules, and the choices made where
-papers and reference code disagree, are written down in docs/algorithms.md (DESIGN.md section 5).
+papers and reference code disagree, are written down in docs/algorithms.md.
 
 Notation per token: `lp` current policy (with grad), `lp_b` behaviour (engine), `lp_p` proximal,
 `A` advantage, `m` loss mask; `u = exp(lp - lp_p)` trust-region ratio, `w = exp(lp_p - lp_b)`
@@ -428,7 +428,7 @@ def proximal_logprobs(
 ) -> Proximal:
     """`lp_p`, the trust-region anchor: behaviour (ppo), recomputed (passed in), or A-3PO log-linear.
 
-    Timed because DESIGN.md asks for the cost of `lp_p`: the point of log-linear is that it needs
+    Timed because the cost of `lp_p` is a reported figure (`proximal_seconds`): the point of log-linear is that it needs
     no forward pass (`recompute` paid for its forward before this call, so it reports 0 here).
     """
     if config.kind != "decoupled":
