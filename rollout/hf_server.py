@@ -23,14 +23,34 @@ carries `Authorization: Bearer KEY`, exactly as the pin's `--api-key` (rollout/e
 lacks): a rollout worker then knows for sure when its engine restarted (rollout/worker.py).
 """
 
+from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncrl.loader import load_job
+from asyncrl.models import load_tokenizer
+from asyncrl.rollout.engines.auth import require_api_key
+from asyncrl.rollout.engines.base import SamplingParams as EngineSamplingParams
+from asyncrl.rollout.engines.base import parse_version
+from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
+
+# Lazy imports (inside functions): fastapi and uvicorn (no core dependency: the operator image lacks
+# them) and torch with what imports it (hf_engine, weight_group), because the CLI imports this module
+# to build `asyncrl --help` and the operator's parser (tests/test_import_contract.py, asyncrl/cli.py).
+if TYPE_CHECKING:
+    from asyncrl.weight_group import TensorSpec
 
 DEFAULT_PORT = 30000
+PIN_GROUP_NAME = "weight_update_group"
+"""The pin's default group name (= asyncrl.weight_group.GROUP_NAME, a module that imports torch)."""
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -51,78 +71,217 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "$ASYNCRL_ENGINE_API_KEY; unset: open)")
 
 
-def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_key: str | None = None) -> Any:
-    """The FastAPI app over an HFEngine (tests drive it in-process or with uvicorn); with `api_key`,
-    every route but /health needs the key, as on SGLang (rollout/engines/auth.py)."""
-    import asyncio
+# ---------------------------------------------------------------- request models (the pin's names)
 
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, ConfigDict, Field
 
-    from asyncrl.rollout.engines.auth import require_api_key
-    from asyncrl.rollout.engines.base import SamplingParams, parse_version
-    from asyncrl.rollout.hf_engine import WeightUpdateError
-    from asyncrl.runtime import HEALTH_GENERATION_ENV
-    from asyncrl.weight_group import BACKENDS, GROUP_NAME, TensorSpec, parse_dtype
+class SamplingParams(BaseModel):
+    """SGLang's `sampling_params` wire schema (this server speaks SGLang's native API)."""
 
-    class SamplingIn(BaseModel):
-        """SGLang's `sampling_params` wire schema (this server speaks SGLang's native API)."""
+    model_config = ConfigDict(extra="allow")
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
 
-        model_config = ConfigDict(extra="allow")
-        max_new_tokens: int = Field(default=128, ge=1)
-        temperature: float = Field(default=1.0, ge=0)
-        top_p: float = Field(default=1.0, gt=0, le=1)
-        top_k: int = -1
-        stop_token_ids: list[int] | None = None
+    def to_engine(self) -> EngineSamplingParams:
+        """The engine's own sampling parameters (the wire's other fields are accepted, not used)."""
+        return EngineSamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                    top_p=self.top_p, top_k=self.top_k,
+                                    stop_token_ids=tuple(self.stop_token_ids or ()))
 
-    class GenerateIn(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        input_ids: list[int] | None = None
-        text: str | None = None
-        sampling_params: SamplingIn = Field(default_factory=SamplingIn)
-        return_logprob: bool = False
-        stream: bool = False
-        rid: str | None = None
 
-    class PauseIn(BaseModel):
-        mode: str = "abort"
+class GenerateReqInput(BaseModel):
+    """SGLang's GenerateReqInput, the fields we read (token ids, or text when a tokenizer is loaded)."""
 
-    class UpdateIn(BaseModel):
-        model_config = ConfigDict(extra="allow")
-        model_path: str
-        load_format: str | None = None
-        abort_all_requests: bool = False
-        weight_version: str | None = None
+    model_config = ConfigDict(extra="allow")
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    stream: bool = False
+    rid: str | None = None
 
-    app = FastAPI(title="asyncrl hf engine (SGLang-native surface)")
-    require_api_key(app, api_key)
 
-    def error(message: str, status: int = 400) -> JSONResponse:
-        return JSONResponse({"error": {"message": message}}, status_code=status)
+class PauseGenerationReqInput(BaseModel):
+    """SGLang's PauseGenerationReqInput (an unknown mode is the engine's 400)."""
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"object": "error", "message": str(exc.errors()), "type": "Bad Request", "code": 400},
-                            status_code=400)
+    mode: str = "abort"
 
-    @app.post("/generate")
-    async def generate(body: GenerateIn) -> Any:
-        if body.stream:
-            return error("stream=true is not supported by the asyncrl hf engine")
+
+class UpdateWeightFromDiskReqInput(BaseModel):
+    """SGLang's UpdateWeightFromDiskReqInput."""
+
+    model_config = ConfigDict(extra="allow")
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupReqInput(BaseModel):
+    """SGLang's InitWeightsUpdateGroupReqInput."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = PIN_GROUP_NAME
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(BaseModel):
+    """SGLang's UpdateWeightsFromDistributedReqInput (load_format: only the default, per-tensor)."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = PIN_GROUP_NAME
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+
+
+class DestroyWeightsUpdateGroupReqInput(BaseModel):
+    """SGLang's DestroyWeightsUpdateGroupReqInput."""
+
+    model_config = ConfigDict(extra="forbid")
+    group_name: str = PIN_GROUP_NAME
+
+
+class GetWeightsByNameReqInput(BaseModel):
+    """SGLang's GetWeightsByNameReqInput."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    truncate_size: int = Field(default=100, ge=1)
+
+
+WEIGHT_GROUP_REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/init_weights_update_group": InitWeightsUpdateGroupReqInput,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributedReqInput,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroupReqInput,
+}
+"""The pin's request models these routes copy (tests/test_sglang_routes.py compares the fields)."""
+
+
+# ---------------------------------------------------------------- answers other than 200
+
+
+class _Refusal(Exception):
+    """A route's answer with another status than 200, raised so that the routes need no fastapi
+    import; create_app's handler sends `body` with `status`."""
+
+    def __init__(self, body: dict[str, Any], status: int = 400) -> None:
+        super().__init__(body)
+        self.body = body
+        self.status = status
+
+
+def _error(message: str) -> _Refusal:
+    """SGLang's error answer: 400 {"error": {"message"}}."""
+    return _Refusal({"error": {"message": message}})
+
+
+def _failed(message: str) -> _Refusal:
+    """A weight-group route's failure: 400 {"success": false, "message"}, as the pin answers."""
+    return _Refusal({"success": False, "message": message})
+
+
+def _disk_failed(message: str) -> _Refusal:
+    """/update_weights_from_disk's failure (the pin's answer also counts the paused requests)."""
+    return _Refusal({"success": False, "message": message, "num_paused_requests": 0})
+
+
+def _succeeded(message: str) -> dict[str, Any]:
+    return {"success": True, "message": message}
+
+
+def _weight_version(label: str | None, refuse: Callable[[str], _Refusal]) -> int | None:
+    """The version a request's weight_version label names (None: no label), read with parse_version
+    as everywhere else; a label that is no version number is refused."""
+    if label is None:
+        return None
+    version = parse_version(label)
+    if version is None:
+        raise refuse(f"weight_version {label!r} is not an integer")
+    return version
+
+
+def _bucket(body: UpdateWeightsFromDistributedReqInput) -> tuple[list[TensorSpec], int | None]:
+    """A broadcast bucket's tensors and version label, checked before the engine joins the broadcast."""
+    from asyncrl.weight_group import TensorSpec, parse_dtype  # lazy: imports torch (see the imports)
+
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        raise _failed("names, dtypes and shapes must have the same length")
+    if body.load_format is not None:
+        raise _failed(f"load_format {body.load_format!r} is not supported (only the default)")
+    version = _weight_version(body.weight_version, _failed)
+    try:
+        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(body.names, body.dtypes, body.shapes)]
+        for spec in specs:
+            parse_dtype(spec.dtype)
+    except ValueError as exc:
+        raise _failed(str(exc)) from exc
+    return specs, version
+
+
+# ---------------------------------------------------------------- the routes
+
+
+class EngineRoutes:
+    """The routes over one engine. create_app serves these bound methods: they reach the engine
+    through `self`, so no route needs fastapi's Request or a dependency at import time."""
+
+    def __init__(self, engine: Any, tokenizer: Any = None, *, model_name: str = "") -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.incarnation = uuid.uuid4().hex  # this server's life: a restarted server has another one
+        health_generation = os.environ.get(HEALTH_GENERATION_ENV, "").strip().lower()
+        self.light_health = health_generation in ("0", "false", "no", "off")
+
+    def add_to(self, app: Any) -> None:
+        """Serve every route on the FastAPI `app`."""
+        for path, endpoint, methods in (
+            ("/generate", self.generate, ["POST"]),
+            ("/pause_generation", self.pause_generation, ["POST"]),
+            ("/continue_generation", self.continue_generation, ["POST"]),
+            ("/update_weights_from_disk", self.update_weights_from_disk, ["POST"]),
+            ("/init_weights_update_group", self.init_weights_update_group, ["POST"]),
+            ("/update_weights_from_distributed", self.update_weights_from_distributed, ["POST"]),
+            ("/destroy_weights_update_group", self.destroy_weights_update_group, ["POST"]),
+            ("/get_weights_by_name", self.get_weights_by_name, ["GET", "POST"]),
+            ("/model_info", self.info, ["GET"]),
+            ("/get_model_info", self.info, ["GET"]),
+            ("/get_weight_version", self.get_weight_version, ["GET"]),
+            ("/ready", self.ready, ["GET"]),
+            ("/health", self.health, ["GET"]),
+            ("/stats", self.stats, ["GET"]),
+        ):
+            app.add_api_route(path, endpoint, methods=methods)
+
+    def _input_ids(self, body: GenerateReqInput) -> list[int]:
+        """The request's token ids: its text's when it sends text and this server has a tokenizer."""
         ids = body.input_ids
-        if ids is None and body.text is not None and tokenizer is not None:
-            ids = tokenizer(body.text, add_special_tokens=False)["input_ids"]
+        if ids is None and body.text is not None and self.tokenizer is not None:
+            ids = self.tokenizer(body.text, add_special_tokens=False)["input_ids"]
         if not ids:
-            return error("input_ids (a non-empty list of token ids) is required")
-        sp = body.sampling_params
-        params = SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                                top_k=sp.top_k, stop_token_ids=tuple(sp.stop_token_ids or ()))
+            raise _error("input_ids (a non-empty list of token ids) is required")
+        return ids
+
+    async def generate(self, body: GenerateReqInput) -> Any:
+        if body.stream:
+            raise _error("stream=true is not supported by the asyncrl hf engine")
+        ids = self._input_ids(body)
+        params = body.sampling_params.to_engine()
         try:
-            fut = engine.submit(ids, params, rid=body.rid)
+            fut = self.engine.submit(ids, params, rid=body.rid)
         except ValueError as exc:
-            return error(str(exc))
+            raise _error(str(exc)) from exc
         result = await asyncio.wrap_future(fut)
         meta = dict(result.meta)
         meta.update({
@@ -132,187 +291,136 @@ def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_
         })
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
-        text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
+        text = self.tokenizer.decode(result.output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 
-    @app.post("/pause_generation")
-    async def pause_generation(body: PauseIn | None = None) -> Any:
+    async def pause_generation(self, body: PauseGenerationReqInput | None = None) -> Any:
         mode = body.mode if body else "abort"
         try:
-            await asyncio.to_thread(engine.pause, mode)
+            await asyncio.to_thread(self.engine.pause, mode)
         except ValueError as exc:
-            return error(str(exc))
+            raise _error(str(exc)) from exc
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    @app.post("/continue_generation")
-    async def continue_generation() -> Any:
-        engine.resume()
+    async def continue_generation(self) -> Any:
+        self.engine.resume()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: UpdateIn) -> Any:
-        version = None
-        if body.weight_version is not None:
-            version = parse_version(body.weight_version)  # (the same reading as the group route's)
-            if version is None:
-                return JSONResponse({"success": False,
-                                     "message": f"weight_version {body.weight_version!r} is not an integer",
-                                     "num_paused_requests": 0}, status_code=400)
+    async def update_weights_from_disk(self, body: UpdateWeightFromDiskReqInput) -> Any:
+        from asyncrl.rollout.hf_engine import WeightUpdateError  # lazy: imports torch (see the imports)
+
+        version = _weight_version(body.weight_version, _disk_failed)  # (the same reading as the group route's)
         if body.abort_all_requests:
-            await asyncio.to_thread(engine.pause, "abort")
+            await asyncio.to_thread(self.engine.pause, "abort")
         start = time.monotonic()
         try:
-            await asyncio.to_thread(engine.update_weights, body.model_path, version)
+            await asyncio.to_thread(self.engine.update_weights, body.model_path, version)
         except (WeightUpdateError, OSError) as exc:
-            return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}",
-                                 "num_paused_requests": 0}, status_code=400)
+            raise _disk_failed(f"Failed to update weights: {exc}") from exc
         finally:
             if body.abort_all_requests:
-                engine.resume()
+                self.engine.resume()
         msg = f"Succeeded to update model weights in {time.monotonic() - start:.2f}s."
         if version is not None:
             msg += f" Weight version updated to {version}."
         return {"success": True, "message": msg, "num_paused_requests": 0}
 
-    class InitGroupIn(BaseModel):
-        """SGLang's InitWeightsUpdateGroupReqInput."""
+    async def init_weights_update_group(self, body: InitWeightsUpdateGroupReqInput) -> Any:
+        from asyncrl.weight_group import BACKENDS  # lazy: imports torch (see the imports)
 
-        model_config = ConfigDict(extra="forbid")
-        master_address: str
-        master_port: int = Field(ge=1, le=65535)
-        rank_offset: int = Field(ge=1)
-        world_size: int = Field(ge=2)
-        group_name: str = GROUP_NAME
-        backend: str = "nccl"
-
-    class GroupUpdateIn(BaseModel):
-        """SGLang's UpdateWeightsFromDistributedReqInput (load_format: only the default, per-tensor)."""
-
-        model_config = ConfigDict(extra="forbid")
-        names: list[str]
-        dtypes: list[str]
-        shapes: list[list[int]]
-        group_name: str = GROUP_NAME
-        flush_cache: bool = True
-        abort_all_requests: bool = False
-        weight_version: str | None = None
-        load_format: str | None = None
-
-    class GroupIn(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        group_name: str = GROUP_NAME
-
-    class WeightsByNameIn(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        name: str
-        truncate_size: int = Field(default=100, ge=1)
-
-    app.state.request_models = {"/init_weights_update_group": InitGroupIn,
-                                "/update_weights_from_distributed": GroupUpdateIn,
-                                "/destroy_weights_update_group": GroupIn}
-    """The pin's request models these routes copy (tests/test_sglang_routes.py compares the fields)."""
-
-    def outcome(success: bool, message: str) -> JSONResponse:
-        return JSONResponse({"success": success, "message": message}, status_code=200 if success else 400)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(body: InitGroupIn) -> Any:
         if body.backend not in BACKENDS:
-            return outcome(False, f"backend {body.backend!r} is not one of {', '.join(BACKENDS)}")
+            raise _failed(f"backend {body.backend!r} is not one of {', '.join(BACKENDS)}")
         try:
-            await asyncio.to_thread(engine.join_weight_group, body.master_address, body.master_port,
+            await asyncio.to_thread(self.engine.join_weight_group, body.master_address, body.master_port,
                                     body.rank_offset, body.world_size, body.group_name, body.backend)
         except Exception as exc:  # a refused rendezvous, a timeout, a bad rank: the caller needs the words
-            return outcome(False, f"Failed to initialize custom process group: {exc}.")
-        return outcome(True, "Succeeded to initialize custom process group.")
+            raise _failed(f"Failed to initialize custom process group: {exc}.") from exc
+        return _succeeded("Succeeded to initialize custom process group.")
 
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(body: GroupUpdateIn) -> Any:
-        if not len(body.names) == len(body.dtypes) == len(body.shapes):
-            return outcome(False, "names, dtypes and shapes must have the same length")
-        if body.load_format is not None:
-            return outcome(False, f"load_format {body.load_format!r} is not supported (only the default)")
-        version = None
-        if body.weight_version is not None:
-            version = parse_version(body.weight_version)
-            if version is None:
-                return outcome(False, f"weight_version {body.weight_version!r} is not an integer")
-        try:
-            specs = [TensorSpec(n, d, tuple(s)) for n, d, s in zip(body.names, body.dtypes, body.shapes)]
-            for spec in specs:
-                parse_dtype(spec.dtype)
-        except ValueError as exc:
-            return outcome(False, str(exc))
+    async def update_weights_from_distributed(self, body: UpdateWeightsFromDistributedReqInput) -> Any:
+        specs, version = _bucket(body)
         if body.abort_all_requests:
-            await asyncio.to_thread(engine.pause, "abort")
+            await asyncio.to_thread(self.engine.pause, "abort")
         try:
-            await asyncio.to_thread(engine.update_weights_from_group, specs, body.group_name, version)
+            await asyncio.to_thread(self.engine.update_weights_from_group, specs, body.group_name, version)
         except Exception as exc:  # the sender vanished, or a tensor the model cannot take
-            return outcome(False, f"Failed to update parameter online: {exc}.")
+            raise _failed(f"Failed to update parameter online: {exc}.") from exc
         finally:
             if body.abort_all_requests:
-                engine.resume()
-        return outcome(True, "Succeeded to update parameter online.")
+                self.engine.resume()
+        return _succeeded("Succeeded to update parameter online.")
 
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(body: GroupIn) -> Any:
+    async def destroy_weights_update_group(self, body: DestroyWeightsUpdateGroupReqInput) -> Any:
+        from asyncrl.rollout.hf_engine import WeightUpdateError  # lazy: imports torch (see the imports)
+
         try:
-            await asyncio.to_thread(engine.leave_weight_group, body.group_name)
-        except WeightUpdateError:
-            return outcome(False, "The group to be destroyed does not exist.")
-        return outcome(True, "Succeeded to destroy custom process group.")
+            await asyncio.to_thread(self.engine.leave_weight_group, body.group_name)
+        except WeightUpdateError as exc:
+            raise _failed("The group to be destroyed does not exist.") from exc
+        return _succeeded("Succeeded to destroy custom process group.")
 
-    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(body: WeightsByNameIn) -> Any:
-        values = engine.parameter_head(body.name, body.truncate_size)
+    async def get_weights_by_name(self, body: GetWeightsByNameReqInput) -> Any:
+        values = self.engine.parameter_head(body.name, body.truncate_size)
         if values is None:
-            return error(f"Get parameter by name failed: no parameter {body.name!r}")
+            raise _error(f"Get parameter by name failed: no parameter {body.name!r}")
         return values
 
-    incarnation = uuid.uuid4().hex  # this server's life: a restarted server has another one
-
-    def info() -> dict[str, Any]:
-        return {"model_path": engine.model_path, "tokenizer_path": model_name or engine.model_path,
+    def info(self) -> dict[str, Any]:
+        """/model_info (readiness) and /get_model_info: the model, its weight version, this server's life."""
+        engine = self.engine
+        return {"model_path": engine.model_path, "tokenizer_path": self.model_name or engine.model_path,
                 "is_generation": True, "weight_version": str(engine.weight_version),
-                "preferred_sampling_params": None, "engine": "asyncrl-hf", "incarnation": incarnation}
+                "preferred_sampling_params": None, "engine": "asyncrl-hf", "incarnation": self.incarnation}
 
-    app.get("/model_info")(info)
-    app.get("/get_model_info")(info)
+    async def get_weight_version(self) -> Any:
+        return {"weight_version": str(self.engine.weight_version)}
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Any:
-        return {"weight_version": str(engine.weight_version)}
-
-    @app.get("/ready")
-    async def ready() -> Any:
+    async def ready(self) -> Any:
         return {"status": "ready"}
 
-    light_health = os.environ.get(HEALTH_GENERATION_ENV, "").strip().lower() in ("0", "false", "no", "off")
-
-    @app.get("/health")
-    async def health() -> Any:
-        if engine.paused and not light_health:
-            return JSONResponse({"status": "paused"}, status_code=503)
+    async def health(self) -> Any:
+        if self.engine.paused and not self.light_health:
+            raise _Refusal({"status": "paused"}, 503)
         return {"status": "ok"}
 
-    @app.get("/stats")
-    async def stats() -> Any:
-        return engine.stats()
+    async def stats(self) -> Any:
+        return self.engine.stats()
 
+
+def create_app(engine: Any, tokenizer: Any = None, *, model_name: str = "", api_key: str | None = None) -> Any:
+    """The FastAPI app over an HFEngine (tests drive it in-process or with uvicorn); with `api_key`,
+    every route but /health needs the key, as on SGLang (rollout/engines/auth.py)."""
+    from fastapi import FastAPI, Request  # lazy: fastapi is no core dependency (see the imports)
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI(title="asyncrl hf engine (SGLang-native surface)")
+    require_api_key(app, api_key)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A request that does not fit its model: 400 in SGLang's error shape (not FastAPI's 422)."""
+        return JSONResponse({"object": "error", "message": str(exc.errors()), "type": "Bad Request", "code": 400},
+                            status_code=400)
+
+    @app.exception_handler(_Refusal)
+    async def _refused(request: Request, exc: _Refusal) -> JSONResponse:
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    app.state.request_models = dict(WEIGHT_GROUP_REQUEST_MODELS)
+    EngineRoutes(engine, tokenizer, model_name=model_name).add_to(app)
     return app
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
+    """`asyncrl engine`: load the model, then serve it until the server stops."""
+    import torch  # lazy, as are uvicorn and the engine (see the imports)
     import uvicorn
 
-    from asyncrl.models import load_tokenizer
     from asyncrl.rollout.hf_engine import HFEngine
 
     model_path, tokenizer_path, job_dtype = args.model, None, "float32"
     if args.config:
-        from asyncrl.loader import load_job
-
         job = load_job(args.config)
         model_path = model_path or job.spec.model.path
         tokenizer_path = job.spec.model.tokenizer
@@ -326,8 +434,6 @@ def main(args: argparse.Namespace) -> int:
     engine = HFEngine(model_path, dtype=dtype, device=device, max_batch_size=args.max_batch_size,
                       weight_version=args.weight_version, seed=args.seed)
     tokenizer = load_tokenizer(model_path, tokenizer_path)
-    from asyncrl.runtime import ENV_ENGINE_API_KEY
-
     api_key = args.api_key or os.environ.get(ENV_ENGINE_API_KEY) or None
     app = create_app(engine, tokenizer, model_name=model_path, api_key=api_key)
     print(f"asyncrl engine: serving {model_path} ({dtype} on {device}) at http://{args.host}:{args.port}", flush=True)
