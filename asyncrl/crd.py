@@ -37,57 +37,65 @@ def _resolve(node: Any, defs: dict[str, Any]) -> Any:
         return node
     if "$ref" in node:
         target = copy.deepcopy(defs[node["$ref"].split("/")[-1]])
-        extra = {k: v for k, v in node.items() if k != "$ref"}
-        target.update(extra)
+        target.update({k: v for k, v in node.items() if k != "$ref"})
         return _resolve(target, defs)
-    node = dict(node)
-    for key in ("anyOf", "oneOf"):
-        if key in node:
-            options = [o for o in node[key] if o != {"type": "null"}]
-            if len(options) == 1:
-                nullable = len(options) < len(node[key])
-                merged = {**_resolve(options[0], defs), **{k: v for k, v in node.items() if k != key}}
-                if nullable:
-                    merged["nullable"] = True
-                node = merged
-            else:
-                raise ValueError(f"cannot express a union of {len(options)} types structurally: {node}")
+    node = _without_null_union(node, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in ("title", "$defs"):
-            continue
-        if key == "default" and value is None:
-            continue
-        if key == "additionalProperties" and isinstance(value, bool):
-            continue  # structural schemas forbid it beside `properties`; the API server prunes unknowns
-        if key == "const":
-            out["enum"] = [value]
-            continue
-        if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
-            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
-            out[key] = True
-            continue
-        if key == "properties":
-            out[key] = {name: _resolve(prop, defs) for name, prop in value.items()}
-            continue
-        out[key] = _resolve(value, defs)
+        out.update(_structural_keyword(key, value, defs))
     if "properties" in out:
         out.setdefault("type", "object")
-        required = set(out.get("required", []))
-        for name, prop in out["properties"].items():
-            # Default nested objects so that CEL rules see fully defaulted objects, exactly as
-            # pydantic does. The default is the object with its inner defaults filled in, not {}:
-            # the API server checks each default against its property's CEL rules as written, without
-            # defaulting inside it first, so a rule reading self.batchSize rejects `default: {}` (and
-            # with it the whole CRD). At run time the two are the same: the server fills inner
-            # defaults into a defaulted {} anyway.
-            # Objects with required fields of their own (e.g. redis.external) stay absent instead, and
-            # so do optional (nullable) ones: absent is not empty there (a podTemplate or an env
-            # valueFrom defaulted to {} would change the spec's hash or break exactly-one-of rules).
-            if (name not in required and prop.get("type") == "object" and "properties" in prop
-                    and not prop.get("required") and not prop.get("nullable")):
-                prop.setdefault("default", structural_default({}, prop))
+        _default_nested_objects(out)
     return out
+
+
+def _without_null_union(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """`anyOf`/`oneOf` of one type and null becomes that type, `nullable`; other unions cannot be
+    said structurally."""
+    node = dict(node)
+    for key in ("anyOf", "oneOf"):
+        if key not in node:
+            continue
+        options = [o for o in node[key] if o != {"type": "null"}]
+        if len(options) != 1:
+            raise ValueError(f"cannot express a union of {len(options)} types structurally: {node}")
+        merged = {**_resolve(options[0], defs), **{k: v for k, v in node.items() if k != key}}
+        if len(options) < len(node[key]):
+            merged["nullable"] = True
+        node = merged
+    return node
+
+
+def _structural_keyword(key: str, value: Any, defs: dict[str, Any]) -> dict[str, Any]:
+    """One JSON Schema keyword as OpenAPI v3.0 says it (possibly nothing, or two keywords)."""
+    if key in ("title", "$defs") or (key == "default" and value is None):
+        return {}
+    if key == "additionalProperties" and isinstance(value, bool):
+        return {}  # structural schemas forbid it beside `properties`; the API server prunes unknowns
+    if key == "const":
+        return {"enum": [value]}
+    if key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+        return {"minimum" if key == "exclusiveMinimum" else "maximum": value, key: True}
+    if key == "properties":
+        return {key: {name: _resolve(prop, defs) for name, prop in value.items()}}
+    return {key: _resolve(value, defs)}
+
+
+def _default_nested_objects(schema: dict[str, Any]) -> None:
+    """Default nested objects so that CEL rules see fully defaulted objects, exactly as pydantic does.
+
+    The default is the object with its inner defaults filled in, not {}: the API server checks each
+    default against its property's CEL rules as written, without defaulting inside it first, so a
+    rule reading self.batchSize rejects `default: {}` (and with it the whole CRD). At run time the
+    two are the same: the server fills inner defaults into a defaulted {} anyway.
+    Objects with required fields of their own (e.g. redis.external) stay absent instead, and so do
+    optional (nullable) ones: absent is not empty there (a podTemplate or an env valueFrom
+    defaulted to {} would change the spec's hash or break exactly-one-of rules)."""
+    required = set(schema.get("required", []))
+    for name, prop in schema["properties"].items():
+        if (name not in required and prop.get("type") == "object" and "properties" in prop
+                and not prop.get("required") and not prop.get("nullable")):
+            prop.setdefault("default", structural_default({}, prop))
 
 
 def structural_default(obj: Any, schema: dict[str, Any]) -> Any:

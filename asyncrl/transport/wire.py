@@ -184,6 +184,29 @@ _FIN_SET = frozenset(FINISH_REASONS)
 
 def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
     """Parse and validate one payload. Raises WireFormatError (only) on any defect."""
+    doc = _document(b)
+    arrays = _arrays(doc)
+    _check_samples(doc, arrays)
+    lengths, ids, lp, ver = arrays["n"], arrays["ids"], arrays["lp"], arrays["ver"]
+    fin = doc["fin"]
+    version = doc["v"]
+    samples = []
+    end = 0
+    for k, (n, index, reward) in enumerate(zip(lengths.tolist(), arrays["i"].tolist(),
+                                               arrays["r"].tolist())):
+        start, end = end, end + n
+        samples.append(TrajectorySample(index, ids[start:end], lp[start:end], ver[start:end],
+                                        reward, fin[k]))
+    return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
+                           prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
+                           created_at=float(doc["ct"]), published_at=float(doc["pt"]),
+                           schema_version=version,
+                           extra={k: v for k, v in doc.items() if k not in _FIELDS})
+
+
+
+def _document(b: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The payload's top-level map, of the schema version this code reads, every field typed."""
     if not isinstance(b, (bytes, bytearray, memoryview)):
         raise WireFormatError(f"payload must be bytes, got {type(b).__name__}")
     try:
@@ -205,6 +228,11 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
             raise WireFormatError(f"missing field {key!r}")
         if not isinstance(value, types) or type(value) is bool:
             raise WireFormatError(f"field {key!r} has type {type(value).__name__}")
+    return doc
+
+
+def _arrays(doc: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The raw little-endian array fields as numpy views (no copy)."""
     arrays = {}
     for key, dtype in _ARRAYS.items():
         raw = doc[key]
@@ -212,6 +240,11 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
             raise WireFormatError(f"field {key!r} has {len(raw)} bytes, not a multiple of "
                                   f"{dtype.itemsize} ({dtype.name})")
         arrays[key] = np.frombuffer(raw, dtype=dtype)
+    return arrays
+
+
+def _check_samples(doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """Per-sample fields agree in count, token arrays with the lengths; versions and finish reasons valid."""
     if not doc["gid"]:
         raise WireFormatError("empty group id")
     lengths, ids, lp, ver = arrays["n"], arrays["ids"], arrays["lp"], arrays["ver"]
@@ -235,15 +268,3 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
         bad = True
     if bad:
         raise WireFormatError(f"finish reasons {fin!r} are not all in {FINISH_REASONS}")
-    samples = []
-    end = 0
-    for k, (n, index, reward) in enumerate(zip(lengths.tolist(), arrays["i"].tolist(),
-                                               arrays["r"].tolist())):
-        start, end = end, end + n
-        samples.append(TrajectorySample(index, ids[start:end], lp[start:end], ver[start:end],
-                                        reward, fin[k]))
-    return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
-                           prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
-                           created_at=float(doc["ct"]), published_at=float(doc["pt"]),
-                           schema_version=version,
-                           extra={k: v for k, v in doc.items() if k not in _FIELDS})
