@@ -152,6 +152,7 @@ class Observed:
     """Why the outcome record could not be read (Redis unreachable, its Secret missing)."""
     report: TrainerReport | None = None
     report_error: str | None = None
+    """Why the trainer's /status could not be read (shown in the WeightsSynced condition)."""
 
 
 @dataclass(frozen=True)
@@ -281,9 +282,14 @@ def _ready(ready: int | None, desired: int) -> Check:
     return Check("False", "NotReady", f"{ready}/{desired} ready")
 
 
-def _weights(report: TrainerReport | None) -> Check:
-    if report is None:
-        return Check("Unknown", "NoReport", "the trainer's status endpoint has not answered yet")
+def _weights(report: TrainerReport | None, report_error: str | None = None,
+             outcome_error: str | None = None) -> Check:
+    if report is None:  # (say why: the operator's own view of the trainer is the only diagnostic left)
+        reasons = [f"its status endpoint: {report_error}" if report_error else "",
+                   f"its outcome record: {outcome_error}" if outcome_error else ""]
+        said = "; ".join(r for r in reasons if r)
+        return Check("Unknown", "NoReport", f"the trainer could not be read ({_truncate(said)})" if said
+                     else "the trainer's status endpoint has not answered yet")
     versions = [e.weight_version for e in report.rollout]
     if not versions:
         return Check("Unknown", "NoEngines", "no rollout engine has registered")
@@ -357,7 +363,7 @@ def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
         trainer=_ready(obs.trainer_ready, trainer_desired),
         # Without a valid spec nothing was created: there is no Redis of ours to wait for either.
         stream=_ready(obs.redis_ready, 1) if managed_redis else EXTERNAL_REDIS,
-        weights=_weights(obs.report),
+        weights=_weights(obs.report, obs.report_error, obs.outcome_error),
         degraded=degraded(obs.containers, obs.report),
         outage=dependency_outage(obs.report),
     )

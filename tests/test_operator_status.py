@@ -429,3 +429,15 @@ def test_a_job_kueue_holds_is_queued_and_its_deadline_counts_from_admission():
     assert s["phase"] == "Initializing", "the 60 s deadline counts from admission, not from creation"
     s = compute_status(spec, s, waiting, admitted + timedelta(seconds=61))
     assert (s["phase"], s["reason"]) == ("Failed", "StartupDeadlineExceeded")
+
+
+def test_why_the_trainer_could_not_be_read_reaches_the_weights_condition():
+    obs = ready()
+    obs.report_error = "GET http://j-status:8000/status: connection refused"
+    obs.outcome_error = "the Redis URL is not known yet (its Secret is missing or incomplete)"
+    s = compute_status(view(), {}, obs, T0)
+    weights = {c["type"]: c for c in s["conditions"]}["WeightsSynced"]
+    assert (weights["status"], weights["reason"]) == ("Unknown", "NoReport")
+    assert "connection refused" in weights["message"] and "Secret is missing" in weights["message"]
+    quiet = {c["type"]: c for c in compute_status(view(), {}, ready(), T0)["conditions"]}["WeightsSynced"]
+    assert quiet["message"] == "the trainer's status endpoint has not answered yet"
