@@ -96,9 +96,7 @@ async def run_worker(args: argparse.Namespace) -> int:
                               top_k=alg.top_k, stop_token_ids=renderer.stop_token_ids())
     redis = await connect(redis_url)
     names = rt.stream_names(job.metadata.name)
-    admission = Admission(redis, names, batch_size=alg.batch_size,
-                          max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
-                          max_concurrent=spec.max_concurrent_groups(), async_ratio=spec.staleness.async_ratio)
+    admission = Admission.for_job(redis, names, spec)
     cfg = WorkerConfig(
         job=job.metadata.name, engine_id=args.engine_id or rt.pod_name, group_size=alg.group_size,
         sampling=sampling, engine_url=args.advertise_url or rt.engine_advertise_url or engine_url,

@@ -790,7 +790,7 @@ class RolloutWorker:
     def _usable(self, version: int | None) -> bool:
         """Whether tokens of weights `version` may be generated: known, and within the admission
         bound of the current policy version (older ones would only be dropped by the trainer)."""
-        return version is not None and self.version - version <= self.admission.max_head_offpolicyness
+        return version is not None and self.version - version <= self.admission.version_bound
 
     def _saw_unusable(self, version: int | None) -> None:
         """An answer came from weights the worker must not use: stop until they are replaced."""
@@ -814,7 +814,7 @@ class RolloutWorker:
                 serves = "unknown weights" if self.engine_version is None else f"v{self.engine_version}"
                 self.health.failing("engine-weights", self.engine.url,
                                     f"engine serves {serves} (label {self.engine_label!r}), policy v{self.version}, "
-                                    f"eta {self.admission.max_head_offpolicyness}: waiting for the trainer's catch-up",
+                                    f"version bound {self.admission.version_bound}: waiting for the trainer's catch-up",
                                     self.cfg.engine_outage_s)
                 await asyncio.sleep(WEIGHTS_POLL_S)
         self.health.recovered("engine-weights", self.engine.url)

@@ -21,7 +21,7 @@ def setup(redis, *, batch: int = 2, eta: int = 0, lease_seconds: float = 30) -> 
     adm = Admission(redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=16,
                     lease_seconds=lease_seconds)
     consumer = TrajectoryConsumer(redis, NAMES, "trainer-0")
-    return adm, GroupInbox(consumer, adm, batch_size=batch, max_head_offpolicyness=eta, read_block_ms=50)
+    return adm, GroupInbox(consumer, adm, batch_size=batch, version_bound=eta, read_block_ms=50)
 
 
 async def produce(adm: Admission, redis, group, holder: str = "rollout-0") -> str:

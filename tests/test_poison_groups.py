@@ -252,7 +252,7 @@ async def test_poison_group_pending_before_a_restart_is_dead_lettered_and_traini
 
     # The restarted trainer: a fresh consumer with the same (pod) name, its inbox, B = 1.
     consumer = TrajectoryConsumer(r, NAMES, "trainer-0")
-    inbox = GroupInbox(consumer, admission, batch_size=1, max_head_offpolicyness=0, read_block_ms=100)
+    inbox = GroupInbox(consumer, admission, batch_size=1, version_bound=0, read_block_ms=100)
     batch = None
     for _ in range(5):
         await inbox.read()

@@ -42,7 +42,7 @@ async def test_the_trainer_counts_its_restarts_and_engines_coming_back(tmp_path,
         trainer = Trainer(job, RunConfig(engine_kind="hf", weights_dir=runtime.weights_dir,
                                          checkpoint_dir=runtime.checkpoint_dir),
                           DistContext(), model, torch.optim.AdamW(model.parameters()), tok, io=io)
-        await trainer.count_start()
+        await trainer.engines.count_start()
         lives.append((io, trainer))
     io, trainer = lives[-1]
     try:

@@ -42,7 +42,7 @@ def setup(redis, *, batch: int, eta: int = 4, alpha: float | None = None) -> tup
     adm = Admission(redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=64,
                     async_ratio=alpha)
     consumer = TrajectoryConsumer(redis, NAMES, "trainer-0")
-    inbox = GroupInbox(consumer, adm, batch_size=batch, max_head_offpolicyness=adm.max_head_offpolicyness,
+    inbox = GroupInbox(consumer, adm, batch_size=batch, version_bound=adm.version_bound,
                        read_block_ms=50, async_ratio=alpha)
     return adm, inbox
 
@@ -190,7 +190,7 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
 
     async def go():
         io = await connect_io(job, runtime)
-        assert io.admission.groups_ahead == 1 and io.admission.max_head_offpolicyness == 1
+        assert io.admission.groups_ahead == 1 and io.admission.version_bound == 1
         trainer = build_trainer(job, argparse.Namespace(max_steps=4, no_resume=True), runtime, DistContext(), io)
         trainer.state = TrainerState(step=3, version=3)
         phase = await trainer.run()

@@ -367,7 +367,7 @@ def test_without_evaluation_nothing_is_asked_or_read(tmp_path: Path, redis_url: 
     publish(redis_url, JOB, chat_groups(JOB, BATCH * 2))
     trackers = RecordingTrackers()
     life, phase = asyncio.run(_life(tmp_path, job, redis_url, trackers=trackers))
-    assert phase == "Succeeded" and life.trainer.evals is None
+    assert phase == "Succeeded" and life.trainer.evaluations.inbox is None
     names = StreamNames.for_job(JOB)
     assert redis_query(redis_url, lambda r: r.exists(names.eval_requests, names.eval_results)) == 0
     steps, evals = _lines(tmp_path)

@@ -130,7 +130,7 @@ def test_a_non_finite_gradient_skips_its_update_and_training_continues(tmp_path:
 @pytest.mark.slow
 def test_consecutive_skipped_steps_fail_the_job_naming_the_setting(tmp_path: Path) -> None:
     from asyncrl.errors import TrainerError
-    from asyncrl.trainer.loop import failure_reason
+    from asyncrl.trainer.publishing import failure_reason
 
     job = make_job(name=JOB, batch_size=1, group_size=2, max_steps=5, checkpoint_interval=10,
                    trainer={"maxNonFiniteSteps": 2})

@@ -108,11 +108,11 @@ def test_is_too_stale_uses_the_oldest_token(make_trajectory_group):
     g = make_trajectory_group("g", version=5)
     g.samples[1].versions[0] = 3  # one token from an older policy (partial rollout)
     assert g.oldest_version() == 3
-    assert is_too_stale(g, current_version=5, max_head_offpolicyness=1)  # 5 - 3 = 2 > 1
-    assert not is_too_stale(g, current_version=5, max_head_offpolicyness=2)
-    assert is_too_stale(g, current_version=6, max_head_offpolicyness=2)
+    assert is_too_stale(g, current_version=5, version_bound=1)  # 5 - 3 = 2 > 1
+    assert not is_too_stale(g, current_version=5, version_bound=2)
+    assert is_too_stale(g, current_version=6, version_bound=2)
     empty = make_trajectory_group("e", n_tokens=0)
-    assert not is_too_stale(empty, current_version=100, max_head_offpolicyness=0)
+    assert not is_too_stale(empty, current_version=100, version_bound=0)
 
 
 PRODUCER_SCRIPT = r"""
@@ -258,7 +258,7 @@ def test_capacity_rule_per_sample():
 async def test_fractional_alpha_admits_half_a_batch_ahead(transport_redis):
     adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=4, max_concurrent=100,
                     async_ratio=0.5)
-    assert adm.max_head_offpolicyness == 1  # the version bound a producer checks: ceil(0.5)
+    assert adm.version_bound == 1  # the version bound a producer checks: ceil(0.5)
     leases = [await adm.try_acquire("pod") for _ in range(7)]
     assert all(leases[:6]) and leases[6] is None  # B + ceil(0.5 * 4) = 6 of version 0
     for lease in leases[:6]:

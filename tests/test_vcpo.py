@@ -227,14 +227,15 @@ def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.SGD(model.parameters(), lr=1e-3), tok)
     used: list[float] = []
-    real = trainer._vcpo_baseline
+    objective = trainer.objective
+    real = objective.prepare_update
 
-    def spy(seqs, sizes, plan, prox, m):  # the advantages the minibatch then trains with
-        out = real(seqs, sizes, plan, prox, m)
-        used.extend(seqs[i].advantage for i in plan.rows)
+    def spy(m, plan):  # the advantages the minibatch then trains with
+        out = real(m, plan)
+        used.extend(objective.step.seqs[i].advantage for i in plan.rows)
         return out
 
-    trainer._vcpo_baseline = spy  # type: ignore[method-assign]
+    objective.prepare_update = spy  # type: ignore[method-assign]
     record = trainer.train_step(groups)
     assert used == pytest.approx(expected, rel=1e-4, abs=1e-5)
     assert np.isfinite(record["loss"]) and record["vcpo_baseline_shift"] > 0.0

@@ -3,7 +3,7 @@
 Groups are read (this consumer's own pending entries first after a restart, then new ones) into a
 buffer; once B fresh groups are buffered, the B oldest (by oldest token version, then creation time
 and id) form the batch and the rest stay buffered, still pending in Redis, for the next step. A
-group more than `max_head_offpolicyness` (eta) versions behind the trainer is dropped: admission
+group more than `version_bound` (eta, or ceil(alpha)) versions behind the trainer is dropped: admission
 gets its capacity back and it is acknowledged at once. Under the per-sample policy (`async_ratio`,
 ROLL's alpha) the bound is ceil(alpha) versions and, for a fractional alpha, of the groups exactly
 ceil(alpha) versions old the oldest floor(frac(alpha) x B) stay and the rest are dropped the same
@@ -75,16 +75,16 @@ class GroupInbox:
     """The groups rank 0 has read but not yet acknowledged, and the reads and acks that move them."""
 
     def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
-                 max_head_offpolicyness: int, read_block_ms: int = 1000, pending_check_s: float = 30.0,
+                 version_bound: int, read_block_ms: int = 1000, pending_check_s: float = 30.0,
                  reclaim_idle_ms: int = 600_000, dynamic_sampling: bool = False,
                  max_draws: int | None = None, async_ratio: float | None = None) -> None:
         self.consumer = consumer
         self.admission = admission
         self.batch_size = batch_size
-        self.max_head_offpolicyness = max_head_offpolicyness
+        self.version_bound = version_bound
         """The largest version lag kept: eta, or ceil(alpha) under the per-sample policy."""
         self.boundary_quota = boundary_quota(batch_size, async_ratio)
-        """Per-sample policy, fractional alpha: groups exactly `max_head_offpolicyness` old kept."""
+        """Per-sample policy, fractional alpha: groups exactly `version_bound` old kept."""
         self.read_block_ms = read_block_ms
         self.pending_check_s = pending_check_s
         """How often a read also re-reads the own pending list and reclaims idle entries."""
@@ -110,7 +110,7 @@ class GroupInbox:
         are past the bound; called before each `take_batch`, no batch holds more than the quota."""
         keep: list[Delivery] = []
         stale: list[Delivery] = []
-        lag, quota = self.max_head_offpolicyness, self.boundary_quota
+        lag, quota = self.version_bound, self.boundary_quota
         if quota is not None:
             self._sort_buffer()
         at_bound = 0

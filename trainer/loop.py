@@ -8,6 +8,7 @@ One step:
      groups with signal are buffered, or `dynamicSamplingMaxDraws` were drawn (then the step
      trains on the fewer it has, with a warning: `next_batch`);
   2. the batch is broadcast, so every rank computes the same advantages and token counts;
+  3-4. the step (trainer/step.py, the objective from trainer/objectives/):
   3. proximal log-probs: `recompute` runs a no-grad forward over the batch (timed), `loglinear`
      is A-3PO's interpolation inside the loss (timed too);
   4. for each minibatch, each rank forwards/backwards its shard in micro-batches under a token
@@ -18,7 +19,7 @@ One step:
      gradient clipping; AdamW, skipped when the gradient norm is not finite (weights and optimizer
      state untouched, counted); `maxNonFiniteSteps` steps in a row whose every update was skipped
      end training (NonFiniteGradientsError);
-  5. rank 0 publishes version+1 (weights dir, event, engines paused/updated/resumed, admission),
+  5. rank 0 publishes version+1 (trainer/publishing.py: weights dir, event, engines paused/updated/resumed, admission),
      also after a step whose updates were all skipped (same weights, next version: the groups were
      consumed, and admission's budget grows with the version); non-finite weights are never
      published: they end training (NonFiniteWeightsError), which stops every rank; an engine whose
@@ -41,26 +42,21 @@ What to train comes from the validated job spec; `RunConfig` holds only what the
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import itertools
 import logging
-import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import torch
 
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, EngineReport, EvalRecord, ReplayReport, StepRecord, TrainerReport
+from asyncrl.status_report import AdmissionReport, ReplayReport, TrainerReport
 from asyncrl.trainer import distributed as D
-from asyncrl.trainer.batch import Layout, ModelRows, TrainBatch, build_batch, model_rows
+from asyncrl.trainer.batch import Layout
 from asyncrl.trainer.checkpoint import (
     TrainerState,
     append_trained,
@@ -68,117 +64,38 @@ from asyncrl.trainer.checkpoint import (
     truncate_trained_log,
 )
 from asyncrl.trainer.collective_sync import CollectiveSync
-from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, merge_evaluations
-from asyncrl.trainer.logprobs import packing_layout, token_logprobs
-from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, opob_advantages, policy_loss, vcpo_lr_scale
-from asyncrl.trainer.plan import (
-    MinibatchPlan,
-    TrainSequence,
-    group_sizes,
-    plan_microbatches,
-    plan_step,
-    sequences_with_advantages,
-)
+from asyncrl.trainer.engine_watch import EngineWatch
+from asyncrl.trainer.evaluation import ENGINE_REFRESH_S, Evaluations
+from asyncrl.trainer.forward import ModelForward
+from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key
+from asyncrl.trainer.logprobs import packing_layout
+from asyncrl.trainer.objectives import build_objective
 from asyncrl.trainer.publish import (
     drop_versions_after,
-    prune_weights,
-    retained_versions,
-    served_version,
-    weights_path,
-    write_weights,
 )
+from asyncrl.trainer.publishing import Publisher, on_every_rank, refuse_non_finite_weights
 from asyncrl.trainer.replay import ReplayBuffer, ReplayedGroup
+from asyncrl.trainer.reporter import Reporter, Trackers
+from asyncrl.trainer.step import step_data, train_updates
 from asyncrl.trainer.step_metrics import (
-    StepStats,
-    append_eval_line,
     append_metrics_line,
     metrics_line,
     step_figures,
     summarize_step,
     written_evaluations,
 )
-from asyncrl.trainer.trajectory_balance import group_log_z, sequence_sums, tb_beta, trajectory_balance_loss
-from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engines
-from asyncrl.transport.recovery import RecoveryCounters
+from asyncrl.trainer.step_report import report_step, step_record
 
 log = logging.getLogger("asyncrl.trainer")
 
-HISTORY_LIMIT = 500
-EVAL_HISTORY_LIMIT = HISTORY_LIMIT
-"""Evaluations kept in the report (one per policy version, the newest versions)."""
-ENGINE_REFRESH_S = 5.0
-"""While rank 0 waits (for a batch, for the final evaluation): refresh engines and read eval results this often."""
-PRUNE_EVERY_S = 60.0
-"""How often refresh_engines also prunes the registry of long-silent engines."""
-FINAL_EVAL_POLL_S = 0.5
-"""While waiting for the final evaluation, re-read the results (and check for a stop) this often."""
-# Ratio and weight stats of the step shown in the report (non-finite shown as 0: /status is strict JSON).
-_SHOWN_RATIO_STATS = tuple(f"{prefix}_{stat}" for prefix in ("importance_weight", "full_ratio", "behav_weight")
-                           for stat in ("max", "min", "mean")) + ("behav_ess", "behav_kl")
-_LOSS_SHAPE_STATS = ("clip_fraction_low", "clip_fraction_high", "bapo_clip_low", "bapo_clip_high", "vcpo_lr_scale")
-"""Loss-shape figures of the last step shown in the report as they are (step_metrics.py and train_step
-compute them)."""
 SUCCEEDED_REASON = "MaxStepsReached"
 """The reason of a run that reached maxSteps (the report's and the recorded outcome's)."""
-
-
-class NonFiniteWeightsError(TrainerError, RuntimeError):
-    """The updated weights hold NaN or Inf: they are not published and training ends (Failed)."""
-
-    reason = "NonFiniteWeights"
 
 
 class NonFiniteGradientsError(TrainerError, RuntimeError):
     """Every update of `maxNonFiniteSteps` steps in a row had a non-finite gradient norm (Failed)."""
 
     reason = "NonFiniteGradients"
-
-
-class Trackers(Protocol):
-    """Experiment trackers (spec.logging; trainer/trackers.py builds them): per-step figures and
-    evaluation results, by trainer step. A tracker that fails is theirs to report (trainer/trackers.py
-    turns each failure into a warning); the loop calls them as they are."""
-
-    def log_step(self, step: int, figures: dict[str, float]) -> None: ...
-
-    def log_eval(self, step: int, record: EvalRecord) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class TrainerFailed(TrainerError):
-    """A fatal error that one rank (rank 0: weight sync) saw, re-raised on every other rank."""
-
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
-        super().__init__(message)
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The CamelCase reason of a fatal trainer error (its `reason`, else its class name)."""
-    return str(getattr(exc, "reason", "") or type(exc).__name__)
-
-
-def finite_or_zero(value: float) -> float:
-    """`value`, or 0.0 when it is NaN or infinite: the report is served as strict JSON (a step whose
-    loss was not finite had its updates skipped; metrics.jsonl's `skipped_updates` says so)."""
-    return value if math.isfinite(value) else 0.0
-
-
-def non_finite_parameters(model: Any, ctx: D.DistContext | None = None, limit: int = 5) -> list[str]:
-    """Names of (up to `limit`) parameters holding NaN or Inf; [] when all are finite. With a
-    process group every rank calls this and gets the same verdict (a sharded model's NaN may sit
-    in another rank's shard: then it is named as such).
-
-    One fp32 sum per tensor (~20 ms for 135M parameters on one CPU core): NaN and Inf survive a sum.
-    """
-    params = [(n, D.local_tensor(p.detach())) for n, p in D.unwrap(model).named_parameters()]
-    sums = torch.stack([p.sum(dtype=torch.float32) for _, p in params])
-    bad = [] if bool(torch.isfinite(sums).all()) else \
-        [n for n, p in params if not bool(torch.isfinite(p).all())][:limit]
-    if ctx is not None and ctx.enabled and D.all_reduce_max([float(bool(bad))], ctx)[0] and not bad:
-        return ["(in another rank's shard)"]
-    return bad
 
 
 @dataclass(frozen=True)
@@ -229,12 +146,7 @@ class Trainer:
         self.spec = job.spec  # what to train: algorithm, staleness limit, steps, checkpoint interval
         self.cfg = cfg        # what the spec does not say: paths, waits, engine protocol
         algo = self.spec.algorithm
-        self.trajectory_balance = algo.objective == "tb"
-        # (objective tb trains with trajectory_balance.py, not policy_loss)
-        self.loss_config = LossConfig() if self.trajectory_balance else LossConfig.from_spec(algo)
-        if self.trajectory_balance and reference_model is None:
-            raise ValueError("objective 'tb' needs the frozen reference model (reference_model)")
-        self.reference_model = reference_model
+        self.objective = build_objective(algo, reference_model=reference_model)
         self.replay = None if algo.replay is None else ReplayBuffer(
             job=job.metadata.name, group_size=algo.group_size, capacity_per_prompt=algo.replay.capacity_per_prompt,
             capacity=algo.replay.capacity, reward_priority=algo.replay.reward_priority)
@@ -246,31 +158,33 @@ class Trainer:
         self.io = io
         self.inbox = None if io is None else GroupInbox(
             io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
-            max_head_offpolicyness=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
+            version_bound=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
             pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
             dynamic_sampling=self.spec.algorithm.dynamic_sampling,
             max_draws=self.spec.algorithm.dynamic_sampling_draws, async_ratio=self.spec.staleness.async_ratio)
         self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
-        self.report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
-        self.report.max_steps = max_steps
-        self.report.staleness.limit = self.spec.staleness.version_bound
-        self.report.staleness.policy = self.spec.staleness.policy
-        self.report.staleness.async_ratio = self.spec.staleness.async_ratio
-        self._report_lock = threading.Lock()
+        report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
+        report.max_steps = max_steps
+        report.staleness.limit = self.spec.staleness.version_bound
+        report.staleness.policy = self.spec.staleness.policy
+        report.staleness.async_ratio = self.spec.staleness.async_ratio
+        self.reporter = Reporter(report)
         self.trackers = trackers if ctx.is_main else None
-        self.evals = self._eval_inbox(io, cfg) if ctx.is_main else None
+        self.evaluations = Evaluations(
+            self._eval_inbox(io, cfg, report) if ctx.is_main else None, self.spec.evaluation, max_steps=max_steps,
+            reporter=self.reporter, metrics_path=cfg.metrics_path, trackers=self.trackers)
         self.stop_requested = False
-        self._sync_failures = 0
         self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
         self._draw = StepDraw()  # rank 0: what it drew for this step's batch (dynamic sampling's figures)
         self._committed_step = self.state.step
         self._last_step_end = time.time()
-        self._last_prune = -math.inf
-        self._incarnations: dict[str, str] = {}  # engine id -> the incarnation last seen in the registry
-        self.recovery = None if io is None else RecoveryCounters(io.redis, io.admission.names)
+        self.engines = EngineWatch(io, cfg, weight_sync_lag=self.spec.trainer.weight_sync_lag, reporter=self.reporter,
+                                   main=ctx.is_main)
         self.collective = self._collective_sync() if ctx.is_main else None
-        self.report.weight_transport = "collective" if self.collective is not None else "disk"
+        report.weight_transport = "collective" if self.collective is not None else "disk"
+        self.publisher = Publisher(self.spec, cfg, ctx, model, tokenizer, io=io, collective=self.collective,
+                                   reporter=self.reporter, engines=self.engines, evaluations=self.evaluations)
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         self.layout = self._layout()
 
@@ -301,7 +215,7 @@ class Trainer:
             engine_ranks=self.spec.rollout.gpus_per_replica if self.cfg.engine_kind == "sglang" else 1,
             timeout_s=self.cfg.weight_sync_timeout_s, device=self.ctx.device if nccl else "cpu")
 
-    def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig) -> EvalInbox | None:
+    def _eval_inbox(self, io: StreamIO | None, cfg: RunConfig, report: TrainerReport) -> EvalInbox | None:
         """Rank 0's reader of evaluation results, with spec.evaluation and a Redis connection."""
         if self.spec.evaluation is None or io is None:
             return None
@@ -311,7 +225,7 @@ class Trainer:
         # Handled by an earlier life: what its checkpoint's report holds, and the eval lines it left
         # in metrics.jsonl (those read after that checkpoint too: truncate_metrics keeps them only
         # up to the checkpoint's step, the rest are read and written anew).
-        handled = [eval_key(r) for r in self.report.evaluations]
+        handled = [eval_key(r) for r in report.evaluations]
         if cfg.metrics_path is not None:
             handled += [eval_key(r) for r in written_evaluations(cfg.metrics_path)]
         return EvalInbox(io.evals, handled=handled)
@@ -320,88 +234,18 @@ class Trainer:
 
     def get_report(self) -> TrainerReport:
         """A snapshot for the status endpoint (called from its thread)."""
-        with self._report_lock:
-            return self.report.model_copy(deep=True)
-
-    def _set_phase(self, phase: str, message: str = "", reason: str = "") -> None:
-        with self._report_lock:
-            self.report.phase = phase  # type: ignore[assignment]
-            self.report.message = message
-            if reason:
-                self.report.reason = reason
-            self.report.updated_at = time.time()
+        return self.reporter.snapshot()
 
     def succeeded_message(self) -> str:
         return f"reached maxSteps={self.spec.trainer.max_steps}"
 
     def set_outcome(self, fields: dict[str, Any]) -> None:
         """Show the recorded outcome (`TrainerOutcome.report_fields()`) in the report."""
-        with self._report_lock:
-            for key, value in fields.items():
-                setattr(self.report, key, value)
-            self.report.updated_at = time.time()
+        self.reporter.set_fields(fields)
 
     async def refresh_engines(self, *, catch_up_engines: bool = True) -> list[Any]:
-        """The registered engines, into the report. First (catch_up_engines) load the policy version
-        into engines that serve another one: they joined or restarted since the last publish, and
-        the trainer is the only one that updates engine weights (weight_sync.py)."""
-        if self.io is None:
-            return []
-        if catch_up_engines:
-            try:
-                served = served_version(self.state.version, self.spec.trainer.weight_sync_lag)
-                resynced = await catch_up(
-                    self.cfg.engine_kind, self.io.registry,
-                    weights_path(self.cfg.weights_dir, served).resolve(), served,
-                    max_age_s=self.cfg.engine_max_age_s, timeout_s=self.cfg.weight_sync_timeout_s,
-                    api_key=self.cfg.engine_api_key)
-                if resynced:
-                    await self._count("engine_resyncs", len(resynced))
-            except Exception as exc:  # retried at the next refresh; the next publish updates it anyway
-                log.warning("engine catch-up failed: %s", exc)
-        try:
-            infos = await self.io.registry.list(max_age_s=self.cfg.engine_max_age_s)
-            await self._count("engine_restarts", self._new_incarnations(infos))
-            if time.monotonic() - self._last_prune >= PRUNE_EVERY_S:
-                self._last_prune = time.monotonic()
-                if pruned := await self.io.registry.prune(self.cfg.engine_prune_s):
-                    log.info("engine registry: removed %d entr%s silent for %.0fs", pruned,
-                             "y" if pruned == 1 else "ies", self.cfg.engine_prune_s)
-        except Exception as exc:
-            log.warning("engine registry unavailable: %s", exc)
-            return []
-        with self._report_lock:  # weight_version: the trainer's record or the worker's newer observation
-            self.report.rollout = [EngineReport(url=i.url, weight_version=i.weight_version, ready=i.ready,
-                                                fenced=i.fenced)
-                                   for i in infos]
-        return infos
-
-    def _new_incarnations(self, infos: list[Any]) -> int:
-        """How many engines came back as a new incarnation since this trainer last looked."""
-        came_back = 0
-        for info in infos:
-            seen = self._incarnations.get(info.engine_id)
-            if seen and info.incarnation and info.incarnation != seen:
-                came_back += 1
-                log.warning("engine %s came back as a new incarnation (%s -> %s)", info.url, seen[:8],
-                            info.incarnation[:8])
-            if info.incarnation:
-                self._incarnations[info.engine_id] = info.incarnation
-        return came_back
-
-    async def count_start(self) -> None:
-        """Rank 0, before training: one more trainer start for the job (a restart after the first)."""
-        await self._count("trainer_starts", 1)
-
-    async def _count(self, field: str, n: int) -> None:
-        """Add to a job-wide recovery counter (Redis) and show all of them in the report."""
-        if self.recovery is None or not self.ctx.is_main or n <= 0:
-            return
-        await self.recovery.add(field, n)
-        counts = await self.recovery.read()
-        with self._report_lock:
-            self.report.trainer_restarts = max(counts.trainer_starts - 1, 0)
-            self.report.engine_restarts, self.report.engine_resyncs = counts.engine_restarts, counts.engine_resyncs
+        """The registered engines, into the report, after catching up those behind this policy version."""
+        return await self.engines.refresh(self.state.version, catch_up_engines=catch_up_engines)
 
     # ------------------------------------------------------------------ the loop
 
@@ -422,9 +266,9 @@ class Trainer:
     async def _run(self) -> str:
         max_steps, interval = self.spec.trainer.max_steps, self.spec.trainer.checkpoint_interval
         await self.settle_restored()
-        await self.count_start()
+        await self.engines.count_start()
         await self.startup_sync()
-        await self.request_evaluation(self.state.version)  # the version this run starts from
+        await self.evaluations.request(self.state.version)  # the version this run starts from
         while self.state.step < max_steps:
             # 1-2. Batch: rank 0 reads B fresh groups, every rank gets the same list.
             groups = await self.next_batch() if self.ctx.is_main else None
@@ -433,7 +277,7 @@ class Trainer:
                 break
             replayed = self.draw_replay()  # (algorithm.replay: objective tb, one process)
             # 3-4. Train: advantages, proximal, minibatch updates (identical on every rank).
-            self._set_phase("Training")
+            self.reporter.set_phase("Training")
             record = self.train_step(groups, replayed)
             self._count_skipped(record)  # (fails after maxNonFiniteSteps all-skipped steps in a row)
             # 5. Publish version + 1 (finite weights only); then counters, report, metrics.jsonl.
@@ -445,12 +289,14 @@ class Trainer:
         if self.state.step > self._committed_step:  # (same decision on every rank: commit() has barriers)
             await self.commit()
         if self.state.step >= max_steps:
-            await self.await_final_evaluation()
+            await self.evaluations.await_final(self.state.version, self.state.step,
+                                               stop_requested=lambda: self.stop_requested,
+                                               refresh_engines=self.refresh_engines)
             # With the reason and message the outcome record will carry (trainer/main.py records it
             # next): the operator ends the job on /status too, whichever of the two it reads first.
-            self._set_phase("Succeeded", self.succeeded_message(), SUCCEEDED_REASON)
+            self.reporter.set_phase("Succeeded", self.succeeded_message(), SUCCEEDED_REASON)
             return "Succeeded"
-        self._set_phase("Stopped", f"{self.state.step} steps, policy version {self.state.version}")
+        self.reporter.set_phase("Stopped", f"{self.state.step} steps, policy version {self.state.version}")
         return "Stopped"
 
     async def settle_restored(self) -> None:
@@ -498,11 +344,11 @@ class Trainer:
         assert self.inbox is not None
         self._draw = StepDraw()
         fresh = self.spec.algorithm.batch_size - self.replay_slots()
-        self._set_phase("Waiting", f"waiting for {fresh} trajectory groups")
+        self.reporter.set_phase("Waiting", f"waiting for {fresh} trajectory groups")
         last_refresh = 0.0
         if self.stop_requested:
             return None
-        await self.poll_evaluations()  # (each step; then every ENGINE_REFRESH_S while waiting)
+        await self.evaluations.poll(self.state.step)  # (each step; then every ENGINE_REFRESH_S while waiting)
         await self.check_admission()   # (each step; then every pendingCheck while waiting)
         last_check = time.monotonic()
         while True:
@@ -519,7 +365,7 @@ class Trainer:
                 return None
             if time.monotonic() - last_refresh > ENGINE_REFRESH_S:
                 await self.refresh_engines()
-                await self.poll_evaluations()
+                await self.evaluations.poll(self.state.step)
                 last_refresh = time.monotonic()
             if time.monotonic() - last_check >= self.cfg.pending_check_s:
                 await self.check_admission()
@@ -554,9 +400,9 @@ class Trainer:
         check = await self.inbox.reconcile()
         snap = await self.io.admission.snapshot()
         stats = self.inbox.consumer.stats
-        with self._report_lock:
-            self.report.recovered_entries, self.report.reclaimed_entries = stats.recovered, stats.reclaimed
-            self.report.admission = AdmissionReport(
+        with self.reporter.edit() as report:
+            report.recovered_entries, report.reclaimed_entries = stats.recovered, stats.reclaimed
+            report.admission = AdmissionReport(
                 accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
                 drift=check.drift - check.repaired, dead_lettered=snap.dead_lettered,
                 drift_lost=snap.drift_lost, drift_found=snap.drift_found,
@@ -567,8 +413,8 @@ class Trainer:
             return
         self.state.dropped += count
         self._draw.dropped += count
-        with self._report_lock:
-            self.report.staleness.dropped = self.state.dropped
+        with self.reporter.edit() as report:
+            report.staleness.dropped = self.state.dropped
         s = self.spec.staleness
         log.info("dropped %d over-stale group(s) (%s)", count, f"maxHeadOffpolicyness={s.max_head_offpolicyness}"
                  if s.async_ratio is None else f"asyncRatio={s.async_ratio}, bound {s.version_bound} version(s)")
@@ -577,16 +423,16 @@ class Trainer:
         if not skipped:
             return
         self._draw.add(skipped, skipped=True)
-        with self._report_lock:
-            self.report.zero_signal_groups += len(skipped)
+        with self.reporter.edit() as report:
+            report.zero_signal_groups += len(skipped)
         log.info("dynamic sampling: skipped %d group(s) whose rewards were all equal (%d for this step)",
                  len(skipped), self._draw.skipped)
 
     def _count_starved(self) -> None:
         draw = self._draw
         draw.starved = True
-        with self._report_lock:
-            self.report.dynamic_sampling_starved_steps += 1
+        with self.reporter.edit() as report:
+            report.dynamic_sampling_starved_steps += 1
         log.warning("dynamic sampling: step %d drew %d group(s) (dynamicSamplingMaxDraws=%d), %d with signal: "
                     "training on the %d it has (batchSize %d); most groups get equal rewards: consider an "
                     "easier or harder dataset, or a larger groupSize", self.state.step + 1,
@@ -609,298 +455,45 @@ class Trainer:
     # ------------------------------------------------------------------ one update
 
     def train_step(self, groups: list[Any], replayed: list[ReplayedGroup] | None = None) -> dict[str, Any]:
-        """One training step on the fresh `groups` and the `replayed` ones (identical on every rank);
-        returns the step's metrics (rewards, tokens and staleness: of the fresh groups).
-
-        An update whose gradient norm is NaN or Inf is skipped: AdamW would spread it into every
-        parameter. The norm is taken after DDP's all-reduce, of gradients that are then identical on
-        every rank (a NaN on one rank reaches all of them), so every rank skips the same updates."""
+        """One training step (trainer/step.py) on the fresh `groups` and the `replayed` ones (identical
+        on every rank); returns the step's metrics (rewards, tokens and staleness: of the fresh groups)."""
         algo, version = self.spec.algorithm, self.state.version
-        stats = StepStats()  # (starts the step's compute clock)
-        replayed = replayed or []
-        trained = [*groups, *(r.group for r in replayed)]
-
-        # Sequences and advantages: every rank computes the same from the broadcast groups.
-        seqs = sequences_with_advantages(trained, algo)
-        fresh = sum(len(g.samples) for g in groups)  # (the fresh groups' sequences come first)
-
-        # Plan: minibatches of whole groups; this rank's micro-batches under the token budget.
-        plans = plan_step(trained, seqs, algo, rank=self.ctx.rank, world_size=self.ctx.world_size, layout=self.layout)
-
-        # Trajectory balance: log pi_ref of every response (the replay buffer kept the replayed ones').
-        beta = tb_beta(self.state.step + 1, algo.tb_beta, algo.tb_beta_final, algo.tb_beta_anneal_steps)
-        if self.trajectory_balance:
-            for s, ref in zip(seqs[fresh:], (x for r in replayed for x in r.ref_sums), strict=True):
-                s.ref_sum = ref
-            for i, ref in self._sequence_sums(self.reference_model, seqs, list(range(fresh))).items():
-                seqs[i].ref_sum = ref
-        log_zs: list[float] = []
-        residual_sq = 0.0
-
-        # Proximal log-probs for `recompute`: the current weights before any update (timed).
-        # (`loglinear` is computed inside policy_loss; its time is added per micro-batch.)
-        t_prox = time.perf_counter()
-        prox = self._recomputed_proximal(seqs, plans)
-        stats.proximal_seconds += time.perf_counter() - t_prox
-
-        # Minibatch updates: forward, loss, backward per micro-batch, then clip and step.
-        skipped, lr_scales, baseline_shifts = 0, [], []
-        for m, plan in enumerate(plans):
-            if algo.vcpo_baseline:  # VCPO's baseline: the minibatch's advantages at the current weights
-                baseline_shifts += self._vcpo_baseline(seqs, group_sizes(trained, plan.rows), plan, prox, m)
-            log_z = self._log_partitions(seqs, group_sizes(trained, plan.rows), plan, beta) \
-                if self.trajectory_balance else {}
-            log_zs += list(log_z.values())
-            self.optimizer.zero_grad(set_to_none=True)
-            vcpo_sums = [0.0, 0.0, 0.0]  # VCPO: this rank's sum w, sum w^2, sequences of the minibatch
-            micro_batches = plan.rank_micro_batches()
-            for k, rows in enumerate(micro_batches):
-                # DDP all-reduces once per update: on the last micro-batch (FSDP reduce-scatters each).
-                with D.no_sync_unless(self.model, k == len(micro_batches) - 1, self.ctx):
-                    if not rows:  # this rank has no sequence left in this minibatch: join the collectives
-                        (self._pad_forward() * 0.0).backward()
-                        continue
-                    batch, fed = self._batch(seqs, rows)
-                    logprobs, entropy = self._forward(batch, fed)
-                    if self.trajectory_balance:
-                        tb_ref, tb_rewards, tb_log_z = (logprobs.new_tensor(column) for column in zip(
-                            *[(seqs[i].ref_sum, seqs[i].reward, log_z[i]) for i in rows]))
-                        loss, loss_stats = trajectory_balance_loss(
-                            logprobs, batch.behav_logprobs, batch.loss_mask, tb_ref, tb_rewards, tb_log_z,
-                            beta=beta, denominator=plan.loss_denominator)
-                        residual_sq += loss_stats["tb_residual_sq_sum"]
-                    else:
-                        loss, loss_stats = policy_loss(
-                            logprobs, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                            config=self.loss_config, versions=batch.versions, current_version=version,
-                            prox_logprobs=prox.get((m, k)), loss_denominator=plan.loss_denominator)
-                    # DDP averages gradients over ranks; multiplying by world makes it the exact sum.
-                    (loss * self.ctx.world_size).backward()
-                    stats.add_micro_batch(loss, loss_stats, entropy, batch)
-                    stats.add_fed(fed.positions, sum(seqs[i].length for i in rows))
-                    vcpo_sums = [a + loss_stats.get(k, 0.0) for a, k in zip(vcpo_sums, VCPO_STAT_KEYS, strict=True)]
-            grad_norm = D.clip_grad_norm(self.model, algo.optimizer.grad_clip)
-            stats.grad_norms.append(grad_norm)
-            # VCPO: one scale from the sums of every rank (a collective on every rank, skipped update or not)
-            scale = (vcpo_lr_scale(*D.all_reduce_sum(vcpo_sums, self.ctx), base_ess_ratio=algo.vcpo_base_ess_ratio,
-                                   scaling=algo.vcpo_scaling) if algo.vcpo else 1.0)
-            lr_scales.append(scale)
-            if math.isfinite(grad_norm):
-                base_lrs = [g["lr"] for g in self.optimizer.param_groups]
-                for g, lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
-                    g["lr"] = lr * scale
-                try:
-                    self.optimizer.step()
-                finally:  # checkpoints and the next update keep the base learning rate
-                    for g, lr in zip(self.optimizer.param_groups, base_lrs, strict=True):
-                        g["lr"] = lr
-            else:  # (the gradients are zeroed before the next update and after the last)
-                skipped += 1
-                log.warning("step %d, minibatch %d/%d: gradient norm %s: update skipped (weights and optimizer "
-                            "state unchanged)", self.state.step + 1, m + 1, len(plans), grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)
-
-        # Metrics: means over all ranks; staleness, rewards and lengths of the fresh groups.
-        record = summarize_step(stats, seqs[:fresh], groups, version, self.ctx)
-        record["updates"], record["skipped_updates"] = len(plans), skipped
-        if self.trajectory_balance:
-            # (log Z: mean over the step's sequences of their group's; residual: root mean square)
-            record.update(tb_beta=beta, tb_log_z_mean=sum(log_zs) / len(log_zs) if log_zs else 0.0,
-                          tb_residual_rms=math.sqrt(residual_sq / len(seqs)) if seqs else 0.0)
+        step = step_data(groups, replayed or [], algo, self.model_forward(), version=version,
+                         step=self.state.step + 1)
+        updates = train_updates(step, self.objective, self.optimizer, grad_clip=algo.optimizer.grad_clip)
+        record = summarize_step(step.stats, step.seqs[:step.fresh], groups, version, self.ctx)
+        record["updates"], record["skipped_updates"] = updates.updates, updates.skipped
+        record.update(self.objective.figures())
         if self.replay is not None:  # keep what was trained fresh; then what the buffer holds
+            seqs = step.seqs
             for g, start in zip(groups, itertools.accumulate((len(g.samples) for g in groups), initial=0)):
                 self.replay.add(g, [seqs[i].ref_sum for i in range(start, start + len(g.samples))])
-            self._replayed_total += len(replayed)
+            self._replayed_total += len(step.replayed)
             held = self.replay.stats()
-            record.update(replayed_groups=len(replayed), replay_trajectories=held.trajectories,
+            record.update(replayed_groups=len(step.replayed), replay_trajectories=held.trajectories,
                           replay_bytes=held.bytes)
-        record["vcpo_lr_scale"] = sum(lr_scales) / len(lr_scales) if lr_scales else 1.0  # mean over updates
-        if algo.vcpo_baseline:  # how far VCPO's baselines moved from the groups' plain means
-            record["vcpo_baseline_shift"] = (sum(abs(x) for x in baseline_shifts) / len(baseline_shifts)
-                                             if baseline_shifts else 0.0)
+        record["vcpo_lr_scale"] = updates.lr_scale  # (mean over updates)
         return record
 
-    def _vcpo_baseline(self, seqs: list[TrainSequence], sizes: list[int], plan: MinibatchPlan,
-                       prox: dict[tuple[int, int], torch.Tensor], m: int) -> list[float]:
-        """VCPO's off-policy optimal baseline for minibatch `m` (losses.opob_advantages): one
-        forward and backward per trajectory gives the norm of its score gradient at the current
-        weights (the loss at advantage 1, summed over its tokens, batch-dependent bounds and masks
-        off) and its sequence weight; the advantages of the minibatch's sequences are replaced.
-        One process only (the spec says so). Returns each group's baseline minus its mean reward."""
-        norms: dict[int, float] = {}
-        weights: dict[int, float] = {}
-        config = dataclasses.replace(self.loss_config, aggregation="token-mean", vcpo=True, clip_bounds="fixed",
-                                     m2_threshold=None)
-        for k, rows in enumerate(plan.rank_micro_batches()):
-            p = prox.get((m, k))  # (recompute: the step-start log-probs of this micro-batch; row r is i's)
-            for r, i in enumerate(rows):  # one row at a time: a backward through a batch costs the batch
-                batch, fed = self._batch(seqs, [i])
-                logprobs, _ = self._forward(batch, fed, with_entropy=False)
-                loss, stats = policy_loss(
-                    logprobs, batch.behav_logprobs, torch.ones_like(batch.advantages), batch.loss_mask,
-                    config=config, versions=batch.versions, current_version=self.state.version,
-                    prox_logprobs=None if p is None else p[r:r + 1, :logprobs.shape[1]], loss_denominator=1.0)
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                norms[i] = float(torch.stack([q.grad.detach().double().pow(2).sum()
-                                              for q in self.model.parameters() if q.grad is not None]).sum())
-                weights[i] = stats["vcpo_w_sum"]
-        self.optimizer.zero_grad(set_to_none=True)
-        rows = plan.rows
-        rewards = [seqs[i].reward for i in rows]
-        advantages, baselines = opob_advantages(rewards, [norms[i] for i in rows], [weights[i] for i in rows], sizes)
-        for i, a in zip(rows, advantages, strict=True):
-            seqs[i].advantage = a
-        it = iter(rewards)
-        means = [sum(next(it) for _ in range(n)) / n for n in sizes]
-        return [b - mu for b, mu in zip(baselines, means, strict=True)]
-
-    def _recomputed_proximal(self, seqs: list[TrainSequence],
-                             plans: list[MinibatchPlan]) -> dict[tuple[int, int], torch.Tensor]:
-        """`recompute`: no-grad log-probs of the current weights per (minibatch, micro-batch); else none."""
-        if not (self.loss_config.kind == "decoupled" and self.loss_config.proximal == "recompute"):
-            return {}
-        self.model.eval()
-        with torch.no_grad():
-            prox = {(m, k): self._forward(*self._batch(seqs, rows), with_entropy=False)[0] if rows
-                    else self._pad_forward()  # (FSDP: every rank runs as many forwards)
-                    for m, plan in enumerate(plans) for k, rows in enumerate(plan.rank_micro_batches())}
-        self.model.train()
-        return prox
-
-    def _sequence_sums(self, model: Any, seqs: list[TrainSequence], rows: list[int]) -> dict[int, float]:
-        """No-grad log pi(y|x) of each of `rows`' responses under `model` (the policy or the frozen
-        reference), in micro-batches under the token budget; one process (objective tb)."""
-        lengths = [seqs[i].length for i in rows]
-        sums: dict[int, float] = {}
-        training = model.training
-        model.eval()
-        with torch.no_grad():
-            for micro in plan_microbatches(lengths, self.spec.algorithm.micro_batch_tokens, layout=self.layout):
-                idx = [rows[j] for j in micro]
-                batch, fed = self._batch(seqs, idx)
-                logprobs, _ = self._forward(batch, fed, with_entropy=False, model=model)
-                sums.update(zip(idx, sequence_sums(logprobs, batch.loss_mask).tolist()))
-        model.train(training)
-        return sums
-
-    def _log_partitions(self, seqs: list[TrainSequence], sizes: list[int], plan: MinibatchPlan,
-                        beta: float) -> dict[int, float]:
-        """Trajectory balance's log Z of each sequence's group for minibatch `plan`, at the weights it
-        is about to update (detached, as TBA's): a no-grad pass over the minibatch first, because a
-        group's sequences may sit in different micro-batches."""
-        sums = self._sequence_sums(self.model, seqs, plan.rows)
-        rows = plan.rows
-        return dict(zip(rows, group_log_z([sums[i] for i in rows], [seqs[i].ref_sum for i in rows],
-                                          [seqs[i].reward for i in rows], sizes, beta), strict=True))
-
-    def _pad_forward(self) -> torch.Tensor:
-        """A forward (through the LM head) of one 2-token row, for a rank with no micro-batch left
-        where another rank still has one: FSDP gathers parameters in every forward and reduces
-        every parameter's gradient in every backward, collectives every rank must join (and DDP's
-        all-reduce expects a gradient for every parameter). Scaled by 0 it changes no gradient."""
-        ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.ctx.device)
-        return token_logprobs(self.model, ids, torch.ones_like(ids), self.spec.algorithm.temperature,
-                              mask=torch.ones((1, 1), dtype=torch.bool, device=self.ctx.device),
-                              with_entropy=False)[0].sum()
-
-    def _batch(self, seqs: list[TrainSequence], rows: list[int]) -> tuple[TrainBatch, ModelRows]:
-        """The micro-batch's padded tensors (what the loss reads) and the rows the model is fed (laid
-        out on the host: packing is a few slice copies per sequence)."""
-        batch = build_batch([seqs[i] for i in rows], self.pad_id, advantages=[seqs[i].advantage for i in rows])
-        return batch.to(self.ctx.device), model_rows(batch, self.layout, self.pad_id).to(self.ctx.device)
-
-    def _forward(self, batch: TrainBatch, fed: ModelRows, *, with_entropy: bool = True,
-                 model: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs (with grad when enabled) and entropy, at the sampling temperature,
-        in the batch's padded layout whatever rows the model was fed.
-
-        With `model.gradientCheckpointing` the LM head's chunk logits are recomputed in backward
-        too: with the decoder's activations checkpointed they are the largest activation left."""
-        return token_logprobs(self.model if model is None else model, batch.input_ids, batch.attention_mask,
-                              self.spec.algorithm.temperature, mask=batch.loss_mask, with_entropy=with_entropy,
-                              checkpoint_head=self.spec.model.gradient_checkpointing, rows=fed)
+    def model_forward(self) -> ModelForward:
+        """How this step feeds the model (the layout is read each step: a test may set it)."""
+        algo = self.spec.algorithm
+        return ModelForward(model=self.model, ctx=self.ctx, layout=self.layout, pad_id=self.pad_id,
+                            temperature=algo.temperature, micro_batch_tokens=algo.micro_batch_tokens,
+                            checkpoint_head=self.spec.model.gradient_checkpointing)
 
     # ------------------------------------------------------------------ publish and commit
 
     async def publish_next(self) -> None:
-        """Every rank: refuse non-finite weights, then `publish` version + 1 (rank 0 does the work).
-
-        The weights are identical on every rank after the update, so every rank takes the same
-        decision on them; a fatal weight-sync error only rank 0 sees is broadcast, so no rank is
-        left waiting in a collective for a rank that stopped training."""
-        bad = non_finite_parameters(self.model, self.ctx)
-        if bad:
-            raise NonFiniteWeightsError(
-                f"non-finite weights after step {self.state.step + 1} (not published): {', '.join(bad)}")
-        if not self.ctx.enabled:
-            await self.publish(self.state.version + 1)
-            return
-        failure: TrainerError | None = None
-        try:
-            await self.publish(self.state.version + 1)
-        except TrainerError as exc:  # (only rank 0 publishes)
-            failure = exc
-        verdict = D.broadcast_object(None if failure is None else (failure_reason(failure), str(failure)), self.ctx)
-        if failure is not None:
-            raise failure
-        if verdict is not None:
-            raise TrainerFailed(*verdict)
+        """Every rank: refuse non-finite weights, then `publish` version + 1 (rank 0 does the work;
+        a fatal weight-sync error it sees is raised on every rank: publishing.on_every_rank)."""
+        refuse_non_finite_weights(self.model, self.ctx, step=self.state.step + 1)
+        await on_every_rank(self.publish(self.state.version + 1), self.ctx)
 
     async def publish(self, version: int, *, write: bool = True) -> None:
-        """Every rank: weights/v{version} (a sharded model is gathered: every rank takes part, rank 0
-        writes); then rank 0: version event, engines updated, admission told. All ranks advance."""
+        """Every rank advances to `version` and publishes it (publishing.Publisher)."""
         self.state.version = version
-        self._set_phase("Publishing", f"publishing version {version}")
-        from asyncrl.models import torch_dtype
-        from asyncrl.transport.versions import VersionEvent
-
-        t0 = time.perf_counter()
-        path = weights_path(self.cfg.weights_dir, version)
-        if write:
-            write_weights(self.model, self.tokenizer, self.cfg.weights_dir, version,
-                          dtype=torch_dtype(self.spec.model.dtype), ctx=self.ctx)
-        if not self.ctx.is_main:
-            return
-        lag = self.spec.trainer.weight_sync_lag
-        served = served_version(version, lag)  # (trainer.weightSyncLag: the engines load an older version)
-        served_path = weights_path(self.cfg.weights_dir, served)
-        sync_error = None
-        engines = []
-        if self.io is not None:
-            await self.io.versions.publish(VersionEvent(version=version, weights_path=str(path.resolve()),
-                                                        time=time.time()))
-            engines = await self.io.registry.list(max_age_s=self.cfg.engine_max_age_s)
-            if engines and (served == version or served_path.is_dir()):  # (lagged v0: the base model)
-                try:
-                    await update_engines(self.cfg.engine_kind, engines, served_path.resolve(), served,
-                                         registry=self.io.registry, timeout_s=self.cfg.weight_sync_timeout_s,
-                                         api_key=self.cfg.engine_api_key, collective=self.collective)
-                except WeightSyncError as exc:  # the failing engines are fenced: training goes on
-                    self._sync_failures += 1
-                    sync_error = str(exc)
-                    log.error("%s; fenced %s (retried by catch-up; %d failed sync(s) in this run)",
-                              exc, ", ".join(exc.fenced) or "none", self._sync_failures)
-            await self.io.admission.set_version(version)
-            engines = await self.refresh_engines(catch_up_engines=False)  # failed ones: at the next refresh
-            ready = [e for e in engines if e.ready]
-            if ready and all(e.fenced for e in ready):  # waits (no crash loop) and says so
-                sync_error = (f"all {len(ready)} ready engine(s) are fenced after failed weight updates; "
-                              f"rollout waits until catch-up loads version {served} into one: "
-                              + "; ".join(f"{e.url}: {e.fenced}" for e in ready))
-                log.error("%s", sync_error)
-        keep = {e.weight_version for e in engines} - {None}  # versions engines still serve
-        prune_weights(self.cfg.weights_dir, keep | retained_versions(version, lag), newest=version)
-        seconds = time.perf_counter() - t0
-        with self._report_lock:
-            self.report.policy_version = version
-            self.report.weight_sync_seconds = seconds
-            if self.collective is not None:
-                self.report.weight_sync_disk_fallbacks = self.collective.stats.disk_fallbacks
-            if sync_error:
-                self.report.message = sync_error
-        if self._evaluation_due(version):  # (its weights are out: the engines serve it, or catch up)
-            await self.request_evaluation(version)
+        await self.publisher.publish(version, write=write)
 
     def finish_step(self, groups: list[Any], record: dict[str, Any]) -> None:
         """Advance counters, update the report and append one line to metrics.jsonl."""
@@ -912,56 +505,28 @@ class Trainer:
         now = time.time()
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
-        shown = {k: finite_or_zero(record[k]) for k in ("loss", "clip_fraction", *_SHOWN_RATIO_STATS)}
         self._record_zero_signal(record)
-        step_record = StepRecord(step=st.step, policy_version=st.version, reward_mean=record["reward_mean"],
-                                 staleness_mean=record["staleness_mean"], staleness_max=record["staleness_max"],
-                                 loss=shown["loss"], clip_fraction=shown["clip_fraction"],
-                                 tokens=record["tokens"], step_seconds=wall,
-                                 proximal_seconds=record["proximal_seconds"], time=now,
-                                 zero_signal_groups=record["zero_signal_groups"])
-        with self._report_lock:
-            r = self.report
-            sync_seconds = r.weight_sync_seconds
-            step_record.weight_sync_seconds = sync_seconds
-            r.step, r.policy_version = st.step, st.version
-            r.groups_trained, r.tokens_trained = st.groups_trained, st.tokens_trained
-            r.tokens_per_second = record["tokens"] / wall
-            r.reward_mean = record["reward_mean"]
-            r.reward_history.append(record["reward_mean"])
-            r.staleness.mean, r.staleness.max = record["staleness_mean"], record["staleness_max"]
-            r.staleness.dropped, r.staleness.dropped_last_step = st.dropped, record["dropped_step"]
-            for lag, n in record["staleness_histogram"].items():
-                r.staleness.histogram[str(lag)] = r.staleness.histogram.get(str(lag), 0) + n
-            r.clip_fraction = shown["clip_fraction"]
-            for key in _LOSS_SHAPE_STATS:  # (clipped tokens by side; BAPO's adapted bounds, 0 when off; VCPO's scale)
-                setattr(r, key, finite_or_zero(record.get(key, 0.0)))
-            r.tb_beta = record.get("tb_beta")
-            if self.replay is not None:
-                held = self.replay.stats()
-                r.replay = ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
-                                        capacity=held.capacity, replayed_groups=self._replayed_total)
-            for target, prefix in ((r.importance_weight, "importance_weight"),
-                                   (r.behaviour.full_ratio, "full_ratio"), (r.behaviour.weight, "behav_weight")):
-                for stat in ("max", "min", "mean"):
-                    setattr(target, stat, shown[f"{prefix}_{stat}"])
-            r.behaviour.ess, r.behaviour.kl = shown["behav_ess"], shown["behav_kl"]
-            r.skipped_updates = st.skipped_updates
-            r.zero_signal_fraction = record["zero_signal_fraction"]
-            r.dead_lettered = self.inbox.dead_lettered if self.inbox is not None else 0
-            r.proximal_seconds, r.step_seconds = record["proximal_seconds"], wall
-            r.history.append(step_record)
-            del r.history[:-HISTORY_LIMIT]
-            r.updated_at = now
+        with self.reporter.edit() as r:
+            step_line = step_record(st, record, wall=wall, now=now, weight_sync_seconds=r.weight_sync_seconds)
+            report_step(r, st, record, step_line, replay=self._replay_report(),
+                        dead_lettered=self.inbox.dead_lettered if self.inbox is not None else 0)
         if self.ctx.is_main and self.cfg.metrics_path is not None:
-            line = append_metrics_line(self.cfg.metrics_path, step_record, record, dropped=st.dropped)
+            line = append_metrics_line(self.cfg.metrics_path, step_line, record, dropped=st.dropped)
         else:
-            line = metrics_line(step_record, record, dropped=st.dropped)
+            line = metrics_line(step_line, record, dropped=st.dropped)
         if self.trackers is not None:
             self.trackers.log_step(st.step, step_figures(line))
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
                  st.step, st.version, record["reward_mean"], record["loss"], record["staleness_mean"],
                  record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
+
+    def _replay_report(self) -> ReplayReport | None:
+        """What the replay buffer holds (algorithm.replay), for the report."""
+        if self.replay is None:
+            return None
+        held = self.replay.stats()
+        return ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
+                            capacity=held.capacity, replayed_groups=self._replayed_total)
 
     def _record_zero_signal(self, record: dict[str, Any]) -> None:
         """The step's dynamic-sampling figures, from what rank 0 drew (`next_batch`; 0 on the other
@@ -973,87 +538,13 @@ class Trainer:
         draw, self._draw = self._draw, StepDraw()
         record["zero_signal_groups"] = draw.skipped
         record["dropped_step"] = draw.dropped
-        with self._report_lock:
-            record["zero_signal_groups_total"] = self.report.zero_signal_groups
+        with self.reporter.edit() as report:
+            record["zero_signal_groups_total"] = report.zero_signal_groups
         record["zero_signal_fraction"] = draw.zero_signal_fraction
         record["dynamic_sampling_starved"] = int(draw.starved)
         record["reward_mean_drawn"] = draw.reward_sum / draw.samples if draw.samples else record["reward_mean"]
 
-    # ------------------------------------------------------------------ evaluation (spec.evaluation)
-
-    def _evaluation_due(self, version: int) -> bool:
-        """Versions 0, N, 2N, ... (N = evaluation.everySteps) and the final one are evaluated."""
-        evaluation = self.spec.evaluation
-        return evaluation is not None and (version % evaluation.every_steps == 0
-                                           or version >= self.spec.trainer.max_steps)
-
-    async def request_evaluation(self, version: int) -> None:
-        """Rank 0: ask the rollout workers to evaluate `version` (already published); asking twice is a no-op."""
-        if self.evals is not None and await self.evals.request(version):
-            log.info("asked for a held-out evaluation of policy version %d", version)
-
-    async def poll_evaluations(self) -> list[EvalRecord]:
-        """Rank 0: read the results that arrived into the report; each new one also goes to
-        metrics.jsonl, the log and the trackers (at the current step). Returns the new ones."""
-        if self.evals is None:
-            return []
-        read, new = await self.evals.read()
-        if not read:
-            return []
-        with self._report_lock:
-            self.report.evaluations = merge_evaluations(self.report.evaluations, read, EVAL_HISTORY_LIMIT)
-            self.report.updated_at = time.time()
-        step = self.state.step
-        for r in new:
-            if self.cfg.metrics_path is not None:
-                append_eval_line(self.cfg.metrics_path, step, r)
-            pass_at_k = f" pass@{r.k} {r.pass_at_k:.3f}" if r.pass_at_k is not None else ""
-            log.info("eval v%d (step %d): reward %.3f pass@1 %.3f%s, %d prompts x %d, %.0f%% on version, "
-                     "%.1fs on %s", r.policy_version, step, r.reward_mean, r.pass_at_1, pass_at_k, r.prompts, r.k,
-                     100 * r.on_version, r.seconds, r.engine_id or "?")
-            if self.trackers is not None:
-                self.trackers.log_eval(step, r)
-        return new
-
-    def _evaluated(self, version: int) -> bool:
-        with self._report_lock:
-            return any(r.policy_version == version for r in self.report.evaluations)
-
-    async def await_final_evaluation(self) -> None:
-        """Rank 0, after the last step: wait (phase Evaluating) until the final version's result
-        arrives, `finalTimeoutSeconds` pass (a warning: the job still succeeds) or a stop is asked."""
-        if self.evals is None or self.spec.evaluation is None:
-            return
-        version, timeout = self.state.version, self.spec.evaluation.final_timeout_seconds
-        await self.request_evaluation(version)  # (asked at its publish already, unless that life was cut short)
-        await self.poll_evaluations()
-        if self._evaluated(version):
-            return
-        if timeout <= 0:
-            log.info("not waiting for the evaluation of the final policy version %d (finalTimeoutSeconds=0)",
-                     version)
-            return
-        self._set_phase("Evaluating", f"waiting up to {timeout}s for the held-out evaluation of the final "
-                                      f"policy version {version}")
-        log.info("waiting up to %ds for the held-out evaluation of the final policy version %d", timeout, version)
-        deadline = time.monotonic() + timeout
-        last_refresh = time.monotonic()
-        while not self._evaluated(version):
-            if self.stop_requested:
-                log.warning("stop requested: not waiting any longer for the evaluation of policy version %d",
-                            version)
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.warning("no held-out evaluation of the final policy version %d after %ds "
-                            "(evaluation.finalTimeoutSeconds); finishing without it", version, timeout)
-                return
-            await asyncio.sleep(min(FINAL_EVAL_POLL_S, left))
-            if time.monotonic() - last_refresh > ENGINE_REFRESH_S:  # (an engine behind catches up to it)
-                await self.refresh_engines()
-                last_refresh = time.monotonic()
-            await self.poll_evaluations()
-        log.info("final policy version %d evaluated", version)
+    # ------------------------------------------------------------------ commit
 
     async def commit(self) -> None:
         """Checkpoint (rank 0 writes; its window holds the groups trained since the last one), then
@@ -1061,15 +552,14 @@ class Trainer:
         resumed trainer acknowledges the window again (`settle_restored`; checkpoint.py)."""
         D.barrier(self.ctx)
         if self.ctx.is_main:
-            with self._report_lock:
-                self.state.report = self.report.model_dump(mode="json")
+            self.state.report = self.reporter.snapshot().model_dump(mode="json")
             append_trained(self.cfg.checkpoint_dir, self.state)  # (the lineage log first, fsynced)
         # every rank writes its part (rank 0's state.json completes it)
         path = save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.state, ctx=self.ctx)
         if self.ctx.is_main:
             acked = await self.inbox.ack_trained() if self.inbox is not None else 0
-            with self._report_lock:
-                self.report.last_checkpoint = str(path)
+            with self.reporter.edit() as report:
+                report.last_checkpoint = str(path)
             log.info("checkpoint %s; acknowledged %d group(s)", path, acked)
         self.state.start_window()
         self._committed_step = self.state.step

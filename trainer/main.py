@@ -175,7 +175,7 @@ class StopSignals:
         signal.signal(signal.SIGINT, self)
         return self
 
-    def __call__(self, signum: int, frame: Any) -> None:
+    def __call__(self, signum: int, _frame: Any) -> None:
         self.received += 1
         if self._loop is not None and self._event is not None:
             with contextlib.suppress(RuntimeError):  # (the loop is closed once the process is ending)
@@ -386,9 +386,7 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
                          max_response_tokens=spec.algorithm.max_new_tokens)
     consumer = TrajectoryConsumer(redis, names, runtime.pod_name, limits=limits)
     await consumer.ensure_group()
-    admission = Admission(redis, names, batch_size=spec.algorithm.batch_size,
-                          max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
-                          max_concurrent=spec.max_concurrent_groups(), async_ratio=spec.staleness.async_ratio)
+    admission = Admission.for_job(redis, names, spec)
     return StreamIO(redis=redis, consumer=consumer, admission=admission,
                     versions=VersionChannel(redis, names), registry=EngineRegistry(redis, names),
                     evals=EvalChannel(redis, names))
@@ -472,7 +470,7 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
         try:
             phase = await trainer.run()
         except TrainerError as exc:  # fatal: retrying cannot help
-            from asyncrl.trainer.loop import failure_reason
+            from asyncrl.trainer.publishing import failure_reason
 
             log.error("training failed: %s", exc)
             outcome = outcome_of(trainer, job, runtime, "Failed", failure_reason(exc), str(exc))

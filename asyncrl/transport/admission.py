@@ -49,6 +49,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -56,6 +57,9 @@ from asyncrl.staleness_policy import groups_ahead, version_bound
 
 from .names import StreamNames
 from .wire import TrajectoryGroup
+
+if TYPE_CHECKING:  # (the spec imports the runtime, which imports this package)
+    from asyncrl.spec import AsyncRLJobSpec
 
 RELEASED_RETENTION_MS = 3_600_000
 """How long released lease ids are remembered, to make a retried release a no-op."""
@@ -201,8 +205,9 @@ class Drift:
 class Admission:
     """One pod's handle on its job's global admission state.
 
-    `async_ratio` (alpha) selects the per-sample policy; `max_head_offpolicyness` is then the
-    version bound it implies, ceil(alpha) (what a producer checks a group's age against)."""
+    `async_ratio` (alpha) selects the per-sample policy, else `max_head_offpolicyness` (eta) the
+    global budget; `version_bound` is the largest version lag either keeps (eta, or ceil(alpha)):
+    what a producer checks a group's age against."""
 
     def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int,
                  max_head_offpolicyness: int, max_concurrent: int, lease_seconds: float = 120,
@@ -217,7 +222,9 @@ class Admission:
         self.names = names
         self.batch_size = batch_size
         self.async_ratio = async_ratio
-        self.max_head_offpolicyness = version_bound(max_head_offpolicyness=eta, async_ratio=async_ratio)
+        self.eta = eta
+        self.version_bound = version_bound(max_head_offpolicyness=eta, async_ratio=async_ratio)
+        """The largest version lag kept: eta, or ceil(alpha) under the per-sample policy."""
         self.groups_ahead = groups_ahead(batch_size, max_head_offpolicyness=eta, async_ratio=async_ratio)
         """Groups the policy lets rollout produce beyond the current version's batch."""
         self.max_concurrent = max_concurrent
@@ -293,22 +300,30 @@ class Admission:
             return (await self.snapshot()).accepted
         return int(await self._dropped(keys=self._keys, args=[n, counter]))
 
+    @classmethod
+    def for_job(cls, redis: aioredis.Redis, names: StreamNames, spec: AsyncRLJobSpec) -> Admission:
+        """The job's admission as its spec sets it (batch size, staleness policy, concurrency)."""
+        return cls(redis, names, batch_size=spec.algorithm.batch_size,
+                   max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
+                   max_concurrent=spec.max_concurrent_groups(), async_ratio=spec.staleness.async_ratio)
+
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
         version, accepted, running, dropped, dead, lost, found, returned = (
             int(x) for x in await self._snapshot(keys=self._keys, args=[]))
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
-                                 max_head_offpolicyness=self.max_head_offpolicyness,
+                                 max_head_offpolicyness=self.eta,
                                  max_concurrent=self.max_concurrent, async_ratio=self.async_ratio)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
                                  dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
                                  leases_returned=returned)
 
 
-def is_too_stale(group: TrajectoryGroup, current_version: int, max_head_offpolicyness: int) -> bool:
-    """Trainer side: drop a group when current_version - (its oldest token version) exceeds the limit.
+def is_too_stale(group: TrajectoryGroup, current_version: int, version_bound: int) -> bool:
+    """Trainer side: drop a group when current_version - (its oldest token version) exceeds the
+    bound (eta, or ceil(alpha) under the per-sample policy: `Admission.version_bound`).
 
     A group without generated tokens has no staleness and is never too stale.
     """
     oldest = group.oldest_version()
-    return oldest >= 0 and current_version - oldest > max_head_offpolicyness
+    return oldest >= 0 and current_version - oldest > version_bound
