@@ -429,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
                               logs / f"rollout-{i}.log", cpus=set(engine_cpus) if args.pin else None))
     children.extend(rollouts)
 
-    def interrupt(signum: int, frame: Any) -> None:  # Ctrl-C and SIGTERM: the same clean stop
+    def interrupt(signum: int, _frame: Any) -> None:  # Ctrl-C and SIGTERM: the same clean stop
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt

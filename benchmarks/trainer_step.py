@@ -42,8 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import load_average, machine_figures
 from proximal_cost import ARCHS, load_model  # (the random-initialised architectures: one table)
 
-MODES = ("bare", "padding", "packing")
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,6 +13,8 @@ if [ "$#" = 0 ]; then
   .venv/bin/ruff check .
   echo "test.sh: mypy"
   .venv/bin/mypy
+  echo "test.sh: vulture"
+  .venv/bin/vulture
 fi
 # Some tests write whole checkpoints (GBs while they run): say how much room there is, so a
 # "No space left on device" failure reads as the machine's, not the code's.

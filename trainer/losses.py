@@ -42,7 +42,6 @@ ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OBJECTIVES: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
 CLIP_BOUNDS: tuple[str, ...] = ("fixed", "bapo")
-VcpoScaling = Literal["sqrt", "linear"]
 VCPO_SCALINGS: tuple[str, ...] = ("sqrt", "linear")
 
 # SAPO's gate temperatures for A > 0 and A <= 0: verl 0.9.1's ActorConfig defaults

@@ -87,9 +87,6 @@ class Engine(abc.ABC):
     async def update_weights(self, path: str, version: int) -> None:
         """Load weights from a directory and label them `version` (call while paused)."""
 
-    supports_weight_group: ClassVar[bool] = False
-    """True when the server can join the trainer's weight group (collective weight sync)."""
-
     async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                 group_name: str, backend: str) -> None:
         """Join the trainer's weight group (answers once every member joined)."""

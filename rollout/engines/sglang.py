@@ -123,8 +123,6 @@ class SGLangEngine(HTTPEngine):
                               status=resp.status_code, retryable=resp.status_code >= 500)
         return body
 
-    supports_weight_group = True
-
     async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                 group_name: str, backend: str) -> None:
         await self._succeed("/init_weights_update_group", {
