@@ -44,7 +44,7 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import metrics
 from asyncrl.operator import names as N
 from asyncrl.operator.config import OperatorConfig
-from asyncrl.operator.kube import ApiError, Kube, apply
+from asyncrl.operator.kube import ApiError, ChildConflict, Kube, apply
 from asyncrl.operator.mirror import (
     MirrorError,
     OutcomeReader,
@@ -55,6 +55,7 @@ from asyncrl.operator.mirror import (
     status_endpoint,
 )
 from asyncrl.operator.status import (
+    CHILD_CONFLICT,
     JobRef,
     Observed,
     compute_status,
@@ -69,8 +70,9 @@ from asyncrl.transport.names import StreamNames
 Obj = dict[str, Any]
 JobKey = tuple[str, str]  # (namespace, name)
 
-# Pod reasons that deserve a Warning Event (besides phase Failed).
-WARNING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "OOMKilled", "Unschedulable")
+# Pod reasons that deserve a Warning Event (besides phase Failed), and a child's name held by another object.
+WARNING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "OOMKilled", "Unschedulable",
+                   CHILD_CONFLICT)
 MAX_CONFLICT_RETRIES = 3
 """Re-reads after a 409 within one pass; then the pass gives up until the next wake-up or interval."""
 
@@ -283,14 +285,18 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     children = B.build_children(job, ctx)
 
     # Apply them: create what is missing, patch what differs from the desired state; a changed trainer
-    # template restarts the whole gang at once.
-    applied = await _apply_all(memo.kube, children)
-    if not ctx.stopped:
+    # template restarts the whole gang at once. An object of a child's name that is not the job's
+    # stops the pass there (nothing after it may refer to it) and holds the job (ChildConflict).
+    applied, conflict = await _apply_all(memo.kube, children, meta["uid"])
+    if conflict is not None:
+        logger.warning(str(conflict))
+    if not ctx.stopped and conflict is None:
         await _restart_stale_trainer_gang(memo.kube, ref, applied.get(N.trainer(ref.name) + "/StatefulSet"), logger)
 
     # Observe: ready replicas, the pods' containers, and (running jobs) the trainer's outcome and report.
     active = not (was_terminal or job.spec.suspend)
-    obs = await _observe(memo, job, ref, meta["uid"], applied, active=active, logger=logger)
+    obs = await _observe(memo, job, ref, meta["uid"], applied, active=active and conflict is None, logger=logger)
+    obs.conflict = None if conflict is None else str(conflict)
 
     # Compute and write the status (with the resourceVersion precondition), then act on it.
     new = compute_status(ref, job.spec, prev, obs, now)
@@ -300,7 +306,7 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     # A job that has just finished or failed gives its GPUs back: trainer and rollout to zero
     # (Redis, its Secret and the volumes stay until the TTL, for inspection and the final weights).
     if new["phase"] in TERMINAL_PHASES and not ctx.stopped:
-        await _stop(memo.kube, job, ctx)
+        await _stop(memo.kube, job, ctx, logger)
 
     ttl = job.spec.ttl_seconds_after_finished
     if ttl_expired(new, ttl, now):
@@ -327,13 +333,17 @@ def _document(body: Obj) -> Obj:
             "spec": body.get("spec")}
 
 
-async def _apply_all(k: Kube, children: list[Obj]) -> dict[str, Obj]:
-    """Apply in order (dependencies first); the live objects by `<name>/<kind>`."""
+async def _apply_all(k: Kube, children: list[Obj], owner_uid: str) -> tuple[dict[str, Obj], ChildConflict | None]:
+    """Apply in order (dependencies first); the live objects by `<name>/<kind>`, and the first child
+    whose name another object holds (the ones after it are not applied: they may refer to it)."""
     applied: dict[str, Obj] = {}
     for obj in children:
-        _, current = await apply(k, obj)
+        try:
+            _, current = await apply(k, obj, owner_uid=owner_uid)
+        except ChildConflict as exc:
+            return applied, exc
         applied[f"{obj['metadata']['name']}/{obj['kind']}"] = current
-    return applied
+    return applied, None
 
 
 async def _restart_stale_trainer_gang(k: Kube, ref: JobRef, sts: Obj | None, logger: kopf.Logger) -> None:
@@ -421,11 +431,14 @@ async def _redis_url(memo: OperatorMemo, job: AsyncRLJob, ref: JobRef) -> str | 
                              service=N.redis(ref.name), port=B.REDIS_PORT, password=password)
 
 
-async def _stop(k: Kube, job: AsyncRLJob, ctx: B.BuildContext) -> None:
+async def _stop(k: Kube, job: AsyncRLJob, ctx: B.BuildContext, logger: kopf.Logger) -> None:
     """Scale rollout and trainer to zero (Redis and volumes stay for inspection)."""
     stopped = dataclasses.replace(ctx, stopped=True)
     for obj in (B.trainer_statefulset(job, stopped), B.rollout_deployment(job, stopped)):
-        await apply(k, obj)
+        try:
+            await apply(k, obj, owner_uid=ctx.owner_uid)
+        except ChildConflict as exc:  # not ours to scale
+            logger.warning(str(exc))
 
 
 def merge_patch(old: Obj, new: Obj) -> Obj:

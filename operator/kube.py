@@ -122,6 +122,43 @@ class ApiError(OperatorError, RuntimeError):
         self.status = status
 
 
+class ChildConflict(OperatorError, RuntimeError):
+    """An object of a child's name exists and is not the job's: it is never patched or adopted.
+
+    Without this check a user who may only create AsyncRLJobs could name a job so that a child's
+    name is another team's object: the operator would rewrite it and make the job its owner, so
+    that deleting the job deletes it (controller-runtime refuses the same: AlreadyOwnedError)."""
+
+    def __init__(self, kind: str, namespace: str, name: str, holder: str):
+        super().__init__(f"{kind} {namespace}/{name} exists and is not this job's ({holder}): it is left "
+                         f"as it is; delete or rename it, or rename the job")
+        self.kind, self.namespace, self.name, self.holder = kind, namespace, name, holder
+
+
+def foreign_holder(existing: Obj, desired: Obj, owner_uid: str | None = None) -> str | None:
+    """Who holds `existing` when it is not the job's own (None when it is).
+
+    The job's own: its controller ownerReference names the job's uid (`owner_uid`, else the uid of
+    `desired`'s controller reference); or it has no controller and carries the job's labels (a child
+    the job leaves unowned on purpose, such as a weights volume that outlives its job)."""
+    if owner_uid is None:
+        want: Obj = next((r for r in desired["metadata"].get("ownerReferences") or [] if r.get("controller")), {})
+        owner_uid = want.get("uid")
+    refs = existing.get("metadata", {}).get("ownerReferences") or []
+    controller = next((r for r in refs if r.get("controller")), None)
+    if controller is not None:
+        if owner_uid is not None and controller.get("uid") == owner_uid:
+            return None
+        return f"controlled by {controller.get('kind')} {controller.get('name')} (uid {controller.get('uid')})"
+    labels = existing.get("metadata", {}).get("labels") or {}
+    job = desired["metadata"].get("labels", {}).get(N.LABEL_JOB)
+    # (either of the two labels naming the job: a hand edit of one is drift to put back, not a stranger)
+    names_job = job is not None and job in (labels.get(N.LABEL_JOB), labels.get(N.LABEL_INSTANCE))
+    if names_job and labels.get(N.LABEL_MANAGED_BY) == N.MANAGED_BY:
+        return None
+    return "not created by asyncrl for this job: no ownerReference to it and not its labels"
+
+
 def allowed(group: str, resource: str, verb: str) -> bool:
     return any(r.group == group and r.resource == resource and verb in r.verbs for r in PERMISSIONS)
 
@@ -354,8 +391,16 @@ async def with_live_secret_hashes(kube: Kube, obj: Obj, existing: Obj | None) ->
     return out
 
 
-async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
+def _refuse_foreign(existing: Obj | None, desired: Obj, owner_uid: str | None) -> None:
+    if existing is not None and (holder := foreign_holder(existing, desired, owner_uid)) is not None:
+        meta = desired["metadata"]
+        raise ChildConflict(desired["kind"], meta["namespace"], meta["name"], holder)
+
+
+async def apply(kube: Kube, obj: Obj, *, owner_uid: str | None = None) -> tuple[str, Obj]:
     """Create `obj`, or bring the existing object back to it; returns (action, object). Safe to repeat.
+    An existing object that is not the job's own (the job of uid `owner_uid`, else of `obj`'s
+    controller reference) is never touched: ChildConflict (`foreign_holder`).
 
     The live object is compared with what we own (`patch_body`: the fields the builders set, plus
     our labels, annotations and ownerReferences). Any difference — a hand edit, a field another
@@ -364,6 +409,7 @@ async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
     """
     kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
     existing = await kube.get(kind, ns, name)
+    _refuse_foreign(existing, obj, owner_uid)
     desired = stamp(await with_live_secret_hashes(kube, obj, existing))
     if existing is None:
         try:
@@ -374,6 +420,7 @@ async def apply(kube: Kube, obj: Obj) -> tuple[str, Obj]:
             existing = await kube.get(kind, ns, name)  # created by a previous, interrupted attempt
             if existing is None:
                 raise
+            _refuse_foreign(existing, obj, owner_uid)  # (or by someone else in between)
     body = patch_body(desired)
     if body is None:
         return "unchanged", existing

@@ -151,6 +151,8 @@ class Observed:
     outcome_error: str | None = None
     """Why the outcome record could not be read (Redis unreachable, its Secret missing)."""
     report: TrainerReport | None = None
+    conflict: str | None = None
+    """A child's name is held by an object that is not the job's (kube.ChildConflict): the job waits."""
     report_error: str | None = None
     """Why the trainer's /status could not be read (shown in the WeightsSynced condition)."""
 
@@ -164,6 +166,10 @@ class JobRef:
     name: str
     namespace: str
     generation: int | None = None
+
+
+CHILD_CONFLICT = "ChildConflict"
+"""The reason of a job held because an object of a child's name is not the job's."""
 
 
 def now_utc() -> datetime:
@@ -444,6 +450,8 @@ def deadline_exceeded(spec: AsyncRLJobSpec, start: datetime, now: datetime) -> V
 def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, ready: Readiness, start: datetime,
                  now: datetime) -> Verdict:
     """Pending -> Initializing -> Running, or Failed when the startup deadline passes first."""
+    if obs.conflict is not None:
+        return _held_by_conflict(spec, prev_phase, obs.conflict, start, now)
     problem = obs.problems[0] if obs.problems else None
     why = problem.describe() if problem else ready.waiting()
     if queued(obs) and prev_phase != "Running":  # not started yet: no startup deadline while Kueue holds it
@@ -463,6 +471,18 @@ def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, read
 
 
 # ----------------------------------------------------------------------------------- status parts
+
+
+def _held_by_conflict(spec: AsyncRLJobSpec, prev_phase: JobPhase, conflict: str, start: datetime,
+                      now: datetime) -> Verdict:
+    """A child's name is another object's: the job does not start (or, running, says so) until it is
+    resolved; the startup deadline still ends a job that never could start."""
+    if prev_phase == "Running":
+        return Verdict("Running", CHILD_CONFLICT, conflict)
+    deadline = spec.startup_deadline_seconds
+    if now - start > timedelta(seconds=deadline):
+        return Verdict("Failed", "StartupDeadlineExceeded", f"not running {deadline}s after start: {conflict}")
+    return Verdict("Pending", CHILD_CONFLICT, conflict)
 
 
 def _condition(ctype: ConditionType, check: Check, old: Condition | None, now: datetime,
