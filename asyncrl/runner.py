@@ -21,9 +21,11 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
@@ -35,6 +37,7 @@ from asyncrl.outcome import (
     remove_outcome_file,
 )
 from asyncrl.runtime import ENV_ENGINE_API_KEY, Runtime
+from asyncrl.spec import AsyncRLJob
 from asyncrl.transport.names import StreamNames
 
 # `asyncrl --help` imports this module (asyncrl/cli.py), so the heavier imports (pydantic job
@@ -177,10 +180,9 @@ def default_job_path() -> Path:
     return Path(__file__).resolve().parent.parent / DEFAULT_JOB
 
 
-def prepare_job(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+def prepare_job(args: argparse.Namespace) -> tuple[AsyncRLJob, dict[str, Any]]:
     """Load the job, apply command-line overrides, and return (job, wire dict for job.yaml)."""
     from asyncrl.loader import load_job
-    from asyncrl.spec import AsyncRLJob
 
     job = load_job(args.job or default_job_path())
     data = job.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -361,26 +363,68 @@ class Progress:
             self._progress.stop()
 
 
+@dataclass
+class ProcessPlan:
+    """The processes of a local run, as a cluster would have them: engines, one trainer, rollouts."""
+
+    engines: list[tuple[Child, str]]
+    """Each engine and the URL it serves on."""
+    trainer: Child
+    rollouts: list[Child]
+
+    @property
+    def children(self) -> list[Child]:
+        return [c for c, _ in self.engines] + [self.trainer] + self.rollouts
+
+
+def plan_processes(job: AsyncRLJob, job_file: Path, kind: str, runtime: Runtime, base_env: dict[str, str], *,
+                   engine_ports: list[int], status_port: int, engine_threads: int, trainer_threads: int,
+                   engine_cpus: set[int] | None, trainer_cpus: set[int] | None, logs: Path) -> ProcessPlan:
+    """Every process of the run with its command line, environment, log and CPUs (nothing started):
+    one engine per rollout replica (`kind`), the trainer, and one rollout worker per engine."""
+    spec = job.spec
+    replicas = len(engine_ports)
+    engines = []
+    for i, port in enumerate(engine_ports):
+        env = dict(base_env, **replace(runtime, pod_name=f"engine-{i}").to_env())
+        c = engine_child(i, kind, job_file, port, engine_threads, spec.seed + i, env, logs, spec.model.path)
+        c.cpus = engine_cpus
+        engines.append((c, f"http://127.0.0.1:{port}"))
+    trainer_env = dict(base_env, **replace(runtime, pod_name="trainer-0").to_env(),
+                       OMP_NUM_THREADS=str(trainer_threads), MKL_NUM_THREADS=str(trainer_threads))
+    trainer_env[ENV_TERMINATION_LOG] = str(logs / "trainer.termination-log")
+    trainer = Child("trainer", asyncrl_command() + [
+        "trainer", "--config", str(job_file), "--max-steps", str(spec.trainer.max_steps), "--status-port",
+        str(status_port), "--status-host", "127.0.0.1", "--threads", str(trainer_threads)], trainer_env,
+        logs / "trainer.log", cpus=trainer_cpus)
+    rollouts = []
+    for i, (_, url) in enumerate(engines):
+        rt = replace(runtime, engine_url=url, pod_name=f"rollout-{i}", rollout_index=i, rollout_replicas=replicas)
+        env = dict(base_env, **rt.to_env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        # The trainer alone pauses/updates/resumes every registered engine (trainer/weight_sync.py).
+        rollouts.append(Child(f"rollout-{i}", asyncrl_command() + ["rollout", "--config", str(job_file)], env,
+                              logs / f"rollout-{i}.log", cpus=engine_cpus))
+    return ProcessPlan(engines=engines, trainer=trainer, rollouts=rollouts)
+
+
+def _write_job_file(run_dir: Path, data: dict[str, Any], engine: str) -> tuple[Path, str]:
+    """The run's job.yaml, with the engine this machine can run (no SGLang on one machine: hf)."""
+    kind = engine if engine != "sglang" else "hf"
+    data["spec"]["rollout"]["engine"] = kind
+    job_file = run_dir / "job.yaml"
+    job_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    return job_file, kind
+
+
 def main(args: argparse.Namespace) -> int:
     job, data = prepare_job(args)
-    spec = job.spec
-    name = job.metadata.name
+    spec, name = job.spec, job.metadata.name
     run_dir = (args.run_dir or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     logs = run_dir / "logs"
-    job_file = run_dir / "job.yaml"
-    import yaml
-
-    job_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    kind = spec.rollout.engine if spec.rollout.engine != "sglang" else "hf"  # no SGLang on one machine
-    if kind != spec.rollout.engine:
-        data["spec"]["rollout"]["engine"] = kind
-        job_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    max_steps = spec.trainer.max_steps
+    job_file, kind = _write_job_file(run_dir, data, spec.rollout.engine)
     replicas = max(spec.rollout.replicas, 1)
     engine_cpus, trainer_cpus = cpu_split(args.engine_threads, args.trainer_threads)
-    engine_threads = args.engine_threads or max(len(engine_cpus) // replicas, 1)
-    trainer_threads = args.trainer_threads or len(trainer_cpus)
     status_port = args.status_port or free_port()
     status_url = f"http://127.0.0.1:{status_port}"
 
@@ -393,7 +437,7 @@ def main(args: argparse.Namespace) -> int:
                       engine_api_key=secrets.token_urlsafe(32),
                       weight_group_port=free_port())  # (trainer.weightTransport collective: engines dial it)
     names = runtime.stream_names(name)
-    previous = _previous_attempt(redis.url, names, runtime.weights_dir, max_steps)
+    previous = _previous_attempt(redis.url, names, runtime.weights_dir, spec.trainer.max_steps)
     if previous is not None:  # this run directory's job already ended and has nothing left to do
         redis.stop()
         print(f"asyncrl run: the job in {run_dir} already ended: {previous.summary}"
@@ -401,60 +445,52 @@ def main(args: argparse.Namespace) -> int:
         return _finish(run_dir, None, previous, status_url, False)
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
     base_env["PYTHONUNBUFFERED"] = "1"
+    plan = plan_processes(
+        job, job_file, kind, runtime, base_env, engine_ports=[free_port() for _ in range(replicas)],
+        status_port=status_port, engine_threads=args.engine_threads or max(len(engine_cpus) // replicas, 1),
+        trainer_threads=args.trainer_threads or len(trainer_cpus), engine_cpus=set(engine_cpus) if args.pin else None,
+        trainer_cpus=set(trainer_cpus) if args.pin else None, logs=logs)
+    failed, outcome, interrupted = _run(plan, args, kind, run_dir, redis, runtime, status_url,
+                                        max_steps=spec.trainer.max_steps, names=names)
+    _report_failure(plan.trainer, failed, outcome)
+    return _finish(run_dir, failed, outcome, status_url, interrupted)
 
-    children: list[Child] = []
-    engines: list[tuple[Child, str]] = []
-    for i in range(replicas):
-        port = free_port()
-        env = dict(base_env, **Runtime(**{**runtime.__dict__, "pod_name": f"engine-{i}"}).to_env())
-        c = engine_child(i, kind, job_file, port, engine_threads, spec.seed + i, env, logs, spec.model.path)
-        c.cpus = set(engine_cpus) if args.pin else None
-        engines.append((c, f"http://127.0.0.1:{port}"))
-        children.append(c)
-    trainer_env = dict(base_env, **Runtime(**{**runtime.__dict__, "pod_name": "trainer-0"}).to_env(),
-                       OMP_NUM_THREADS=str(trainer_threads), MKL_NUM_THREADS=str(trainer_threads))
-    trainer_env[ENV_TERMINATION_LOG] = str(logs / "trainer.termination-log")
-    trainer = Child("trainer", asyncrl_command() + [
-        "trainer", "--config", str(job_file), "--max-steps", str(max_steps), "--status-port", str(status_port),
-        "--status-host", "127.0.0.1", "--threads", str(trainer_threads)], trainer_env, logs / "trainer.log",
-        cpus=set(trainer_cpus) if args.pin else None)
-    children.append(trainer)
-    rollouts = []
-    for i, (_, url) in enumerate(engines):
-        rt = Runtime(**{**runtime.__dict__, "engine_url": url, "pod_name": f"rollout-{i}",
-                        "rollout_index": i, "rollout_replicas": replicas})
-        env = dict(base_env, **rt.to_env(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        # The trainer alone pauses/updates/resumes every registered engine (trainer/weight_sync.py).
-        rollouts.append(Child(f"rollout-{i}", asyncrl_command() + ["rollout", "--config", str(job_file)], env,
-                              logs / f"rollout-{i}.log", cpus=set(engine_cpus) if args.pin else None))
-    children.extend(rollouts)
 
-    def interrupt(signum: int, _frame: Any) -> None:  # Ctrl-C and SIGTERM: the same clean stop
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
+def _interrupt(signum: int, _frame: Any) -> None:
+    """Ctrl-C and SIGTERM: the same clean stop (a second signal is ignored while it runs)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, interrupt)  # (also when started in the background, where SIGINT is ignored)
-    signal.signal(signal.SIGTERM, interrupt)
+
+def _run(plan: ProcessPlan, args: argparse.Namespace, kind: str, run_dir: Path, redis: LocalRedis,
+         runtime: Runtime, status_url: str, *, max_steps: int,
+         names: StreamNames) -> tuple[Child | None, TrainerOutcome | None, bool]:
+    """Start the engines and the trainer, the rollouts once the engines answer, and supervise them
+    until the trainer records its outcome, a process fails or the run is interrupted; then stop all.
+    Returns (the process that failed, the outcome, whether interrupted)."""
+    signal.signal(signal.SIGINT, _interrupt)  # (also when started in the background, where SIGINT is ignored)
+    signal.signal(signal.SIGTERM, _interrupt)
+    trainer, children = plan.trainer, plan.children
     progress: Progress | None = None
     outcome: TrainerOutcome | None = None
     failed: Child | None = None
     interrupted = False
     try:
-        for c, _ in engines:
+        for c, _ in plan.engines:
             c.start(run_dir)
         trainer.start(run_dir)
         _write_processes(run_dir, children, redis)
-        print(f"status: {status_url}/status  dashboard: {status_url}/  (logs in {logs})", flush=True)
+        print(f"status: {status_url}/status  dashboard: {status_url}/  (logs in {run_dir / 'logs'})", flush=True)
         progress = Progress(max_steps, args.no_progress)
         progress.update(None, "starting engines")
         deadline = time.monotonic() + args.startup_timeout
-        for c, url in engines:
+        for c, url in plan.engines:
             failed = wait_ready(url, kind, [c, trainer], deadline, runtime.engine_api_key)
             if failed:
                 break
         if failed is None:
-            for c in rollouts:
+            for c in plan.rollouts:
                 c.start(run_dir)
             _write_processes(run_dir, children, redis)
             failed, outcome = _supervise(children, trainer, status_url, progress, redis.url, names)
@@ -472,7 +508,11 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
         _stop_all(trainer, children)
         redis.stop()
+    return failed, outcome, interrupted
 
+
+def _report_failure(trainer: Child, failed: Child | None, outcome: TrainerOutcome | None) -> None:
+    """Say which process failed or why training failed, with the last lines of its log."""
     if failed is not None:
         code = failed.poll()
         print(f"\nasyncrl run: {failed.name} stopped unexpectedly ({describe_exit(code if code is not None else 0)});"
@@ -482,7 +522,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nasyncrl run: training failed ({outcome.reason}): {outcome.message}; last lines of "
               f"{trainer.log_path}:", file=sys.stderr)
         print(trainer.tail(), file=sys.stderr)
-    return _finish(run_dir, failed, outcome, status_url, interrupted)
 
 
 def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None, status_url: str,
