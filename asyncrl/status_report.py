@@ -83,7 +83,7 @@ class OutageReport(_Report):
 
 
 class DegradedReport(_Report):
-    """The trainer is waiting out an outage (issue 15): training is paused, not failed. Set on the
+    """The trainer is waiting out an outage: training is paused, not failed. Set on the
     served report only while an outage lasts (trainer/status_api.py fills it in from the process's
     Health board); the operator turns it into the job's `Degraded` condition."""
 

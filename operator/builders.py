@@ -392,7 +392,7 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     # appendfsync always: a write is on disk before Redis replies. With everysec a plain kill of the
     # Redis process lost acknowledged publishes and acks (36 of 1440 groups in 240 kill rounds);
     # a lost ack re-surfaces a trained entry and a lost trained mark lets it be trained twice.
-    # always lost nothing in 180 rounds and still moved 474-728 groups/s of 100 KB (issue 15).
+    # always lost nothing in 180 rounds and still moved 474-728 groups/s of 100 KB.
     persistence = (["--appendonly", "yes", "--appendfsync", "always"] if m.append_only
                    else ["--appendonly", "no", "--save", ""])
     selector = N.selector_labels(name, "redis")
