@@ -250,10 +250,8 @@ async def _reread(k: Kube, namespace: str, name: str) -> Obj | None:
 
 
 async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worker: JobWorker | None = None) -> Obj:
-    """One idempotent pass over a job; returns the status it wrote (or found in place).
-
-    Raises StatusConflict when the job changed since `body` was read (nothing of it was written).
-    """
+    """One idempotent pass over a job; returns the status it wrote (or found in place). Raises
+    StatusConflict when the job changed since `body` was read (nothing of it was written)."""
     metrics.RECONCILES.inc()
     meta = body["metadata"]
     ref = JobRef(name=meta["name"], namespace=meta.get("namespace", "default"), generation=meta.get("generation"))
@@ -287,15 +285,11 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     # Apply them: create what is missing, patch what differs from the desired state; a changed trainer
     # template restarts the whole gang at once. An object of a child's name that is not the job's
     # stops the pass there (nothing after it may refer to it) and holds the job (ChildConflict).
-    applied, conflict = await _apply_all(memo.kube, children, meta["uid"])
-    if conflict is not None:
-        logger.warning(str(conflict))
-    if not ctx.stopped and conflict is None:
-        await _restart_stale_trainer_gang(memo.kube, ref, applied.get(N.trainer(ref.name) + "/StatefulSet"), logger)
+    applied, conflict = await _apply_children(memo.kube, ref, children, ctx, logger)
 
     # Observe: ready replicas, the pods' containers, and (running jobs) the trainer's outcome and report.
-    active = not (was_terminal or job.spec.suspend)
-    obs = await _observe(memo, job, ref, meta["uid"], applied, active=active and conflict is None, logger=logger)
+    active = not (was_terminal or job.spec.suspend or conflict)
+    obs = await _observe(memo, job, ref, meta["uid"], applied, active=active, logger=logger)
     obs.conflict = None if conflict is None else str(conflict)
 
     # Compute and write the status (with the resourceVersion precondition), then act on it.
@@ -331,6 +325,17 @@ def _document(body: Obj) -> Obj:
     return {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
             "metadata": {k: meta[k] for k in ("name", "namespace", "labels", "annotations") if k in meta},
             "spec": body.get("spec")}
+
+
+async def _apply_children(k: Kube, ref: JobRef, children: list[Obj], ctx: B.BuildContext,
+                          logger: kopf.Logger) -> tuple[dict[str, Obj], ChildConflict | None]:
+    """`_apply_all`, then (a running job whose children are all its own) the trainer gang's restart."""
+    applied, conflict = await _apply_all(k, children, ctx.owner_uid)
+    if conflict is not None:
+        logger.warning(str(conflict))
+    elif not ctx.stopped:
+        await _restart_stale_trainer_gang(k, ref, applied.get(N.trainer(ref.name) + "/StatefulSet"), logger)
+    return applied, conflict
 
 
 async def _apply_all(k: Kube, children: list[Obj], owner_uid: str) -> tuple[dict[str, Obj], ChildConflict | None]:
