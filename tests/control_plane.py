@@ -219,11 +219,12 @@ class Process:
             self.popen.wait(timeout=10)
 
 
-def start_process(name: str, argv: list[str], logs: Path) -> Process:
+def start_process(name: str, argv: list[str], logs: Path, *, env: dict[str, str] | None = None,
+                  cwd: Path | None = None) -> Process:
     log = logs / f"{name}.log"
     with log.open("ab") as out:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # a Ctrl-C of pytest does not hit it first
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 cwd=cwd, start_new_session=True)  # a Ctrl-C of pytest does not hit it first
     return Process(name, popen, log)
 
 

@@ -10,7 +10,6 @@ the real control plane.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -25,7 +24,12 @@ from asyncrl.operator import status as S
 from asyncrl.operator.kube import foreign_holder
 from asyncrl.operator.status import JobRef, Observed
 from asyncrl.spec import AsyncRLJobSpec
-from tests.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
+from tests.control_plane import (  # noqa: F401
+    ControlPlane,
+    control_plane_fixture,
+    namespace_fixture,
+    start_process,
+)
 from tests.polling import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,22 +97,15 @@ def crd(control_plane: ControlPlane) -> None:
 @pytest.fixture
 def operator(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
     """The real `asyncrl operator`, as cluster admin, watching the test's namespace; yields its log."""
-    log = tmp_path / "operator.log"
     env = {**control_plane.env(), "PYTHONUNBUFFERED": "1"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "operator", "--namespace", namespace,
-                                 "--interval", "1", "--liveness-port", "0", "--metrics-port", "0", "--verbose"],
-                                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    proc = start_process("operator", [sys.executable, "-m", "asyncrl.cli", "operator", "--namespace", namespace,
+                                      "--interval", "1", "--liveness-port", "0", "--metrics-port", "0", "--verbose"],
+                         tmp_path, env=env, cwd=REPO)
     try:
-        yield log
+        yield proc.log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        proc.stop(grace=15)
 
 
 def get(cp: ControlPlane, *args: str) -> Any:
