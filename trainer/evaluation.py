@@ -75,7 +75,8 @@ class Evaluations:
         return new
 
     def evaluated(self, version: int) -> bool:
-        return any(r.policy_version == version for r in self.reporter.snapshot().evaluations)
+        with self.reporter.reading() as report:
+            return any(r.policy_version == version for r in report.evaluations)
 
     async def await_final(self, version: int, step: int, *, stop_requested: Callable[[], bool],
                           refresh_engines: Callable[[], Awaitable[Any]]) -> None:

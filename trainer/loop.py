@@ -538,7 +538,7 @@ class Trainer:
         draw, self._draw = self._draw, StepDraw()
         record["zero_signal_groups"] = draw.skipped
         record["dropped_step"] = draw.dropped
-        with self.reporter.edit() as report:
+        with self.reporter.reading() as report:
             record["zero_signal_groups_total"] = report.zero_signal_groups
         record["zero_signal_fraction"] = draw.zero_signal_fraction
         record["dynamic_sampling_starved"] = int(draw.starved)
@@ -552,7 +552,8 @@ class Trainer:
         resumed trainer acknowledges the window again (`settle_restored`; checkpoint.py)."""
         D.barrier(self.ctx)
         if self.ctx.is_main:
-            self.state.report = self.reporter.snapshot().model_dump(mode="json")
+            with self.reporter.reading() as report:
+                self.state.report = report.model_dump(mode="json")
             append_trained(self.cfg.checkpoint_dir, self.state)  # (the lineage log first, fsynced)
         # every rank writes its part (rank 0's state.json completes it)
         path = save_checkpoint(self.cfg.checkpoint_dir, self.model, self.optimizer, self.state, ctx=self.ctx)

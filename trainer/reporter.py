@@ -40,6 +40,12 @@ class Reporter:
             return self._report.model_copy(deep=True)
 
     @contextmanager
+    def reading(self) -> Iterator[TrainerReport]:
+        """The report, held under the lock for the block, to read in place (no copy, no stamp)."""
+        with self._lock:
+            yield self._report
+
+    @contextmanager
     def edit(self) -> Iterator[TrainerReport]:
         """The report, held under the lock for the block; its `updated_at` is stamped after it."""
         with self._lock:
