@@ -92,6 +92,8 @@ class FakeState:
     """Updates whose caller never got an answer (overlapping updates during a pause, as in the pin)."""
     tokens_generated: int = 0
     running: int = 0
+    in_flight: dict[str, int] = field(default_factory=dict)
+    """Running requests: id -> tokens generated so far (a test waits for one that is part-way)."""
     requests: int = 0
     update_calls: list[dict[str, Any]] = field(default_factory=list)
     generate_calls: list[dict[str, Any]] = field(default_factory=list)
@@ -228,6 +230,7 @@ def create_app(state: FakeState) -> Any:
         finish: dict[str, Any] | None = None
         version = state.weight_version
         state.running += 1
+        state.in_flight[rid] = 0
         try:
             for i in range(max_new):
                 if abort_epoch["n"] != my_epoch:
@@ -247,6 +250,7 @@ def create_app(state: FakeState) -> Any:
                 out_ids.append(tok)
                 lps.append(fake_logprob(i, version))
                 state.tokens_generated += 1
+                state.in_flight[rid] = len(out_ids)
                 if tok in stop_ids:
                     finish = {"type": "stop", "matched": tok}
                     break
@@ -254,6 +258,7 @@ def create_app(state: FakeState) -> Any:
                 finish = {"type": "length", "length": len(out_ids)}
         finally:
             state.running -= 1
+            del state.in_flight[rid]
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": finish,

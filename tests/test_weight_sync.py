@@ -27,6 +27,9 @@ from tests.sglang_fake import FakeSGLang
 
 JOB = "wsync"
 VERSIONS = (1, 2, 3)
+TOKEN_S = 0.004
+SLOW_TOKEN_S = 0.5
+"""Per token while an update is on its way: 30 tokens then take 15 s, far past the pause."""
 UPDATE_CYCLE = ["pause:abort", "update:{v}", "continue"]
 
 
@@ -66,7 +69,7 @@ def render(question: str) -> list[int]:
 @pytest.fixture
 async def env(redis_url):
     redis = await connect(redis_url)
-    fakes = [FakeSGLang(token_delay=0.004).start() for _ in range(2)]
+    fakes = [FakeSGLang(token_delay=TOKEN_S).start() for _ in range(2)]
     yield redis, fakes, StreamNames.for_job(JOB)
     for fake in fakes:
         fake.state.paused = None  # let orphaned generations finish so the servers stop at once
@@ -104,14 +107,18 @@ async def test_one_update_per_engine_per_version_and_none_from_workers(env, tmp_
 
     await poll(registered, what="both engines registered")
     for v in VERSIONS:
-        async def busy():  # every engine has a request in flight: the update cuts it (partial rollout)
-            return all(f.state.running >= 1 for f in fakes)
+        async def busy():  # every engine has a request part-way: the update cuts it (partial rollout)
+            return all(any(n >= 1 for n in f.state.in_flight.values()) for f in fakes)
 
-        await poll(busy, what=f"requests in flight before version {v}")
+        for fake in fakes:  # slowed down, a part-way request cannot finish before the pause cuts it
+            fake.state.token_delay = SLOW_TOKEN_S
+        await poll(busy, what=f"requests part-way before version {v}")
         path = tmp_path / f"v{v}"
         await channel.publish(VersionEvent(version=v, weights_path=str(path), time=time.time()))
         result = await update_engines("sglang", await registry.list(), path, v, registry=registry, timeout_s=10)
         assert result.engines == 2
+        for fake in fakes:
+            fake.state.token_delay = TOKEN_S
         await Admission(redis, names, batch_size=4, max_head_offpolicyness=1000, max_concurrent=8).set_version(v)
 
     async def tagged_latest():  # groups generated on the newest weights are being published
@@ -152,9 +159,8 @@ async def test_one_update_per_engine_per_version_and_none_from_workers(env, tmp_
             assert versions == [fake_version(lp) for lp in s.behav_logprobs]
             spanning += len(set(versions)) > 1
     assert spanning >= 1  # tokens after an abort + resume carry the new version
-    # Requests were in flight before each update, but one may finish between that check and the
-    # pause (it did on a loaded machine): at least one was cut and continued, not one per version.
-    assert sum(w.stats.interrupted for w in workers) >= 1
+    # every update cut a part-way request on every engine, and the worker continued it
+    assert all(w.stats.interrupted >= len(VERSIONS) for w in workers)
 
 
 async def test_catch_up_gives_a_new_engine_the_current_version_once(env, tmp_path: Path):

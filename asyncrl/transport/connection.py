@@ -252,7 +252,8 @@ async def connect(url: str, *, timeout: float = 10.0, outage_s: float | None = N
     outages of up to `outage_s` (make_client).
 
     Raises RedisUnavailableError (host, port, TLS/password settings, attempts, last error) when
-    Redis does not answer in time, and at once when it rejects the credentials.
+    Redis does not answer in time, and at once when it rejects the credentials or its certificate
+    is not trusted.
     """
     endpoint = parse_endpoint(url)
     start = time.monotonic()
@@ -278,6 +279,10 @@ async def connect(url: str, *, timeout: float = 10.0, outage_s: float | None = N
             raise
         except (ConnectionError, TimeoutError, OSError) as exc:
             last = f"{type(exc).__name__}: {exc}"
+            if "CERTIFICATE_VERIFY_FAILED" in last:  # no retry makes an untrusted certificate trusted
+                raise RedisUnavailableError(
+                    f"Redis at {endpoint.host}:{endpoint.port} presented a certificate that is not "
+                    f"trusted ({endpoint.describe()}); pass the CA as ?ssl_ca_certs=<path>: {last}") from exc
         finally:
             await probe.aclose()
         delay = backoff_delay(attempts, cap=backoff_cap_s)
