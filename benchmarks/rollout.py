@@ -93,7 +93,8 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
     """The worker over `prompts` groups; `during(redis, names)`, if given, runs beside it (the sync pass).
     Returns (tokens, seconds, worker)."""
     from asyncrl.rollout.rewards import RewardScorer
-    from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+    from asyncrl.rollout.worker import RolloutWorker
+    from asyncrl.rollout.worker_config import WorkerConfig
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
     from asyncrl.transport.names import StreamNames

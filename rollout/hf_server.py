@@ -20,7 +20,7 @@ SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (the rollout pod's readiness) 200
 `--api-key` (or $ASYNCRL_ENGINE_API_KEY) closes every route but /health* with 401 unless the request
 carries `Authorization: Bearer KEY`, exactly as the pin's `--api-key` (rollout/engines/auth.py).
 `/model_info` also names the server's `incarnation` (a random id per server start, which the pin
-lacks): a rollout worker then knows for sure when its engine restarted (rollout/worker.py).
+lacks): a rollout worker then knows for sure when its engine restarted (rollout/engine_view.py).
 """
 
 from __future__ import annotations

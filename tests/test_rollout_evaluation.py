@@ -28,8 +28,9 @@ from asyncrl.rollout.evaluation import (
     pass_at_k,
     summarize,
 )
+from asyncrl.rollout.evaluator import WorkerEvaluation
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker import RolloutWorker, WorkerEvaluation
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.trainer.weight_sync import update_engines
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
@@ -211,7 +212,7 @@ def evaluation(items: list[PromptItem], *, concurrency: int = 2, max_new: int = 
 
 
 def serving(worker: RolloutWorker, ev: WorkerEvaluation) -> RolloutWorker:
-    worker.evaluation = ev  # (read when run() starts; rollout/main.py passes it to the constructor)
+    worker.evaluation = ev  # (read when run() starts; rollout/worker_process.py passes it to the constructor)
     return worker
 
 

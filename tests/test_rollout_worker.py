@@ -11,8 +11,10 @@ import pytest
 from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.prompt_cursor import cursor_key
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker import RolloutWorker, WorkerConfig, cursor_key
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.trainer.weight_sync import catch_up, update_engines
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
@@ -306,10 +308,10 @@ async def test_cursor_saves_never_go_back(env):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    worker.redis = SlowOldValues(redis)
+    worker.cursor.redis = SlowOldValues(redis)
     for local in range(3):
-        worker._mark_done(local)
+        worker.cursor.mark_done(local)
         await asyncio.sleep(0)  # each save starts before the next completion
-    await worker._save_cursor()  # the final save at shutdown, while the older ones are in flight
-    await asyncio.gather(*list(worker._saves))
+    await worker.cursor.save()  # the final save at shutdown, while the older ones are in flight
+    await worker.cursor.saved()
     assert await redis.get(cursor_key(names, 0, 2)) == b"3"

@@ -15,7 +15,8 @@ from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker import RolloutWorker, WorkerConfig
+from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.trainer.weight_sync import WeightSyncError, catch_up, update_engines
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect

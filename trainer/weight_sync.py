@@ -30,7 +30,7 @@ that succeeds unfences it. Its worker generates nothing meanwhile: its engine se
 beyond the admission bound, or one it cannot name.
 
 Rollout workers never pause, update or resume an engine: they only observe (the label SGLang puts
-on each answer, or for an engine without labels the record above; see rollout/worker.py). So the trainer also owns
+on each answer, or for an engine without labels the record above; see rollout/engine_view.py). So the trainer also owns
 `catch_up`: an engine that joined or restarted since the last publish (its registered version is
 not the policy version, or is unknown: a restarted server the trainer's record no longer
 describes) gets the current version from the weights volume before its worker serves rollout

@@ -12,7 +12,7 @@ they observe of it) every few seconds; the trainer, the only one that updates en
 weight label of engines whose server reports none.
 
 Engines restart. Each registration carries the engine server's incarnation (an id that changes when
-the server restarts, see rollout/worker.py), and the trainer's record names the incarnation it
+the server restarts, see rollout/engine_view.py), and the trainer's record names the incarnation it
 loaded into: a record of an earlier incarnation says nothing about what the server serves now (a
 restarted server serves the weights it was launched with, whatever the trainer loaded before), so
 it is ignored and the version stays what the worker observed, or unknown (None). An engine whose
@@ -118,7 +118,7 @@ class EngineInfo:
     """When the worker observed the engine (Unix seconds)."""
     incarnation: str = ""
     """The engine server's current life: the server's own id when it reports one (our hf server),
-    else minted by its worker when it sees the server restart (rollout/worker.py)."""
+    else minted by its worker when it sees the server restart (rollout/engine_view.py)."""
     label: str | None = None
     """The weight label exactly as the server last reported it ("default", "7"; None: the server
     reports none (vLLM), or it could not be read)."""

@@ -1,0 +1,120 @@
+"""One prompt's episode: its group of samples generated, scored, each token tagged with its version.
+
+  sample()  one completion as a sequence of segments: when the engine answers "abort" (the trainer
+            paused it to load new weights) the episode re-sends prompt + partial output with
+            max_new_tokens reduced; each segment's tokens carry the version of the weights that
+            produced them (EngineView.generate), so a response may span several versions. An answer
+            longer than `max_tokens_per_request` is continued the same way.
+  group()   groupSize samples concurrently (the first failure cancels the others), scored, and
+            checked trainable (asyncrl.transport.content.check_group: finite logprobs, one per
+            token, ...). What happens to the group (published, its lease released, its prompt
+            queued again) is the executor's business (rollout/worker.py), not the episode's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from asyncrl.rollout.datasets import PromptItem
+from asyncrl.rollout.engine_view import Dropped, EngineView, RequestBudget
+from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
+from asyncrl.transport.content import check_group
+from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+
+
+@dataclass
+class Sample:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish: str
+
+
+class InvalidGroup(Exception):
+    """The group was generated but cannot be trained (check_group's reason): it is not published."""
+
+
+async def all_or_none(coros: list[Any]) -> list[Any]:
+    """Like asyncio.gather, but the first failure cancels the others (an interrupted group's
+    remaining samples must not go on generating, holding request slots, for nothing)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Episode:
+    """Generates and scores groups on one engine; shared by every group of a worker."""
+
+    def __init__(self, cfg: WorkerConfig, *, view: EngineView, scorer: RewardScorer,
+                 decode: Callable[[list[int]], str], stats: WorkerStats, stopping: asyncio.Event) -> None:
+        self.cfg = cfg
+        self.view = view
+        self.scorer = scorer
+        self.decode = decode
+        self.stats = stats
+        self.stopping = stopping
+        self.limits = cfg.group_limits()
+        self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
+
+    async def group(self, item: PromptItem, prompt_ids: list[int]) -> TrajectoryGroup:
+        """The prompt's trainable group; raises Dropped (a sample failed past its budget) or
+        InvalidGroup (generated, but check_group refuses it)."""
+        created = time.time()
+        samples = await all_or_none([self.sample(prompt_ids) for _ in range(self.cfg.group_size)])
+        rewards = await asyncio.gather(*[self.scorer.score(self.decode(s.ids), item.answer) for s in samples])
+        group = TrajectoryGroup(
+            job=self.cfg.job, group_id=uuid.uuid4().hex, prompt_id=item.prompt_id,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            samples=[TrajectorySample(
+                sample_index=i, response_ids=np.asarray(s.ids, dtype=np.int32),
+                behav_logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish)
+                for i, (s, r) in enumerate(zip(samples, rewards))],
+            engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
+        problem = check_group(group, self.limits)
+        if problem is not None:
+            raise InvalidGroup(problem)
+        return group
+
+    async def sample(self, prompt_ids: list[int]) -> Sample:
+        """One completion, continued across aborts (partial rollout), versions tagged per segment."""
+        budget = self.cfg.sampling.max_new_tokens
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        errors = RequestBudget()
+        stalled = 0
+        while True:
+            remaining = budget - len(ids)
+            if remaining <= 0:
+                return Sample(ids, lps, vers, "length")
+            asked = min(remaining, self.cfg.max_tokens_per_request or remaining)
+            result = await self.view.generate(prompt_ids + ids, replace(self.cfg.sampling, max_new_tokens=asked),
+                                              errors, slots=self._slots)
+            assert result.weight_version is not None  # (EngineView.generate: usable weights only)
+            ids += result.output_ids
+            lps += result.logprobs
+            vers += [result.weight_version] * len(result.output_ids)
+            if result.finish_reason == "length" and asked < remaining and len(result.output_ids) == asked:
+                self.stats.segments += 1  # the segment cap, not the answer's budget: continue it
+                continue
+            if result.finish_reason != "abort":
+                return Sample(ids, lps, vers, result.finish_reason)
+            self.stats.interrupted += 1
+            if self.stopping.is_set():
+                raise asyncio.CancelledError
+            stalled = 0 if result.output_ids else stalled + 1
+            if stalled > self.cfg.max_retries + 5:  # aborted again and again with no progress
+                raise Dropped(f"aborted {stalled} times in a row without progress", retry=True)
