@@ -24,7 +24,7 @@ from asyncrl import runtime as R
 from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
-from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
+from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
 from asyncrl.pod_template import PodTemplateOverlay
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
 from asyncrl.spec_base import SpecModel
@@ -40,6 +40,8 @@ WEIGHT_GROUP_PORT = R.DEFAULT_WEIGHT_GROUP_PORT
 """With trainer.weightTransport collective: the weight group's TCPStore on trainer rank 0."""
 REDIS_PORT = 6379
 GPU_RESOURCE = "nvidia.com/gpu"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""Set by the apiserver on every namespace (immutable): a NetworkPolicy names a namespace by it."""
 RUN_AS_USER = 1000
 REDIS_UID = 999  # the `redis` user of the official redis images
 
@@ -72,6 +74,8 @@ class BuildContext:
     """Used when spec.rollout.workerImage is unset (and as the `hf` engine's image)."""
     stopped: bool = False
     """Scale rollout and trainer to zero: the spec suspends the job, or it has finished."""
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
+    """The namespace the operator runs in: the jobs' NetworkPolicies admit its pod from there only."""
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -452,10 +456,13 @@ def _from_job(name: str) -> Obj:
     return {"podSelector": {"matchLabels": {N.LABEL_JOB: name}}}
 
 
-def _from_operator() -> Obj:
-    """A NetworkPolicy peer: the operator's pod, in whatever namespace the chart installed it
-    (its labels: charts/asyncrl/templates/deployment.yaml, checked by tests/test_helm_chart.py)."""
-    return {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(N.OPERATOR_POD_LABELS)}}
+def _from_operator(ctx: BuildContext) -> Obj:
+    """A NetworkPolicy peer: the operator's pod (its labels: charts/asyncrl/templates/deployment.yaml,
+    checked by tests/test_helm_chart.py) in the operator's namespace only. The namespace is named by
+    the label the apiserver sets on every namespace (kubernetes.io/metadata.name): an empty selector
+    would admit any pod anywhere that carries those two labels."""
+    return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ctx.operator_namespace}},
+            "podSelector": {"matchLabels": dict(N.OPERATOR_POD_LABELS)}}
 
 
 def _tcp(*ports: int) -> list[Obj]:
@@ -480,7 +487,7 @@ def redis_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             "metadata": _meta(job, ctx, N.redis_network_policy(name), "redis"),
             "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "redis")},
                      "policyTypes": ["Ingress"],
-                     "ingress": [{"from": [_from_job(name), _from_operator()], "ports": _tcp(REDIS_PORT)}]}}
+                     "ingress": [{"from": [_from_job(name), _from_operator(ctx)], "ports": _tcp(REDIS_PORT)}]}}
 
 
 def rollout_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -528,7 +535,7 @@ def trainer_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     status = job.spec.trainer.status_port
     ingress: list[Obj] = [{"from": [_from_component(name, "trainer")]},
                           {"from": [_from_job(name)], "ports": _tcp(RDZV_PORT, status)},
-                          {"from": [_from_operator()], "ports": _tcp(status)}]
+                          {"from": [_from_operator(ctx)], "ports": _tcp(status)}]
     if _collective(job):
         ingress.append({"from": [_from_component(name, "rollout")]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",

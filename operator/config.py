@@ -8,6 +8,7 @@ operator's: the images a job gets when its spec names none, and how to reach a t
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from asyncrl import __version__
@@ -16,6 +17,21 @@ from asyncrl.spec_base import check_image
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
 DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"
 DEFAULT_STATUS_URL_TEMPLATE = "http://{service}.{namespace}.svc:{port}"
+DEFAULT_OPERATOR_NAMESPACE = "asyncrl-system"
+"""Where the README installs the chart; `asyncrl render`'s default for the operator's namespace."""
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def own_namespace() -> str:
+    """The namespace this operator runs in: POD_NAMESPACE (downward API, set by the chart), the
+    service account's namespace (in any pod), or "default" (outside a cluster)."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
 
 
 def image_arg(value: str) -> str:
@@ -41,3 +57,6 @@ class OperatorConfig:
     """How to reach a job's status endpoint: {name}, {namespace}, {service}, {port}."""
     status_timeout: float = 3.0
     """Seconds to wait for a trainer's GET /status."""
+    operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE
+    """The namespace the operator runs in: the jobs' NetworkPolicies admit the operator's pod from
+    there only (asyncrl.operator.builders.BuildContext)."""

@@ -279,7 +279,8 @@ async def reconcile(body: Obj, memo: OperatorMemo, logger: kopf.Logger, *, worke
     ctx = B.BuildContext(owner_uid=meta["uid"], namespace=ref.namespace, redis_password=secrets.token_hex(24),
                          status_token=secrets.token_urlsafe(32), engine_api_key=secrets.token_urlsafe(32),
                          trainer_image=memo.config.trainer_image, rollout_image=memo.config.rollout_image,
-                         stopped=job.spec.suspend or was_terminal)
+                         stopped=job.spec.suspend or was_terminal,
+                         operator_namespace=memo.config.operator_namespace)
     children = B.build_children(job, ctx)
 
     # Apply them: create what is missing, patch what differs from the desired state; a changed trainer

@@ -76,17 +76,6 @@ def default_identity() -> str:
     return pod or f"{os.uname().nodename}-{os.getpid()}"
 
 
-def default_namespace() -> str:
-    """Where the Lease lives: POD_NAMESPACE (downward API), the service account's namespace, or default."""
-    if os.environ.get("POD_NAMESPACE"):
-        return os.environ["POD_NAMESPACE"]
-    try:
-        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
-            return f.read().strip() or "default"
-    except OSError:
-        return "default"
-
-
 @dataclass
 class LeaderElector:
     """Acquire, renew and release one Lease (see the module doc for the protocol)."""

@@ -11,7 +11,7 @@ import http.server
 import threading
 from collections.abc import Iterator
 
-from asyncrl.operator.config import OperatorConfig, image_arg
+from asyncrl.operator.config import OperatorConfig, image_arg, own_namespace
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "is reached at the URL in the job's Secret")
     parser.add_argument("--redis-timeout", type=float, default=None,
                         help="seconds to wait for one read of a trainer's outcome record (default 3)")
+    parser.add_argument("--operator-namespace", default=None,
+                        help="the namespace this operator runs in, the only one whose operator pod the jobs' "
+                             "NetworkPolicies admit (default: POD_NAMESPACE, else the service account's "
+                             "namespace, else default)")
     parser.add_argument("--liveness-port", type=int, default=8080, help="kopf liveness endpoint /healthz (0 = off)")
     parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0 = off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -42,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     le.add_argument("--leader-elect", action="store_true",
                     help="reconcile only while holding a coordination.k8s.io Lease; wait for it otherwise")
     le.add_argument("--leader-election-namespace", default=None,
-                    help="namespace of the Lease (default: POD_NAMESPACE, else the service account's namespace)")
+                    help="namespace of the Lease (default: the operator's namespace, --operator-namespace)")
     le.add_argument("--leader-election-id", default=None, help="name of the Lease (default asyncrl-operator)")
     le.add_argument("--leader-election-identity", default=None,
                     help="this replica's name in the Lease (default: POD_NAME, else host and pid)")
@@ -56,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     config = OperatorConfig(interval=args.interval, trainer_image=args.trainer_image,
                             rollout_image=args.rollout_image, status_url_template=args.status_url_template,
-                            status_timeout=args.status_timeout)
+                            status_timeout=args.status_timeout,
+                            operator_namespace=args.operator_namespace or own_namespace())
 
     # Imported here, not at the top: `asyncrl --help` imports every command module (asyncrl/cli.py),
     # and kopf, the Kubernetes client and Prometheus are needed only once the operator runs.
@@ -81,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
         from asyncrl.operator import leader
 
         election = leader.ElectionSettings(
-            namespace=args.leader_election_namespace or leader.default_namespace(),
+            namespace=args.leader_election_namespace or config.operator_namespace,
             identity=args.leader_election_identity or leader.default_identity(),
             name=args.leader_election_id or leader.DEFAULT_LEASE_NAME,
             lease_duration=args.lease_duration, renew_deadline=args.renew_deadline,

@@ -18,7 +18,7 @@ import yaml
 
 from asyncrl.loader import load_job
 from asyncrl.operator import builders as B
-from asyncrl.operator.config import DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE, image_arg
+from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE, image_arg
 from asyncrl.spec import AsyncRLJob
 
 
@@ -39,6 +39,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default trainer image (a digest, name@sha256:..., pins it)")
     parser.add_argument("--rollout-image", default=None, type=image_arg,
                         help="default rollout worker image (a digest, name@sha256:..., pins it)")
+    parser.add_argument("--operator-namespace", default=DEFAULT_OPERATOR_NAMESPACE,
+                        help="the namespace the operator runs in, admitted by the job's NetworkPolicies "
+                             f"(default {DEFAULT_OPERATOR_NAMESPACE}, where the README installs the chart)")
 
 
 class _Dumper(yaml.SafeDumper):
@@ -55,7 +58,8 @@ _Dumper.add_representer(str, _text)
 
 def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = None,
            redis_password: str | None = None, status_token: str | None = None, engine_api_key: str | None = None,
-           trainer_image: str | None = None, rollout_image: str | None = None) -> str:
+           trainer_image: str | None = None, rollout_image: str | None = None,
+           operator_namespace: str = DEFAULT_OPERATOR_NAMESPACE) -> str:
     """The multi-document YAML of every child object; secrets not given are random (as the operator's)."""
     ns = namespace or job.metadata.namespace or "default"
     owner = uid or str(uuid.uuid5(uuid.NAMESPACE_URL, f"asyncrl.dev/{ns}/{job.metadata.name}"))
@@ -64,7 +68,8 @@ def render(job: AsyncRLJob, *, namespace: str | None = None, uid: str | None = N
                          status_token=status_token or secrets.token_urlsafe(32),
                          engine_api_key=engine_api_key or secrets.token_urlsafe(32),
                          trainer_image=trainer_image or DEFAULT_TRAINER_IMAGE,
-                         rollout_image=rollout_image or DEFAULT_ROLLOUT_IMAGE)
+                         rollout_image=rollout_image or DEFAULT_ROLLOUT_IMAGE,
+                         operator_namespace=operator_namespace)
     objs = B.build_children(job, ctx)
     return yaml.dump_all(objs, Dumper=_Dumper, sort_keys=False, explicit_start=True, width=120)
 
@@ -74,5 +79,5 @@ def main(args: argparse.Namespace) -> int:
     sys.stdout.write(render(job, namespace=args.namespace, uid=args.uid, redis_password=args.redis_password,
                             status_token=args.status_token, engine_api_key=args.engine_api_key,
                             trainer_image=args.trainer_image,
-                            rollout_image=args.rollout_image))
+                            rollout_image=args.rollout_image, operator_namespace=args.operator_namespace))
     return 0

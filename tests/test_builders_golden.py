@@ -43,6 +43,31 @@ def test_render_command_prints_every_child():
                      "NetworkPolicy", "Deployment"]
 
 
+def test_render_admits_the_operator_from_the_namespace_it_is_told(monkeypatch, tmp_path):
+    """The job's policies admit the operator's pod from its own namespace only: `asyncrl render
+    --operator-namespace`, and for the operator itself POD_NAMESPACE (the chart's downward API), the
+    service account's namespace file, else "default"."""
+    res = subprocess.run([sys.executable, "-m", "asyncrl.cli", "render", str(REPO / "examples" / "job.yaml"),
+                          "--operator-namespace", "team-ops"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0, res.stderr
+    peers = [peer for d in yaml.safe_load_all(res.stdout) if d["kind"] == "NetworkPolicy"
+             for rule in d["spec"]["ingress"] for peer in rule.get("from", []) if "namespaceSelector" in peer]
+    assert len(peers) == 2  # the Redis and trainer policies (the operator reads the outcome and /status)
+    assert all(p["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "team-ops"}} for p in peers)
+
+    from asyncrl.operator import config
+
+    monkeypatch.setenv("POD_NAMESPACE", "from-downward-api")
+    assert config.own_namespace() == "from-downward-api"
+    monkeypatch.delenv("POD_NAMESPACE")
+    sa = tmp_path / "namespace"
+    sa.write_text("from-service-account\n")
+    monkeypatch.setattr(config, "SERVICE_ACCOUNT_NAMESPACE", str(sa))
+    assert config.own_namespace() == "from-service-account"
+    monkeypatch.setattr(config, "SERVICE_ACCOUNT_NAMESPACE", str(tmp_path / "absent"))
+    assert config.own_namespace() == "default"
+
+
 def _secrets(text: str) -> dict[str, dict[str, str]]:
     return {d["metadata"]["name"]: d["stringData"] for d in yaml.safe_load_all(text) if d["kind"] == "Secret"}
 

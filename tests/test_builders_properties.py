@@ -54,13 +54,20 @@ VARIANTS = {
 }
 
 
+OPERATOR_NS = "ops"
+OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NS}},
+                 "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
+"""The operator's pod in its own namespace: never an empty namespaceSelector (any namespace)."""
+
+
 def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dict]:
     doc = copy.deepcopy(doc)
     if name:
         doc["metadata"]["name"] = name
     job = parse_job(doc)
     return B.build_children(job, B.BuildContext(owner_uid="uid-1", namespace="ns", redis_password="pw",
-                                                stopped=stopped or job.spec.suspend))
+                                                stopped=stopped or job.spec.suspend,
+                                                operator_namespace=OPERATOR_NS))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -209,10 +216,10 @@ def test_managed_redis_aof_and_network_policy():
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "20Gi"
     netpol = next(o for o in objs if o["kind"] == "NetworkPolicy")
     assert netpol["spec"]["podSelector"]["matchLabels"] == N.selector_labels("qwen25-gsm8k", "redis")
-    # The job's own pods, and the operator's pod (any namespace), which reads the trainer's outcome there.
-    assert netpol["spec"]["ingress"][0]["from"] == [
-        {"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}},
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}]
+    # The job's own pods, and the operator's pod (from its namespace only), which reads the trainer's
+    # outcome there.
+    assert netpol["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {N.LABEL_JOB: "qwen25-gsm8k"}}},
+                                                    OPERATOR_PEER]
 
 
 def _policy(objs: list[dict], component: str) -> dict:
@@ -220,7 +227,6 @@ def _policy(objs: list[dict], component: str) -> dict:
                 == component)
 
 
-OPERATOR_PEER = {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

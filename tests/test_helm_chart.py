@@ -83,6 +83,31 @@ def test_operator_pod_carries_the_labels_that_job_policies_admit(helm):
     assert OPERATOR_POD_LABELS.items() <= labels.items()
 
 
+def test_the_operator_pod_admits_only_metrics_scrapers_from_the_listed_peers(helm):
+    """/metrics names every tenant's jobs: the chart's NetworkPolicy on the operator pod admits the
+    metrics port from `networkPolicy.metricsFrom` (default: the release's namespace) and nothing else;
+    an empty list, or metrics off, admits nothing."""
+    def policy(*values: str) -> dict:
+        return next(o for o in template(helm, *values) if o["kind"] == "NetworkPolicy")
+
+    default = policy()
+    deployment = next(o for o in template(helm) if o["kind"] == "Deployment")
+    assert default["metadata"]["namespace"] == "asyncrl-system"
+    assert default["spec"]["podSelector"]["matchLabels"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert default["spec"]["policyTypes"] == ["Ingress"]
+    assert default["spec"]["ingress"] == [{"from": [{"podSelector": {}}],
+                                           "ports": [{"protocol": "TCP", "port": 9090}]}]
+    monitoring = policy("--set", "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels."
+                        "kubernetes\\.io/metadata\\.name=monitoring", "--set", "metrics.port=9100")
+    assert monitoring["spec"]["ingress"] == [
+        {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+         "ports": [{"protocol": "TCP", "port": 9100}]}]
+    assert policy("--set", "networkPolicy.metricsFrom=null")["spec"]["ingress"] == []
+    assert policy("--set", "metrics.enabled=false")["spec"]["ingress"] == []
+    assert not any(o["kind"] == "NetworkPolicy" for o in template(helm, "--set", "networkPolicy.enabled=false"))
+
+
 def test_notes_tell_the_next_command(helm):
     res = run_helm(helm, "install", "asyncrl", str(CHART), "--dry-run=client", "--namespace", "ops")
     assert res.returncode == 0, res.stderr

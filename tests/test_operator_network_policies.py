@@ -49,7 +49,8 @@ async def emu(tmp_path: Path):
 
 @pytest.fixture
 async def operator(emu: KubeEmulator, tmp_path: Path):
-    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log").start()
+    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
+                               extra_args=("--operator-namespace", OPERATOR_NS)).start()
     yield op
     await op.stop()
     used = {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
@@ -80,9 +81,15 @@ def admits(policy: dict, labels: dict, port: int) -> bool:
     return False
 
 
+OPERATOR_NS = "asyncrl-ops"
+"""The operator's own namespace (--operator-namespace): the only one the policies admit it from."""
+
+
 def admits_operator(policy: dict, port: int) -> bool:
-    """An ingress rule admits the operator's pod (its labels, any namespace) on `port`."""
-    return any(peer == {"namespaceSelector": {}, "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
+    """An ingress rule admits the operator's pod (its labels) from the operator's namespace, and only
+    from there, on `port`."""
+    return any(peer == {"namespaceSelector": {"matchLabels": {B.NAMESPACE_NAME_LABEL: OPERATOR_NS}},
+                        "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
                for rule in policy["spec"].get("ingress") or []
                if port in [p["port"] for p in rule.get("ports") or []]
                for peer in rule.get("from") or [])
