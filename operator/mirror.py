@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from asyncrl.errors import OperatorError
-from asyncrl.outcome import TrainerOutcome, read_outcome_redis
+from asyncrl.outcome import TrainerOutcome
 from asyncrl.spec import (
     AsyncRLJobSpec,
     AsyncRLJobStatus,
@@ -43,6 +43,13 @@ DEFAULT_REDIS_URL_TEMPLATE = "redis://:{password}@{service}.{namespace}.svc:{por
 """How the operator reaches a job's managed Redis: its Service, with the password of its Secret."""
 
 
+MAX_REPORT_BYTES = 4 * 1024 * 1024
+"""The largest /status body the operator reads (a trainer's report is a few KiB): one job's pod must
+not be able to make the operator, shared by every tenant, hold an arbitrary reply in memory."""
+MAX_OUTCOME_BYTES = 256 * 1024
+"""The largest outcome record the operator reads from a job's Redis (a record is well under 8 KiB)."""
+
+
 class MirrorError(OperatorError, RuntimeError):
     """The status endpoint could not be read (message names the URL)."""
 
@@ -52,21 +59,44 @@ def status_endpoint(template: str, *, name: str, namespace: str, service: str, p
     return template.format(name=name, namespace=namespace, service=service, port=port).rstrip("/")
 
 
-async def fetch_report(base_url: str, *, token: str | None = None, timeout: float = 5.0) -> TrainerReport:
-    """GET <base_url>/status and parse it; raise MirrorError on any failure."""
+async def fetch_report(base_url: str, *, token: str | None = None, timeout: float = 5.0,
+                       max_bytes: int = MAX_REPORT_BYTES) -> TrainerReport:
+    """GET <base_url>/status and parse it; raise MirrorError on any failure.
+
+    Bounded whatever the pod does: `timeout` is a deadline for the whole exchange (httpx's own
+    timeout applies to each read, which a reply dripping a byte at a time never trips), and the body
+    is read in chunks and given up past `max_bytes`, announced or not."""
     url = f"{base_url}/status"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # identity: a compressed body would be inflated past the limit before it could be counted
+    headers = {"Accept-Encoding": "identity", **({"Authorization": f"Bearer {token}"} if token else {})}
     try:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            resp = await client.get(url, headers=headers)
+        body = await asyncio.wait_for(_bounded_get(url, headers, timeout, max_bytes), timeout)
+    except asyncio.TimeoutError:
+        raise MirrorError(f"GET {url} did not complete within its {timeout:g}s deadline") from None
     except httpx.HTTPError as exc:
         raise MirrorError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
-    if resp.status_code != 200:
-        raise MirrorError(f"GET {url} returned HTTP {resp.status_code}")
     try:
-        return TrainerReport.model_validate(resp.json())
+        return TrainerReport.model_validate_json(body)
     except (ValueError, ValidationError) as exc:
         raise MirrorError(f"GET {url} returned a document that is not a trainer report: {exc}") from exc
+
+
+async def _bounded_get(url: str, headers: dict[str, str], timeout: float, max_bytes: int) -> bytes:
+    """The 200 body of GET `url`, at most `max_bytes` of it (MirrorError otherwise)."""
+    async with httpx.AsyncClient(timeout=timeout) as client, client.stream("GET", url, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise MirrorError(f"GET {url} returned HTTP {resp.status_code}")
+        announced = resp.headers.get("content-length", "")
+        if announced.isdigit() and int(announced) > max_bytes:
+            raise MirrorError(f"GET {url} announced {int(announced)} bytes, over the operator's limit of "
+                              f"{max_bytes} for a trainer report")
+        body = bytearray()
+        async for chunk in resp.aiter_bytes():
+            body += chunk
+            if len(body) > max_bytes:
+                raise MirrorError(f"GET {url} sent over {max_bytes} bytes, the operator's limit for a trainer "
+                                  "report; the rest was not read")
+        return bytes(body)
 
 
 def mirror_outcome(status: AsyncRLJobStatus, outcome: TrainerOutcome, spec: AsyncRLJobSpec) -> None:
@@ -201,6 +231,19 @@ def secret_value(secret: dict[str, Any] | None, key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+async def read_outcome_bounded(redis: Any, names: StreamNames, max_bytes: int) -> TrainerOutcome | None:
+    """The recorded outcome (None: none yet), reading at most `max_bytes` + 1 of it (GETRANGE), so a
+    value written over the record by anything holding the job's Redis password cannot make the
+    operator fetch an arbitrary amount; MirrorError past the limit."""
+    raw = await redis.getrange(names.outcome, 0, max_bytes)  # (inclusive: max_bytes + 1 bytes at most)
+    if not raw:
+        return None  # no record ("" for a missing key; an empty value is no record either)
+    if len(raw) > max_bytes:
+        raise MirrorError(f"the outcome record {names.outcome} is over {max_bytes} bytes, the operator's limit; "
+                          "it was not read")
+    return TrainerOutcome.from_json(raw)  # (unreadable: None, "not ended", as the trainer's own reader)
+
+
 class OutcomeReader:
     """Reads jobs' outcome records, keeping one Redis client per job (by key) while it works.
 
@@ -228,7 +271,8 @@ class OutcomeReader:
                 raise MirrorError(f"bad Redis URL for the outcome record: {exc}") from None
             entry = self._clients[key] = (url, client)
         try:
-            outcome = await asyncio.wait_for(read_outcome_redis(entry[1], names), 2 * self.settings.timeout + 1)
+            outcome = await asyncio.wait_for(read_outcome_bounded(entry[1], names, MAX_OUTCOME_BYTES),
+                                             2 * self.settings.timeout + 1)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             await self.forget(key)
             raise MirrorError(f"reading the outcome record {names.outcome} failed: {type(exc).__name__}: {exc}") \
