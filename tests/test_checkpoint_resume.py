@@ -63,6 +63,35 @@ def test_checkpoint_round_trip_is_atomic_and_bounded(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(3), expected_rand)
 
 
+def test_rng_state_round_trips_without_pickle_and_an_old_pickle_is_never_loaded(tmp_path: Path, caplog) -> None:
+    """The generators' state is a safetensors file (tensors and strings); an old checkpoint's pickled
+    rng*.pt, on a volume rollout pods can write, is left alone: loading it would run its code."""
+    import pickle
+
+    import numpy as np
+
+    from asyncrl.trainer.rng_state import load_rng_state, rng_file, save_rng_state
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    random.gauss(0, 1), np.random.standard_normal()  # (each keeps a cached Gaussian: state beyond the keys)
+    save_rng_state(rng_file(tmp_path, 0))
+    expected = (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), torch.rand(3))
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    assert load_rng_state(tmp_path, 3), "a rank without its own file takes rank 0's"
+    got = (random.random(), random.gauss(0, 1), np.random.standard_normal(3).tolist(), torch.rand(3))
+    assert got[:3] == expected[:3] and torch.equal(got[3], expected[3])
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (tmp_path / "old" / "pwned", "ran"))
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "rng.pt").write_bytes(pickle.dumps(Payload()))
+    assert not load_rng_state(tmp_path / "old", 0)
+    assert not (tmp_path / "old" / "pwned").exists()
+    assert "is not loaded from a shared volume" in caplog.text
+
+
 def _lineage(ckpt_root: Path) -> list[str]:
     """Group ids the newest checkpoint's weights were trained on (its lineage log), in order."""
     from asyncrl.trainer.checkpoint import lineage_group_ids

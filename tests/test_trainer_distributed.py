@@ -116,7 +116,7 @@ def test_a_sharded_checkpoint_is_dcp_and_resumes_at_another_world_size(runs: dic
     assert [c.name for c in ckpts] == ["step-000001", "step-000002"]
     first = ckpts[0]
     assert (first / ".metadata").is_file() and list(first.glob("*.distcp"))
-    assert (first / "rng-0.pt").is_file() and (first / "rng-1.pt").is_file()
+    assert (first / "rng-0.safetensors").is_file() and (first / "rng-1.safetensors").is_file()
     assert not list((runs["fsdp2-then-1"] / "checkpoints").glob(".step-*"))  # no temporary left
     lineage = [json.loads(line) for line in (runs["fsdp2-then-1"] / "checkpoints" / "trained-groups.jsonl")
                .read_text().splitlines()]

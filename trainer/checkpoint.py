@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import shutil
 import warnings
@@ -59,11 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
 from asyncrl.trainer.distributed import DistContext, barrier, broadcast_object, unwrap
+from asyncrl.trainer.rng_state import load_rng_state, rng_file, save_rng_state
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
@@ -124,21 +123,6 @@ def latest_checkpoint(root: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState, *, keep: int = 2,
                     ctx: DistContext | None = None) -> Path:
     """Write `step-{state.step}` atomically and keep only the newest `keep` checkpoints; with a
@@ -159,7 +143,7 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
         model_state, optim_state = get_state_dict(model, optimizer)
         with _single_process_quiet():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir, no_dist=not ctx.enabled)
-        torch.save(_rng_state(), tmp_dir / f"rng-{ctx.rank}.pt")
+        save_rng_state(rng_file(tmp_dir, ctx.rank))
         barrier(ctx)  # (every rank's files are in)
         if ctx.is_main:
             (tmp_dir / STATE_FILE).write_text(json.dumps(state.to_json()))
@@ -259,10 +243,7 @@ def load_checkpoint(path: Path, model: Any, optimizer: Any, *, device: str = "cp
         with _single_process_quiet():
             dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=not ctx.enabled)
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    rng = path / f"rng-{ctx.rank}.pt"
-    if not rng.exists():  # (a checkpoint of fewer ranks, or of the old layout)
-        rng = path / ("rng-0.pt" if (path / "rng-0.pt").exists() else "rng.pt")
-    _set_rng_state(torch.load(rng, weights_only=False))
+    load_rng_state(path, ctx.rank)
     return read_state(path)
 
 
@@ -275,7 +256,8 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 LEGACY_MODEL_FILE = "model.pt"
-"""Checkpoints written before DCP: whole state dicts in model.pt and optimizer.pt, and rng.pt."""
+"""Checkpoints written before DCP: whole state dicts in model.pt and optimizer.pt (and a pickled
+rng.pt, which is not loaded: trainer/rng_state.py)."""
 
 
 def _load_legacy(path: Path, model: Any, optimizer: Any, device: str) -> None:
