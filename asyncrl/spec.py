@@ -676,6 +676,18 @@ class SecretKeyRef(SpecModel):
     key: str = Field(default="url", min_length=1)
 
 
+class RedisResources(Resources):
+    """The managed Redis's resources: requested and limited by default, so its pod is not
+    BestEffort (the first evicted, and refused where a ResourceQuota needs requests). Its
+    `maxmemory` is 90% of the memory limit, with no eviction: a full Redis refuses new trajectories
+    (the rollout worker retries, the job shows it) instead of evicting ones not yet trained."""
+
+    cpu: str | None = "1"
+    """CPU request and limit."""
+    memory: str | None = "2Gi"
+    """Memory request and limit; Redis's maxmemory is 90% of it (null: no limit and no maxmemory)."""
+
+
 class ManagedRedis(SpecModel):
     """A Redis that the operator runs for the job."""
 
@@ -686,7 +698,7 @@ class ManagedRedis(SpecModel):
     storage: str = "2Gi"
     """PVC size for the AOF."""
     storage_class_name: str | None = None
-    resources: Resources = Field(default_factory=Resources)
+    resources: RedisResources = Field(default_factory=RedisResources)
     pod_template: RedisPodTemplate | None = None
     """Scheduling, identity, env and volumes added to the Redis pod (part of spec.redis: immutable)."""
 

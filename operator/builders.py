@@ -27,7 +27,7 @@ from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
 from asyncrl.pod_template import PodTemplateOverlay
 from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
-from asyncrl.spec_base import SpecModel
+from asyncrl.spec_base import SpecModel, parse_quantity
 
 Obj = dict[str, Any]
 
@@ -126,6 +126,15 @@ def _resources(res: Resources, gpus: int = 0) -> Obj:
     if limits:
         out["limits"] = limits
     return out
+
+
+def _redis_memory_args(res: Resources) -> list[str]:
+    """maxmemory at 90% of the container's memory limit (room for the AOF rewrite's fork and the
+    allocator's overhead), noeviction: a full Redis answers writes with an OOM error instead of
+    dropping keys, and the kernel never has to kill it. No limit: no maxmemory."""
+    if not res.memory:
+        return []
+    return ["--maxmemory", str(int(parse_quantity(res.memory) * 9 // 10)), "--maxmemory-policy", "noeviction"]
 
 
 def _container_security(read_only_root: bool) -> Obj:
@@ -413,7 +422,7 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         # pod spec would show): REDIS_AUTH_SCRIPT writes it from the env into REDIS_CONF and execs
         # the server with these args ("$@"; sh's $0 names the process).
         "command": ["sh", "-c", REDIS_AUTH_SCRIPT, "redis-server"],
-        "args": ["--port", str(REDIS_PORT), "--dir", "/data", *persistence],
+        "args": ["--port", str(REDIS_PORT), "--dir", "/data", *persistence, *_redis_memory_args(m.resources)],
         "env": [password_env, {"name": "REDISCLI_AUTH", "valueFrom": password_env["valueFrom"]}],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         # the port named, not implied: the probe then says which port it checks

@@ -222,6 +222,27 @@ def test_managed_redis_aof_and_network_policy():
                                                     OPERATOR_PEER]
 
 
+def test_managed_redis_is_requested_limited_and_full_without_evicting():
+    """Not BestEffort by default (first evicted, refused by quotas that need requests), and maxmemory at
+    90% of the limit with noeviction: a full Redis refuses writes, never drops untrained trajectories."""
+    def redis_container(managed: dict | None) -> dict:
+        doc = copy.deepcopy(VARIANTS["cluster"])
+        doc["spec"]["redis"] = {"mode": "managed", **({"managed": managed} if managed is not None else {})}
+        sts = next(o for o in build(doc) if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("redis"))
+        return sts["spec"]["template"]["spec"]["containers"][0]
+
+    default = redis_container(None)
+    assert default["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
+    args = default["args"]
+    assert args[args.index("--maxmemory") + 1] == str(2 * 1024 ** 3 * 9 // 10)
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    bigger = redis_container({"resources": {"memory": "10Gi"}})  # the cpu default stays
+    assert bigger["resources"]["limits"] == {"cpu": "1", "memory": "10Gi"}
+    assert bigger["args"][bigger["args"].index("--maxmemory") + 1] == str(9 * 1024 ** 3)
+    unlimited = redis_container({"resources": {"memory": None}})
+    assert "memory" not in unlimited["resources"]["limits"] and "--maxmemory" not in unlimited["args"]
+
+
 def _policy(objs: list[dict], component: str) -> dict:
     return next(o for o in objs if o["kind"] == "NetworkPolicy" and o["metadata"]["labels"][N.LABEL_COMPONENT]
                 == component)
