@@ -23,6 +23,7 @@ VALUE_SETS = {
     "monitoring": ["--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.port=9400",
                    "--set", "image.tag=v9", "--set", "serviceAccount.name=asyncrl-sa"],
     "no-metrics-no-sa": ["--set", "metrics.enabled=false", "--set", "serviceAccount.create=false",
+                         "--set", "serviceAccount.name=asyncrl-operator",
                          "--set", "rbac.create=false", "--set", "nodeSelector.pool=cpu"],
 }
 
@@ -126,6 +127,8 @@ def test_notes_tell_the_next_command(helm):
     ["--set", "image.digest=ghcr.io/asyncrl/operator@sha256:" + "a" * 64],
     ["--set", "jobImages.trainer=ghcr.io/asyncrl/trainer@sha256:" + "A" * 64],
     ["--set", "jobImages.rollout=Not An Image"],
+    ["--set", "serviceAccount.create=false"],  # (its RBAC would go to the namespace's default account)
+    ["--set", "serviceAccount.create=false", "--set", "serviceAccount.name="],
 ])
 def test_bad_values_are_rejected_by_the_schema(helm, bad):
     res = run_helm(helm, "template", "asyncrl", str(CHART), *bad)

@@ -25,6 +25,6 @@ app.kubernetes.io/component: operator
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "asyncrl.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false: the operator's RBAC would otherwise be bound to the namespace's default ServiceAccount, which every pod there runs as" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
