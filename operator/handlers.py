@@ -48,6 +48,7 @@ from asyncrl.operator.kube import ApiError, ChildConflict, Kube, apply
 from asyncrl.operator.mirror import (
     MirrorError,
     OutcomeReader,
+    external_redis_url,
     fetch_report,
     managed_redis_url,
     recovery_events,
@@ -429,7 +430,8 @@ async def _redis_url(memo: OperatorMemo, job: AsyncRLJob, ref: JobRef) -> str | 
     r = job.spec.redis
     if r.mode == "external" and r.external is not None:
         key_ref = r.external.url_secret
-        return secret_value(await memo.kube.get("Secret", ref.namespace, key_ref.name), key_ref.key)
+        url = secret_value(await memo.kube.get("Secret", ref.namespace, key_ref.name), key_ref.key)
+        return None if url is None else external_redis_url(url, memo.outcomes.settings.external_hosts)
     password = secret_value(await memo.kube.get("Secret", ref.namespace, N.redis_secret(ref.name)), "password")
     if password is None:
         return None

@@ -33,6 +33,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "({name} {namespace} {service} {port} {password}); default: "
                              "redis://:{password}@{service}.{namespace}.svc:{port}/0. An external Redis "
                              "is reached at the URL in the job's Secret")
+    parser.add_argument("--external-redis-hosts", default="", metavar="PATTERNS",
+                        help="comma-separated host patterns (fnmatch, e.g. '*.redis.example.com') a job's external "
+                             "Redis URL may name for the operator to read its outcome record; default: any host. "
+                             "Either way only redis:// and rediss:// are used, without the URL's query options")
     parser.add_argument("--redis-timeout", type=float, default=None,
                         help="seconds to wait for one read of a trainer's outcome record (default 3)")
     parser.add_argument("--operator-namespace", default=None,
@@ -73,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
 
     defaults = RedisSettings()
     redis = RedisSettings(url_template=args.redis_url_template or defaults.url_template,
-                          timeout=defaults.timeout if args.redis_timeout is None else args.redis_timeout)
+                          timeout=defaults.timeout if args.redis_timeout is None else args.redis_timeout,
+                          external_hosts=tuple(p.strip() for p in args.external_redis_hosts.split(",") if p.strip()))
 
     kube.load_config()
     metrics.serve(args.metrics_port)

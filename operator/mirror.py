@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
 from pydantic import ValidationError
@@ -209,6 +210,34 @@ class RedisSettings:
     reached at the URL in the job's Secret."""
     timeout: float = 3.0
     """Seconds for one read (connect included)."""
+    external_hosts: tuple[str, ...] = ()
+    """Host patterns (fnmatch: `*.redis.example.com`) an external Redis URL may name; empty: any host."""
+
+
+def external_redis_url(url: str, allowed_hosts: tuple[str, ...] = ()) -> str:
+    """The URL the operator itself uses for a job's external Redis (spec.redis.external.urlSecret):
+    redis:// or rediss:// only (not unix://, a socket in the operator's own pod), a host the operator
+    is allowed to reach (`allowed_hosts`, when set), and none of the URL's query options (they would
+    set the operator's own client up: CA and key file paths of its filesystem, timeouts); the job's
+    pods still get the whole URL. MirrorError names what is refused, without the password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise MirrorError(f"the external Redis URL must start with redis:// or rediss://, got "
+                          f"{parts.scheme + '://' if parts.scheme else 'no scheme'}")
+    host = parts.hostname
+    if not host:
+        raise MirrorError("the external Redis URL names no host")
+    if allowed_hosts and not any(fnmatch.fnmatch(host, pattern) for pattern in allowed_hosts):
+        raise MirrorError(f"the external Redis host {host} is not one this operator may reach "
+                          f"(--external-redis-hosts {','.join(allowed_hosts)})")
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        raise MirrorError(f"the external Redis URL has a bad port for host {host}") from None
+    credentials = parts.netloc.rpartition("@")[0]
+    netloc = f"{credentials}@" if credentials else ""
+    netloc += f"[{host}]" if ":" in host else host
+    return urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path, "", ""))
 
 
 def managed_redis_url(template: str, *, name: str, namespace: str, service: str, port: int, password: str) -> str:

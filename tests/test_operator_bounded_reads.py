@@ -1,6 +1,7 @@
-"""The operator's reads from a job's pods are bounded: one job cannot make the operator, shared by
-every tenant, hold an arbitrary reply or wait on it forever. Against real sockets (a hostile status
-server in this process) and a real Redis server."""
+"""The operator's reads from a job's pods are bounded, and what it connects to is restricted: one job
+cannot make the operator, shared by every tenant, hold an arbitrary reply, wait on it forever, or
+connect wherever and however the job's Secret says. Against real sockets (a hostile status server
+in this process) and a real Redis server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from asyncrl.operator.mirror import (
     MirrorError,
     OutcomeReader,
     RedisSettings,
+    external_redis_url,
     fetch_report,
 )
 from asyncrl.outcome import new_outcome, write_outcome_redis
@@ -140,3 +142,19 @@ async def test_an_oversized_outcome_record_is_refused_and_a_real_one_read(redis_
     finally:
         await reader.close()
         await client.aclose()
+
+
+def test_an_external_redis_url_is_used_without_its_options_and_only_where_allowed():
+    url = "rediss://user:p%40ss@redis.team-a.example.com:6380/2?ssl_ca_certs=/etc/passwd&socket_timeout=999"
+    assert external_redis_url(url) == "rediss://user:p%40ss@redis.team-a.example.com:6380/2"
+    assert external_redis_url("redis://:pw@10.0.0.7") == "redis://:pw@10.0.0.7:6379"
+    assert external_redis_url(url, ("*.team-a.example.com", "10.*")) == "rediss://user:p%40ss@redis.team-a.example.com:6380/2"
+    with pytest.raises(MirrorError, match=r"host redis.team-a.example.com is not one this operator may reach "
+                                          r"\(--external-redis-hosts \*.team-b.example.com\)") as refused:
+        external_redis_url(url, ("*.team-b.example.com",))
+    assert "p%40ss" not in str(refused.value) and "p@ss" not in str(refused.value)
+    for bad, why in (("unix:///var/run/operator.sock", "must start with redis:// or rediss://, got unix://"),
+                     ("http://redis:6379", "got http://"), ("redis://:pw@/0", "names no host"),
+                     ("redis://redis:99999/0", "bad port for host redis")):
+        with pytest.raises(MirrorError, match=why):
+            external_redis_url(bad)
