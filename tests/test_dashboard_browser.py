@@ -211,6 +211,15 @@ async def live(box: Box, board: Health) -> AsyncIterator[str]:
     await server.stop()
 
 
+async def sign_in(page, live: str) -> None:
+    """What a person does: open the page (the login form, 401), type the token, submit."""
+    resp = await page.goto(f"{live}/?refresh=0.5")
+    assert resp.status == 401
+    await page.fill("input[name=token]", TOKEN)
+    await page.click("button[type=submit]")
+    await page.wait_for_url("**/?refresh=0.5")
+
+
 @pytest.fixture
 async def page():
     from playwright.async_api import async_playwright
@@ -225,7 +234,7 @@ async def page():
 
 
 async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box: Box, tmp_path: Path) -> None:
-    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await sign_in(page, live)
     await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
 
     # the big numbers
@@ -320,7 +329,7 @@ async def test_dashboard_draws_pass_at_k_and_one_point_per_version(live: str, pa
     box.report = synthetic_report().model_copy(update={"evaluations": [
         evaluation(0, 0.10, k=4, pass_at_k=0.25), evaluation(20, 0.30, k=4, pass_at_k=0.55),
         evaluation(10, 0.15, k=4, pass_at_k=0.35), evaluation(10, 0.20, k=4, pass_at_k=0.40)]})
-    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await sign_in(page, live)
     await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
     assert await page.locator("#eval-chart circle.eval-pass1").count() == 3
     assert await page.locator("#eval-chart circle.eval-passk").count() == 3
@@ -339,7 +348,7 @@ async def test_dashboard_draws_pass_at_k_and_one_point_per_version(live: str, pa
 async def test_dashboard_without_evaluations_says_so(live: str, page, box: Box) -> None:
     """A job without spec.evaluation (or before its first result): no empty chart frame, a sentence."""
     box.report = synthetic_report().model_copy(update={"evaluations": []})
-    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await sign_in(page, live)
     await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
     assert await page.locator("#eval-chart").is_hidden()
     assert await page.locator("#eval-none").is_visible()
@@ -358,7 +367,7 @@ async def test_dashboard_without_evaluations_says_so(live: str, page, box: Box) 
 async def test_dashboard_shows_a_degraded_banner_while_an_outage_lasts(live: str, page, board: Health) -> None:
     """The banner appears (on screen, amber, with the reason and what is unreachable) while the
     trainer's board lists an outage, and goes away once it recovers, without a reload."""
-    await page.goto(f"{live}/?token={TOKEN}&refresh=0.5")
+    await sign_in(page, live)
     await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
     banner = page.locator("#degraded")
     assert not await banner.is_visible()
@@ -383,7 +392,11 @@ async def test_dashboard_shows_a_degraded_banner_while_an_outage_lasts(live: str
 async def test_dashboard_without_token_is_refused_and_says_how(live: str, page) -> None:
     resp = await page.goto(f"{live}/")
     assert resp.status == 401
-    assert "?token=" in (await page.text_content("body"))
+    assert "status-auth" in (await page.text_content("body"))  # where the token is
+    await page.fill("input[name=token]", "a guess")
+    await page.click("button[type=submit]")
+    assert "not this job's status token" in (await page.text_content("body"))
+    assert not await page.locator("#phase").count()
 
 
 async def test_dashboard_with_empty_report_shows_waiting(page, tmp_path: Path) -> None:

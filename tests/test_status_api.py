@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import html
 import math
 import signal
 import time
@@ -363,17 +364,49 @@ async def test_bearer_token_guards_everything_but_healthz(box: ReportBox) -> Non
                     resp = await c.get(path, headers=headers)
                     assert resp.status_code == 401, (path, headers)
                     assert resp.headers["www-authenticate"].startswith("Bearer")
-                    assert resp.json()["path"] == path and "token" in resp.json()["error"]
+                    if path == "/":  # a browser gets the login form
+                        assert '<form method="post" action="login">' in resp.text
+                    else:
+                        assert resp.json()["path"] == path and "token" in resp.json()["error"]
             assert (await c.post("/status")).status_code == 401  # auth before method checks
             assert (await c.get("/healthz")).status_code == 200
             assert (await c.get("/status", headers=auth)).json()["step"] == 30
             assert "asyncrl_trainer_step 30.0" in (await c.get("/metrics", headers=auth)).text
             assert (await c.get("/", headers=auth)).status_code == 200
             assert (await c.get("/nope", headers=auth)).status_code == 404
-            # the page alone accepts ?token= (a browser cannot set headers on navigation)
-            assert (await c.get("/", params={"token": TOKEN})).status_code == 200
+            # the token is never accepted in a URL: it would stay in history, proxy logs and Referers
+            in_url = await c.get("/", params={"token": TOKEN, "refresh": "0.5"})
+            assert in_url.status_code == 401 and "not accepted in the URL" in in_url.text
+            assert TOKEN not in in_url.text and 'action="login?refresh=0.5"' in in_url.text
             assert (await c.get("/status", params={"token": TOKEN})).status_code == 401
-            assert (await c.get("/", params={"token": "wrong"})).status_code == 401
+    finally:
+        await server.stop()
+
+
+async def test_the_login_form_sets_a_session_cookie_for_the_page_and_its_polls_only(box: ReportBox) -> None:
+    """A browser cannot send a header on navigation: POST /login takes the token from the form and
+    sets an HttpOnly, SameSite=Strict cookie (derived from the token, not the token) that opens / and
+    /status, not /metrics."""
+    from asyncrl.trainer.status_api import SESSION_COOKIE, session_value
+
+    server = await _start(box, token=TOKEN)
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            wrong = await c.post("/login", data={"token": "guess"})
+            assert wrong.status_code == 401 and "not this job's status token" in html.unescape(wrong.text)
+            assert SESSION_COOKIE not in wrong.cookies
+            ok = await c.post("/login?refresh=0.5", data={"token": TOKEN})
+            assert ok.status_code == 303 and ok.headers["location"] == "./?refresh=0.5"
+            cookie = ok.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "samesite=strict" in cookie.lower() and TOKEN not in cookie
+            assert c.cookies[SESSION_COOKIE] == session_value(TOKEN)
+            assert (await c.get("/")).status_code == 200
+            assert (await c.get("/status")).json()["step"] == 30
+            metrics = await c.get("/metrics")
+            assert metrics.status_code == 401, "the cookie is for the dashboard, not an API credential"
+        async with httpx.AsyncClient(base_url=server.url, timeout=10,
+                                     cookies={SESSION_COOKIE: session_value("another-job's-token")}) as other:
+            assert (await other.get("/status")).status_code == 401
     finally:
         await server.stop()
 

@@ -2,7 +2,8 @@
 
 Self-contained on purpose: the trainer pods usually have no route to a CDN, so styles, charts
 (inline SVG drawn by a few lines of JS) and polling of `status` all live in this one page. If the
-page was opened as `/?token=...`, the same token is sent as a bearer header on every poll.
+page is behind the job's token, its polls carry the session cookie the login form set
+(trainer/status_api.py); the page itself never sees the token.
 
 While the trainer waits out an outage (the report's `degraded`), an amber banner under the header
 says Degraded, why (RedisUnavailable, EngineUnavailable), since when and the trainer's own words:
@@ -158,7 +159,6 @@ DASHBOARD_HTML = r"""<!doctype html>
 <script>
 "use strict";
 const params = new URLSearchParams(location.search);
-const TOKEN = params.get("token");
 const REFRESH_MS = Math.max(500, 1000 * (parseFloat(params.get("refresh")) || 2));
 const SVGNS = "http://www.w3.org/2000/svg";
 let lastReport = null, lastOk = 0;
@@ -406,7 +406,7 @@ function setConn(ok, text) { $("conn-dot").className = "dot " + (ok ? "ok" : "ba
 
 async function poll() {
   try {
-    const resp = await fetch("status", { headers: TOKEN ? { Authorization: "Bearer " + TOKEN } : {}, cache: "no-store" });
+    const resp = await fetch("status", { credentials: "same-origin", cache: "no-store" });
     if (!resp.ok) {
       let msg = resp.status + " " + resp.statusText;
       try { msg = (await resp.json()).error || msg; } catch (e) {}

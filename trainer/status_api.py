@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
+import html
 import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import parse_qs, urlencode
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoint
@@ -44,6 +47,34 @@ log = logging.getLogger(__name__)
 PUBLIC_PATHS = frozenset({"/healthz"})
 """Routes that never need the token (liveness probes cannot carry secrets)."""
 NO_STORE = {"Cache-Control": "no-store"}
+LOGIN_PATH = "/login"
+SESSION_COOKIE = "asyncrl_dashboard"
+COOKIE_PATHS = frozenset({"/", "/status"})
+"""What the dashboard's session cookie opens: the page and the report it polls (not /metrics)."""
+
+
+def session_value(token: str) -> str:
+    """The dashboard cookie's value: derived from the token (HMAC-SHA256), so the cookie a browser
+    keeps opens the page and its polls but is not the token itself."""
+    return hmac.new(token.encode(), b"asyncrl-dashboard-session", hashlib.sha256).hexdigest()
+
+
+def login_page(action_query: str, problem: str = "") -> str:
+    """The form a person types the token into (a browser cannot send a header on navigation, and a
+    token in the URL would end up in history, proxy logs and Referer headers)."""
+    action = "login" + ("?" + action_query if action_query else "")
+    note = f'<p class="problem">{html.escape(problem)}</p>' if problem else ""
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>asyncrl trainer: sign in</title>
+<style>body{{font:15px system-ui,sans-serif;margin:4em auto;max-width:28em}}.problem{{color:#b00}}
+input{{width:100%;padding:.4em;margin:.5em 0}}</style></head>
+<body><h1>asyncrl trainer</h1>
+<p>This dashboard needs the job's status token (<code>kubectl get secret &lt;job&gt;-status-auth -o
+jsonpath='{{.data.token}}' | base64 -d</code>).</p>{note}
+<form method="post" action="{html.escape(action, quote=True)}">
+<label>status token <input type="password" name="token" autocomplete="current-password" autofocus></label>
+<button type="submit">Open the dashboard</button></form></body></html>
+"""
 
 
 def create_app(
@@ -102,8 +133,25 @@ def create_app(
         return _error(request, exc.status_code, _reason(exc), dict(exc.headers or {}))
 
     if token:
+        _add_login(app, token)
         app.add_middleware(_BearerAuth, token=token)
     return app
+
+
+def _add_login(app: FastAPI, token: str) -> None:
+    """POST /login: the login form's token, checked; right, a session cookie (HttpOnly, SameSite
+    Strict: no script and no other site's page can use it) and back to the dashboard."""
+
+    @app.post(LOGIN_PATH)
+    async def login(request: Request) -> Response:
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        query = request.url.query
+        if not hmac.compare_digest((form.get("token") or [""])[0].encode(), token.encode()):
+            return HTMLResponse(login_page(query, "That is not this job's status token."), status_code=401,
+                                headers=NO_STORE)
+        response = RedirectResponse("./" + ("?" + query if query else ""), status_code=303, headers=NO_STORE)
+        response.set_cookie(SESSION_COOKIE, session_value(token), httponly=True, samesite="strict")
+        return response
 
 
 def with_health(report: TrainerReport, health: Health | None = HEALTH) -> TrainerReport:
@@ -128,34 +176,39 @@ def status_document(report: TrainerReport) -> dict[str, Any]:
 class _BearerAuth(BaseHTTPMiddleware):
     """Every route except /healthz needs `Authorization: Bearer <token>`.
 
-    The dashboard page alone also accepts `?token=` so a person can open it in a browser; the page
-    then sends the token as a header on its own requests (never in URLs of API calls).
+    A person opens the dashboard in a browser, which cannot send a header on navigation: `/` without
+    credentials answers the login form, whose POST /login sets the session cookie (`session_value`)
+    that opens `/` and `/status` only. The token is never accepted in a URL.
     """
 
     def __init__(self, app: Any, token: str) -> None:
         super().__init__(app)
         self._token = token.encode()
+        self._session = session_value(token).encode()
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
         path = request.url.path
-        if path in PUBLIC_PATHS or self._authorized(request):
+        if path in PUBLIC_PATHS or (path == LOGIN_PATH and request.method == "POST") or self._authorized(request):
             return await call_next(request)
-        hint = "open /?token=<token>" if path == "/" else "send 'Authorization: Bearer <token>'"
-        return _error(
-            request,
-            401,
-            f"missing or invalid bearer token ({hint})",
-            {"WWW-Authenticate": 'Bearer realm="asyncrl-trainer"'},
-        )
+        headers = {"WWW-Authenticate": 'Bearer realm="asyncrl-trainer"', **NO_STORE}
+        if path == "/" and request.method == "GET":
+            query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+            problem = ("The token is not accepted in the URL (it would stay in browser history, proxy logs "
+                       "and Referer headers): enter it here." if "token" in request.query_params else "")
+            return HTMLResponse(login_page(query, problem), status_code=401, headers=headers)
+        return _error(request, 401, "missing or invalid bearer token (send 'Authorization: Bearer <token>')",
+                      headers)
 
     def _authorized(self, request: Request) -> bool:
         scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and self._matches(credentials.strip()):
+        if scheme.lower() == "bearer" and self._matches(credentials.strip(), self._token):
             return True
-        return request.url.path == "/" and self._matches(request.query_params.get("token", ""))
+        return request.url.path in COOKIE_PATHS and self._matches(request.cookies.get(SESSION_COOKIE, ""),
+                                                                   self._session)
 
-    def _matches(self, candidate: str) -> bool:
-        return bool(candidate) and hmac.compare_digest(candidate.encode(), self._token)
+    @staticmethod
+    def _matches(candidate: str, secret: bytes) -> bool:
+        return bool(candidate) and hmac.compare_digest(candidate.encode(), secret)
 
 
 def _reason(exc: StarletteHTTPException) -> str:
