@@ -59,3 +59,18 @@ def make_trajectory_group():
                                "engine-0", 1.0, 0.0)
 
     return make
+
+
+@pytest.fixture
+async def rollout_env(redis_url: str):
+    """(a client of a real Redis, a fake SGLang server, the names of tests.support.rollout_workers.JOB)."""
+    from asyncrl.transport.connection import connect
+    from asyncrl.transport.names import StreamNames
+    from tests.sglang_fake import FakeSGLang
+    from tests.support.rollout_workers import JOB
+
+    redis = await connect(redis_url)
+    fake = FakeSGLang().start()
+    yield redis, fake, StreamNames.for_job(JOB)
+    fake.stop()
+    await redis.aclose()

@@ -26,20 +26,10 @@ from asyncrl.runtime import (
     ENV_WEIGHT_GROUP_PORT,
     ENV_WEIGHTS_DIR,
 )
+from tests.support.job_builds import OPERATOR_PEER, build, example
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-
-
-def example(name: str = "job", **spec) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
-    for dotted, value in spec.items():
-        node = doc["spec"]
-        keys = dotted.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return doc
 
 
 VARIANTS = {
@@ -52,22 +42,6 @@ VARIANTS = {
     "suspended": example(suspend=True),
     "weights-deleted-with-job": example(**{"storage.deleteWithJob": True}),
 }
-
-
-OPERATOR_NS = "ops"
-OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NS}},
-                 "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
-"""The operator's pod in its own namespace: never an empty namespaceSelector (any namespace)."""
-
-
-def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dict]:
-    doc = copy.deepcopy(doc)
-    if name:
-        doc["metadata"]["name"] = name
-    job = parse_job(doc)
-    return B.build_children(job, B.BuildContext(owner_uid="uid-1", namespace="ns", redis_password="pw",
-                                                stopped=stopped or job.spec.suspend,
-                                                operator_namespace=OPERATOR_NS))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import kubernetes_validate
 import pytest
-from test_builders_properties import build, example
+
+from tests.support.job_builds import build, example
 
 LOGGING = {"wandb": {"project": "rl", "mode": "online", "apiKeySecret": {"name": "wandb", "key": "api-key"}},
            "mlflow": {"trackingUri": "https://mlflow.example.com", "credentialsSecret": "mlflow-auth"}}

@@ -37,7 +37,6 @@ import pytest
 import yaml
 from kube_cluster import KubeCluster, Launch, meta
 from kube_emulator import KubeEmulator, OperatorProcess
-from test_operator_lifecycle import assert_rbac_covers
 
 from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
@@ -45,6 +44,7 @@ from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
+from tests.support.emulated_jobs import assert_rbac_covers
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"

@@ -12,13 +12,13 @@ import kmock
 import pytest
 import yaml
 from kube_emulator import KubeEmulator, OperatorProcess, wait_for
-from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc
 
 from asyncrl.loader import JobFileError, parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.status import parse_time
 from asyncrl.spec import PLURAL
+from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE = "gpu-team"

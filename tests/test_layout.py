@@ -57,3 +57,27 @@ def test_top_level_operator_is_the_stdlib_even_without_site_preloading():
     res = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert Path(res.stdout.strip()).name == "operator.py"
+
+
+def imports_of_test_modules(tests_dir: Path) -> list[str]:
+    """`file:line` of every import of a test module (test_*) by a file under `tests_dir`."""
+    import ast
+
+    offenders = []
+    for path in sorted(tests_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # (`from tests import test_x` names it as an alias)
+                names = [node.module or ""] + [a.name for a in node.names]
+            else:
+                continue
+            if any(part.startswith("test_") for name in names for part in name.split(".")):
+                offenders.append(f"{path.name}:{node.lineno}")
+    return offenders
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in tests/support (or a *_support module), never in a
+    test module: importing one runs its module-level code and collects nothing it meant to."""
+    assert imports_of_test_modules(REPO / "tests") == []

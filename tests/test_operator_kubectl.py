@@ -10,11 +10,11 @@ import kmock
 import pytest
 import yaml
 from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
-from test_operator_lifecycle import assert_rbac_covers
 
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord
+from tests.support.emulated_jobs import assert_rbac_covers
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"

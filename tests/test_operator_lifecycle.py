@@ -7,25 +7,25 @@ from pathlib import Path
 
 import kmock
 import pytest
-import yaml
 from kube_emulator import KubeEmulator, OperatorProcess, wait_for
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.operator.kube import KINDS, allowed
+from asyncrl.operator.kube import KINDS
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.emulated_jobs import (
+    NS,
+    assert_rbac_covers,
+    children_exist,
+    create_job,
+    expected_children,
+    job_doc,
+    make_ready,
+    patch_job,
+    phase,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-NS = "rl"
 pytestmark = pytest.mark.slow
-
-
-def job_doc(name: str = "qwen", **spec_changes) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"]["name"] = name
-    doc["metadata"]["namespace"] = NS
-    doc["spec"].update(spec_changes)
-    return doc
 
 
 @pytest.fixture
@@ -41,56 +41,6 @@ async def operator(emu: KubeEmulator, tmp_path: Path):
     yield op
     await op.stop()
     assert_rbac_covers(emu)
-
-
-def assert_rbac_covers(emu: KubeEmulator) -> None:
-    """Every request the operator made is in the PERMISSIONS table (which the chart's RBAC equals)."""
-    used = operator_requests(emu)
-    missing = sorted(u for u in used if not allowed(*u))
-    assert not missing, f"operator used verbs not declared in PERMISSIONS: {missing}"
-
-
-def operator_requests(emu: KubeEmulator) -> set[tuple[str, str, str]]:
-    """(group, resource, verb) of the operator's requests (not the test's kmock client, not kubectl)."""
-    return {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
-
-
-def phase(emu: KubeEmulator, name: str = "qwen") -> str | None:
-    job = emu.get(PLURAL, NS, name)
-    return (job or {}).get("status", {}).get("phase")
-
-
-def expected_children(name: str = "qwen", **spec_changes) -> list[tuple[str, str]]:
-    from asyncrl.loader import parse_job
-
-    job = parse_job(job_doc(name, **spec_changes))
-    objs = B.build_children(job, B.BuildContext(owner_uid="x", namespace=NS))
-    return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in objs]
-
-
-def children_exist(emu: KubeEmulator, name: str = "qwen"):
-    return all(emu.get(p, NS, n) for p, n in expected_children(name))
-
-
-async def create_job(emu: KubeEmulator, doc: dict) -> dict:
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
-        assert resp.status == 201, await resp.text()
-        return await resp.json()
-
-
-async def patch_job(emu: KubeEmulator, name: str, patch: dict, sub: str = "") -> dict:
-    url = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{name}" + (f"/{sub}" if sub else "")
-    async with emu.patch(url, json=patch, headers={"Content-Type": "application/merge-patch+json"}) as resp:
-        assert resp.status == 200, await resp.text()
-        return await resp.json()
-
-
-async def make_ready(emu: KubeEmulator, name: str = "qwen", rollout: int = 4) -> None:
-    """Play kubelet + controllers: every workload reports its pods ready."""
-    await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(name),
-                           {"replicas": rollout, "readyReplicas": rollout})
-    await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer(name), {"replicas": 1, "readyReplicas": 1})
-    await emu.patch_status("apps", "v1", "statefulsets", NS, N.redis(name), {"replicas": 1, "readyReplicas": 1})
 
 
 async def test_create_makes_owned_children_and_initializing(emu, operator, tmp_path):

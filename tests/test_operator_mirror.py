@@ -8,13 +8,13 @@ import httpx
 import kmock
 import pytest
 from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
-from test_operator_lifecycle import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
 
 from asyncrl import runtime as R
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import AdmissionReport, EvalRecord, TrainerReport
+from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,16 @@ from pathlib import Path
 import kmock
 import pytest
 from kube_emulator import KubeEmulator, OperatorProcess, wait_for
-from test_operator_lifecycle import (
+
+from asyncrl.local_redis import LocalRedis
+from asyncrl.net import free_port
+from asyncrl.operator import names as N
+from asyncrl.operator.status import fmt_time, now_utc
+from asyncrl.outcome import new_outcome, write_outcome_redis
+from asyncrl.spec import GROUP, PLURAL, VERSION
+from asyncrl.transport.connection import connect
+from asyncrl.transport.names import StreamNames
+from tests.support.emulated_jobs import (
     NS,
     assert_rbac_covers,
     children_exist,
@@ -22,15 +31,6 @@ from test_operator_lifecycle import (
     patch_job,
     phase,
 )
-
-from asyncrl.local_redis import LocalRedis
-from asyncrl.net import free_port
-from asyncrl.operator import names as N
-from asyncrl.operator.status import fmt_time, now_utc
-from asyncrl.outcome import new_outcome, write_outcome_redis
-from asyncrl.spec import GROUP, PLURAL, VERSION
-from asyncrl.transport.connection import connect
-from asyncrl.transport.names import StreamNames
 
 pytestmark = pytest.mark.slow
 UNREACHABLE_STATUS = "http://127.0.0.1:1"  # the trainer's /status cannot be reached in these tests

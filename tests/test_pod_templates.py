@@ -179,9 +179,9 @@ def test_an_unset_overlay_stays_off_the_wire_and_off_the_hash():
     spec = SCHEMA["properties"]["spec"]["properties"]
     for node in (spec["rollout"], spec["trainer"], spec["redis"]["properties"]["managed"]):
         assert "default" not in node["properties"]["podTemplate"]
-    from tests.test_crd_cel import defaulted
+    from asyncrl.crd import structural_default
 
-    stored = defaulted(SCHEMA, doc)
+    stored = structural_default(doc, SCHEMA)  # (as the API server defaults before it stores)
     assert "podTemplate" not in stored["spec"]["rollout"]
     assert B.config_hash(parse_job(stored)) == B.config_hash(job)
 

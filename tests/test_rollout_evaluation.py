@@ -37,13 +37,9 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.evaluation import EVALUATORS_GROUP, EvalChannel
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry
-from tests import test_rollout_worker
+from tests.polling import poll
 from tests.sglang_fake import FakeSGLang, fake_token
-from tests.test_rollout_worker import decode, make_worker, poll, published, render
-from tests.test_weight_sync import WorkerEngine
-
-env = test_rollout_worker.env
-"""The rollout worker tests' fixture: (a client of a real Redis, the fake SGLang, the job's names)."""
+from tests.support.rollout_workers import WorkerEngine, decode, make_worker, published, render
 
 EVAL_TOKENS = 3
 
@@ -227,8 +223,8 @@ async def running(worker: RolloutWorker) -> AsyncIterator[None]:
         await asyncio.wait_for(task, 30)
 
 
-async def test_the_worker_serves_an_evaluation_beside_training(env, caplog):
-    redis, fake, names = env
+async def test_the_worker_serves_an_evaluation_beside_training(rollout_env, caplog):
+    redis, fake, names = rollout_env
     items = held_out(3)
     engine = GatedEngine(fake.url)
     # B=2, eta=0: two groups per trainer version, then the worker waits for admission
@@ -291,10 +287,10 @@ async def _true(value: bool) -> bool:
 
 
 @pytest.mark.parametrize("labelled", [True, False], ids=["sglang-labels", "unlabelled-like-vllm"])
-async def test_an_update_during_an_evaluation_regenerates_its_answers_on_the_new_weights(env, labelled):
+async def test_an_update_during_an_evaluation_regenerates_its_answers_on_the_new_weights(rollout_env, labelled):
     """The trainer updates the engine while every answer of version 0's evaluation is being
     generated: each is cut short and generated again on version 1, so none is version 0's."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     fake.state.token_delay = 0.05  # 500 eval tokens: the answers are still running at the update
     items = held_out(3)
     worker = serving(make_worker(redis, fake, names, n=1, engine=WorkerEngine(fake.url, labelled=labelled)),
@@ -328,8 +324,8 @@ async def test_an_update_during_an_evaluation_regenerates_its_answers_on_the_new
     assert worker.stats.groups_published >= 1
 
 
-async def test_a_worker_stopped_mid_evaluation_leaves_it_to_another_worker(env):
-    redis, fake, names = env
+async def test_a_worker_stopped_mid_evaluation_leaves_it_to_another_worker(rollout_env):
+    redis, fake, names = rollout_env
     items = held_out(3)
     channel = EvalChannel(redis, names)
     engine = GatedEngine(fake.url)
@@ -366,10 +362,10 @@ class LosesOneCancellation(Admission):
                 self.lost += 1
 
 
-async def test_a_stopping_worker_is_not_held_by_a_lost_cancellation(env):
+async def test_a_stopping_worker_is_not_held_by_a_lost_cancellation(rollout_env):
     """Found with the rollout command's evaluation test: SIGTERM sometimes left the worker polling
     for a lease for good. The wait is cancelled again until it ends."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=2, batch=1, eta=0)
     worker.admission = admission = LosesOneCancellation(redis, names, batch_size=1, max_head_offpolicyness=0,
                                                         max_concurrent=8, lease_seconds=30)

@@ -8,63 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.rollout.datasets import ArithmeticSource
-from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.prompt_cursor import cursor_key
-from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker import RolloutWorker
-from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.trainer.weight_sync import catch_up, update_engines
-from asyncrl.transport.admission import Admission
-from asyncrl.transport.connection import connect
-from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
-from asyncrl.transport.wire import decode_group
 from tests.polling import poll
-from tests.sglang_fake import FakeSGLang, fake_logprob, fake_token
-
-JOB = "wtest"
-
-
-def render(question: str) -> list[int]:
-    return [ord(c) % 200 + 3 for c in question][:12]
+from tests.sglang_fake import fake_logprob, fake_token
+from tests.support.rollout_workers import JOB, make_worker, published
 
 
-def decode(ids: list[int]) -> str:
-    return " ".join(map(str, ids))
-
-
-@pytest.fixture
-async def env(redis_url):
-    redis = await connect(redis_url)
-    fake = FakeSGLang().start()
-    names = StreamNames.for_job(JOB)
-    yield redis, fake, names
-    fake.stop()
-    await redis.aclose()
-
-
-def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
-                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None):
-    engine = engine or SGLangEngine(fake.url)
-    cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
-                       sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
-                       max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
-                       max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
-    admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
-                          max_concurrent=max_concurrent, lease_seconds=30)
-    return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
-                         render=render, decode=decode, scorer=RewardScorer(exact_number_reward, 5.0),
-                         admission=admission, names=names)
-
-
-async def published(redis, names):
-    return [decode_group(fields[b"data"]) for _, fields in await redis.xrange(names.trajectories)]
-
-
-async def test_publishes_whole_scored_groups(env):
-    redis, fake, names = env
+async def test_publishes_whole_scored_groups(rollout_env):
+    redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=3, max_new=5, max_groups=3)
     stats = await asyncio.wait_for(worker.run(), 60)
     groups = await published(redis, names)
@@ -82,10 +36,10 @@ async def test_publishes_whole_scored_groups(env):
     assert await redis.get(cursor_key(names, 0, 1)) == b"3"
 
 
-async def test_partial_rollout_across_a_weight_update(env):
+async def test_partial_rollout_across_a_weight_update(rollout_env):
     """One trajectory whose versions change exactly at the resume point; tokens/logprobs concatenate.
     The trainer-side sync updates the engine; the worker only re-sends the aborted segment."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     fake.state.token_delay = 0.02
     worker = make_worker(redis, fake, names, n=1, max_new=40, max_groups=1)
     run = asyncio.create_task(worker.run())
@@ -116,8 +70,8 @@ async def test_partial_rollout_across_a_weight_update(env):
     assert worker.stats.interrupted == 1 and worker.version == 1
 
 
-async def test_admission_blocks_the_worker_under_a_slow_trainer(env):
-    redis, fake, names = env
+async def test_admission_blocks_the_worker_under_a_slow_trainer(rollout_env):
+    redis, fake, names = rollout_env
     # B=1, eta=0: one group may be accepted per trainer version.
     worker = make_worker(redis, fake, names, n=2, batch=1, eta=0, max_concurrent=4)
     run = asyncio.create_task(worker.run())
@@ -144,8 +98,8 @@ async def _ge(fn, n):
     return await fn() >= n
 
 
-async def test_engine_errors_are_retried_then_the_group_is_dropped(env):
-    redis, fake, names = env
+async def test_engine_errors_are_retried_then_the_group_is_dropped(rollout_env):
+    redis, fake, names = rollout_env
     fake.state.fail_next = 1
     worker = make_worker(redis, fake, names, n=1, max_groups=1, max_retries=2)
     stats = await asyncio.wait_for(worker.run(), 30)
@@ -171,11 +125,11 @@ class NaNLogprobEngine(SGLangEngine):
         return result
 
 
-async def test_untrainable_groups_are_dropped_not_published(env, caplog):
+async def test_untrainable_groups_are_dropped_not_published(rollout_env, caplog):
     """Issue 16: a group the trainer could not train is never published; it is dropped like a group
     whose generation failed (counted, logged with the reason, lease released unaccepted, prompt
     passed over), so it can neither crash the trainer nor hold an admission slot."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=2, max_groups=2, engine=NaNLogprobEngine(fake.url))
     with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
         stats = await asyncio.wait_for(worker.run(), 30)
@@ -188,8 +142,8 @@ async def test_untrainable_groups_are_dropped_not_published(env, caplog):
     assert "invalid=2" in worker.summary()
 
 
-async def test_stop_releases_in_flight_groups_and_unregisters(env):
-    redis, fake, names = env
+async def test_stop_releases_in_flight_groups_and_unregisters(rollout_env):
+    redis, fake, names = rollout_env
     fake.state.token_delay = 0.05
     worker = make_worker(redis, fake, names, n=2, max_new=500)
     run = asyncio.create_task(worker.run())
@@ -213,8 +167,8 @@ async def test_stop_releases_in_flight_groups_and_unregisters(env):
     await stopper.close()
 
 
-async def test_shards_are_disjoint_and_the_cursor_resumes(env):
-    redis, fake, names = env
+async def test_shards_are_disjoint_and_the_cursor_resumes(rollout_env):
+    redis, fake, names = rollout_env
     w = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=1, replicas=2, engine_id="pod-1")
     await asyncio.wait_for(w.run(), 30)
     w = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=1, replicas=2, engine_id="pod-1")
@@ -228,9 +182,9 @@ async def test_shards_are_disjoint_and_the_cursor_resumes(env):
     assert sorted(by_engine["pod-0"]) == [f"arith-0-1-{p}" for p in (0, 2)]
 
 
-async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_workers(env):
+async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_workers(rollout_env):
     """rolloutReplicas 0 (a Kubernetes Deployment: no pod index): one job-wide atomic cursor."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     workers = [make_worker(redis, fake, names, n=1, max_new=2, max_groups=3, index=0, replicas=0,
                            engine_id=f"pod-{i}", batch=8) for i in range(2)]
     await asyncio.wait_for(asyncio.gather(*(w.run() for w in workers)), 30)
@@ -242,12 +196,12 @@ async def test_shared_cursor_hands_each_prompt_to_exactly_one_of_concurrent_work
 
 
 @pytest.mark.parametrize("engine_label", ["3", "default"])
-async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(env, engine_label, tmp_path):
+async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(rollout_env, engine_label, tmp_path):
     """A version event is only observed: tokens carry the engine's label. An engine the trainer
     has not updated yet serves its launch weights ("default": version 0); at policy version 3
     and eta 1 those are beyond the admission bound, so the worker generates nothing on them and
     waits for the trainer's catch-up (trainer/weight_sync.py) to load version 3."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     fake.state.weight_version = engine_label
     await VersionChannel(redis, names).publish(VersionEvent(version=3, weights_path="/w/v3", time=time.time()))
     worker = make_worker(redis, fake, names, n=1, max_new=3, max_groups=1)
@@ -271,10 +225,10 @@ async def test_worker_never_updates_its_engine_and_tags_what_the_engine_serves(e
         assert fake.state.control_calls == [] and fake.state.update_calls == []
 
 
-async def test_a_long_answer_is_generated_in_segments_that_continue_each_other(env):
+async def test_a_long_answer_is_generated_in_segments_that_continue_each_other(rollout_env):
     """spec.rollout.maxTokensPerRequest: 40 tokens asked 16 at a time make one answer of 40, each
     request continuing the last (prompt + the tokens so far), the last one ending it at the budget."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=1, max_new=40, max_groups=1)
     worker.cfg.max_tokens_per_request = 16
     stats = await asyncio.wait_for(worker.run(), 60)
@@ -290,11 +244,11 @@ async def test_a_long_answer_is_generated_in_segments_that_continue_each_other(e
                                                         + [fake_logprob(j, "default") for j in range(8)], abs=1e-6)
 
 
-async def test_cursor_saves_never_go_back(env):
+async def test_cursor_saves_never_go_back(rollout_env):
     """Completions close together start several saves; on separate connections an older value could
     land last (seen in CI: the shard cursor read 1 after 3 groups). A SET that takes longer the
     smaller its value provokes exactly that: the saved cursor must still end at the newest."""
-    redis, fake, names = env
+    redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, index=0, replicas=2)
 
     class SlowOldValues:

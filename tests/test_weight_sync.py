@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.rollout.datasets import ArithmeticSource
-from asyncrl.rollout.engines import GenerateResult, SamplingParams
-from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -25,6 +24,7 @@ from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChanne
 from asyncrl.transport.wire import decode_group
 from tests.polling import poll
 from tests.sglang_fake import FakeSGLang
+from tests.support.rollout_workers import WorkerEngine
 
 JOB = "wsync"
 VERSIONS = (1, 2, 3)
@@ -32,35 +32,6 @@ TOKEN_S = 0.004
 SLOW_TOKEN_S = 0.5
 """Per token while an update is on its way: 30 tokens then take 15 s, far past the pause."""
 UPDATE_CYCLE = ["pause:abort", "update:{v}", "continue"]
-
-
-class WorkerEngine(SGLangEngine):
-    """The worker's adapter: records any weight control it issues (there must be none). With
-    `labelled=False` it drops the server's label, like vLLM, so tokens must be tagged from the
-    trainer's record in the registry."""
-
-    def __init__(self, url: str, *, labelled: bool):
-        super().__init__(url)
-        self.reports_weight_version = labelled  # type: ignore[misc]
-        self.control: list[str] = []
-
-    async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
-        result = await super().generate(input_ids, params)
-        if not self.reports_weight_version:
-            result.weight_version = None
-        return result
-
-    async def pause(self, mode: str = "abort") -> None:  # type: ignore[override]
-        self.control.append("pause")
-        await super().pause(mode)  # type: ignore[arg-type]
-
-    async def update_weights(self, path: str, version: int) -> None:
-        self.control.append("update")
-        await super().update_weights(path, version)
-
-    async def resume(self) -> None:
-        self.control.append("resume")
-        await super().resume()
 
 
 def render(question: str) -> list[int]:

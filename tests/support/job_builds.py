@@ -1,0 +1,41 @@
+"""Example jobs, changed field by field, and the children the operator's builders make of them."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from asyncrl.loader import parse_job
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def example(name: str = "job", **spec) -> dict:
+    doc = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    for dotted, value in spec.items():
+        node = doc["spec"]
+        keys = dotted.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
+OPERATOR_NS = "ops"
+OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NS}},
+                 "podSelector": {"matchLabels": N.OPERATOR_POD_LABELS}}
+"""The operator's pod in its own namespace: never an empty namespaceSelector (any namespace)."""
+
+
+def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dict]:
+    doc = copy.deepcopy(doc)
+    if name:
+        doc["metadata"]["name"] = name
+    job = parse_job(doc)
+    return B.build_children(job, B.BuildContext(owner_uid="uid-1", namespace="ns", redis_password="pw",
+                                                stopped=stopped or job.spec.suspend,
+                                                operator_namespace=OPERATOR_NS))
