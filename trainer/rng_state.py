@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -52,8 +53,9 @@ def load_rng_state(directory: Path, rank: int) -> bool:
             log.warning("%s holds the random generators' state as a pickle (rng*.pt), which is not loaded "
                         "from a shared volume: they start fresh", directory)
         return False
-    tensors = load_file(str(path))
-    meta = _metadata(path)
+    with safe_open(str(path), framework="pt") as f:  # (one read: the tensors and the metadata)
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+        meta = dict(f.metadata() or {})
     version, gauss_next = json.loads(meta["python"])
     random.setstate((version, tuple(int(x) for x in tensors["python"].tolist()), gauss_next))
     kind, pos, has_gauss, cached = json.loads(meta["numpy"])
@@ -64,9 +66,3 @@ def load_rng_state(directory: Path, rank: int) -> bool:
         torch.cuda.set_rng_state_all(cuda)
     return True
 
-
-def _metadata(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
