@@ -10,6 +10,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from asyncrl import spec as S
+from asyncrl.figures import Exported, figures
+from asyncrl.status_report import TrainerReport
 
 
 def _type_name(annotation: Any) -> str:
@@ -72,4 +74,32 @@ def render_reference() -> str:
     lines += [f"- `{path}`: {message} (CEL: `{rule}`)" for path, rule, message in S.CEL_RULES]
     lines += ["", "## Immutable fields", ""]
     lines += [f"- `{path}`: {message}" for path, message in S.IMMUTABLE_FIELDS]
+    lines += ["", *_figures_table()]
     return "\n".join(lines) + "\n"
+
+
+def _series(exported: Exported | None) -> str:
+    """A figure's Prometheus series as a query names it, or what stands in for it."""
+    if exported is None:
+        return ""
+    if exported.name is None:
+        return exported.reason.replace("|", "\\|")
+    labels = ",".join(f'{k}="{v}"' for k, v in exported.labels)
+    total = "_total" if exported.kind == "counter" else ""
+    return f"`asyncrl_trainer_{exported.name}{total}{'{' + labels + '}' if labels else ''}`"
+
+
+def _figures_table() -> list[str]:
+    """The trainer's report, field by field: where each figure is in /status and in Prometheus."""
+    lines = ["## Trainer figures", "",
+             "The trainer's `GET /status` document (`asyncrl/status_report.py`), one row per scalar field; "
+             "`last_step.*` is also a line of `metrics.jsonl`, the experiment trackers' figures and the job's "
+             "`status.lastStep`. Lists (`rollout`, `history`, `evaluations`, `degraded.outages`) and the "
+             "phase, engine, outage and evaluation series are described in docs/status-endpoint.md.", "",
+             "| /status field | Prometheus | meaning |", "|---|---|---|"]
+    for f in figures(TrainerReport):
+        if getattr(f.field.annotation, "__origin__", None) is list:
+            continue
+        desc = f.description.replace("|", "\\|")
+        lines.append(f"| `{f.name}` | {_series(f.exported)} | {desc} |")
+    return lines

@@ -337,12 +337,13 @@ class Progress:
                 return  # the trainer just exited (or is busy): keep the last line
             line, step, phase, degraded, evaluated = phase_hint, 0, phase_hint, "", ""
         else:
-            st = status.get("staleness", {})
-            reward = status.get("reward_mean")
+            st, last = status.get("staleness", {}), status.get("last_step") or {}
+            reward = last.get("reward_mean")
             line = (f"v{status.get('policy_version', 0)}  reward {reward:.3f}" if reward is not None
                     else f"v{status.get('policy_version', 0)}  reward -")
-            line += (f"  staleness {st.get('mean', 0):.2f}/{st.get('max', 0)} (eta {st.get('limit', 0)},"
-                     f" dropped {st.get('dropped', 0)})  {status.get('tokens_per_second', 0):.0f} tok/s")
+            line += (f"  staleness {last.get('staleness_mean', 0):.2f}/{last.get('staleness_max', 0)} (eta "
+                     f"{st.get('limit', 0)}, dropped {st.get('dropped', 0)})  "
+                     f"{last.get('tokens_per_second', 0):.0f} tok/s")
             newest = newest_evaluation(status.get("evaluations") or [])
             evaluated = eval_summary(newest) if newest is not None else ""
             line += f"  eval {evaluated}" if evaluated else ""

@@ -1049,6 +1049,10 @@ class AsyncRLJobStatus(StatusModel):
     """Set once the first held-out evaluation is done (spec.evaluation)."""
     recovery: RecoveryStatus | None = None
     """Set from the trainer's first report on."""
+    last_step: dict[str, float] | None = None
+    """Every figure of the trainer's last step, by its name in metrics.jsonl (the trainer's /status
+    `last_step`; a figure an objective does not have is absent), e.g. `kubectl get asyncrljob NAME -o
+    jsonpath='{.status.lastStep.clip_fraction}'`."""
     status_url: str | None = Field(default=None, alias="statusURL")
 
 

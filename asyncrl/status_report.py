@@ -3,56 +3,35 @@ endpoint (server), the operator's status mirror and `asyncrl run`'s progress lin
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from asyncrl.figures import counter, figures, gauge, is_number, not_exported
 
 TrainerPhase = Literal["Starting", "Waiting", "Training", "Publishing", "Evaluating", "Succeeded", "Failed",
                       "Stopped"]
 
 
 class _Report(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
 
 
 class StalenessReport(_Report):
-    mean: float = 0.0
-    """Mean version lag of the tokens trained in the last step."""
-    max: int = 0
-    """Largest version lag seen in the last step."""
-    limit: int = 0
+    """The version bound and what it dropped (the last step's lags are in `StepMetrics`)."""
+
+    limit: Annotated[int, gauge("staleness_limit")] = 0
     """The version bound: groups older than this are dropped (eta, or ceil(alpha) for per-sample)."""
     policy: str = "global-budget"
     """spec.staleness.policy: global-budget (eta) or per-sample (ROLL's asyncRatio alpha)."""
-    async_ratio: float | None = None
-    """alpha under the per-sample policy, else None."""
-    dropped: int = 0
-    """Groups dropped as too stale since the job started (by either policy's bound)."""
-    dropped_last_step: int = 0
-    """Of `dropped`: those dropped while the last step's batch was read."""
+    async_ratio: Annotated[float | None, gauge("staleness_async_ratio")] = None
+    """alpha under the per-sample policy, else None (NaN in Prometheus)."""
+    dropped: Annotated[int, counter("stale_groups_dropped")] = 0
+    """Groups dropped as too stale since the job started (by either policy's bound; their admission
+    capacity is given back)."""
     histogram: dict[str, int] = Field(default_factory=dict)
-    """Version lag (as a string key) -> tokens trained at that lag, cumulative."""
-
-
-class ImportanceWeightReport(_Report):
-    """max / min / mean of one ratio over the last step's tokens."""
-
-    max: float = 1.0
-    min: float = 1.0
-    mean: float = 1.0
-
-
-class BehaviourReport(_Report):
-    """How far the trained tokens are from the policy that sampled them (the staleness correction)."""
-
-    full_ratio: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
-    """pi / pi_behav: the whole stale ratio (what M2PO measures)."""
-    weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
-    """w = pi_prox / pi_behav after its cap: the decoupled loss's behaviour weight."""
-    ess: float = 1.0
-    """Effective sample size of w as a fraction, (sum w)^2 / (n sum w^2): 1 = no reweighting."""
-    kl: float = 0.0
-    """Approximate KL(pi_behav || pi), k3 estimator, mean per token."""
+    """Version lag (as a string key) -> tokens trained at that lag, cumulative (the Prometheus
+    histogram `asyncrl_trainer_token_staleness`)."""
 
 
 class EngineReport(_Report):
@@ -98,25 +77,166 @@ class DegradedReport(_Report):
     """Oldest first."""
 
 
-class StepRecord(_Report):
-    """One line of metrics.jsonl and one point of the dashboard's charts."""
+class ReplayReport(_Report):
+    """TBA's replay buffer (algorithm.replay): what it holds and what it has given."""
 
-    step: int
-    policy_version: int
+    trajectories: Annotated[int, gauge("replay_trajectories")] = 0
+    """Trajectories in the buffer (0 without one)."""
+    prompts: Annotated[int, gauge("replay_prompts")] = 0
+    """Prompts whose trajectories the buffer holds."""
+    bytes: Annotated[int, gauge("replay_bytes")] = 0
+    """Host memory of the kept token ids, log-probs and versions."""
+    capacity: Annotated[int, gauge("replay_capacity")] = 0
+    """The most trajectories it keeps (algorithm.replay.capacity)."""
+    replayed_groups: Annotated[int, gauge("replayed_groups")] = 0
+    """Groups trained from the buffer in this trainer's life (the buffer starts empty after a restart)."""
+
+
+class StepRecord(_Report):
+    """One point of the dashboard's charts: the head of a step's record (`StepMetrics`)."""
+
+    step: Annotated[int, not_exported("the x axis: the report's `step` is the gauge")]
+    """The step's number (1 for the first)."""
+    policy_version: Annotated[int, not_exported("the report's `policy_version` is the gauge")]
+    """The version the step's update published (trained from the one before it)."""
     reward_mean: float
+    """Mean reward of the step's trained batch (NaN in Prometheus before the first step)."""
     staleness_mean: float
+    """Mean version lag of the tokens trained in the step."""
     staleness_max: int
+    """Largest version lag trained in the step."""
     loss: float = 0.0
+    """The step's loss: the sum of its micro-batch losses, averaged over its optimizer updates."""
     clip_fraction: float = 0.0
+    """Fraction of the step's tokens whose ratio was clipped."""
     tokens: int = 0
+    """Response tokens trained (of the fresh groups)."""
     step_seconds: float = 0.0
+    """Wall time since the previous step ended."""
     proximal_seconds: float = 0.0
+    """Time spent on the proximal policy's log-probs (recompute's forward, or the log-linear blend)."""
     weight_sync_seconds: float = 0.0
-    time: float = 0.0
+    """Time the previous publish took: writing the weights and updating the engines."""
+    time: Annotated[float, gauge("last_step_timestamp_seconds")] = 0.0
     """Unix time the step finished."""
-    zero_signal_groups: int = 0
+    zero_signal_groups: Annotated[int, not_exported("the report's `zero_signal_groups` is the counter")] = 0
     """Groups skipped while drawing this step's batch because their rewards were all equal
     (spec.algorithm.dynamicSampling)."""
+
+
+class StepMetrics(StepRecord):
+    """Every figure of one step: a line of metrics.jsonl, `last_step` of /status and of the job's
+    status, the trainer's Prometheus gauges, the trackers' and the dashboard's "last step" card.
+    A figure added here reaches all of them (trainer/step_metrics.py computes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    EXPORT_EVERY_NUMBER: ClassVar[bool] = True
+
+    tokens_per_second: float = 0.0
+    """Trained tokens per second of wall time over the step."""
+    reward_mean_drawn: float = 0.0
+    """Mean reward of every sample drawn for the step, skipped groups too (with dynamicSampling the
+    trained batch's `reward_mean` is not the policy's)."""
+    response_length: float = 0.0
+    """Mean answer length in tokens."""
+    clip_fraction_low: Annotated[float, gauge("clip_fraction_by_side", "Fraction of tokens clipped in the last "
+                                               "step at the lower (A < 0) or upper (A > 0) ratio bound.",
+                                               side="low")] = 0.0
+    """Fraction of tokens clipped at the lower bound (negative advantage, ratio below 1 - eps)."""
+    clip_fraction_high: Annotated[float, gauge("clip_fraction_by_side", side="high")] = 0.0
+    """Fraction of tokens clipped at the upper bound (positive advantage, ratio above 1 + eps)."""
+    dual_clip_fraction: float = 0.0
+    """Fraction of tokens where the dual clip (algorithm.dualClip) bound the loss."""
+    behav_filtered_fraction: float = 0.0
+    """Fraction of tokens masked out by the behaviour-weight cap's filter mode."""
+    importance_weight_mean: Annotated[float, gauge("importance_weight", "Trust-region ratio u = pi/pi_prox of "
+                                                   "the last step.", stat="mean")] = 1.0
+    """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight"): mean."""
+    importance_weight_max: Annotated[float, gauge("importance_weight", stat="max")] = 1.0
+    """u: largest over the step's tokens."""
+    importance_weight_min: Annotated[float, gauge("importance_weight", stat="min")] = 1.0
+    """u: smallest over the step's tokens."""
+    full_ratio_mean: Annotated[float, gauge("full_ratio", "Stale ratio pi/pi_behav of the last step.",
+                                            stat="mean")] = 1.0
+    """pi / pi_behav, the whole stale ratio (what M2PO measures): mean."""
+    full_ratio_max: Annotated[float, gauge("full_ratio", stat="max")] = 1.0
+    """pi / pi_behav: largest over the step's tokens."""
+    full_ratio_min: Annotated[float, gauge("full_ratio", stat="min")] = 1.0
+    """pi / pi_behav: smallest over the step's tokens."""
+    behav_weight_mean: Annotated[float, gauge("behaviour_weight", "Behaviour weight w = pi_prox/pi_behav of "
+                                              "the last step.", stat="mean")] = 1.0
+    """w = pi_prox / pi_behav after its cap, the decoupled loss's behaviour weight: mean over kept tokens."""
+    behav_weight_max: Annotated[float, gauge("behaviour_weight", stat="max")] = 1.0
+    """w: largest over the kept tokens."""
+    behav_weight_min: Annotated[float, gauge("behaviour_weight", stat="min")] = 1.0
+    """w: smallest over the kept tokens."""
+    behav_ess: Annotated[float, gauge("behaviour_ess")] = 1.0
+    """Effective sample size of w as a fraction, (sum w)^2 / (n sum w^2): 1 = no reweighting."""
+    behav_kl: Annotated[float, gauge("behaviour_kl")] = 0.0
+    """Approximate KL(pi_behav || pi), k3 estimator, mean per token."""
+    m2_before: float = 0.0
+    """M2PO: the second moment of the log ratio before masking (0 when off)."""
+    m2_after: float = 0.0
+    """M2PO: the second moment after masking."""
+    m2_masked_fraction: float = 0.0
+    """M2PO: fraction of tokens masked."""
+    bapo_clip_low: Annotated[float, gauge("bapo_clip_bound", "BAPO's adapted ratio bound of the last step "
+                                          "(algorithm.clipBounds bapo; 0 when off).", side="low")] = 0.0
+    """BAPO's adapted lower ratio bound (token-weighted mean over micro-batches); 0 when off."""
+    bapo_clip_high: Annotated[float, gauge("bapo_clip_bound", side="high")] = 0.0
+    """BAPO's adapted upper ratio bound; 0 when off."""
+    vcpo_lr_scale: float = 1.0
+    """VCPO's learning-rate scale (algorithm.vcpo; the mean over the step's updates); 1 when off."""
+    vcpo_baseline_shift: float | None = None
+    """VCPO's baseline: mean absolute shift of the groups' baselines from their mean rewards (None when off)."""
+    tb_beta: float | None = None
+    """Trajectory balance's reward temperature (objective tb; None otherwise)."""
+    tb_log_z_mean: float | None = None
+    """Trajectory balance: mean over the step's sequences of their group's log Z."""
+    tb_residual_rms: float | None = None
+    """Trajectory balance: root mean square of the balance residual."""
+    entropy: float = 0.0
+    """Mean entropy of the policy over the trained tokens."""
+    grad_norm: float = 0.0
+    """Gradient norm before clipping, mean over the step's updates."""
+    padding_fraction: float = 0.0
+    """Of the positions fed to the model, the fraction that were padding."""
+    compute_seconds: float = 0.0
+    """Time of the step's forward and backward passes and optimizer updates."""
+    updates: int = 0
+    """Optimizer updates (minibatches) in the step."""
+    skipped_updates: Annotated[int, gauge("skipped_updates_last_step")] = 0
+    """Updates of the step skipped because the gradient norm was not finite."""
+    skipped_updates_total: Annotated[int, not_exported("the report's `skipped_updates` is the counter")] = 0
+    """Updates skipped since the job started."""
+    dropped_step: Annotated[int, gauge("stale_groups_dropped_last_step")] = 0
+    """Groups dropped as too stale while the step's batch was read."""
+    dropped: Annotated[int, not_exported("the report's `staleness.dropped` is the counter")] = 0
+    """Groups dropped as too stale since the job started."""
+    zero_signal_groups_total: Annotated[int, not_exported("the report's `zero_signal_groups` is the counter")] = 0
+    """Groups skipped for equal rewards since the job started."""
+    zero_signal_fraction: float = 0.0
+    """Of the groups drawn for the step, the fraction whose rewards were all equal (skipped with
+    dynamicSampling, trained at advantage 0 without): what to tune the data's difficulty with."""
+    dynamic_sampling_starved: int = 0
+    """1 when the step drew dynamicSamplingMaxDraws groups without batchSize with signal."""
+    replayed_groups: Annotated[int, gauge("replayed_groups_last_step")] = 0
+    """Groups of the step trained from TBA's replay buffer (algorithm.replay)."""
+    replay: ReplayReport | None = None
+    """What the replay buffer holds after the step (None without one)."""
+    AXES: ClassVar[tuple[str, ...]] = ("step", "time")
+    """Fields that place the step rather than measure it: not among `numbers()`."""
+
+    def numbers(self) -> dict[str, float]:
+        """Every number that has a value, but the axes: what the experiment trackers log and the
+        operator mirrors to the job's status (the staleness histogram is a table)."""
+        return {f.name: float(f.value) for f in figures(self)
+                if is_number(f.field.annotation) and f.value is not None and f.name not in self.AXES}
+
+    staleness_histogram: Annotated[dict[str, int], not_exported(
+        "a table: the report's cumulative `staleness.histogram` is the Prometheus histogram")] = \
+        Field(default_factory=dict)
+    """Version lag (as a string key) -> tokens of the step trained at that lag."""
 
 
 class EvalRecord(_Report):
@@ -151,43 +271,37 @@ class EvalRecord(_Report):
 class AdmissionReport(_Report):
     """The job's admission state (asyncrl/transport/admission.py) as the trainer last checked it."""
 
-    accepted: int = 0
+    accepted: Annotated[int, gauge("admission_groups", "The job's admission state: accepted groups, running "
+                                   "leases, free capacity, unrepaired drift.", figure="accepted")] = 0
     """Groups counted as produced for training (minus those dropped or dead-lettered)."""
-    running: int = 0
+    running: Annotated[int, gauge("admission_groups", figure="running")] = 0
     """Live leases: groups being generated now."""
-    capacity: int = 0
+    capacity: Annotated[int, gauge("admission_groups", figure="capacity")] = 0
     """Groups that may start now."""
-    drift: int = 0
+    drift: Annotated[int, gauge("admission_groups", figure="drift")] = 0
     """The last check's drift not yet repaired (< 0: counted groups that exist nowhere)."""
-    dead_lettered: int = 0
-    """Groups dead-lettered since the job started (every trainer life; `dead_lettered` above is this one's)."""
-    drift_lost: int = 0
+    dead_lettered: Annotated[int, not_exported("the report's `dead_lettered` is the counter")] = 0
+    """Groups dead-lettered since the job started (every trainer life; the report's `dead_lettered` is this one's)."""
+    drift_lost: Annotated[int, counter("admission_drift_repaired_groups", "Groups admission's reconciliation "
+                                       "took out of (lost) or added to (found) 'accepted'.", direction="lost")] = 0
     """Groups taken out of `accepted` by reconciliation since the job started."""
-    drift_found: int = 0
+    drift_found: Annotated[int, counter("admission_drift_repaired_groups", direction="found")] = 0
     """Groups added to `accepted` by reconciliation since the job started."""
-    leases_returned: int = 0
+    leases_returned: Annotated[int, counter("admission_leases_returned")] = 0
     """Leases of dead rollout workers returned by their replacements."""
 
 
-class ReplayReport(_Report):
-    """TBA's replay buffer (algorithm.replay): what it holds and what it has given."""
-
-    trajectories: int = 0
-    prompts: int = 0
-    bytes: int = 0
-    """Host memory of the kept token ids, log-probs and versions."""
-    capacity: int = 0
-    """The most trajectories it keeps (algorithm.replay.capacity)."""
-    replayed_groups: int = 0
-    """Groups trained from the buffer in this trainer's life (the buffer starts empty after a restart)."""
-
-
 class TrainerReport(_Report):
-    """What the trainer publishes about itself at `GET /status`."""
+    """What the trainer publishes about itself at `GET /status`. Its figures reach Prometheus as
+    their fields' metadata says (asyncrl/figures.py); the last step's are in `last_step`."""
 
     job: str = ""
+    """The job's name."""
     phase: TrainerPhase = "Starting"
+    """Starting, Waiting, Training, Publishing, Evaluating, Succeeded, Failed or Stopped (the Prometheus
+    enum `asyncrl_trainer_phase`)."""
     message: str = ""
+    """What the trainer is doing or why it stopped, in words."""
     reason: str = ""
     """Why training ended, once phase is Succeeded or Failed (the recorded outcome's reason:
     MaxStepsReached, WeightSyncFailed, NonFiniteWeights, ModelNotFound, ...)."""
@@ -196,75 +310,61 @@ class TrainerReport(_Report):
     outcome_restored: bool = False
     """True when this process found the job's outcome already recorded at start and serves it
     without having loaded the model or trained (a restarted trainer pod)."""
-    step: int = 0
-    policy_version: int = 0
-    max_steps: int = 0
-    groups_trained: int = 0
-    tokens_trained: int = 0
-    tokens_per_second: float = 0.0
-    reward_mean: float | None = None
-    """Mean reward of the last step's batch."""
+    step: Annotated[int, gauge("step")] = 0
+    """Optimizer steps done."""
+    policy_version: Annotated[int, gauge("policy_version")] = 0
+    """Version of the latest published weights."""
+    max_steps: Annotated[int, gauge("max_steps")] = 0
+    """Steps the job will run (0: unbounded)."""
+    groups_trained: Annotated[int, counter("groups_trained")] = 0
+    """Trajectory groups trained."""
+    tokens_trained: Annotated[int, counter("tokens_trained")] = 0
+    """Response tokens trained."""
     reward_history: list[float] = Field(default_factory=list)
     """Per-step mean reward, oldest first."""
     staleness: StalenessReport = Field(default_factory=StalenessReport)
-    clip_fraction: float = 0.0
-    clip_fraction_low: float = 0.0
-    """Last step: fraction of tokens clipped at the lower bound (negative advantage, ratio below 1 - eps)."""
-    clip_fraction_high: float = 0.0
-    """Last step: fraction of tokens clipped at the upper bound (positive advantage, ratio above 1 + eps)."""
-    bapo_clip_low: float = 0.0
-    """Last step: BAPO's adapted lower ratio bound (algorithm.clipBounds 'bapo'); 0 when off."""
-    bapo_clip_high: float = 0.0
-    """Last step: BAPO's adapted upper ratio bound; 0 when off."""
-    vcpo_lr_scale: float = 1.0
-    """Last step: VCPO's learning-rate scale (algorithm.vcpo; the mean over the step's updates); 1 when off."""
-    tb_beta: float | None = None
-    """Last step: trajectory balance's reward temperature (objective tb); None otherwise."""
-    replay: ReplayReport | None = None
-    """TBA's replay buffer (algorithm.replay); None (absent) without one."""
-    importance_weight: ImportanceWeightReport = Field(default_factory=ImportanceWeightReport)
-    """u = pi / pi_prox, the trust-region ratio PPO clips (AReaL's "importance weight")."""
-    behaviour: BehaviourReport = Field(default_factory=BehaviourReport)
-    skipped_updates: int = 0
+    skipped_updates: Annotated[int, counter("skipped_updates")] = 0
     """Optimizer updates skipped since the job started because the gradient norm was not finite."""
-    dead_lettered: int = 0
+    dead_lettered: Annotated[int, counter("dead_lettered_groups")] = 0
     """Trajectory groups moved to the dead-letter stream (undecodable or untrainable) by this trainer."""
-    zero_signal_groups: int = 0
+    zero_signal_groups: Annotated[int, counter("zero_signal_groups_skipped")] = 0
     """Groups skipped since the job started because their rewards were all equal (no signal;
     spec.algorithm.dynamicSampling): acknowledged untrained, their admission capacity returned."""
-    zero_signal_fraction: float = 0.0
-    """Of the groups drawn for the last step, the fraction whose rewards were all equal (skipped with
-    dynamicSampling, trained at advantage 0 without): what to tune the data's difficulty with."""
-    dynamic_sampling_starved_steps: int = 0
+    dynamic_sampling_starved_steps: Annotated[int, counter("dynamic_sampling_starved_steps")] = 0
     """Steps that drew dynamicSamplingMaxDraws groups without batchSize with signal and trained on fewer."""
-    recovered_entries: int = 0
+    recovered_entries: Annotated[int, counter("recovered_entries")] = 0
     """Stream entries this trainer re-read from its own pending list (a read reply it lost)."""
-    reclaimed_entries: int = 0
+    reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0
     """Stream entries this trainer took over from a dead consumer's pending list."""
     admission: AdmissionReport = Field(default_factory=AdmissionReport)
-    trainer_restarts: int = 0
+    trainer_restarts: Annotated[int, counter("restarts", "Restarts seen in the job: the trainer's own, and "
+                                             "rollout engines coming back as a new incarnation.",
+                                             component="trainer")] = 0
     """Times the job's trainer started again after a crash or a kill (job total)."""
-    engine_restarts: int = 0
+    engine_restarts: Annotated[int, counter("restarts", component="engine")] = 0
     """Rollout engines seen coming back as a new incarnation (job total)."""
-    engine_resyncs: int = 0
+    engine_resyncs: Annotated[int, counter("engine_resyncs")] = 0
     """Engines the trainer's catch-up loaded with the current weights (job total)."""
-    proximal_seconds: float = 0.0
-    step_seconds: float = 0.0
-    weight_sync_seconds: float = 0.0
     weight_transport: Literal["disk", "collective"] = "disk"
     """How published weights reach the engines (trainer.weightTransport)."""
-    weight_sync_disk_fallbacks: int = 0
+    weight_sync_disk_fallbacks: Annotated[int, counter("weight_sync_disk_fallbacks")] = 0
     """Collective sync: engine updates that fell back to disk (the group could not be formed, or a
     broadcast failed) in this trainer's life."""
     last_checkpoint: str | None = None
+    """The newest checkpoint's directory."""
     rollout: list[EngineReport] = Field(default_factory=list)
     history: list[StepRecord] = Field(default_factory=list)
     """Recent steps (bounded), for the dashboard's charts."""
     started_at: float = 0.0
-    updated_at: float = 0.0
+    """When this trainer process started (Unix time)."""
+    updated_at: Annotated[float, gauge("report_updated_timestamp_seconds")] = 0.0
+    """When the trainer last updated its report (Unix time)."""
     evaluations: list[EvalRecord] = Field(default_factory=list)
     """Held-out evaluations so far (spec.evaluation), oldest first, bounded."""
     degraded: DegradedReport | None = None
     """Set while the trainer waits out an outage of a dependency; None (absent from /status) when
     nothing is down. Typed here, not bolted onto the JSON, so the operator's mirror, which reads
     /status into this model, carries it to the job's status."""
+    last_step: StepMetrics | None = None
+    """Every figure of the last step (None before the first): the newest line of metrics.jsonl.
+    Last, so that a figure the report exports itself (the counters) is not exported twice."""

@@ -142,14 +142,17 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     not erase the last one written)."""
     status.trainer = TrainerStatus(step=report.step, policy_version=report.policy_version,
                                    last_checkpoint=report.last_checkpoint or None)
-    s = report.staleness
-    status.staleness = StalenessStatus(mean=round(s.mean, 6), max=s.max, dropped=s.dropped,
+    last, s = report.last_step, report.staleness
+    status.staleness = StalenessStatus(mean=round(last.staleness_mean, 6) if last else 0.0,
+                                       max=last.staleness_max if last else 0, dropped=s.dropped,
                                        limit=s.limit or spec.staleness.version_bound)
     total = report.max_steps or spec.trainer.max_steps
     status.progress = ProgressStatus(
         percent=round(min(100.0, 100.0 * report.step / total), 2) if total else 0.0,
-        tokens_per_second=round(report.tokens_per_second, 3),
-        reward_mean=None if report.reward_mean is None else round(report.reward_mean, 6))
+        tokens_per_second=round(last.tokens_per_second, 3) if last else 0.0,
+        reward_mean=round(last.reward_mean, 6) if last else None)
+    if last is not None:
+        status.last_step = last.numbers()
     engines = [e.weight_version for e in report.rollout if e.weight_version is not None]
     if engines:
         status.rollout.min_weight_version = min(engines)

@@ -570,11 +570,13 @@ class OperatorProcess:
 
 def synthetic_report() -> Any:
     """A trainer report with recognisable figures (what the trainer's GET /status would return)."""
-    from asyncrl.status_report import EngineReport, StalenessReport, TrainerReport
+    from asyncrl.status_report import EngineReport, StalenessReport, StepMetrics, TrainerReport
 
     return TrainerReport(
-        job="qwen", phase="Training", step=42, policy_version=42, max_steps=400, tokens_per_second=1234.5,
-        reward_mean=0.625, staleness=StalenessReport(mean=1.75, max=4, limit=4, dropped=3),
+        job="qwen", phase="Training", step=42, policy_version=42, max_steps=400,
+        last_step=StepMetrics(step=42, policy_version=42, tokens_per_second=1234.5, reward_mean=0.625,
+                              staleness_mean=1.75, staleness_max=4, clip_fraction=0.125),
+        staleness=StalenessReport(limit=4, dropped=3),
         last_checkpoint="/shared/checkpoints/step-40",
         rollout=[EngineReport(url="http://10.0.0.1:30000", weight_version=41, ready=True),
                  EngineReport(url="http://10.0.0.2:30000", weight_version=42, ready=True)])

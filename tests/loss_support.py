@@ -10,11 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.status_report import StepRecord
 from asyncrl.trainer.distributed import DistContext
 from asyncrl.trainer.losses import LossConfig, policy_loss
 from asyncrl.trainer.plan import TrainSequence
-from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, summarize_step
+from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, metrics_line, summarize_step
 
 
 def step_over_micro_batches(path: Path, lp: torch.Tensor, lp_b: torch.Tensor, adv: torch.Tensor,
@@ -33,10 +32,8 @@ def step_over_micro_batches(path: Path, lp: torch.Tensor, lp_b: torch.Tensor, ad
     stats.grad_norms.append(1.0)
     width = lp.shape[1]
     seqs = [TrainSequence(np.arange(2), np.arange(width), np.zeros(width), np.zeros(width, dtype=int), 1.0)]
-    record = summarize_step(stats, seqs, [SimpleNamespace(group_id="g0")], 0, DistContext())
-    step = StepRecord(step=1, policy_version=1, reward_mean=1.0, staleness_mean=0.0, staleness_max=0,
-                      clip_fraction=record["clip_fraction"])  # (as the trainer loop fills it)
-    written = append_metrics_line(path, step, record, dropped=0)
+    record = summarize_step(stats, seqs, step=1, version=0, ctx=DistContext())
+    append_metrics_line(path, record)
     line = json.loads(path.read_text())
-    assert line == written
+    assert line == metrics_line(record)
     return stats, line

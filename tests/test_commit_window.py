@@ -121,7 +121,7 @@ def test_killed_anywhere_in_the_commit_window_trains_each_group_exactly_once(
                 del lineage[step]  # trained in a timeline the restart lost (after its checkpoint)
             train_step = trainer.train_step
 
-            def recorded(batch: list[Any], replayed: Any = None) -> dict[str, Any]:
+            def recorded(batch: list[Any], replayed: Any = None) -> Any:
                 lineage[trainer.state.step + 1] = [g.group_id for g in batch]
                 return train_step(batch, replayed)
 

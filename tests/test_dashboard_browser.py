@@ -24,9 +24,9 @@ from asyncrl.status_report import (
     AdmissionReport,
     EngineReport,
     EvalRecord,
-    ImportanceWeightReport,
     ReplayReport,
     StalenessReport,
+    StepMetrics,
     StepRecord,
     TrainerReport,
 )
@@ -85,22 +85,10 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         max_steps=40,
         groups_trained=8 * steps,
         tokens_trained=2048 * steps,
-        tokens_per_second=78.8,
-        reward_mean=history[-1].reward_mean,
         reward_history=[h.reward_mean for h in history],
-        staleness=StalenessReport(mean=1.3, max=2, limit=2, dropped=3, histogram={"0": 20000, "1": 30000, "2": 11440}),
-        clip_fraction=0.023,
-        clip_fraction_low=0.008,
-        clip_fraction_high=0.015,
-        bapo_clip_low=0.65,
-        bapo_clip_high=1.35,
-        vcpo_lr_scale=0.82,
-        tb_beta=0.012,
-        replay=ReplayReport(trajectories=300, prompts=20, bytes=2 * 1048576, capacity=16384, replayed_groups=9),
-        importance_weight=ImportanceWeightReport(max=1.8, min=0.42, mean=0.998),
+        staleness=StalenessReport(limit=2, dropped=3, histogram={"0": 20000, "1": 30000, "2": 11440}),
         dead_lettered=1,
         zero_signal_groups=7,
-        zero_signal_fraction=0.25,
         dynamic_sampling_starved_steps=1,
         recovered_entries=2,
         reclaimed_entries=5,
@@ -108,9 +96,6 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         engine_restarts=2,
         engine_resyncs=3,
         admission=AdmissionReport(accepted=248, running=6, capacity=2, drift_lost=1, drift_found=0, leases_returned=3),
-        proximal_seconds=3.1,
-        step_seconds=26.4,
-        weight_sync_seconds=0.8,
         last_checkpoint="/runs/local/checkpoints/step-30",
         rollout=[
             EngineReport(url="http://127.0.0.1:30001", weight_version=steps, ready=True),
@@ -120,6 +105,14 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         started_at=t0,
         updated_at=t0 + 26 * steps,
         evaluations=evaluations,
+        last_step=StepMetrics.model_validate({
+            **history[-1].model_dump(), "staleness_mean": 1.3, "staleness_max": 2, "tokens_per_second": 78.8,
+            "step_seconds": 26.4, "clip_fraction": 0.023, "clip_fraction_low": 0.008, "clip_fraction_high": 0.015,
+            "bapo_clip_low": 0.65, "bapo_clip_high": 1.35, "vcpo_lr_scale": 0.82, "tb_beta": 0.012,
+            "importance_weight_max": 1.8, "importance_weight_min": 0.42, "importance_weight_mean": 0.998,
+            "zero_signal_fraction": 0.25, "updates": 2,
+            "replay": ReplayReport(trajectories=300, prompts=20, bytes=2 * 1048576, capacity=16384,
+                                   replayed_groups=9)}),
     )
 
 
@@ -242,7 +235,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     assert not await page.locator("#degraded").is_visible()  # healthy: no banner
     assert (await page.text_content("#k-step")) == "30 / 40"
     assert (await page.text_content("#k-version")) == "v30"
-    assert (await page.text_content("#k-reward")) == f"{box.report.reward_mean:.3f}"
+    assert box.report.last_step is not None
+    assert (await page.text_content("#k-reward")) == f"{box.report.last_step.reward_mean:.3f}"
     assert (await page.text_content("#k-stale")) == "1.30 / 2"
     assert (await page.text_content("#k-tps")) == "78.8"
     assert "ready" in (await page.text_content("#engines")) and "not ready" in (await page.text_content("#engines"))
@@ -255,13 +249,18 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
 
     details = dict([[(await c.text_content()) for c in await row.locator("td").all()]
                     for row in await page.locator("#details tr").all()])
-    assert details["groups without signal (last step)"] == "25.0%"
     assert details["zero-signal groups skipped / starved steps"] == "7 / 1"
-    assert details["clipped low / high"] == "0.8% / 1.5%"
-    assert details["BAPO bounds low / high"] == "0.650 / 1.350"
-    assert details["VCPO learning-rate scale"] == "0.820"
-    assert details["trajectory balance β"] == "0.0120"
     assert details["replay buffer"] == "300 / 16384 trajectories, 2.0 MiB, 9 groups replayed"
+    # the last step's card: every figure of the step's record that has a value, by its name
+    last_step = dict([[(await c.text_content()) for c in await row.locator("td").all()]
+                      for row in await page.locator("#last-step tr").all()])
+    assert (last_step["zero_signal_fraction"], last_step["clip_fraction_low"]) == ("0.2500", "0.008000")
+    assert (last_step["bapo_clip_low"], last_step["bapo_clip_high"], last_step["vcpo_lr_scale"]) == \
+        ("0.6500", "1.350", "0.8200")
+    assert (last_step["tb_beta"], last_step["updates"], last_step["replay.trajectories"]) == ("0.01200", "2", "300")
+    assert "tb_log_z_mean" not in last_step  # (no value: not shown)
+    assert await page.locator("#last-step tr[data-figure=behav_ess] td").first.get_attribute("title") == \
+        "Effective sample size of w as a fraction, (sum w)^2 / (n sum w^2): 1 = no reweighting."
 
     # the charts: one line point per step, with real on-screen size
     reward = page.locator("#reward-chart path.series.reward")

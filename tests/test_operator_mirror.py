@@ -44,6 +44,8 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert s["trainer"] == {"step": 42, "policyVersion": 42, "lastCheckpoint": "/shared/checkpoints/step-40"}
             assert s["staleness"] == {"mean": 1.75, "max": 4, "limit": 4, "dropped": 3}
             assert s["progress"] == {"percent": 10.5, "rewardMean": 0.625, "tokensPerSecond": 1234.5}
+            assert s["lastStep"]["clip_fraction"] == 0.125 and s["lastStep"]["staleness_max"] == 4
+            assert "tb_beta" not in s["lastStep"] and "step" not in s["lastStep"]  # (no value; an axis)
             assert s["rollout"]["minWeightVersion"] == 41
             assert s["evaluation"] == {"policyVersion": 40, "rewardMean": 0.4367, "passAt1": 0.4167, "k": 1,
                                        "summary": "0.42@v40"}

@@ -167,7 +167,6 @@ def _trainer(job: Any) -> Any:
     {"objective": "gspo", "aggregation": "seq-mean-token-mean", "behaviourCapLevel": "sequence"},
 ])
 def test_a_packed_train_step_equals_the_padded_one(algorithm: dict[str, Any]) -> None:
-    from asyncrl.status_report import StepRecord
     from asyncrl.trainer.step_metrics import metrics_line
 
     groups = make_groups(JOB, 2, group_size=4, version=0, seed=2, max_len=150)  # (rows share: 64 + 48 < 119)
@@ -183,16 +182,15 @@ def test_a_packed_train_step_equals_the_padded_one(algorithm: dict[str, Any]) ->
     padded = records["padded"]
     for layout in ("rows", "one-row"):
         record = records[layout]
-        assert record["loss"] == pytest.approx(padded["loss"], rel=1e-4, abs=1e-6)
-        assert record["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-4)
-        assert record["entropy"] == pytest.approx(padded["entropy"], rel=1e-4)
-        assert record["tokens"] == padded["tokens"]
+        assert record.loss == pytest.approx(padded.loss, rel=1e-4, abs=1e-6)
+        assert record.grad_norm == pytest.approx(padded.grad_norm, rel=1e-4)
+        assert record.entropy == pytest.approx(padded.entropy, rel=1e-4)
+        assert record.tokens == padded.tokens
     # padding: reported for both modes, none packed in one row, less in packed rows than padded
-    assert records["one-row"]["padding_fraction"] == 0.0
-    assert 0.0 < records["rows"]["padding_fraction"] < padded["padding_fraction"] < 0.5
-    step = StepRecord(step=1, policy_version=0, reward_mean=0.5, staleness_mean=0.0, staleness_max=0)
-    line = metrics_line(step, padded, dropped=0)  # (what metrics.jsonl gets)
-    assert line["padding_fraction"] == padded["padding_fraction"]
+    assert records["one-row"].padding_fraction == 0.0
+    assert 0.0 < records["rows"].padding_fraction < padded.padding_fraction < 0.5
+    line = metrics_line(padded)  # (what metrics.jsonl gets)
+    assert line["padding_fraction"] == padded.padding_fraction
 
 
 def test_the_padding_fraction_is_padding_over_positions_fed() -> None:

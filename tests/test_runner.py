@@ -59,7 +59,8 @@ def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None
 
     # The status endpoint reported progress while it ran, with staleness within eta.
     assert seen and max(s["step"] for s in seen) >= 2
-    assert all(s["staleness"]["max"] <= ETA and s["staleness"]["limit"] == ETA for s in seen)
+    assert all((s.get("last_step") or {}).get("staleness_max", 0) <= ETA and s["staleness"]["limit"] == ETA
+               for s in seen)
 
     # Run directory: config, metrics, checkpoints, final weights, one log per process.
     assert (run_dir / "job.yaml").exists()
@@ -190,8 +191,9 @@ def test_a_rerun_in_a_finished_run_directory(tmp_path: Path, redis_url: str) -> 
 
 def _status(**extra: object) -> dict[str, object]:
     """The trainer's /status document as the runner polls it (JSON), with a few steps done."""
-    return {"phase": "Training", "step": 9, "policy_version": 9, "reward_mean": 0.25, "tokens_per_second": 80.0,
-            "staleness": {"mean": 0.5, "max": 1, "limit": 2, "dropped": 0}, **extra}
+    return {"phase": "Training", "step": 9, "policy_version": 9, "staleness": {"limit": 2, "dropped": 0},
+            "last_step": {"reward_mean": 0.25, "tokens_per_second": 80.0, "staleness_mean": 0.5, "staleness_max": 1},
+            **extra}
 
 
 def _eval(version: int, pass_at_1: float) -> dict[str, object]:

@@ -8,8 +8,9 @@ from asyncrl.runner import Progress
 
 
 def status(**extra: object) -> dict[str, object]:
-    return {"phase": "Waiting", "step": 3, "policy_version": 3, "reward_mean": 0.5, "tokens_per_second": 10.0,
-            "staleness": {"mean": 0.5, "max": 1, "limit": 2, "dropped": 0}, **extra}
+    return {"phase": "Waiting", "step": 3, "policy_version": 3, "staleness": {"limit": 2, "dropped": 0},
+            "last_step": {"reward_mean": 0.5, "tokens_per_second": 10.0, "staleness_mean": 0.5, "staleness_max": 1},
+            **extra}
 
 
 def test_plain_progress_line_says_degraded_and_when_it_ends(capsys: pytest.CaptureFixture[str]) -> None:

@@ -201,10 +201,10 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
     assert phase == "Succeeded" and trainer.state.dropped == 2
     assert lineage_group_ids(tmp_path / "ckpt") == ["mid0000", "new0000"]
     st = trainer.get_report().staleness
-    assert (st.policy, st.async_ratio, st.limit, st.dropped, st.dropped_last_step) == ("per-sample", 0.5, 1, 2, 2)
+    assert (st.policy, st.async_ratio, st.limit, st.dropped) == ("per-sample", 0.5, 1, 2)
     [line] = [json.loads(x) for x in next(tmp_path.rglob("metrics.jsonl")).read_text().splitlines()]
     assert (line["dropped"], line["dropped_step"]) == (2, 2)
-    assert status_document(trainer.get_report())["staleness"]["dropped_last_step"] == 2
+    assert status_document(trainer.get_report())["last_step"]["dropped_step"] == 2
     metrics = TrainerMetrics()
     metrics.update(trainer.get_report())
     for sample, value in (("stale_groups_dropped_total", 2), ("stale_groups_dropped_last_step", 2),

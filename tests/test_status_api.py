@@ -17,13 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from asyncrl.health import Health
 from asyncrl.status_report import (
     AdmissionReport,
-    BehaviourReport,
     DegradedReport,
     EngineReport,
-    ImportanceWeightReport,
     OutageReport,
     ReplayReport,
     StalenessReport,
+    StepMetrics,
     StepRecord,
     TrainerReport,
 )
@@ -60,21 +59,8 @@ def make_report(steps: int = 30) -> TrainerReport:
         max_steps=40,
         groups_trained=8 * steps,
         tokens_trained=1000 * steps,
-        tokens_per_second=456.5,
-        reward_mean=history[-1].reward_mean if history else None,
         reward_history=[h.reward_mean for h in history],
-        staleness=StalenessReport(mean=0.75, max=2, limit=2, dropped=3, histogram={"0": 10000, "1": 15000, "2": 5000}),
-        clip_fraction=0.02,
-        clip_fraction_low=0.005,
-        clip_fraction_high=0.015,
-        bapo_clip_low=0.7,
-        bapo_clip_high=1.4,
-        vcpo_lr_scale=0.6,
-        tb_beta=0.012,
-        replay=ReplayReport(trajectories=300, prompts=20, bytes=123456, capacity=16384, replayed_groups=9),
-        importance_weight=ImportanceWeightReport(max=1.7, min=0.4, mean=0.99),
-        behaviour=BehaviourReport(full_ratio=ImportanceWeightReport(max=2.5, min=0.3, mean=1.01),
-                                  weight=ImportanceWeightReport(max=1.4, min=0.8, mean=1.0), ess=0.93, kl=0.004),
+        staleness=StalenessReport(limit=2, dropped=3, histogram={"0": 10000, "1": 15000, "2": 5000}),
         skipped_updates=2,
         dead_lettered=1,
         recovered_entries=3,
@@ -84,9 +70,6 @@ def make_report(steps: int = 30) -> TrainerReport:
         engine_resyncs=7,
         admission=AdmissionReport(accepted=70, running=5, capacity=3, drift=-1, drift_lost=2, drift_found=1,
                                   leases_returned=4),
-        proximal_seconds=0.5,
-        step_seconds=5.0,
-        weight_sync_seconds=0.2,
         last_checkpoint="/run/checkpoints/step-30",
         rollout=[
             EngineReport(url="http://engine-a:30000", weight_version=steps, ready=True),
@@ -95,6 +78,16 @@ def make_report(steps: int = 30) -> TrainerReport:
         history=history,
         started_at=1_700_000_000.0,
         updated_at=1_700_000_100.0,
+        last_step=StepMetrics.model_validate({
+            **(history[-1].model_dump() if history else {"step": 0, "policy_version": 0}),
+            "reward_mean": history[-1].reward_mean if history else 0.0, "staleness_mean": 0.75, "staleness_max": 2,
+            "tokens_per_second": 456.5, "clip_fraction": 0.02, "clip_fraction_low": 0.005,
+            "clip_fraction_high": 0.015, "bapo_clip_low": 0.7, "bapo_clip_high": 1.4, "vcpo_lr_scale": 0.6,
+            "tb_beta": 0.012, "importance_weight_max": 1.7, "importance_weight_min": 0.4,
+            "importance_weight_mean": 0.99, "full_ratio_max": 2.5, "full_ratio_min": 0.3, "full_ratio_mean": 1.01,
+            "behav_weight_max": 1.4, "behav_weight_min": 0.8, "behav_weight_mean": 1.0, "behav_ess": 0.93,
+            "behav_kl": 0.004, "proximal_seconds": 0.5, "step_seconds": 5.0, "weight_sync_seconds": 0.2,
+            "replay": ReplayReport(trajectories=300, prompts=20, bytes=123456, capacity=16384, replayed_groups=9)}),
     )
 
 
@@ -153,15 +146,15 @@ async def test_status_serves_the_report_document(client: httpx.AsyncClient, box:
     assert "degraded" not in body
     assert TrainerReport.model_validate(body) == box.report  # the document round-trips through the model
     for key in (
-        "phase", "step", "policy_version", "max_steps", "groups_trained", "tokens_trained",
-        "tokens_per_second", "reward_mean", "reward_history", "staleness", "clip_fraction",
-        "importance_weight", "proximal_seconds", "step_seconds", "weight_sync_seconds", "rollout",
+        "phase", "step", "policy_version", "max_steps", "groups_trained", "tokens_trained", "reward_history",
+        "staleness", "rollout", "last_step",
     ):
         assert key in body, key
-    assert set(body["staleness"]) >= {"mean", "max", "limit", "dropped", "histogram"}
+    assert set(body["staleness"]) >= {"limit", "dropped", "histogram"}
     assert body["staleness"]["histogram"] == {"0": 10000, "1": 15000, "2": 5000}
-    assert set(body["importance_weight"]) == {"max", "min", "mean"}
-    assert body["behaviour"]["full_ratio"]["max"] == 2.5 and body["behaviour"]["ess"] == 0.93
+    last = body["last_step"]
+    assert (last["tokens_per_second"], last["staleness_mean"], last["staleness_max"]) == (456.5, 0.75, 2)
+    assert last["full_ratio_max"] == 2.5 and last["behav_ess"] == 0.93
     assert (body["skipped_updates"], body["dead_lettered"]) == (2, 1)
     assert body["rollout"][1] == {"url": "http://engine-b:30000", "weight_version": 29, "ready": False, "fenced": ""}
     assert len(body["reward_history"]) == 30
@@ -241,12 +234,12 @@ async def test_metrics_are_prometheus_text_with_the_same_figures(client: httpx.A
 async def test_metrics_follow_the_report_between_scrapes(client: httpx.AsyncClient, box: ReportBox) -> None:
     await client.get("/metrics")
     nxt = make_report(31)
-    nxt = nxt.model_copy(update={"rollout": nxt.rollout[:1], "reward_mean": None})
+    nxt = nxt.model_copy(update={"rollout": nxt.rollout[:1], "last_step": None})
     box.report = nxt
     m = _samples((await client.get("/metrics")).text)
     assert m[("asyncrl_trainer_groups_trained_total", ())] == 248  # counters advance by the delta
     assert m[("asyncrl_trainer_step_duration_seconds_count", ())] == 31  # each step observed once
-    assert math.isnan(m[("asyncrl_trainer_reward_mean", ())])
+    assert math.isnan(m[("asyncrl_trainer_reward_mean", ())])  # no step yet: the step's figures are NaN
     engines = {labels for name, labels in m if name == "asyncrl_trainer_engine_ready"}
     assert engines == {(("engine", "http://engine-a:30000"),)}  # the vanished engine's series is gone
 

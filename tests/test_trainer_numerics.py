@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -78,7 +79,7 @@ def _record_changes(trainer: Any) -> list[bool]:
     last = [_snapshot(trainer)]
     step = trainer.train_step
 
-    def recorded(groups: list[Any], replayed: Any = None) -> dict[str, Any]:
+    def recorded(groups: list[Any], replayed: Any = None) -> Any:
         record = step(groups, replayed)
         now = _snapshot(trainer)
         unchanged.append(_same(now, last[0]))
@@ -204,28 +205,28 @@ def test_trainer_checkpoints_the_head_with_gradient_checkpointing(tmp_path: Path
     job = make_job(name=JOB, batch_size=1, model={"gradientCheckpointing": gradient_checkpointing})
     trainer = _trainer(tmp_path, job)
     record = trainer.train_step(make_groups(JOB, 1, version=0))
-    assert record["tokens"] > 0
+    assert record.tokens > 0
     assert bool(calls) == gradient_checkpointing
 
 
 def test_a_non_finite_loss_is_shown_as_zero_in_the_strict_json_report() -> None:
     """A step whose loss was NaN (its updates were skipped) must not break /status (strict JSON)."""
+    from asyncrl.status_report import StepMetrics
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
 
     trainer = Trainer(make_job(name=JOB), RunConfig(engine_kind="hf"), DistContext(), None, None, None)
     nan = float("nan")
-    record = {"tokens": 4, "group_ids": ["g0"], "reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0,
-              "staleness_histogram": {0: 4}, "loss": nan, "clip_fraction": 0.0, "importance_weight_max": float("inf"),
-              "importance_weight_min": 1.0, "importance_weight_mean": nan, "proximal_seconds": 0.0,
-              "full_ratio_max": nan, "full_ratio_min": 1.0, "full_ratio_mean": nan, "behav_weight_max": 1.0,
-              "behav_weight_min": 1.0, "behav_weight_mean": 1.0, "behav_ess": nan, "behav_kl": float("inf"),
-              "compute_seconds": 1.0, "updates": 1, "skipped_updates": 1}
-    trainer.finish_step(["g0"], record)
+    record = StepMetrics(step=1, policy_version=0, tokens=4, reward_mean=0.5, staleness_mean=0.0, staleness_max=0,
+                         staleness_histogram={"0": 4}, loss=nan, importance_weight_max=float("inf"),
+                         importance_weight_mean=nan, full_ratio_max=nan, full_ratio_mean=nan, behav_ess=nan,
+                         behav_kl=float("inf"), compute_seconds=1.0, updates=1, skipped_updates=1)
+    trainer.finish_step([SimpleNamespace(group_id="g0")], record)
     report = trainer.get_report()
     json.dumps(report.model_dump(mode="json"), allow_nan=False)  # what the status endpoint sends
-    assert report.history[-1].loss == 0.0 and report.importance_weight.max == 0.0
-    assert (report.behaviour.full_ratio.max, report.behaviour.ess, report.behaviour.kl) == (0.0, 0.0, 0.0)
+    last = report.last_step
+    assert report.history[-1].loss == 0.0 and last is not None and last.importance_weight_max == 0.0
+    assert (last.full_ratio_max, last.behav_ess, last.behav_kl) == (0.0, 0.0, 0.0)
 
 
 def test_with_one_minibatch_recompute_and_loglinear_take_the_same_step_on_stale_data(tmp_path: Path) -> None:
@@ -260,12 +261,12 @@ def test_with_one_minibatch_recompute_and_loglinear_take_the_same_step_on_stale_
         records.append(trainer.train_step(stale))
         deltas.append(torch.cat([(p.detach() - s).reshape(-1) for p, s in zip(trainer.model.parameters(), start)]))
     a, b = records
-    assert a["staleness_mean"] == b["staleness_mean"] == 2.0
-    assert a["behav_filtered_fraction"] == b["behav_filtered_fraction"] == 0.0, (a, b)
-    assert b["importance_weight_max"] == pytest.approx(1.0, abs=1e-5)  # recompute: u = 1 on every token
+    assert a.staleness_mean == b.staleness_mean == 2.0
+    assert a.behav_filtered_fraction == b.behav_filtered_fraction == 0.0, (a, b)
+    assert b.importance_weight_max == pytest.approx(1.0, abs=1e-5)  # recompute: u = 1 on every token
     # the full stale ratio pi / pi_b is the same in both, and it really moved (the data is stale)
-    assert a["full_ratio_max"] == pytest.approx(b["full_ratio_max"], rel=1e-5) and a["full_ratio_max"] > 1.01
+    assert a.full_ratio_max == pytest.approx(b.full_ratio_max, rel=1e-5) and a.full_ratio_max > 1.01
     cosine = float(torch.nn.functional.cosine_similarity(deltas[0], deltas[1], dim=0))
     ratio = float(deltas[0].norm() / deltas[1].norm())
-    assert a["clip_fraction"] == b["clip_fraction"] == 0.0
+    assert a.clip_fraction == b.clip_fraction == 0.0
     assert cosine > 0.99999 and abs(ratio - 1) < 1e-4, (cosine, ratio)

@@ -167,7 +167,7 @@ def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
         algo = job.spec.algorithm
         [plan] = plan_step(groups, sequences_with_advantages(groups, algo), algo)
         record = trainer.train_step(groups)
-        results.append((len(plan.micro_batches), record["loss"], record["grad_norm"]))
+        results.append((len(plan.micro_batches), record.loss, record.grad_norm))
     (n_big, loss_big, norm_big), (n_small, loss_small, norm_small) = results
     assert n_big == 1 and n_small > 2
     assert loss_small == pytest.approx(loss_big, rel=1e-4, abs=1e-6)
@@ -241,7 +241,7 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     records = [trainer.train_step(groups) for _ in range(2)]
-    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
+    assert all(np.isfinite(r.loss) and np.isfinite(r.grad_norm) and r.grad_norm > 0 for r in records)
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert records[1]["importance_weight_max"] != 1.0  # the second step saw a moved policy
-    assert objective != "bapo" or all(0.6 <= r["bapo_clip_low"] <= 0.8 <= 1.2 <= r["bapo_clip_high"] for r in records)
+    assert records[1].importance_weight_max != 1.0  # the second step saw a moved policy
+    assert objective != "bapo" or all(0.6 <= r.bapo_clip_low <= 0.8 <= 1.2 <= r.bapo_clip_high for r in records)

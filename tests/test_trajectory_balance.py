@@ -233,9 +233,9 @@ def test_trainer_step_is_the_gradient_of_the_trajectory_balance_loss() -> None:
     trainer = _trainer(model, reference, torch.optim.SGD(model.parameters(), lr=lr))
     trainer.spec.algorithm.optimizer.grad_clip = 1e9  # (no clipping: compare the raw gradient step)
     record = trainer.train_step(groups)
-    assert record["loss"] == pytest.approx(want_loss, rel=1e-4)
-    assert record["tb_beta"] == beta and math.isfinite(record["tb_residual_rms"])
-    assert record["tb_residual_rms"] == pytest.approx(math.sqrt(want_loss), rel=1e-4)
+    assert record.loss == pytest.approx(want_loss, rel=1e-4)
+    assert record.tb_beta == beta and math.isfinite(record.tb_residual_rms)
+    assert record.tb_residual_rms == pytest.approx(math.sqrt(want_loss), rel=1e-4)
     got = dict(model.named_parameters())
     delta_want = torch.cat([(want[k] - got[k].detach()).flatten() for k in want])
     assert float(delta_want.abs().max()) < 1e-5
@@ -248,27 +248,30 @@ def test_steps_with_replay_fill_the_buffer_and_train_replayed_groups() -> None:
                        replay={"onPolicyProb": 0.0, "capacityPerPrompt": 8})
     groups = chat_groups(JOB, 2)
     first = trainer.train_step(groups)
-    assert first["replayed_groups"] == 0 and first["replay_trajectories"] == 8 and first["replay_bytes"] > 0
+    assert first.replayed_groups == 0 and first.replay is not None
+    assert first.replay.trajectories == 8 and first.replay.bytes > 0
     assert trainer.replay_slots() == 1  # onPolicyProb 0: every slot but the one kept for a fresh group
     replayed = trainer.draw_replay()
     assert len(replayed) == 1 and replayed[0].group.prompt_id in {g.prompt_id for g in groups}
     fresh = [dataclasses.replace(groups[0], group_id="g-fresh", samples=[
         dataclasses.replace(s, response_ids=s.response_ids + 1) for s in groups[0].samples])]
     second = trainer.train_step(fresh, replayed)
-    assert second["replayed_groups"] == 1 and math.isfinite(second["loss"])
-    assert second["tokens"] == fresh[0].num_tokens()  # (throughput and rewards: of the fresh groups)
-    assert second["replay_trajectories"] == 12  # the fresh group's 4 new responses were kept too
+    assert second.replayed_groups == 1 and math.isfinite(second.loss)
+    assert second.tokens == fresh[0].num_tokens()  # (throughput and rewards: of the fresh groups)
+    assert second.replay is not None
+    assert second.replay.trajectories == 12  # the fresh group's 4 new responses were kept too
     trainer.finish_step(fresh, second)
     report = trainer.get_report()
-    assert report.replay is not None and report.replay.trajectories == 12 and report.replay.replayed_groups == 1
-    assert report.tb_beta == 0.5
+    held = report.last_step.replay if report.last_step is not None else None
+    assert held is not None and held.trajectories == 12 and held.replayed_groups == 1
+    assert report.last_step is not None and report.last_step.tb_beta == 0.5
 
 
 def test_trajectory_balance_lowers_its_loss_on_a_fixed_batch() -> None:
     model, reference = tiny_model(), tiny_model()
     trainer = _trainer(model, reference, torch.optim.AdamW(model.parameters(), lr=1e-3))
     groups = chat_groups(JOB, 2)
-    losses = [trainer.train_step(groups)["loss"] for _ in range(6)]
+    losses = [trainer.train_step(groups).loss for _ in range(6)]
     assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -295,7 +298,8 @@ def test_a_run_reads_fewer_fresh_groups_while_it_replays_and_acknowledges_only_t
     assert redis_query(redis_url, acked) == set(trained)
     lines = read_jsonl(tmp_path / "metrics.jsonl")
     assert [x["replayed_groups"] for x in lines] == [0, 1, 1]
-    assert [x["replay_trajectories"] for x in lines] == [8, 12, 16]
+    assert [x["replay"]["trajectories"] for x in lines] == [8, 12, 16]
     report = trainer.get_report()
-    assert report.groups_trained == 4 and report.replay is not None
-    assert (report.replay.trajectories, report.replay.replayed_groups, report.replay.capacity) == (16, 2, 16384)
+    held = report.last_step.replay if report.last_step is not None else None
+    assert report.groups_trained == 4 and held is not None
+    assert (held.trajectories, held.replayed_groups, held.capacity) == (16, 2, 16384)

@@ -113,8 +113,8 @@ def test_trainer_step_takes_the_scaled_step() -> None:
         records.append(trainer.train_step(groups))
         deltas.append({k: v - before[k] for k, v in model.state_dict().items()})
         optimizers.append(opt)
-    scale = records[1]["vcpo_lr_scale"]
-    assert records[0]["vcpo_lr_scale"] == 1.0 and 0.0 < scale < 0.99
+    scale = records[1].vcpo_lr_scale
+    assert records[0].vcpo_lr_scale == 1.0 and 0.0 < scale < 0.99
     assert optimizers[1].param_groups[0]["lr"] == 1e-2  # checkpoints keep the base lr
     # (float32 weights round each small difference, so compare the update as one vector)
     plain = torch.cat([v.flatten().double() for v in deltas[0].values()])
@@ -126,7 +126,6 @@ def test_trainer_step_takes_the_scaled_step() -> None:
 
 def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
     """Two AdamW steps with vcpo on train, and the scale reaches the step's metrics.jsonl line."""
-    from asyncrl.status_report import StepRecord
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.step_metrics import append_metrics_line
@@ -138,11 +137,9 @@ def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     records = [trainer.train_step(groups) for _ in range(2)]
-    assert all(np.isfinite(r["loss"]) and 0.0 < r["vcpo_lr_scale"] <= 1.0 for r in records)
-    step = StepRecord(step=1, policy_version=1, reward_mean=0.0, staleness_mean=0.0, staleness_max=0,
-                      clip_fraction=0.0)
-    line = append_metrics_line(tmp_path / "metrics.jsonl", step, records[1], dropped=0)
-    assert json.loads((tmp_path / "metrics.jsonl").read_text())["vcpo_lr_scale"] == line["vcpo_lr_scale"]
+    assert all(np.isfinite(r.loss) and 0.0 < r.vcpo_lr_scale <= 1.0 for r in records)
+    append_metrics_line(tmp_path / "metrics.jsonl", records[1])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["vcpo_lr_scale"] == records[1].vcpo_lr_scale
 
 
 # ---------------------------------------------------------------- the off-policy optimal baseline
@@ -238,7 +235,7 @@ def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
     objective.prepare_update = spy  # type: ignore[method-assign]
     record = trainer.train_step(groups)
     assert used == pytest.approx(expected, rel=1e-4, abs=1e-5)
-    assert np.isfinite(record["loss"]) and record["vcpo_baseline_shift"] > 0.0
+    assert np.isfinite(record.loss) and record.vcpo_baseline_shift > 0.0
 
 
 @pytest.mark.parametrize("proximal", ["recompute", "loglinear"])
@@ -256,6 +253,6 @@ def test_baseline_with_the_decoupled_loss_and_stale_data(proximal: str) -> None:
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     record = trainer.train_step(groups)
-    assert np.isfinite(record["loss"]) and record["updates"] == 2 and record["skipped_updates"] == 0
-    assert record["vcpo_baseline_shift"] > 0.0 and 0.0 < record["vcpo_lr_scale"] < 1.0
+    assert np.isfinite(record.loss) and record.updates == 2 and record.skipped_updates == 0
+    assert record.vcpo_baseline_shift > 0.0 and 0.0 < record.vcpo_lr_scale < 1.0
     assert all(torch.isfinite(p).all() for p in model.parameters())

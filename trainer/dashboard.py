@@ -18,6 +18,12 @@ chart. Until the first evaluation the card says so instead of drawing an empty f
 
 from __future__ import annotations
 
+import json
+from functools import cache
+
+from asyncrl.figures import figures
+from asyncrl.status_report import StepMetrics
+
 DASHBOARD_HTML = r"""<!doctype html>
 <html lang="en">
 <head>
@@ -83,6 +89,8 @@ DASHBOARD_HTML = r"""<!doctype html>
   td.num { text-align: right; }
   .kv td:first-child { color: var(--muted); }
   .kv td:last-child { text-align: right; font-weight: 600; white-space: nowrap; }
+  .figures td:first-child { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; cursor: help; }
+  .scroll { max-height: 320px; overflow-y: auto; }
   .ready { color: var(--ok); font-weight: 600; } .notready { color: #dc2626; font-weight: 600; }
   .url { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; word-break: break-all; }
   @media (max-width: 1100px) { .kpis { grid-template-columns: repeat(3, 1fr); } .charts, .bottom, .evals { grid-template-columns: 1fr; } }
@@ -146,6 +154,10 @@ DASHBOARD_HTML = r"""<!doctype html>
       <table class="kv"><tbody id="details"></tbody></table>
     </div>
     <div class="card">
+      <h2>Last step</h2>
+      <div class="scroll"><table class="kv figures"><tbody id="last-step" data-testid="last-step"></tbody></table></div>
+    </div>
+    <div class="card">
       <h2>Recovery</h2>
       <table class="kv"><tbody id="recovery" data-testid="recovery"></tbody></table>
     </div>
@@ -161,6 +173,8 @@ DASHBOARD_HTML = r"""<!doctype html>
 const params = new URLSearchParams(location.search);
 const REFRESH_MS = Math.max(500, 1000 * (parseFloat(params.get("refresh")) || 2));
 const SVGNS = "http://www.w3.org/2000/svg";
+// The step record's figures (name, description) in declaration order, filled in by the server.
+const STEP_FIGURES = /*STEP_FIGURES*/[];
 let lastReport = null, lastOk = 0;
 
 const $ = (id) => document.getElementById(id);
@@ -277,18 +291,19 @@ function render(r) {
   setHTML("k-version", "v" + r.policy_version);
   const engines = r.rollout || [], versions = engines.map((e) => e.weight_version).filter((v) => v !== null);
   setText("k-version-sub", versions.length ? `engines serve v${Math.min(...versions)}–v${Math.max(...versions)}` : "no engine reports");
-  setHTML("k-reward", r.reward_mean === null ? "–" : fmt(r.reward_mean, 3));
+  const ls = r.last_step || null;
+  setHTML("k-reward", ls ? fmt(ls.reward_mean, 3) : "–");
   const rh = r.reward_history || [];
   const firstQ = rh.slice(0, Math.max(1, Math.floor(rh.length / 4)));
   const avg = (a) => a.reduce((x, y) => x + y, 0) / a.length;
   setText("k-reward-sub", rh.length >= 4 ? `first ¼ ${fmt(avg(firstQ), 3)} · last 5 ${fmt(avg(rh.slice(-5)), 3)}` : " ");
   const st = r.staleness || {};
-  setHTML("k-stale", fmt(st.mean, 2), ` / ${st.max ?? "–"}`);
+  setHTML("k-stale", ls ? fmt(ls.staleness_mean, 2) : "–", ` / ${ls ? ls.staleness_max : "–"}`);
   setText("k-stale-sub", `limit η = ${st.limit} · dropped ${st.dropped} groups`);
-  setHTML("k-tps", big(r.tokens_per_second));
+  setHTML("k-tps", ls ? big(ls.tokens_per_second) : "–");
   setText("k-tps-sub", `${big(r.tokens_trained)} tokens · ${big(r.groups_trained)} groups`);
-  setHTML("k-steptime", secs(r.step_seconds));
-  setText("k-steptime-sub", `proximal ${secs(r.proximal_seconds)} · weight sync ${secs(r.weight_sync_seconds)}`);
+  setHTML("k-steptime", ls ? secs(ls.step_seconds) : "–");
+  setText("k-steptime-sub", ls ? `proximal ${secs(ls.proximal_seconds)} · weight sync ${secs(ls.weight_sync_seconds)}` : " ");
 
   const hist = r.history || [];
   let rewardPts = hist.map((h) => [h.step, h.reward_mean]);
@@ -304,26 +319,19 @@ function render(r) {
   ], { yMin: 0, yInt: true, yMaxAtLeast: (st.limit || 0) + 0.5, hlines: st.limit !== undefined ? [{ y: st.limit, color: "var(--limit)", dash: "6 4", label: `η = ${st.limit}` }] : [] });
   barChart($("staleness-histogram"), st.histogram, st.limit);
 
-  const iw = r.importance_weight || {};
-  const last = hist.length ? hist[hist.length - 1] : null;
   const rows = [
     ["groups trained", big(r.groups_trained)], ["tokens trained", big(r.tokens_trained)],
-    ["loss (last step)", last ? fmt(last.loss, 4) : "–"], ["clip fraction", fmt(100 * r.clip_fraction, 1) + "%"],
-    ["clipped low / high", `${fmt(100 * (r.clip_fraction_low ?? 0), 1)}% / ${fmt(100 * (r.clip_fraction_high ?? 0), 1)}%`],
-    ["BAPO bounds low / high", r.bapo_clip_high ? `${fmt(r.bapo_clip_low, 3)} / ${fmt(r.bapo_clip_high, 3)}` : "off"],
-    ["VCPO learning-rate scale", fmt(r.vcpo_lr_scale ?? 1, 3)],
-    ["trajectory balance β", r.tb_beta != null ? fmt(r.tb_beta, 4) : "off"],
-    ["replay buffer", r.replay ? `${r.replay.trajectories} / ${r.replay.capacity} trajectories, ` +
-      `${fmt(r.replay.bytes / 1048576, 1)} MiB, ${r.replay.replayed_groups} groups replayed` : "off"],
-    ["importance weight min/mean/max", `${fmt(iw.min)} / ${fmt(iw.mean)} / ${fmt(iw.max)}`],
+    ["replay buffer", ls && ls.replay ? `${ls.replay.trajectories} / ${ls.replay.capacity} trajectories, ` +
+      `${fmt(ls.replay.bytes / 1048576, 1)} MiB, ${ls.replay.replayed_groups} groups replayed` : "off"],
     ["stale groups dropped", String(st.dropped ?? 0)],
-    ["groups without signal (last step)", fmt(100 * (r.zero_signal_fraction ?? 0), 1) + "%"],
     ["zero-signal groups skipped / starved steps", `${r.zero_signal_groups ?? 0} / ${r.dynamic_sampling_starved_steps ?? 0}`],
     ["last checkpoint", r.last_checkpoint ? r.last_checkpoint.split("/").filter(Boolean).pop() : "none yet"],
     ["running for", r.started_at ? secs(Math.max(0, (r.updated_at || Date.now() / 1000) - r.started_at)) : "–"],
   ];
   const tb = $("details"); tb.textContent = "";
   for (const [k, v] of rows) { const tr = tb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
+
+  renderLastStep(ls);
 
   const adm = r.admission || {};
   const recovery = [
@@ -350,6 +358,20 @@ function render(r) {
   }
   renderEvaluations(r.evaluations || []);
   document.body.dataset.step = String(r.step);
+}
+
+// Every figure of the last step, as declared (hover a name for what it is); absent ones (an
+// objective's figures when it is not the job's) are left out.
+function renderLastStep(ls) {
+  const tb = $("last-step"); tb.textContent = "";
+  if (!ls) { const c = tb.insertRow().insertCell(); c.colSpan = 2; c.textContent = "no step yet"; c.style.color = "var(--muted)"; return; }
+  for (const f of STEP_FIGURES) {
+    const v = f.name.split(".").reduce((o, k) => (o === null || o === undefined ? o : o[k]), ls);
+    if (v === null || v === undefined || typeof v === "object") continue;
+    const tr = tb.insertRow(); tr.dataset.figure = f.name;
+    const k = tr.insertCell(); k.textContent = f.name; k.title = f.help;
+    tr.insertCell().textContent = Math.abs(v) >= 1e4 ? big(v) : Number.isInteger(v) ? String(v) : Number(v).toPrecision(4);
+  }
 }
 
 // One point per policy version (a version evaluated twice, e.g. after a trainer restart, shows
@@ -426,3 +448,10 @@ poll();
 </body>
 </html>
 """
+
+
+@cache
+def dashboard_html() -> str:
+    """The page, with the step record's figures (name and description) for its "last step" card."""
+    declared = [{"name": f.name, "help": f.description} for f in figures(StepMetrics)]
+    return DASHBOARD_HTML.replace("/*STEP_FIGURES*/[]", json.dumps(declared).replace("</", "<\\/"))

@@ -54,7 +54,7 @@ import numpy as np
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, ReplayReport, TrainerReport
+from asyncrl.status_report import AdmissionReport, ReplayReport, StepMetrics, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import Layout
 from asyncrl.trainer.checkpoint import (
@@ -77,14 +77,8 @@ from asyncrl.trainer.publishing import Publisher, on_every_rank, refuse_non_fini
 from asyncrl.trainer.replay import ReplayBuffer, ReplayedGroup
 from asyncrl.trainer.reporter import Reporter, Trackers
 from asyncrl.trainer.step import step_data, train_updates
-from asyncrl.trainer.step_metrics import (
-    append_metrics_line,
-    metrics_line,
-    step_figures,
-    summarize_step,
-    written_evaluations,
-)
-from asyncrl.trainer.step_report import report_step, step_record
+from asyncrl.trainer.step_metrics import append_metrics_line, summarize_step, written_evaluations
+from asyncrl.trainer.step_report import report_step
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -278,11 +272,11 @@ class Trainer:
             replayed = self.draw_replay()  # (algorithm.replay: objective tb, one process)
             # 3-4. Train: advantages, proximal, minibatch updates (identical on every rank).
             self.reporter.set_phase("Training")
-            record = self.train_step(groups, replayed)
-            self._count_skipped(record)  # (fails after maxNonFiniteSteps all-skipped steps in a row)
+            metrics = self.train_step(groups, replayed)
+            self._count_skipped(metrics)  # (fails after maxNonFiniteSteps all-skipped steps in a row)
             # 5. Publish version + 1 (finite weights only); then counters, report, metrics.jsonl.
             await self.publish_next()
-            self.finish_step(groups, record)
+            self.finish_step(groups, metrics)
             # 6. Commit: checkpoint, then acknowledge what it contains.
             if self.state.step % interval == 0 or self.state.step >= max_steps:
                 await self.commit()
@@ -439,14 +433,14 @@ class Trainer:
                     draw.skipped + draw.batch, self.spec.algorithm.dynamic_sampling_draws,
                     draw.batch - draw.batch_zero_signal, draw.batch, self.spec.algorithm.batch_size)
 
-    def _count_skipped(self, record: dict[str, Any]) -> None:
+    def _count_skipped(self, metrics: StepMetrics) -> None:
         """Add the step's skipped updates to the running total (`skipped_updates_total` in
         metrics.jsonl); after `maxNonFiniteSteps` steps in a row whose every update was skipped the
         model is not learning any more: fail (every rank counts the same, see `train_step`)."""
-        skipped, limit = record["skipped_updates"], self.spec.trainer.max_non_finite_steps
+        skipped, limit = metrics.skipped_updates, self.spec.trainer.max_non_finite_steps
         self.state.skipped_updates += skipped
-        record["skipped_updates_total"] = self.state.skipped_updates
-        self._all_skipped_steps = self._all_skipped_steps + 1 if 0 < skipped == record["updates"] else 0
+        metrics.skipped_updates_total = self.state.skipped_updates
+        self._all_skipped_steps = self._all_skipped_steps + 1 if 0 < skipped == metrics.updates else 0
         if self._all_skipped_steps >= limit:
             raise NonFiniteGradientsError(
                 f"every update of the last {limit} step(s) had a non-finite gradient norm "
@@ -454,26 +448,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ one update
 
-    def train_step(self, groups: list[Any], replayed: list[ReplayedGroup] | None = None) -> dict[str, Any]:
+    def train_step(self, groups: list[Any], replayed: list[ReplayedGroup] | None = None) -> StepMetrics:
         """One training step (trainer/step.py) on the fresh `groups` and the `replayed` ones (identical
-        on every rank); returns the step's metrics (rewards, tokens and staleness: of the fresh groups)."""
+        on every rank); returns the step's figures (rewards, tokens and staleness: of the fresh
+        groups; `finish_step` adds the clock's and the draw's)."""
         algo, version = self.spec.algorithm, self.state.version
         step = step_data(groups, replayed or [], algo, self.model_forward(), version=version,
                          step=self.state.step + 1)
         updates = train_updates(step, self.objective, self.optimizer, grad_clip=algo.optimizer.grad_clip)
-        record = summarize_step(step.stats, step.seqs[:step.fresh], groups, version, self.ctx)
-        record["updates"], record["skipped_updates"] = updates.updates, updates.skipped
-        record.update(self.objective.figures())
-        if self.replay is not None:  # keep what was trained fresh; then what the buffer holds
+        metrics = summarize_step(step.stats, step.seqs[:step.fresh], step=self.state.step + 1, version=version,
+                                 ctx=self.ctx)
+        metrics.updates, metrics.skipped_updates = updates.updates, updates.skipped
+        metrics.vcpo_lr_scale = updates.lr_scale  # (mean over updates)
+        for name, value in self.objective.figures().items():  # (each one a StepMetrics field)
+            setattr(metrics, name, value)
+        if self.replay is not None:  # keep what was trained fresh
             seqs = step.seqs
             for g, start in zip(groups, itertools.accumulate((len(g.samples) for g in groups), initial=0)):
                 self.replay.add(g, [seqs[i].ref_sum for i in range(start, start + len(g.samples))])
             self._replayed_total += len(step.replayed)
-            held = self.replay.stats()
-            record.update(replayed_groups=len(step.replayed), replay_trajectories=held.trajectories,
-                          replay_bytes=held.bytes)
-        record["vcpo_lr_scale"] = updates.lr_scale  # (mean over updates)
-        return record
+            metrics.replayed_groups, metrics.replay = len(step.replayed), self._replay_report()
+        return metrics
 
     def model_forward(self) -> ModelForward:
         """How this step feeds the model (the layout is read each step: a test may set it)."""
@@ -495,30 +490,30 @@ class Trainer:
         self.state.version = version
         await self.publisher.publish(version, write=write)
 
-    def finish_step(self, groups: list[Any], record: dict[str, Any]) -> None:
+    def finish_step(self, groups: list[Any], metrics: StepMetrics) -> None:
         """Advance counters, update the report and append one line to metrics.jsonl."""
         st = self.state
         st.step += 1
         st.groups_trained += len(groups)
-        st.tokens_trained += record["tokens"]
-        st.window_group_ids.extend(record["group_ids"])
+        st.tokens_trained += metrics.tokens
+        st.window_group_ids.extend(g.group_id for g in groups)
         now = time.time()
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now
-        self._record_zero_signal(record)
+        m = metrics
+        m.step, m.policy_version, m.time, m.dropped = st.step, st.version, now, st.dropped
+        m.step_seconds, m.tokens_per_second = wall, m.tokens / wall
+        m.weight_sync_seconds = self.publisher.last_seconds
+        self._record_zero_signal(m)
         with self.reporter.edit() as r:
-            step_line = step_record(st, record, wall=wall, now=now, weight_sync_seconds=r.weight_sync_seconds)
-            report_step(r, st, record, step_line, replay=self._replay_report(),
-                        dead_lettered=self.inbox.dead_lettered if self.inbox is not None else 0)
+            report_step(r, st, m, dead_lettered=self.inbox.dead_lettered if self.inbox is not None else 0)
         if self.ctx.is_main and self.cfg.metrics_path is not None:
-            line = append_metrics_line(self.cfg.metrics_path, step_line, record, dropped=st.dropped)
-        else:
-            line = metrics_line(step_line, record, dropped=st.dropped)
+            append_metrics_line(self.cfg.metrics_path, m)
         if self.trackers is not None:
-            self.trackers.log_step(st.step, step_figures(line))
+            self.trackers.log_step(st.step, m.numbers())
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
-                 st.step, st.version, record["reward_mean"], record["loss"], record["staleness_mean"],
-                 record["staleness_max"], record["tokens"], wall, record["compute_seconds"])
+                 st.step, st.version, m.reward_mean, m.loss, m.staleness_mean, m.staleness_max, m.tokens, wall,
+                 m.compute_seconds)
 
     def _replay_report(self) -> ReplayReport | None:
         """What the replay buffer holds (algorithm.replay), for the report."""
@@ -528,7 +523,7 @@ class Trainer:
         return ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
                             capacity=held.capacity, replayed_groups=self._replayed_total)
 
-    def _record_zero_signal(self, record: dict[str, Any]) -> None:
+    def _record_zero_signal(self, metrics: StepMetrics) -> None:
         """The step's dynamic-sampling figures, from what rank 0 drew (`next_batch`; 0 on the other
         ranks): groups skipped, the job's total, the fraction of the groups drawn that had no
         signal (with dynamicSampling off: trained at advantage 0; the figure that says whether to
@@ -536,13 +531,12 @@ class Trainer:
         reward of every sample drawn (`reward_mean` is the trained batch's: with skipping, not the
         policy's)."""
         draw, self._draw = self._draw, StepDraw()
-        record["zero_signal_groups"] = draw.skipped
-        record["dropped_step"] = draw.dropped
+        m = metrics
+        m.zero_signal_groups, m.dropped_step = draw.skipped, draw.dropped
         with self.reporter.reading() as report:
-            record["zero_signal_groups_total"] = report.zero_signal_groups
-        record["zero_signal_fraction"] = draw.zero_signal_fraction
-        record["dynamic_sampling_starved"] = int(draw.starved)
-        record["reward_mean_drawn"] = draw.reward_sum / draw.samples if draw.samples else record["reward_mean"]
+            m.zero_signal_groups_total = report.zero_signal_groups
+        m.zero_signal_fraction, m.dynamic_sampling_starved = draw.zero_signal_fraction, int(draw.starved)
+        m.reward_mean_drawn = draw.reward_sum / draw.samples if draw.samples else m.reward_mean
 
     # ------------------------------------------------------------------ commit
 

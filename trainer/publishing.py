@@ -103,6 +103,8 @@ class Publisher:
         self.io, self.collective = io, collective
         self.reporter, self.engines, self.evaluations = reporter, engines, evaluations
         self.sync_failures = 0
+        self.last_seconds = 0.0
+        """How long the last `publish` took (writing the weights and updating the engines)."""
 
     async def publish(self, version: int, *, write: bool = True) -> None:
         """Every rank: weights/v{version} (a sharded model is gathered: every rank takes part, rank 0
@@ -118,10 +120,9 @@ class Publisher:
         sync_error, engines = await self._sync_engines(version) if self.io is not None else (None, [])
         keep = {e.weight_version for e in engines} - {None}  # versions engines still serve
         prune_weights(self.cfg.weights_dir, keep | retained_versions(version, lag), newest=version)
-        seconds = time.perf_counter() - t0
+        self.last_seconds = time.perf_counter() - t0
         with self.reporter.edit() as report:
             report.policy_version = version
-            report.weight_sync_seconds = seconds
             if self.collective is not None:
                 report.weight_sync_disk_fallbacks = self.collective.stats.disk_fallbacks
             if sync_error:

@@ -39,7 +39,7 @@ from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoin
 from asyncrl.health import HEALTH, Health
 from asyncrl.status_report import DegradedReport, TrainerReport
 
-from .dashboard import DASHBOARD_HTML
+from .dashboard import dashboard_html
 from .metrics import TrainerMetrics
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ def create_app(
 
     @app.get("/", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(DASHBOARD_HTML, headers=NO_STORE)
+        return HTMLResponse(dashboard_html(), headers=NO_STORE)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -24,28 +24,27 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from asyncrl.status_report import EvalRecord, StepRecord
+from asyncrl.status_report import EvalRecord, StepMetrics
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch
+from asyncrl.trainer.losses import BAPO_STAT_KEYS, STAT_KEYS
 from asyncrl.trainer.plan import TrainSequence
 
-LOSS_STATS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-              "behav_filtered_fraction", "importance_weight_mean", "full_ratio_mean", "behav_kl", "m2_before",
-              "m2_after", "m2_masked_fraction", "bapo_clip_low", "bapo_clip_high")
-"""Stats of `policy_loss` over the loss mask: token-weighted step means. BAPO's bounds are chosen per
-micro-batch (docs/algorithms.md), so the step reports their token-weighted mean; 0 with fixed bounds."""
 KEPT_STATS = ("behav_weight_mean", "behav_weight_sq_mean")
 """Stats of `policy_loss` over the kept tokens: step means weighted by `kept_tokens`."""
 EXTREMES = ("importance_weight", "full_ratio", "behav_weight")
 """`policy_loss`'s `<name>_max`/`<name>_min` pairs: step max and min over micro-batches and ranks."""
+_EXTREME_KEYS = tuple(f"{name}_{stat}" for name in EXTREMES for stat in ("max", "min"))
+LOSS_STATS = tuple(k for k in (*STAT_KEYS, *BAPO_STAT_KEYS) if k in StepMetrics.model_fields and k != "loss"
+                   and k not in (*KEPT_STATS, *_EXTREME_KEYS, "tokens", "behav_ess", "staleness_mean", "staleness_max"))
+"""Stats of `policy_loss` that are step figures, over the loss mask: token-weighted step means (BAPO's
+bounds are chosen per micro-batch, docs/algorithms.md, so the step reports their token-weighted mean;
+0 with fixed bounds). The ESS is formed from the step's sums, and the staleness from the batch."""
 MEANS = ("loss", *LOSS_STATS, *KEPT_STATS, "entropy", "padding_fraction")
 """Everything summed over ranks, in this order (the same list on every rank)."""
-STEP_LOSS_KEYS = ("loss", "clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
-                  "behav_filtered_fraction",
-                  *(f"{name}_{stat}" for name in EXTREMES for stat in ("mean", "max", "min")),
-                  "behav_ess", "behav_kl", "m2_before", "m2_after", "m2_masked_fraction", "bapo_clip_low",
-                  "bapo_clip_high", "entropy")
-"""The step record's figures from the loss (and entropy), as they go to metrics.jsonl."""
+STEP_LOSS_KEYS = (*(k for k in MEANS if k in StepMetrics.model_fields and k != "padding_fraction"),
+                  *_EXTREME_KEYS, "behav_ess")
+"""The step record's figures from the loss (and entropy)."""
 
 
 @dataclass
@@ -120,27 +119,25 @@ class StepStats:
         return values
 
 
-def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any], version: int,
-                ctx: D.DistContext) -> dict[str, Any]:
-    """The step's metrics (what `Trainer.finish_step` reports and writes to metrics.jsonl)."""
+def summarize_step(stats: StepStats, seqs: list[TrainSequence], *, step: int, version: int,
+                   ctx: D.DistContext) -> StepMetrics:
+    """The step's figures from its micro-batches and its fresh sequences (collective); the loop
+    adds the updates', the objective's, the draw's and the clock's (`Trainer.finish_step`)."""
     values = stats.reduce(ctx)
     lags = staleness_counts(seqs, version)
     n_tokens = sum(lags.values())
     rewards = [s.reward for s in seqs]
-    return {
-        **{k: values[k] for k in STEP_LOSS_KEYS},
+    return StepMetrics.model_validate({
+        "step": step, "policy_version": version, **{k: values[k] for k in STEP_LOSS_KEYS},
         "grad_norm": float(np.mean(stats.grad_norms)) if stats.grad_norms else 0.0,
         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "response_length": float(np.mean([len(s.response_ids) for s in seqs])) if seqs else 0.0,
         "tokens": int(sum(len(s.response_ids) for s in seqs)),
         "staleness_mean": (sum(k * v for k, v in lags.items()) / n_tokens) if n_tokens else 0.0,
         "staleness_max": max(lags) if lags else 0,
-        "staleness_histogram": dict(lags),
-        "proximal_seconds": values["proximal_seconds"],
-        "padding_fraction": values["padding_fraction"],
-        "compute_seconds": time.perf_counter() - stats.started,
-        "group_ids": [g.group_id for g in groups],
-    }
+        "staleness_histogram": {str(lag): n for lag, n in sorted(lags.items())},
+        "proximal_seconds": values["proximal_seconds"], "padding_fraction": values["padding_fraction"],
+        "compute_seconds": time.perf_counter() - stats.started})
 
 
 def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:
@@ -152,27 +149,14 @@ def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:
     return counts
 
 
-def metrics_line(step: StepRecord, record: dict[str, Any], dropped: int) -> dict[str, Any]:
-    """A step's line of metrics.jsonl: the StepRecord's fields, then the rest of the step's metrics."""
-    line = step.model_dump(mode="json")
-    line.update({k: v for k, v in record.items() if k not in line and k != "group_ids"})
-    line["staleness_histogram"] = {str(k): v for k, v in record["staleness_histogram"].items()}
-    line["dropped"] = dropped
-    return line
+def metrics_line(metrics: StepMetrics) -> dict[str, Any]:
+    """A step's line of metrics.jsonl: every figure of its record, as computed (NaN stays NaN)."""
+    return metrics.model_dump()
 
 
-def append_metrics_line(path: Path, step: StepRecord, record: dict[str, Any], dropped: int) -> dict[str, Any]:
-    """Append one JSON line for the step (`metrics_line`); returns the line."""
-    line = metrics_line(step, record, dropped)
-    _append(path, line)
-    return line
-
-
-def step_figures(line: dict[str, Any]) -> dict[str, float]:
-    """The plain numbers of a step line, for experiment trackers: not the step (their x axis), the
-    Unix time or the staleness histogram (a table)."""
-    return {k: float(v) for k, v in line.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")}
+def append_metrics_line(path: Path, metrics: StepMetrics) -> None:
+    """Append the step's line (`metrics_line`)."""
+    _append(path, metrics_line(metrics))
 
 
 EVENT_KEY = "event"

@@ -1,0 +1,119 @@
+"""Every figure of the step's record (StepMetrics) reaches every sink, from its one declaration:
+metrics.jsonl, /status, Prometheus, the experiment trackers, the dashboard and the job's status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from asyncrl.figures import Exported, figures, is_number
+from asyncrl.health import Health
+from asyncrl.operator.mirror import mirror_report
+from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus
+from asyncrl.status_report import ReplayReport, StepMetrics, TrainerReport
+from asyncrl.trainer.status_api import create_app
+from asyncrl.trainer.step_metrics import metrics_line
+from tests.support.job_builds import example
+
+FIELDS = list(figures(StepMetrics))
+
+
+def every_figure_set() -> StepMetrics:
+    """A record whose every field holds its own recognisable value (none left at a default)."""
+    values: dict[str, object] = {}
+    for i, name in enumerate(StepMetrics.model_fields):
+        annotation = StepMetrics.model_fields[name].annotation
+        values[name] = (i if int in (annotation, *getattr(annotation, "__args__", ())) else i + 0.25)
+    values["staleness_histogram"] = {"0": 5, "2": 7}
+    values["replay"] = ReplayReport(trajectories=301, prompts=21, bytes=4096, capacity=512, replayed_groups=3)
+    return StepMetrics.model_validate(values)
+
+
+@pytest.fixture(scope="module")
+def record() -> StepMetrics:
+    return every_figure_set()
+
+
+def served(record: StepMetrics, path: str) -> httpx.Response:
+    """GET `path` of the trainer's status app serving a report whose last step is `record`."""
+    app = create_app(lambda: TrainerReport(job="sinks", step=record.step, last_step=record), health=Health())
+
+    async def get() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get(path)
+
+    return asyncio.run(get())
+
+
+def at(document: dict[str, object], dotted: str) -> object:
+    value: object = document
+    for key in dotted.split("."):
+        assert isinstance(value, dict) and key in value, dotted
+        value = value[key]
+    return value
+
+
+def test_the_record_declares_each_figure_once_with_a_description() -> None:
+    names = [f.name for f in FIELDS]
+    assert len(names) == len(set(names))
+    undocumented = [f.name for f in FIELDS if not f.description]
+    assert not undocumented, f"figures without a docstring: {undocumented}"
+    record = every_figure_set()
+    with pytest.raises(ValueError):
+        record.undeclared_figure = 1.0  # type: ignore[attr-defined]  # (an objective's figure must be declared)
+
+
+def test_metrics_jsonl_and_status_carry_every_figure(record: StepMetrics) -> None:
+    line = json.loads(json.dumps(metrics_line(record)))
+    body = served(record, "/status").json()
+    for f in figures(record):
+        want = f.value
+        assert at(line, f.name) == want, f.name
+        assert at(body["last_step"], f.name) == want, f.name
+
+
+def test_prometheus_exports_every_figure_or_says_which_series_does(record: StepMetrics) -> None:
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(served(record, "/metrics").text) for s in family.samples}
+    report_level = {f.name: f.exported for f in figures(TrainerReport) if not f.name.startswith("last_step.")}
+    for f in figures(record):
+        e = f.exported
+        if not is_number(f.field.annotation):
+            assert e is not None and e.name is None and e.reason, f"{f.name}: a table needs a reason"
+            continue
+        assert isinstance(e, Exported), f.name
+        if e.name is None:  # the reason names the report's own figure that is exported instead
+            named = re.findall(r"`([a-z_.]+)`", e.reason)
+            covering = [report_level[n] for n in named if n in report_level]
+            assert len(covering) == 1 and covering[0] is not None and covering[0].name, f.name
+            assert any(name.startswith(f"asyncrl_trainer_{covering[0].name}") for name, _ in samples), f.name
+            continue
+        sample = f"asyncrl_trainer_{e.name}" + ("_total" if e.kind == "counter" else "")
+        got = samples[(sample, tuple(sorted(e.labels)))]
+        assert got == pytest.approx(float(f.value)), f.name
+
+
+def test_trackers_and_the_job_status_get_every_number(record: StepMetrics) -> None:
+    numbers = record.numbers()
+    want = {f.name for f in FIELDS if is_number(f.field.annotation)} - set(StepMetrics.AXES)
+    assert set(numbers) == want
+    assert all(isinstance(v, float) and math.isfinite(v) for v in numbers.values())
+
+    job = AsyncRLJob.model_validate(example())
+    status = AsyncRLJobStatus()
+    mirror_report(status, TrainerReport(step=record.step, last_step=record), job.spec)
+    assert status.last_step == numbers
+    assert AsyncRLJobStatus.model_validate(status.to_wire()).last_step == numbers  # (the CRD's camelCase form)
+
+
+def test_the_dashboard_lists_every_figure(record: StepMetrics) -> None:
+    page = served(record, "/").text
+    declared = json.loads(re.search(r"const STEP_FIGURES = (\[.*?\]);\n", page).group(1))  # type: ignore[union-attr]
+    assert [d["name"] for d in declared] == [f.name for f in FIELDS]
+    assert all(d["help"] == f.description for d, f in zip(declared, FIELDS, strict=True))
