@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from asyncrl import staleness_policy
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
+from asyncrl.status_report import RecoveryReport
 
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -993,29 +994,8 @@ class ProgressStatus(StatusModel):
     tokens_per_second: float = 0.0
 
 
-class RecoveryStatus(StatusModel):
+class RecoveryStatus(StatusModel, RecoveryReport):
     """What the job recovered from, in totals since it started (the trainer's report: /status)."""
-
-    dead_lettered: int = 0
-    """Trajectory groups the trainer refused (`asyncrl dead-letters NAME --uid UID` lists them)."""
-    drift_lost: int = 0
-    """Admission slots reconciliation gave back: groups counted as produced that existed nowhere."""
-    drift_found: int = 0
-    """Groups reconciliation counted: published, but their release never landed."""
-    leases_returned: int = 0
-    """Admission leases of killed rollout workers returned by their replacements."""
-    recovered_entries: int = 0
-    """Stream entries the current trainer re-read after a lost read reply."""
-    reclaimed_entries: int = 0
-    """Stream entries the current trainer took over from a dead consumer."""
-    fenced_engines: int = 0
-    """Rollout engines the trainer fenced now (failing weight updates; retried in the background)."""
-    trainer_restarts: int = 0
-    """Times the trainer started again after a crash or a kill."""
-    engine_restarts: int = 0
-    """Rollout engines seen coming back as a new incarnation."""
-    engine_resyncs: int = 0
-    """Engines the trainer loaded with the current weights after they joined, restarted or lagged."""
 
 
 class EvaluationStatus(StatusModel):

@@ -280,15 +280,37 @@ class AdmissionReport(_Report):
     """Groups that may start now."""
     drift: Annotated[int, gauge("admission_groups", figure="drift")] = 0
     """The last check's drift not yet repaired (< 0: counted groups that exist nowhere)."""
+
+
+class RecoveryReport(_Report):
+    """What the job recovered from, in totals since it started: /status `recovery`, Prometheus
+    counters, the dashboard's Recovery card, and the job's `status.recovery` (asyncrl.spec's
+    RecoveryStatus is this model under the API's camelCase names); the operator sends an Event for
+    each figure that grows."""
+
     dead_lettered: Annotated[int, not_exported("the report's `dead_lettered` is the counter")] = 0
-    """Groups dead-lettered since the job started (every trainer life; the report's `dead_lettered` is this one's)."""
+    """Trajectory groups the trainer refused (`asyncrl dead-letters NAME --uid UID` lists them)."""
     drift_lost: Annotated[int, counter("admission_drift_repaired_groups", "Groups admission's reconciliation "
                                        "took out of (lost) or added to (found) 'accepted'.", direction="lost")] = 0
-    """Groups taken out of `accepted` by reconciliation since the job started."""
+    """Admission slots reconciliation gave back: groups counted as produced that existed nowhere."""
     drift_found: Annotated[int, counter("admission_drift_repaired_groups", direction="found")] = 0
-    """Groups added to `accepted` by reconciliation since the job started."""
+    """Groups reconciliation counted: published, but their release never landed."""
     leases_returned: Annotated[int, counter("admission_leases_returned")] = 0
-    """Leases of dead rollout workers returned by their replacements."""
+    """Admission leases of killed rollout workers returned by their replacements."""
+    recovered_entries: Annotated[int, counter("recovered_entries")] = 0
+    """Stream entries the current trainer re-read after a lost read reply."""
+    reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0
+    """Stream entries the current trainer took over from a dead consumer."""
+    fenced_engines: Annotated[int, gauge("fenced_engines")] = 0
+    """Rollout engines the trainer fenced now (failing weight updates; retried in the background)."""
+    trainer_restarts: Annotated[int, counter("restarts", "Restarts seen in the job: the trainer's own, and "
+                                             "rollout engines coming back as a new incarnation.",
+                                             component="trainer")] = 0
+    """Times the trainer started again after a crash or a kill."""
+    engine_restarts: Annotated[int, counter("restarts", component="engine")] = 0
+    """Rollout engines seen coming back as a new incarnation."""
+    engine_resyncs: Annotated[int, counter("engine_resyncs")] = 0
+    """Engines the trainer loaded with the current weights after they joined, restarted or lagged."""
 
 
 class TrainerReport(_Report):
@@ -332,19 +354,8 @@ class TrainerReport(_Report):
     spec.algorithm.dynamicSampling): acknowledged untrained, their admission capacity returned."""
     dynamic_sampling_starved_steps: Annotated[int, counter("dynamic_sampling_starved_steps")] = 0
     """Steps that drew dynamicSamplingMaxDraws groups without batchSize with signal and trained on fewer."""
-    recovered_entries: Annotated[int, counter("recovered_entries")] = 0
-    """Stream entries this trainer re-read from its own pending list (a read reply it lost)."""
-    reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0
-    """Stream entries this trainer took over from a dead consumer's pending list."""
     admission: AdmissionReport = Field(default_factory=AdmissionReport)
-    trainer_restarts: Annotated[int, counter("restarts", "Restarts seen in the job: the trainer's own, and "
-                                             "rollout engines coming back as a new incarnation.",
-                                             component="trainer")] = 0
-    """Times the job's trainer started again after a crash or a kill (job total)."""
-    engine_restarts: Annotated[int, counter("restarts", component="engine")] = 0
-    """Rollout engines seen coming back as a new incarnation (job total)."""
-    engine_resyncs: Annotated[int, counter("engine_resyncs")] = 0
-    """Engines the trainer's catch-up loaded with the current weights (job total)."""
+    recovery: RecoveryReport = Field(default_factory=RecoveryReport)
     weight_transport: Literal["disk", "collective"] = "disk"
     """How published weights reach the engines (trainer.weightTransport)."""
     weight_sync_disk_fallbacks: Annotated[int, counter("weight_sync_disk_fallbacks")] = 0

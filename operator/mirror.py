@@ -159,13 +159,7 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     newest = newest_evaluation(report.evaluations)
     if newest is not None:
         status.evaluation = evaluation_status(newest)
-    a = report.admission
-    status.recovery = RecoveryStatus(
-        dead_lettered=max(a.dead_lettered, report.dead_lettered), drift_lost=a.drift_lost,
-        drift_found=a.drift_found, leases_returned=a.leases_returned, recovered_entries=report.recovered_entries,
-        reclaimed_entries=report.reclaimed_entries, fenced_engines=sum(1 for e in report.rollout if e.fenced),
-        trainer_restarts=report.trainer_restarts, engine_restarts=report.engine_restarts,
-        engine_resyncs=report.engine_resyncs)
+    status.recovery = RecoveryStatus.model_validate(report.recovery.model_dump())
 
 
 RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (

@@ -170,8 +170,8 @@ async def test_a_resumed_trainer_counts_what_its_checkpoint_trained_and_reports_
         await trainer.settle_restored()
         for _ in range(2):
             await trainer.check_admission()
-        report = trainer.get_report().admission
-        assert (report.accepted, report.drift, report.drift_lost, report.drift_found) == (7, 0, 0, 0)
+        report, recovery = trainer.get_report().admission, trainer.get_report().recovery
+        assert (report.accepted, report.drift, recovery.drift_lost, recovery.drift_found) == (7, 0, 0, 0)
         assert report.capacity == 1  # (eta 0, version 3, B 2: 8 allowed, 7 accepted)
     finally:
         await io.redis.aclose()

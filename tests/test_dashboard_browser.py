@@ -24,6 +24,7 @@ from asyncrl.status_report import (
     AdmissionReport,
     EngineReport,
     EvalRecord,
+    RecoveryReport,
     ReplayReport,
     StalenessReport,
     StepMetrics,
@@ -90,12 +91,9 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         dead_lettered=1,
         zero_signal_groups=7,
         dynamic_sampling_starved_steps=1,
-        recovered_entries=2,
-        reclaimed_entries=5,
-        trainer_restarts=1,
-        engine_restarts=2,
-        engine_resyncs=3,
-        admission=AdmissionReport(accepted=248, running=6, capacity=2, drift_lost=1, drift_found=0, leases_returned=3),
+        admission=AdmissionReport(accepted=248, running=6, capacity=2),
+        recovery=RecoveryReport(dead_lettered=1, drift_lost=1, leases_returned=3, recovered_entries=2,
+                                reclaimed_entries=5, trainer_restarts=1, engine_restarts=2, engine_resyncs=3),
         last_checkpoint="/runs/local/checkpoints/step-30",
         rollout=[
             EngineReport(url="http://127.0.0.1:30001", weight_version=steps, ready=True),
@@ -243,9 +241,9 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
     recovery = [[(await c.text_content()) for c in await row.locator("td").all()]
                 for row in await page.locator("#recovery tr").all()]
     assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
-                        ["groups dead-lettered", "1"], ["entries recovered / reclaimed", "2 / 5"],
-                        ["admission drift repaired (lost / found)", "1 / 0"], ["dead workers' leases returned", "3"],
-                        ["restarts: trainer / engines", "1 / 2"], ["engines re-synced", "3"]]
+                        ["dead_lettered", "1"], ["drift_lost", "1"], ["drift_found", "0"], ["leases_returned", "3"],
+                        ["recovered_entries", "2"], ["reclaimed_entries", "5"], ["fenced_engines", "0"],
+                        ["trainer_restarts", "1"], ["engine_restarts", "2"], ["engine_resyncs", "3"]]
 
     details = dict([[(await c.text_content()) for c in await row.locator("td").all()]
                     for row in await page.locator("#details tr").all()])

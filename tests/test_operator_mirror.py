@@ -13,7 +13,7 @@ from asyncrl import runtime as R
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
-from asyncrl.status_report import AdmissionReport, EvalRecord, TrainerReport
+from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
 from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
 
 pytestmark = pytest.mark.slow
@@ -60,8 +60,9 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             engines = [e.model_copy(update={"fenced": "3 failed updates"} if i == 0 else {})
                        for i, e in enumerate(evaluated_report().rollout)]
             trainer.report = evaluated_report().model_copy(update={
-                "dead_lettered": 1, "rollout": engines, "trainer_restarts": 1, "engine_resyncs": 2,
-                "admission": AdmissionReport(dead_lettered=2, drift_lost=1, leases_returned=3)})
+                "dead_lettered": 1, "rollout": engines,
+                "recovery": RecoveryReport(dead_lettered=2, drift_lost=1, leases_returned=3, fenced_engines=1,
+                                           trainer_restarts=1, engine_resyncs=2)})
             await wait_for(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
                            log=op.log)
             assert status()["recovery"] == {"deadLettered": 2, "driftLost": 1, "driftFound": 0, "leasesReturned": 3,

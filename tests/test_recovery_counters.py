@@ -51,7 +51,7 @@ async def test_the_trainer_counts_its_restarts_and_engines_coming_back(tmp_path,
         await trainer.refresh_engines(catch_up_engines=False)
         await registry.register(EngineInfo("e0", "http://e0:30000", 0, True, time.time(), incarnation="b"))
         await trainer.refresh_engines(catch_up_engines=False)
-        report = trainer.get_report()
+        report = trainer.get_report().recovery
         assert (report.trainer_restarts, report.engine_restarts, report.engine_resyncs) == (1, 1, 0)
     finally:
         for io, _ in lives:

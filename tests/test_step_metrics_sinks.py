@@ -1,5 +1,6 @@
 """Every figure of the step's record (StepMetrics) reaches every sink, from its one declaration:
-metrics.jsonl, /status, Prometheus, the experiment trackers, the dashboard and the job's status."""
+metrics.jsonl, /status, Prometheus, the experiment trackers, the dashboard and the job's status;
+and so does every recovery total (RecoveryReport): /status, Prometheus, the dashboard, the job's status."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from asyncrl.figures import Exported, figures, is_number
 from asyncrl.health import Health
 from asyncrl.operator.mirror import mirror_report
 from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus
-from asyncrl.status_report import ReplayReport, StepMetrics, TrainerReport
+from asyncrl.status_report import RecoveryReport, ReplayReport, StepMetrics, TrainerReport
 from asyncrl.trainer.status_api import create_app
 from asyncrl.trainer.step_metrics import metrics_line
 from tests.support.job_builds import example
@@ -40,9 +41,14 @@ def record() -> StepMetrics:
     return every_figure_set()
 
 
-def served(record: StepMetrics, path: str) -> httpx.Response:
+def every_total_set() -> RecoveryReport:
+    return RecoveryReport.model_validate({name: 11 + i for i, name in enumerate(RecoveryReport.model_fields)})
+
+
+def served(record: StepMetrics, path: str, recovery: RecoveryReport | None = None) -> httpx.Response:
     """GET `path` of the trainer's status app serving a report whose last step is `record`."""
-    app = create_app(lambda: TrainerReport(job="sinks", step=record.step, last_step=record), health=Health())
+    report = TrainerReport(job="sinks", step=record.step, last_step=record, recovery=recovery or RecoveryReport())
+    app = create_app(lambda: report, health=Health())
 
     async def get() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
@@ -114,6 +120,28 @@ def test_trackers_and_the_job_status_get_every_number(record: StepMetrics) -> No
 
 def test_the_dashboard_lists_every_figure(record: StepMetrics) -> None:
     page = served(record, "/").text
-    declared = json.loads(re.search(r"const STEP_FIGURES = (\[.*?\]);\n", page).group(1))  # type: ignore[union-attr]
-    assert [d["name"] for d in declared] == [f.name for f in FIELDS]
-    assert all(d["help"] == f.description for d, f in zip(declared, FIELDS, strict=True))
+    declared = json.loads(re.search(r"const FIGURES = (\{.*?\});\n", page).group(1))  # type: ignore[union-attr]
+    for key, model in (("last_step", StepMetrics), ("recovery", RecoveryReport)):
+        want = list(figures(model))
+        assert [d["name"] for d in declared[key]] == [f.name for f in want]
+        assert all(d["help"] == f.description for d, f in zip(declared[key], want, strict=True))
+
+
+def test_every_recovery_total_reaches_status_prometheus_and_the_job_status(record: StepMetrics) -> None:
+    totals = every_total_set()
+    assert served(record, "/status", totals).json()["recovery"] == totals.model_dump()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for family in
+               text_string_to_metric_families(served(record, "/metrics", totals).text) for s in family.samples}
+    for f in figures(totals):
+        e = f.exported
+        assert e is not None and f.description, f.name
+        if e.name is None:
+            assert e.reason, f.name
+            continue
+        sample = f"asyncrl_trainer_{e.name}" + ("_total" if e.kind == "counter" else "")
+        assert samples[(sample, tuple(sorted(e.labels)))] == f.value, f.name
+    status = AsyncRLJobStatus()
+    mirror_report(status, TrainerReport(recovery=totals), AsyncRLJob.model_validate(example()).spec)
+    assert status.recovery is not None and status.recovery.model_dump() == totals.model_dump()
+    assert set(status.to_wire()["recovery"]) == {f.alias for f in AsyncRLJobStatus.model_fields["recovery"]
+                                                  .annotation.__args__[0].model_fields.values()}

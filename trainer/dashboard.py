@@ -22,7 +22,7 @@ import json
 from functools import cache
 
 from asyncrl.figures import figures
-from asyncrl.status_report import StepMetrics
+from asyncrl.status_report import RecoveryReport, StepMetrics
 
 DASHBOARD_HTML = r"""<!doctype html>
 <html lang="en">
@@ -173,8 +173,9 @@ DASHBOARD_HTML = r"""<!doctype html>
 const params = new URLSearchParams(location.search);
 const REFRESH_MS = Math.max(500, 1000 * (parseFloat(params.get("refresh")) || 2));
 const SVGNS = "http://www.w3.org/2000/svg";
-// The step record's figures (name, description) in declaration order, filled in by the server.
-const STEP_FIGURES = /*STEP_FIGURES*/[];
+// The figures of the step's record and of the recovery totals (name, description) in declaration
+// order, filled in by the server from the report's models.
+const FIGURES = /*FIGURES*/{};
 let lastReport = null, lastOk = 0;
 
 const $ = (id) => document.getElementById(id);
@@ -334,18 +335,12 @@ function render(r) {
   renderLastStep(ls);
 
   const adm = r.admission || {};
-  const recovery = [
-    ["admission accepted / running / free", `${adm.accepted ?? 0} / ${adm.running ?? 0} / ${adm.capacity ?? 0}`],
-    ["stale groups dropped", String(st.dropped ?? 0)],
-    ["groups dead-lettered", String(r.dead_lettered ?? 0)],
-    ["entries recovered / reclaimed", `${r.recovered_entries ?? 0} / ${r.reclaimed_entries ?? 0}`],
-    ["admission drift repaired (lost / found)", `${adm.drift_lost ?? 0} / ${adm.drift_found ?? 0}`],
-    ["dead workers' leases returned", String(adm.leases_returned ?? 0)],
-    ["restarts: trainer / engines", `${r.trainer_restarts ?? 0} / ${r.engine_restarts ?? 0}`],
-    ["engines re-synced", String(r.engine_resyncs ?? 0)],
-  ];
   const rb = $("recovery"); rb.textContent = "";
-  for (const [k, v] of recovery) { const tr = rb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v; }
+  for (const [k, v] of [["admission accepted / running / free", `${adm.accepted ?? 0} / ${adm.running ?? 0} / ${adm.capacity ?? 0}`],
+                        ["stale groups dropped", String(st.dropped ?? 0)]]) {
+    const tr = rb.insertRow(); tr.insertCell().textContent = k; tr.insertCell().textContent = v;
+  }
+  renderFigures(rb, FIGURES.recovery, r.recovery || {});
 
   const eb = $("engines"); eb.textContent = "";
   if (!engines.length) { const c = eb.insertRow().insertCell(); c.colSpan = 4; c.textContent = "no rollout engines registered"; c.style.color = "var(--muted)"; }
@@ -365,10 +360,15 @@ function render(r) {
 function renderLastStep(ls) {
   const tb = $("last-step"); tb.textContent = "";
   if (!ls) { const c = tb.insertRow().insertCell(); c.colSpan = 2; c.textContent = "no step yet"; c.style.color = "var(--muted)"; return; }
-  for (const f of STEP_FIGURES) {
-    const v = f.name.split(".").reduce((o, k) => (o === null || o === undefined ? o : o[k]), ls);
+  renderFigures(tb, FIGURES.last_step, ls);
+}
+
+// One row per declared figure of `obj` that has a value: its name (the description on hover), its value.
+function renderFigures(tbody, declared, obj) {
+  for (const f of declared) {
+    const v = f.name.split(".").reduce((o, k) => (o === null || o === undefined ? o : o[k]), obj);
     if (v === null || v === undefined || typeof v === "object") continue;
-    const tr = tb.insertRow(); tr.dataset.figure = f.name;
+    const tr = tbody.insertRow(); tr.dataset.figure = f.name;
     const k = tr.insertCell(); k.textContent = f.name; k.title = f.help;
     tr.insertCell().textContent = Math.abs(v) >= 1e4 ? big(v) : Number.isInteger(v) ? String(v) : Number(v).toPrecision(4);
   }
@@ -452,6 +452,8 @@ poll();
 
 @cache
 def dashboard_html() -> str:
-    """The page, with the step record's figures (name and description) for its "last step" card."""
-    declared = [{"name": f.name, "help": f.description} for f in figures(StepMetrics)]
-    return DASHBOARD_HTML.replace("/*STEP_FIGURES*/[]", json.dumps(declared).replace("</", "<\\/"))
+    """The page, with the figures (name and description) of the step's record and of the recovery
+    totals, for its "Last step" and "Recovery" cards."""
+    declared = {key: [{"name": f.name, "help": f.description} for f in figures(model)]
+                for key, model in (("last_step", StepMetrics), ("recovery", RecoveryReport))}
+    return DASHBOARD_HTML.replace("/*FIGURES*/{}", json.dumps(declared).replace("</", "<\\/"))

@@ -60,6 +60,7 @@ class EngineWatch:
         with self.reporter.edit() as report:  # weight_version: the trainer's record or the worker's newer one
             report.rollout = [EngineReport(url=i.url, weight_version=i.weight_version, ready=i.ready, fenced=i.fenced)
                               for i in infos]
+            report.recovery.fenced_engines = sum(1 for i in infos if i.fenced)
         return infos
 
     async def _catch_up(self, version: int) -> None:
@@ -99,5 +100,6 @@ class EngineWatch:
         await self.recovery.add(field, n)
         counts = await self.recovery.read()
         with self.reporter.edit() as report:
-            report.trainer_restarts = max(counts.trainer_starts - 1, 0)
-            report.engine_restarts, report.engine_resyncs = counts.engine_restarts, counts.engine_resyncs
+            r = report.recovery
+            r.trainer_restarts = max(counts.trainer_starts - 1, 0)
+            r.engine_restarts, r.engine_resyncs = counts.engine_restarts, counts.engine_resyncs

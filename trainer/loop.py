@@ -42,6 +42,7 @@ What to train comes from the validated job spec; `RunConfig` holds only what the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -54,7 +55,7 @@ import numpy as np
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, ReplayReport, StepMetrics, TrainerReport
+from asyncrl.status_report import AdmissionReport, RecoveryReport, ReplayReport, StepMetrics, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import Layout
 from asyncrl.trainer.checkpoint import (
@@ -395,12 +396,13 @@ class Trainer:
         snap = await self.io.admission.snapshot()
         stats = self.inbox.consumer.stats
         with self.reporter.edit() as report:
-            report.recovered_entries, report.reclaimed_entries = stats.recovered, stats.reclaimed
-            report.admission = AdmissionReport(
-                accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
-                drift=check.drift - check.repaired, dead_lettered=snap.dead_lettered,
-                drift_lost=snap.drift_lost, drift_found=snap.drift_found,
-                leases_returned=snap.leases_returned)
+            report.admission = AdmissionReport(accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
+                                               drift=check.drift - check.repaired)
+            # admission's job totals (RecoveryReport's fields among the snapshot's), this consumer's own
+            report.recovery = RecoveryReport.model_validate({
+                **report.recovery.model_dump(), **dataclasses.asdict(snap),
+                "dead_lettered": max(snap.dead_lettered, self.inbox.dead_lettered),
+                "recovered_entries": stats.recovered, "reclaimed_entries": stats.reclaimed})
 
     def _count_dropped(self, count: int) -> None:
         if not count:
