@@ -20,7 +20,7 @@ from asyncrl.trainer.losses import (
     LossConfig,
     opob_advantages,
     policy_loss,
-    vcpo_lr_scale,
+    vcpo_ess_scale,
     vcpo_weight_sums,
 )
 
@@ -31,15 +31,15 @@ JOB = "t-vcpo"
 
 def test_lr_scale_by_hand() -> None:
     # equal weights: ESS = n, ratio 1 (less the 1e-8 guard), no reduction
-    assert vcpo_lr_scale(4.0, 4.0, 4.0) == pytest.approx(1.0, abs=1e-8)
+    assert vcpo_ess_scale(4.0, 4.0, 4.0) == pytest.approx(1.0, abs=1e-8)
     # w = (1, 3): ESS = 16 / 10, ratio 0.8; sqrt rule 0.8944, linear 0.8; base 0.5 caps at 1
-    assert vcpo_lr_scale(4.0, 10.0, 2.0) == pytest.approx(math.sqrt(0.8))
-    assert vcpo_lr_scale(4.0, 10.0, 2.0, scaling="linear") == pytest.approx(0.8)
-    assert vcpo_lr_scale(4.0, 10.0, 2.0, base_ess_ratio=0.5) == 1.0
-    assert vcpo_lr_scale(4.0, 10.0, 2.0, base_ess_ratio=0.9, scaling="linear") == pytest.approx(0.8 / 0.9)
-    assert vcpo_lr_scale(0.0, 0.0, 0.0) == 0.0  # no sequence: the code's 0
+    assert vcpo_ess_scale(4.0, 10.0, 2.0) == pytest.approx(math.sqrt(0.8))
+    assert vcpo_ess_scale(4.0, 10.0, 2.0, scaling="linear") == pytest.approx(0.8)
+    assert vcpo_ess_scale(4.0, 10.0, 2.0, base_ess_ratio=0.5) == 1.0
+    assert vcpo_ess_scale(4.0, 10.0, 2.0, base_ess_ratio=0.9, scaling="linear") == pytest.approx(0.8 / 0.9)
+    assert vcpo_ess_scale(0.0, 0.0, 0.0) == 0.0  # no sequence: the code's 0
     with pytest.raises(ValueError, match="sqrt"):
-        vcpo_lr_scale(1.0, 1.0, 1.0, scaling="cube")
+        vcpo_ess_scale(1.0, 1.0, 1.0, scaling="cube")
 
 
 def test_weight_sums_by_hand() -> None:
@@ -63,7 +63,7 @@ def test_matches_authors_code(case: int) -> None:
     assert (s * s / (q + 1e-8)) / n == pytest.approx(c["ess_ratio"], abs=1e-6)
     for key, want in c["lr"].items():
         scaling, base = key.split("/")
-        assert vcpo_lr_scale(s, q, n, base_ess_ratio=float(base), scaling=scaling) == pytest.approx(want, abs=1e-6)
+        assert vcpo_ess_scale(s, q, n, base_ess_ratio=float(base), scaling=scaling) == pytest.approx(want, abs=1e-6)
 
 
 def test_policy_loss_reports_the_sums_only_with_vcpo() -> None:

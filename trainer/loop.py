@@ -461,7 +461,6 @@ class Trainer:
         metrics = summarize_step(step.stats, step.seqs[:step.fresh], step=self.state.step + 1, version=version,
                                  ctx=self.ctx)
         metrics.updates, metrics.skipped_updates = updates.updates, updates.skipped
-        metrics.vcpo_lr_scale = updates.lr_scale  # (mean over updates)
         for name, value in self.objective.figures().items():  # (each one a StepMetrics field)
             setattr(metrics, name, value)
         if self.replay is not None:  # keep what was trained fresh

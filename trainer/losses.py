@@ -826,7 +826,7 @@ def vcpo_weight_sums(log_w: Tensor, mask: Tensor) -> tuple[float, float, float]:
     return s, q, n
 
 
-def vcpo_lr_scale(w_sum: float, w_sq_sum: float, n: float, *, base_ess_ratio: float = VCPO_BASE_ESS_RATIO,
+def vcpo_ess_scale(w_sum: float, w_sq_sum: float, n: float, *, base_ess_ratio: float = VCPO_BASE_ESS_RATIO,
                   scaling: str = VCPO_SCALING) -> float:
     """VCPO's learning-rate multiplier: `sqrt(min(1, rho / rho_base))` (or linear), `rho = ESS / n`.
 

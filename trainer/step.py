@@ -38,8 +38,6 @@ class StepUpdates:
     updates: int
     skipped: int
     """Updates not applied: their gradient norm was not finite."""
-    lr_scale: float
-    """The mean learning-rate factor of the updates (VCPO's ESS scale; 1.0 without VCPO)."""
 
 
 def step_data(groups: list[Any], replayed: list[ReplayedGroup], algo: AlgorithmSpec, forward: ModelForward, *,
@@ -59,7 +57,7 @@ def train_updates(step: StepData, objective: Objective, optimizer: Any, *, grad_
     """Run the step's updates (identical decisions on every rank); figures go to `step.stats`."""
     model = step.forward.model
     objective.prepare(step)
-    skipped, lr_scales = 0, []
+    skipped = 0
     for m, plan in enumerate(step.plans):
         objective.prepare_update(m, plan)
         optimizer.zero_grad(set_to_none=True)
@@ -67,7 +65,6 @@ def train_updates(step: StepData, objective: Objective, optimizer: Any, *, grad_
         grad_norm = D.clip_grad_norm(model, grad_clip)
         step.stats.grad_norms.append(grad_norm)
         scale = objective.lr_scale()
-        lr_scales.append(scale)
         if math.isfinite(grad_norm):
             scaled_optimizer_step(optimizer, scale)
         else:  # (the gradients are zeroed before the next update and after the last)
@@ -75,8 +72,7 @@ def train_updates(step: StepData, objective: Objective, optimizer: Any, *, grad_
             log.warning("step %d, minibatch %d/%d: gradient norm %s: update skipped (weights and optimizer "
                         "state unchanged)", step.step, m + 1, len(step.plans), grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    return StepUpdates(updates=len(step.plans), skipped=skipped,
-                       lr_scale=sum(lr_scales) / len(lr_scales) if lr_scales else 1.0)
+    return StepUpdates(updates=len(step.plans), skipped=skipped)
 
 
 def accumulate_gradients(step: StepData, objective: Objective, m: int, plan: MinibatchPlan) -> None:

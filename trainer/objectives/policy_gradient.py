@@ -16,7 +16,7 @@ from torch import Tensor
 from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import TrainBatch
-from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_lr_scale
+from asyncrl.trainer.losses import VCPO_STAT_KEYS, LossConfig, policy_loss, vcpo_ess_scale
 from asyncrl.trainer.objectives.base import StepData
 from asyncrl.trainer.plan import MinibatchPlan
 
@@ -31,9 +31,10 @@ class PolicyGradient:
         self.proximal: dict[tuple[int, int], Tensor] = {}
         """`recompute`: the step-start log-probs per (update, micro-batch); else empty."""
         self._vcpo_sums = [0.0, 0.0, 0.0]  # this rank's sum w, sum w^2, sequences of the update
+        self._scales: list[float] = []  # VCPO: the step's scale per update
 
     def prepare(self, step: StepData) -> None:
-        self.step = step
+        self.step, self._scales = step, []
         t0 = time.perf_counter()
         self.proximal = self._recomputed_proximal(step)
         step.stats.proximal_seconds += time.perf_counter() - t0  # (log-linear's is added per micro-batch)
@@ -56,11 +57,14 @@ class PolicyGradient:
         if not self.algo.vcpo:
             return 1.0
         assert self.step is not None
-        return vcpo_lr_scale(*D.all_reduce_sum(self._vcpo_sums, self.step.forward.ctx),
-                             base_ess_ratio=self.algo.vcpo_base_ess_ratio, scaling=self.algo.vcpo_scaling)
+        scale = vcpo_ess_scale(*D.all_reduce_sum(self._vcpo_sums, self.step.forward.ctx),
+                               base_ess_ratio=self.algo.vcpo_base_ess_ratio, scaling=self.algo.vcpo_scaling)
+        self._scales.append(scale)
+        return scale
 
     def figures(self) -> dict[str, float]:
-        return {}
+        """VCPO: the learning-rate scale, the mean over the step's updates (none without VCPO)."""
+        return {"vcpo_lr_scale": sum(self._scales) / len(self._scales)} if self._scales else {}
 
     def _recomputed_proximal(self, step: StepData) -> dict[tuple[int, int], Tensor]:
         """`recompute`: no-grad log-probs of the current weights per (update, micro-batch); else none.
