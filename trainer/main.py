@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.errors import SpecError, TrainerError
 from asyncrl.loader import JobFileError, load_job
@@ -48,6 +48,9 @@ from asyncrl.outcome import (
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
 from asyncrl.transport.names import StreamNames
+
+if TYPE_CHECKING:
+    from asyncrl.trainer.loop import Trainer
 
 # torch, transformers, Redis and the web server are imported inside the functions that run the
 # trainer: `asyncrl --help` (and the operator, which has no torch) imports this module to build
@@ -432,55 +435,28 @@ async def _main(job: AsyncRLJob, args: argparse.Namespace) -> int:
 
 async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any,
                      record: OutcomeRecord | None, signals: StopSignals) -> int:
-    from asyncrl.trainer import distributed as D
-
     # A restarted pod of a job that already ended: serve the outcome, touch nothing else.
-    recorded = await record.find() if record is not None else None
-    recorded_json = D.broadcast_object(recorded.to_json() if recorded is not None else None, ctx)
-    if recorded_json is not None:
-        outcome = TrainerOutcome.model_validate_json(recorded_json)
+    recorded = await _recorded_outcome(record, ctx)
+    if recorded is not None:
         if ctx.is_main:
             log.info("outcome already recorded for job %s%s: %s; serving it without loading the model",
-                     job.metadata.name, f" (uid {runtime.job_uid})" if runtime.job_uid else "", outcome.summary)
-        report = report_of(outcome, job)
-        return await _serve(outcome, lambda: report, job, args, runtime, ctx, record, signals)
+                     job.metadata.name, f" (uid {runtime.job_uid})" if runtime.job_uid else "", recorded.summary)
+        report = report_of(recorded, job)
+        return await _serve(recorded, lambda: report, job, args, runtime, ctx, record, signals)
 
     io = await connect_io(job, runtime, record.redis) if record is not None else None
     server = None
     try:
-        try:
-            trackers = None
-            if ctx.is_main:  # experiment trackers (spec.logging); a missing package is a config error
-                from asyncrl.trainer.trackers import Trackers
-
-                trackers = Trackers.from_spec(job.spec.logging, Path(runtime.run_dir), job.metadata.name,
-                                              config=job.spec.to_wire())
-            trainer = build_trainer(job, args, runtime, ctx, io, trackers=trackers)
-        except SpecError as exc:  # the model (or another part of the spec) cannot be used here
-            if trackers is not None:
-                trackers.close()
-            if record is not None:
-                await record.record(new_outcome(job.metadata.name, runtime.job_uid, "Failed", config_reason(exc),
-                                                message=str(exc)))
-            return config_error(exc)
+        trainer = await _build_or_record_failure(job, args, runtime, ctx, io, record)
+        if isinstance(trainer, int):
+            return trainer
         trainer.stop_requested = signals.received > 0
         signals.trainer = trainer
         if ctx.is_main and not args.no_status:
             server = start_status(trainer.get_report, job, args, runtime)
-        try:
-            phase = await trainer.run()
-        except TrainerError as exc:  # fatal: retrying cannot help
-            from asyncrl.trainer.publishing import failure_reason
-
-            log.error("training failed: %s", exc)
-            outcome = outcome_of(trainer, job, runtime, "Failed", failure_reason(exc), str(exc))
-        else:
-            if phase != "Succeeded":  # stopped by a signal: the restarted pod resumes
-                log.info("trainer stopped at step %d (version %d)", trainer.state.step, trainer.state.version)
-                return 0
-            from asyncrl.trainer.loop import SUCCEEDED_REASON
-
-            outcome = outcome_of(trainer, job, runtime, "Succeeded", SUCCEEDED_REASON, trainer.succeeded_message())
+        outcome = await _train(trainer, job, runtime)
+        if outcome is None:  # stopped by a signal: the restarted pod resumes
+            return 0
         signals.serve()
         if record is not None:
             outcome = await record.record(outcome)
@@ -494,6 +470,53 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
             server.stop_thread()
         if io is not None and (record is None or io.redis is not record.redis):
             await io.redis.aclose()
+
+
+async def _recorded_outcome(record: OutcomeRecord | None, ctx: Any) -> TrainerOutcome | None:
+    """The job's outcome if an earlier life of the trainer recorded one (every rank gets rank 0's)."""
+    from asyncrl.trainer import distributed as D
+
+    recorded = await record.find() if record is not None else None
+    recorded_json = D.broadcast_object(recorded.to_json() if recorded is not None else None, ctx)
+    return TrainerOutcome.model_validate_json(recorded_json) if recorded_json is not None else None
+
+
+async def _build_or_record_failure(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any,
+                                   io: Any, record: OutcomeRecord | None) -> Trainer | int:
+    """The trainer (with rank 0's experiment trackers, spec.logging); or, when the spec cannot be used
+    here (the model, a missing tracker package), the job's Failed outcome recorded and the exit code."""
+    from asyncrl.trainer.trackers import Trackers
+
+    trackers = None
+    try:
+        if ctx.is_main:
+            trackers = Trackers.from_spec(job.spec.logging, Path(runtime.run_dir), job.metadata.name,
+                                          config=job.spec.to_wire())
+        return build_trainer(job, args, runtime, ctx, io, trackers=trackers)
+    except SpecError as exc:
+        if trackers is not None:
+            trackers.close()
+        if record is not None:
+            await record.record(new_outcome(job.metadata.name, runtime.job_uid, "Failed", config_reason(exc),
+                                            message=str(exc)))
+        return config_error(exc)
+
+
+async def _train(trainer: Trainer, job: AsyncRLJob, runtime: Runtime) -> TrainerOutcome | None:
+    """Run training to its outcome: Succeeded, or Failed on a fatal error (retrying cannot help);
+    None when a signal stopped it (the restarted pod resumes)."""
+    from asyncrl.trainer.loop import SUCCEEDED_REASON
+    from asyncrl.trainer.publishing import failure_reason
+
+    try:
+        phase = await trainer.run()
+    except TrainerError as exc:
+        log.error("training failed: %s", exc)
+        return outcome_of(trainer, job, runtime, "Failed", failure_reason(exc), str(exc))
+    if phase != "Succeeded":
+        log.info("trainer stopped at step %d (version %d)", trainer.state.step, trainer.state.version)
+        return None
+    return outcome_of(trainer, job, runtime, "Succeeded", SUCCEEDED_REASON, trainer.succeeded_message())
 
 
 async def _serve(outcome: TrainerOutcome, get_report: Any, job: AsyncRLJob, args: argparse.Namespace,
