@@ -132,8 +132,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from kmock._internal import enums, references, rendering
-from kube_emulator import STANDARD_RESOURCES, KubeEmulator, wait_for
+import kmock
+from kube_emulator import STANDARD_RESOURCES, KubeEmulator
+
+from tests.support.polling import poll
 
 Obj = dict[str, Any]
 
@@ -241,9 +243,9 @@ class Api:
         self.emu = emu
 
     @staticmethod
-    def resource(plural: str) -> references.resource:
+    def resource(plural: str) -> kmock.resource:
         group, version, _ = PLURALS[plural]
-        return references.resource(group, version, plural)
+        return kmock.resource(group, version, plural)
 
     def list(self, plural: str, namespace: str | None = None) -> list[Obj]:
         return self.emu.all(plural, namespace)
@@ -267,8 +269,8 @@ class Api:
                     subresource: str | None = None) -> Obj | None:
         """A JSON merge patch (None deletes a key); None when the object is gone."""
         res = self.resource(plural)
-        request = rendering.Request(resource=res, namespace=namespace, name=name, subresource=subresource,
-                                    data=body, method=enums.method.PATCH)
+        request = kmock.Request(resource=res, namespace=namespace, name=name, subresource=subresource,
+                                    data=body, method=kmock.method.PATCH)
         async with self.emu._lock:
             key = self._live_key(plural, namespace, name)
             if key is None:
@@ -1974,7 +1976,7 @@ class KubeCluster:
 
     async def wait(self, check: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
         """Poll `check` (sync or async) until truthy; on timeout fail with the cluster's state (`dump`)."""
-        return await wait_for(check, timeout=timeout, what=what, interval=0.02, describe=self.dump)
+        return await poll(check, timeout=timeout, what=what, interval=0.02, describe=self.dump)
 
     def dump(self) -> str:
         """Pods, container states, recent events, errors and log tails: what a failing test should print."""

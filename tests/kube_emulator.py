@@ -35,10 +35,10 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
-from kmock._internal import apps, dicts, enums, k8s, references, rendering
 
 from asyncrl.crd import PRINTER_COLUMNS, build_crd
 from asyncrl.spec import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from tests.support.merge_patch import merge_patch
 
 # (group, version, plural) -> (kind, namespaced, subresources)
 STANDARD_RESOURCES: dict[tuple[str, str, str], tuple[str, bool, tuple[str, ...]]] = {
@@ -77,8 +77,8 @@ class LoggedRequest:
     token: str = ""  # the bearer token: which client (of several kubeconfigs) sent it
 
 
-def _err(status: int, reason: str, message: str) -> k8s.KubernetesError:
-    return k8s.KubernetesError(status=status, reason=reason, message=message, details={})
+def _err(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
 
 
 def _get_path(obj: Any, path: str) -> Any:
@@ -149,10 +149,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         for (group, version, plural), (kind, namespaced, subs) in STANDARD_RESOURCES.items():
             key = f"{group}/{version}/{plural}" if group else f"{version}/{plural}"
-            info = references.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
+            info = kmock.ResourceInfo(kind=kind, namespaced=namespaced, verbs=VERBS,
                                            subresources=set(subs), singular=kind.lower())
             if plural == PLURAL:
-                info = references.ResourceInfo(kind=KIND, namespaced=True, verbs=VERBS, subresources=set(subs),
+                info = kmock.ResourceInfo(kind=KIND, namespaced=True, verbs=VERBS, subresources=set(subs),
                                                singular=SINGULAR, shortnames=set(SHORT_NAMES),
                                                categories={"all", "asyncrl"})
             self.resources[key] = info
@@ -161,7 +161,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         crd["metadata"].update(uid=str(uuid.uuid4()), creationTimestamp=_now(), resourceVersion="1", generation=1)
         crd["status"] = {"acceptedNames": crd["spec"]["names"], "storedVersions": [VERSION],
                          "conditions": [{"type": "Established", "status": "True"}]}
-        self.objects[(references.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"),
+        self.objects[(kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions"),
                       None, crd["metadata"]["name"])] = crd
 
     # ------------------------------------------------------------------ entry point
@@ -192,9 +192,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "uid": f"ns-{name}"},
                 "status": {"phase": "Active"}}
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None or request.resource.plural is None:
-            return await apps.RawHandler._handle(self, request)  # discovery and plain HTTP
+            return await kmock.RawHandler._handle(self, request)  # discovery and plain HTTP
         res = request.resource
         verb = self._verb(request)
         resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
@@ -209,19 +209,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if verb in ("create", "patch", "update", "delete"):
             try:
                 status, payload = await self._mutate(request, verb)
-            except k8s.KubernetesError as exc:
+            except kmock.KubernetesError as exc:
                 return await self._render_error(exc)
             return aiohttp.web.json_response(payload, status=status)
         if self._wants_table(request) and verb in ("get", "list"):
             return aiohttp.web.json_response(await self._table(request, verb))
         # get/list/watch are served by kmock's fallbacks, reading the objects we keep.
-        return await apps.RawHandler._handle(self, request)
+        return await kmock.RawHandler._handle(self, request)
 
     @staticmethod
-    def _verb(request: rendering.Request) -> str:
-        if request.action == enums.action.WATCH:
+    def _verb(request: kmock.Request) -> str:
+        if request.action == kmock.action.WATCH:
             return "watch"
-        if request.method == enums.method.PUT:
+        if request.method == kmock.method.PUT:
             return "update"
         if request.action is not None:
             return {"list": "list", "fetch": "get", "create": "create", "update": "patch",
@@ -230,10 +230,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------------ writes
 
-    def _key(self, request: rendering.Request, name: str | None = None) -> tuple:
+    def _key(self, request: kmock.Request, name: str | None = None) -> tuple:
         return (request.resource, request.namespace, name or request.name)
 
-    def _kind(self, request: rendering.Request) -> tuple[str, str]:
+    def _kind(self, request: kmock.Request) -> tuple[str, str]:
         res = request.resource
         kind = STANDARD_RESOURCES.get((res.group, res.version, res.plural), (res.plural.capitalize(),))[0]
         api_version = f"{res.group}/{res.version}" if res.group else res.version
@@ -242,7 +242,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def _emit(self, resource: Any, event: str, raw: dict) -> None:
         await self._buses[resource].put({"type": event, "object": copy.deepcopy(raw)})
 
-    async def _mutate(self, request: rendering.Request, verb: str) -> tuple[int, dict]:
+    async def _mutate(self, request: kmock.Request, verb: str) -> tuple[int, dict]:
         async with self._lock:
             if verb == "create":
                 return 201, await self._create(request)
@@ -253,7 +253,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 return 200, await self._delete(key)
             return 200, await self._update(request, key, replace=(verb == "update"))
 
-    async def _create(self, request: rendering.Request) -> dict:
+    async def _create(self, request: kmock.Request) -> dict:
         obj = copy.deepcopy(request.data or {})
         meta = obj.setdefault("metadata", {})
         if request.namespace:
@@ -278,7 +278,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         await self._emit(request.resource, "ADDED", obj)
         return obj
 
-    async def _update(self, request: rendering.Request, key: tuple, *, replace: bool) -> dict:
+    async def _update(self, request: kmock.Request, key: tuple, *, replace: bool) -> dict:
         stored = self.objects[key]
         old = copy.deepcopy(stored.raw)
         body = copy.deepcopy(request.data)
@@ -293,15 +293,15 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if replace:
             new = body
         elif isinstance(body, dict) and sub == "status":
-            new = dicts.patch_dict(old, {"status": body.get("status")}) if "status" in body else old
+            new = merge_patch(old, {"status": body.get("status")}) if "status" in body else old
         elif isinstance(body, dict):
             body.pop("status", None)
-            new = dicts.patch_dict(old, body)
+            new = merge_patch(old, body)
         else:  # JSON patch; a failed `test` op (kopf's resourceVersion precondition) is a 422
             import jsonpatch
 
             try:
-                new = dicts.patch_dict(old, body)
+                new = merge_patch(old, body)
             except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
                 raise _err(422, "Invalid", f"the JSON patch cannot be applied: {exc}") from None
         new = copy.deepcopy(dict(new))
@@ -362,10 +362,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------------ scale
 
-    async def _scale(self, request: rendering.Request) -> dict:
+    async def _scale(self, request: kmock.Request) -> dict:
         spec_path, status_path, selector_path = SCALE_PATHS[request.resource.plural]
         key = self._key(request)
-        if request.method in (enums.method.PATCH, enums.method.PUT):
+        if request.method in (kmock.method.PATCH, kmock.method.PUT):
             replicas = _get_path(request.data, "spec.replicas")
             if not isinstance(replicas, int):
                 raise _err(422, "Invalid", "spec.replicas must be an integer")
@@ -374,7 +374,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
             async with self._lock:
                 if key not in self.objects or self.objects[key].deleted:
                     raise _err(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
-                fake = rendering.Request(resource=request.resource, namespace=request.namespace,
+                fake = kmock.Request(resource=request.resource, namespace=request.namespace,
                                          name=request.name, data=patch)
                 await self._update(fake, key, replace=False)
         async with self._lock:
@@ -391,7 +391,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     # ------------------------------------------------------------------ reads
 
-    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_list(self, request: kmock.Request) -> kmock.Payload:
         kind, api_version = self._kind(request)
         selector = request.params.get("labelSelector", "")
         async with self._lock:
@@ -403,7 +403,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return {"apiVersion": api_version, "kind": f"{kind}List",
                 "metadata": {"resourceVersion": str(next(self._rv))}, "items": items}
 
-    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_version(self, request: kmock.Request) -> kmock.Payload:
         out = await super()._serve_version(request)
         if request.resource is not None and request.resource.group == "":
             out["groupVersion"] = request.resource.version  # core: "v1", not "/v1"
@@ -415,10 +415,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
         return out
 
     @staticmethod
-    def _wants_table(request: rendering.Request) -> bool:
+    def _wants_table(request: kmock.Request) -> bool:
         return "as=Table" in request.headers.get("Accept", "")
 
-    async def _table(self, request: rendering.Request, verb: str) -> dict:
+    async def _table(self, request: kmock.Request, verb: str) -> dict:
         if verb == "list":
             objs = (await self._serve_list(request))["items"]
         else:
@@ -465,16 +465,16 @@ class KubeEmulator(kmock.KubernetesEmulator):
     async def patch_status(self, group: str, version: str, plural: str, namespace: str, name: str,
                            status: dict) -> dict:
         """What a kubelet/controller would do: write `.status` of a child (e.g. readyReplicas)."""
-        fake = rendering.Request(resource=references.resource(group, version, plural), namespace=namespace,
+        fake = kmock.Request(resource=kmock.resource(group, version, plural), namespace=namespace,
                                  name=name, subresource="status", data={"status": status},
-                                 method=enums.method.PATCH)
+                                 method=kmock.method.PATCH)
         async with self._lock:
             return await self._update(fake, (fake.resource, namespace, name), replace=False)
 
     async def put_object(self, group: str, version: str, plural: str, obj: dict) -> dict:
         """Create an object as if a controller did (pods of a Deployment, for instance)."""
-        fake = rendering.Request(resource=references.resource(group, version, plural),
-                                 namespace=obj["metadata"].get("namespace"), data=obj, method=enums.method.POST)
+        fake = kmock.Request(resource=kmock.resource(group, version, plural),
+                                 namespace=obj["metadata"].get("namespace"), data=obj, method=kmock.method.POST)
         async with self._lock:
             return await self._create(fake)
 
@@ -498,31 +498,9 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Awaitable, Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-async def wait_for(check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition",
-                   log: Path | None = None, interval: float = 0.05,
-                   describe: Callable[[], str] | None = None) -> Any:
-    """Poll `check` (sync or async) until it returns something truthy, or fail after `timeout` with
-    the tail of `log` and/or `describe()` (e.g. a cluster's state)."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if isinstance(last, Awaitable):
-            last = await last
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    tail = log.read_text()[-4000:] if log and log.exists() else ""
-    if describe is not None:
-        tail += describe()
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})\n{tail}")
 
 
 class OperatorProcess:

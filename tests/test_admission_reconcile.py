@@ -12,7 +12,7 @@ from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
-from tests.polling import poll
+from tests.support.polling import poll
 
 NAMES = StreamNames.for_job("job")
 

@@ -20,13 +20,14 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import JOBS, KINDS, OPERATOR, PERMISSIONS
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "asyncrl"
@@ -131,10 +132,10 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc("main")) as resp:
         assert resp.status == 201
     job, ctx = parse_job(job_doc("main")), B.BuildContext(owner_uid="u", namespace=NS)
-    await wait_for(lambda: all(emu.get(KINDS[o["kind"]][2], NS, o["metadata"]["name"])
+    await poll(lambda: all(emu.get(KINDS[o["kind"]][2], NS, o["metadata"]["name"])
                                for o in B.build_children(job, ctx)), what="every child", log=op.log)
     await make_ready(emu, "main")
-    await wait_for(lambda: (emu.get(PLURAL, NS, "main") or {}).get("status", {}).get("phase") == "Running",
+    await poll(lambda: (emu.get(PLURAL, NS, "main") or {}).get("status", {}).get("phase") == "Running",
                    what="Running", log=op.log)
     # A trainer pod of an older template: the gang is restarted (pods list + delete).
     pod = {"apiVersion": "v1", "kind": "Pod",
@@ -143,7 +144,7 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
                                    "controller-revision-hash": "rev-1"}},
            "spec": {"containers": [{"name": "trainer", "image": "x"}]}}
     await emu.put_object("", "v1", "pods", pod)
-    await wait_for(lambda: emu.get("pods", NS, pod["metadata"]["name"]) is None, what="gang restart", log=op.log)
+    await poll(lambda: emu.get("pods", NS, pod["metadata"]["name"]) is None, what="gang restart", log=op.log)
     # A hand edit of every patchable kind is put back (patch).
     drift = {"configmaps": ("", N.config_map("main")), "services": ("", N.status_service("main")),
              "persistentvolumeclaims": ("", N.shared_pvc("main")), "deployments": ("apps", N.rollout("main")),
@@ -154,15 +155,15 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
         base = f"/apis/{group}/v1" if group else "/api/v1"
         await edit(emu, f"{base}/namespaces/{NS}/{plural}/{name}", {"metadata": {"labels": {N.LABEL_JOB: "edited"}}})
     for plural, (_, name) in drift.items():
-        await wait_for(lambda p=plural, n=name: (emu.get(p, NS, n) or {}).get("metadata", {})
+        await poll(lambda p=plural, n=name: (emu.get(p, NS, n) or {}).get("metadata", {})
                        .get("labels", {}).get(N.LABEL_JOB) == "main", what=f"{plural} put back", log=op.log)
     # A job past its deadline fails, and its TTL deletes it (delete on asyncrljobs).
     short = job_doc("short", activeDeadlineSeconds=1, ttlSecondsAfterFinished=0)
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=short) as resp:
         assert resp.status == 201
-    await wait_for(lambda: emu.get("deployments", NS, N.rollout("short")), what="short's children", log=op.log)
+    await poll(lambda: emu.get("deployments", NS, N.rollout("short")), what="short's children", log=op.log)
     await make_ready(emu, "short")
-    await wait_for(lambda: emu.get(PLURAL, NS, "short") is None, what="TTL deletion", log=op.log, timeout=60)
+    await poll(lambda: emu.get(PLURAL, NS, "short") is None, what="TTL deletion", log=op.log, timeout=60)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from tests.control_plane import (  # noqa: F401
     k8s_version,
     namespace_fixture,
 )
-from tests.polling import poll_sync
+from tests.support.polling import poll_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from polling import poll
 
 from asyncrl.health import Health
 from asyncrl.status_report import (
@@ -32,6 +31,7 @@ from asyncrl.status_report import (
     TrainerReport,
 )
 from asyncrl.trainer.status_api import StatusServer, create_app
+from tests.support.polling import poll
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [

@@ -11,7 +11,7 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import JobFileError, parse_job
 from asyncrl.operator import builders as B
@@ -19,6 +19,7 @@ from asyncrl.operator import names as N
 from asyncrl.operator.status import parse_time
 from asyncrl.spec import PLURAL
 from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 QUEUE = "gpu-team"
@@ -69,15 +70,15 @@ async def test_operator_keeps_a_held_job_queued_past_its_startup_deadline(tmp_pa
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log").start()
         try:
             await create_job(emu, job_doc(queueName=QUEUE, startupDeadlineSeconds=1))
-            await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+            await poll(lambda: children_exist(emu), what="children", log=op.log)
             for plural, name in (("statefulsets", N.trainer("qwen")), ("deployments", N.rollout("qwen"))):
                 assert emu.get(plural, NS, name)["metadata"]["labels"][N.LABEL_KUEUE_QUEUE] == QUEUE
             await emu.put_object("", "v1", "pods", gated_pod("qwen-trainer-0", "trainer"))
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
-            await wait_for(lambda: status().get("reason") == "Queued", what="Queued", log=op.log)
+            await poll(lambda: status().get("reason") == "Queued", what="Queued", log=op.log)
             first = parse_time(status()["startTime"])
             # passes more than the 1 s startup deadline later: still queued (startTime follows), not failed
-            await wait_for(lambda: status().get("phase") == "Failed"
+            await poll(lambda: status().get("phase") == "Failed"
                            or parse_time(status()["startTime"]) - first >= timedelta(seconds=3),
                            what="a pass 3 s later", log=op.log)
             assert (status()["phase"], status()["reason"]) == ("Pending", "Queued"), status()

@@ -20,8 +20,7 @@ import attrs
 import kmock
 import pytest
 import yaml
-from kmock._internal import dicts
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
@@ -29,6 +28,8 @@ from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed, differences, patch_body, stamp
 from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.merge_patch import merge_patch
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "rl"
@@ -139,7 +140,7 @@ class DefaultingEmulator(KubeEmulator):
         plural = request.resource.plural
         if plural in CHILD_PLURALS and not request.subresource and not replace and isinstance(request.data, dict):
             body = {k: v for k, v in request.data.items() if k != "status"}
-            merged = server_defaults(plural, copy.deepcopy(dict(dicts.patch_dict(self.objects[key].raw, body))))
+            merged = server_defaults(plural, copy.deepcopy(dict(merge_patch(self.objects[key].raw, body))))
             request = attrs.evolve(request, data=merged)
         return await super()._update(request, key, replace=replace)
 
@@ -197,7 +198,7 @@ def path(plural: str, name: str) -> str:
 async def settled(emu: KubeEmulator, op: OperatorProcess, quiet: float = 0.5) -> None:
     """Wait until the job is Initializing and the operator has sent nothing for `quiet` seconds: what
     changes after this was not done by the passes that followed the job's creation."""
-    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
+    await poll(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
                    what="Initializing", log=op.log)
     deadline = asyncio.get_running_loop().time() + 20
     while asyncio.get_running_loop().time() < deadline:
@@ -295,7 +296,7 @@ slow = pytest.mark.slow
 async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_operator):
     op = watch_only_operator
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await poll(lambda: children_exist(emu), what="children", log=op.log)
     await settled(emu, op)
     name = N.rollout(JOB)
     before = emu.get("deployments", NS, name)
@@ -311,7 +312,7 @@ async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_o
                 and now["spec"]["template"]["spec"]["containers"][0]["image"] == before["spec"]["template"]["spec"][
                     "containers"][0]["image"])
 
-    await wait_for(corrected, timeout=5, what="replicas and image restored", log=op.log)
+    await poll(corrected, timeout=5, what="replicas and image restored", log=op.log)
     log = op.log.read_text()
     assert f"deployments {NS}/{name} changed (MODIFIED): waking job {JOB}" in log, "the watch saw the edit"
     assert f"Deployment {NS}/{name} differs from the desired state at spec.replicas, " \
@@ -322,14 +323,14 @@ async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_o
 async def test_deleted_children_are_recreated(emu, watch_only_operator):
     op = watch_only_operator
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await poll(lambda: children_exist(emu), what="children", log=op.log)
     await settled(emu, op)
     old = emu.get("deployments", NS, N.rollout(JOB))
     await request(emu, "DELETE", path("deployments", N.rollout(JOB)))
     await request(emu, "DELETE", path("configmaps", N.config_map(JOB)))
-    await wait_for(lambda: (emu.get("deployments", NS, N.rollout(JOB)) or {}).get("metadata", {}).get("uid")
+    await poll(lambda: (emu.get("deployments", NS, N.rollout(JOB)) or {}).get("metadata", {}).get("uid")
                    not in (None, old["metadata"]["uid"]), timeout=5, what="rollout Deployment re-created", log=op.log)
-    await wait_for(lambda: emu.get("configmaps", NS, N.config_map(JOB)), timeout=5, what="ConfigMap re-created",
+    await poll(lambda: emu.get("configmaps", NS, N.config_map(JOB)), timeout=5, what="ConfigMap re-created",
                    log=op.log)
     assert f"deployments {NS}/{N.rollout(JOB)} changed (DELETED): waking job {JOB}" in op.log.read_text()
 
@@ -342,7 +343,7 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
     not watched (that needs cluster-wide list/watch on Secrets): the interval's pass corrects them."""
     op = operator
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await poll(lambda: children_exist(emu), what="children", log=op.log)
 
     def secret() -> dict | None:
         return emu.get("secrets", NS, N.redis_secret(JOB))
@@ -354,7 +355,7 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
         want = B.secret_hash(s)
         return all(template_annotations(emu, p, n).get(N.ANNOTATION_REDIS_AUTH_HASH) == want for p, n in SECRET_USERS)
 
-    first = await wait_for(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
+    first = await poll(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
                            what="consistent from the start", log=op.log)
     # Redis takes requirepass from the Secret's `password`, clients their URL from its `url`.
     redis = emu.get("statefulsets", NS, N.redis(JOB))["spec"]["template"]["spec"]["containers"][0]
@@ -369,10 +370,10 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
 
     # Deleted: re-created with a new password, and Redis, rollout and trainer all roll onto it.
     await request(emu, "DELETE", path("secrets", N.redis_secret(JOB)))
-    second = await wait_for(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
+    second = await poll(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
                             timeout=5, what="Secret re-created", log=op.log)
     assert password(second) != password(first)
-    await wait_for(lambda: users_agree_with(second), timeout=5, what="every user rolled onto the new Secret",
+    await poll(lambda: users_agree_with(second), timeout=5, what="every user rolled onto the new Secret",
                    log=op.log)
     assert f":{password(second)}@" in base64.b64decode(second["data"]["url"]).decode()
 
@@ -384,7 +385,7 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
                             "url": base64.b64encode(url.encode()).decode()}})
     third = secret()
     assert third is not None and password(third) == new_pw
-    await wait_for(lambda: users_agree_with(third), timeout=5, what="every user rolled onto the rotated Secret",
+    await poll(lambda: users_agree_with(third), timeout=5, what="every user rolled onto the rotated Secret",
                    log=op.log)
     assert password(secret()) == new_pw, "the operator never overwrites a Secret"
     hashes = {template_annotations(emu, p, n)[N.ANNOTATION_REDIS_AUTH_HASH] for p, n in SECRET_USERS}
@@ -398,7 +399,7 @@ async def test_a_new_engine_key_rolls_the_rollout_and_the_trainer_not_redis(emu,
     rolls both onto the new key, so engine and clients never disagree; Redis does not read it."""
     op = operator
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await poll(lambda: children_exist(emu), what="children", log=op.log)
     users = SECRET_USERS[1:]
 
     def secret() -> dict | None:
@@ -408,14 +409,14 @@ async def test_a_new_engine_key_rolls_the_rollout_and_the_trainer_not_redis(emu,
         want = B.secret_hash(s)
         return all(template_annotations(emu, p, n).get(N.ANNOTATION_ENGINE_AUTH_HASH) == want for p, n in users)
 
-    first = await wait_for(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
+    first = await poll(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
                            what="consistent from the start", log=op.log)
     assert N.ANNOTATION_ENGINE_AUTH_HASH not in template_annotations(emu, *SECRET_USERS[0])
     await request(emu, "DELETE", path("secrets", N.engine_secret(JOB)))
-    second = await wait_for(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
+    second = await poll(lambda: (s := secret()) and s["metadata"]["uid"] != first["metadata"]["uid"] and s,
                             timeout=5, what="Secret re-created", log=op.log)
     assert second["data"]["api-key"] != first["data"]["api-key"]
-    await wait_for(lambda: users_agree_with(second), timeout=5, what="rollout and trainer rolled onto the new key",
+    await poll(lambda: users_agree_with(second), timeout=5, what="rollout and trainer rolled onto the new key",
                    log=op.log)
 
 
@@ -424,17 +425,17 @@ async def test_no_patch_when_nothing_drifted(emu, operator):
     """Many status passes and watch events (status updates included) over objects carrying the API
     server's defaults: not one PATCH of a child."""
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
-    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
+    await poll(lambda: children_exist(emu), what="children", log=operator.log)
+    await poll(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
                    what="Initializing", log=operator.log)
     await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(JOB), {"replicas": 4, "readyReplicas": 4})
     await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer(JOB), {"replicas": 1, "readyReplicas": 1})
     await emu.patch_status("apps", "v1", "statefulsets", NS, N.redis(JOB), {"replicas": 1, "readyReplicas": 1})
-    await wait_for(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Running",
+    await poll(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Running",
                    what="Running", log=operator.log)
     passes = lambda: sum(1 for r in emu.log if r.verb == "list" and r.resource == "pods")  # noqa: E731 - one a pass
     start = passes()
-    await wait_for(lambda: passes() >= start + 10, what="ten more passes", log=operator.log)
+    await poll(lambda: passes() >= start + 10, what="ten more passes", log=operator.log)
     assert child_patches(emu) == [], "a pass over unchanged children sent a PATCH"
     gets = [r for r in emu.log if r.verb == "get" and r.resource == "deployments"]
     assert len(gets) >= 10, "the passes did read the live objects"
@@ -447,7 +448,7 @@ async def test_no_patch_when_nothing_drifted(emu, operator):
 @slow
 async def test_weights_survive_the_job_unless_asked(emu, operator):
     job = await create_job(emu, job_doc(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0))
-    await wait_for(lambda: emu.get(PLURAL, NS, JOB) is None, what="job deleted by its TTL", log=operator.log)
+    await poll(lambda: emu.get(PLURAL, NS, JOB) is None, what="job deleted by its TTL", log=operator.log)
     pvc = emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB))
     assert pvc is not None, "the weights volume outlives the job and its TTL"
     assert not pvc["metadata"].get("ownerReferences")
@@ -459,19 +460,19 @@ async def test_weights_survive_the_job_unless_asked(emu, operator):
     job = await create_job(emu, job_doc())
     owner = lambda: (emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) or {}).get(  # noqa: E731
         "metadata", {}).get("ownerReferences")
-    await wait_for(lambda: emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)), what="PVC", log=operator.log)
+    await poll(lambda: emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)), what="PVC", log=operator.log)
     ref = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "AsyncRLJob", "name": JOB, "uid": job["metadata"]["uid"],
            "controller": True, "blockOwnerDeletion": True}
     await request(emu, "PATCH", path("persistentvolumeclaims", N.shared_pvc(JOB)),
                   {"metadata": {"ownerReferences": [ref]}})
-    await wait_for(lambda: not owner(), what="ownerReference removed by a status pass", log=operator.log)
+    await poll(lambda: not owner(), what="ownerReference removed by a status pass", log=operator.log)
     await request(emu, "DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{JOB}")
     assert emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) is not None
     await request(emu, "DELETE", path("persistentvolumeclaims", N.shared_pvc(JOB)))
 
     # Asked for (at creation: spec.storage is immutable): owned, and deleted with the job.
     job = await create_job(emu, job_doc(storage={"size": "1Gi", "deleteWithJob": True}))
-    await wait_for(owner, what="PVC owned by the job", log=operator.log)
+    await poll(owner, what="PVC owned by the job", log=operator.log)
     assert owner() == [{**ref, "uid": job["metadata"]["uid"]}]
     await request(emu, "DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{JOB}")
     assert emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) is None
@@ -480,7 +481,7 @@ async def test_weights_survive_the_job_unless_asked(emu, operator):
 @slow
 async def test_redis_data_goes_with_the_job_and_pods_know_the_uid(emu, operator):
     job = await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await poll(lambda: children_exist(emu), what="children", log=operator.log)
     redis = emu.get("statefulsets", NS, N.redis(JOB))
     assert redis["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
     assert redis["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]

@@ -15,13 +15,14 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "rl"
@@ -86,10 +87,10 @@ async def pair(emu: KubeEmulator, tmp_path: Path, request: pytest.FixtureRequest
         ops[who] = OperatorProcess(tmp_path / f"kubeconfig-{who}", tmp_path / f"operator-{who}.log",
                                    extra_args=(*lease, "--leader-election-identity", f"operator-{who}"))
     await ops["a"].start()
-    await wait_for(lambda: holder(emu) == "operator-a", what="a holds the Lease", log=ops["a"].log, timeout=60)
+    await poll(lambda: holder(emu) == "operator-a", what="a holds the Lease", log=ops["a"].log, timeout=60)
     await ops["b"].start()
     # b is up and polling the Lease (its first requests), and it did not get it.
-    await wait_for(lambda: requests_of(emu, "token-b"), what="b polls the Lease", log=ops["b"].log, timeout=60)
+    await poll(lambda: requests_of(emu, "token-b"), what="b polls the Lease", log=ops["b"].log, timeout=60)
     yield ops
     for op in ops.values():
         await op.stop()
@@ -100,7 +101,7 @@ async def pair(emu: KubeEmulator, tmp_path: Path, request: pytest.FixtureRequest
 async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_killed(emu, pair):
     a, b = pair["a"], pair["b"]
     await create_job(emu, "first")
-    await wait_for(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
+    await poll(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
     await asyncio.sleep(2.0)  # several of b's retry periods and a's status passes
     assert holder(emu) == "operator-a"
     assert {"create", "patch", "watch"} <= {v for v, _, _ in not_lease(requests_of(emu, "token-a"))}
@@ -112,7 +113,7 @@ async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_
     await a.stop(kill=True)
     await asyncio.sleep(0.2)  # requests a had already sent when it died may still be read and logged
     mark = len(emu.log)
-    await wait_for(lambda: holder(emu) == "operator-b", what="b takes the Lease", log=b.log, timeout=30)
+    await poll(lambda: holder(emu) == "operator-b", what="b takes the Lease", log=b.log, timeout=30)
     took = time.monotonic() - killed
     assert took >= 3.0 - 0.3 - 0.1, f"b took an unexpired Lease after {took:.1f}s"
     lease = emu.get("leases", LEASE_NS, "asyncrl-operator")
@@ -120,7 +121,7 @@ async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_
 
     # b reconciles now: a new job gets its children and status from b, and a sent nothing more.
     await create_job(emu, "second")
-    await wait_for(lambda: reconciled(emu, "second"), what="b reconciles the new job", log=b.log)
+    await poll(lambda: reconciled(emu, "second"), what="b reconciles the new job", log=b.log)
     writes_b = {(v, res) for v, _, res in not_lease(requests_of(emu, "token-b", since=mark))}
     assert {("create", "deployments"), ("patch", f"{PLURAL}/status")} <= writes_b
     assert requests_of(emu, "token-a", since=mark) == []
@@ -132,14 +133,14 @@ async def test_a_stopped_leader_hands_the_lease_over_at_once(emu, pair):
     (expiry would take a minute): no clock on our side decides."""
     a, b = pair["a"], pair["b"]
     await create_job(emu, "first")
-    await wait_for(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
+    await poll(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
     await a.stop()  # SIGTERM: kopf stops, then the Lease is released
     assert a.proc is not None and a.proc.returncode == 0, a.log.read_text()[-2000:]
-    await wait_for(lambda: holder(emu) == "operator-b", what="b takes the released Lease", log=b.log, timeout=30)
+    await poll(lambda: holder(emu) == "operator-b", what="b takes the released Lease", log=b.log, timeout=30)
     mark = len(emu.log)
     async with emu.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/{N.rollout('first')}") as resp:
         assert resp.status == 200
-    await wait_for(lambda: emu.get("deployments", NS, N.rollout("first")), what="b re-creates the Deployment",
+    await poll(lambda: emu.get("deployments", NS, N.rollout("first")), what="b re-creates the Deployment",
                    log=b.log)
     assert ("create", "deployments") in {(v, res) for v, _, res in requests_of(emu, "token-b", since=mark)}
 
@@ -160,6 +161,6 @@ async def test_a_leader_that_cannot_renew_exits_before_the_lease_can_expire(emu,
     assert holder(emu) == "operator-a", "nobody took the Lease meanwhile (writes are held)"
     gate.set()
     del emu.gates[("update", "leases")]
-    await wait_for(lambda: holder(emu) == "operator-b", what="b takes over", log=b.log, timeout=30)
+    await poll(lambda: holder(emu) == "operator-b", what="b takes over", log=b.log, timeout=30)
     await create_job(emu, "after")
-    await wait_for(lambda: reconciled(emu, "after"), what="b reconciles", log=b.log)
+    await poll(lambda: reconciled(emu, "after"), what="b reconciles", log=b.log)

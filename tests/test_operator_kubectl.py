@@ -9,12 +9,13 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report
 
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord
 from tests.support.emulated_jobs import assert_rbac_covers
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -54,14 +55,14 @@ async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
             # document, which the emulator does not serve (schema validation is the API server's job).
             out = await run_kubectl(cfg, "apply", "--validate=false", "-f", str(REPO / "examples" / "job.yaml"))
             assert out.strip() == f"asyncrljob.asyncrl.dev/{NAME} created"
-            await wait_for(lambda: emu.get("deployments", NS, N.rollout(NAME)), what="rollout Deployment", log=op.log)
+            await poll(lambda: emu.get("deployments", NS, N.rollout(NAME)), what="rollout Deployment", log=op.log)
             await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(NAME),
                                    {"replicas": 4, "readyReplicas": 4})
             for sts in (N.trainer(NAME), N.redis(NAME)):
                 await emu.patch_status("apps", "v1", "statefulsets", NS, sts, {"replicas": 1, "readyReplicas": 1})
             # Readiness and the mirror may arrive on separate passes: wait for both.
             status = lambda: emu.get(PLURAL, NS, NAME).get("status", {})  # noqa: E731
-            await wait_for(lambda: (status().get("trainer") or {}).get("step") == 42
+            await poll(lambda: (status().get("trainer") or {}).get("step") == 42
                            and status().get("phase") == "Running", what="Running with mirrored figures", log=op.log)
 
             listing = yaml.safe_load(await run_kubectl(cfg, "get", "asyncrljobs", "-n", NS, "-o", "yaml"))
@@ -78,7 +79,7 @@ async def test_kubectl_apply_get_scale(kubectl: Path, tmp_path: Path):
 
             out = await run_kubectl(cfg, "scale", f"asyncrljob/{NAME}", "-n", NS, "--replicas=2")
             assert "scaled" in out
-            await wait_for(lambda: emu.get("deployments", NS, N.rollout(NAME))["spec"]["replicas"] == 2,
+            await poll(lambda: emu.get("deployments", NS, N.rollout(NAME))["spec"]["replicas"] == 2,
                            what="Deployment scaled by kubectl scale", log=op.log)
         finally:
             await op.stop()

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import kmock
 import pytest
-from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report
 
 from asyncrl import runtime as R
 from asyncrl.operator import names as N
@@ -15,6 +15,7 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
 from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
+from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +34,11 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
             await create_job(emu, job_doc())
-            await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+            await poll(lambda: children_exist(emu), what="children", log=op.log)
             await make_ready(emu)
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
             # Readiness and the mirror arrive on separate passes: wait for both.
-            await wait_for(lambda: status().get("trainer", {}).get("step") == 42
+            await poll(lambda: status().get("trainer", {}).get("step") == 42
                            and status().get("phase") == "Running", what="mirrored step, Running", log=op.log)
             s = status()
             assert s["phase"] == "Running"
@@ -63,13 +64,13 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
                 "dead_lettered": 1, "rollout": engines,
                 "recovery": RecoveryReport(dead_lettered=2, drift_lost=1, leases_returned=3, fenced_engines=1,
                                            trainer_restarts=1, engine_resyncs=2)})
-            await wait_for(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
+            await poll(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
                            log=op.log)
             assert status()["recovery"] == {"deadLettered": 2, "driftLost": 1, "driftFound": 0, "leasesReturned": 3,
                                             "recoveredEntries": 0, "reclaimedEntries": 0, "fencedEngines": 1,
                                             "trainerRestarts": 1, "engineRestarts": 0, "engineResyncs": 2}
             reasons = lambda: {e.get("reason"): e.get("message") for e in emu.all("events", NS)}  # noqa: E731
-            await wait_for(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned",
+            await poll(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned",
                                     "EngineFenced", "TrainerRestarted", "EngineResynced"} <= set(reasons()),
                            what="recovery events", log=op.log)
             assert reasons()["GroupsDeadLettered"].startswith("2 more trajectory group(s) refused")
@@ -78,12 +79,12 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
 
             # The trainer finishes: the job succeeds, GPUs are released, Complete is True.
             trainer.report = evaluated_report().model_copy(update={"phase": "Succeeded", "step": 400})
-            await wait_for(lambda: status().get("phase") == "Succeeded", what="Succeeded", log=op.log)
+            await poll(lambda: status().get("phase") == "Succeeded", what="Succeeded", log=op.log)
             s = status()
             assert s["reason"] == "TrainingComplete" and s["completionTime"]
             assert {c["type"]: c["status"] for c in s["conditions"]}["Complete"] == "True"
             assert s["progress"]["percent"] == 100.0
-            await wait_for(lambda: emu.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
+            await poll(lambda: emu.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
                            what="rollout scaled to zero after success", log=op.log)
         finally:
             await op.stop()
@@ -100,7 +101,7 @@ async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
             job = await create_job(emu, job_doc())
-            await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+            await poll(lambda: children_exist(emu), what="children", log=op.log)
             secret = emu.get("secrets", NS, N.status_secret("qwen"))
             token = secret_value(secret, "token")
             assert token and len(token) >= 32
@@ -113,7 +114,7 @@ async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
             trainer.require_token(token)  # the trainer pod starts with the token in its env
             await make_ready(emu)
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
-            await wait_for(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
+            await poll(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
 
             async with httpx.AsyncClient() as client:
                 url = f"http://127.0.0.1:{trainer.port}/status"

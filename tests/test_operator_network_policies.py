@@ -16,12 +16,13 @@ import kmock
 import pytest
 import yaml
 from kube_cluster import register_kubectl_tables
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -99,7 +100,7 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc()) as resp:
         assert resp.status == 201, await resp.text()
     names = {N.redis_network_policy(JOB), N.trainer(JOB), N.rollout(JOB)}
-    await wait_for(lambda: set(policies(emu)) == names and emu.get("deployments", NS, N.rollout(JOB)),
+    await poll(lambda: set(policies(emu)) == names and emu.get("deployments", NS, N.rollout(JOB)),
                    what="the job's three NetworkPolicies", log=operator.log)
     stored = policies(emu)
     uid = emu.get(PLURAL, NS, JOB)["metadata"]["uid"]
@@ -145,7 +146,7 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
                          headers={"Content-Type": "application/merge-patch+json"}) as resp:
         assert resp.status == 200, await resp.text()
     closed = guards["trainer"]["spec"]
-    await wait_for(lambda: (emu.get("networkpolicies", NS, N.trainer(JOB)) or {}).get("spec") == closed,
+    await poll(lambda: (emu.get("networkpolicies", NS, N.trainer(JOB)) or {}).get("spec") == closed,
                    what="the opened trainer policy put back", log=operator.log)
 
     if not KUBECTL.exists():
@@ -173,7 +174,7 @@ async def test_collective_weight_sync_opens_trainer_and_rollout_to_each_other_on
     doc["spec"]["trainer"]["weightTransport"] = transport
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201, await resp.text()
-    await wait_for(lambda: len(policies(emu)) == 3 and emu.get("deployments", NS, N.rollout(JOB)),
+    await poll(lambda: len(policies(emu)) == 3 and emu.get("deployments", NS, N.rollout(JOB)),
                    what="the job's three NetworkPolicies", log=operator.log)
     stored = policies(emu)
     trainer_policy, rollout_policy = stored[N.trainer(JOB)], stored[N.rollout(JOB)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import kmock
 import pytest
-from kube_emulator import KubeEmulator, OperatorProcess, wait_for
+from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
@@ -31,6 +31,7 @@ from tests.support.emulated_jobs import (
     patch_job,
     phase,
 )
+from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow
 UNREACHABLE_STATUS = "http://127.0.0.1:1"  # the trainer's /status cannot be reached in these tests
@@ -92,9 +93,9 @@ async def put_pod(emu: KubeEmulator, name: str, component: str, container: str, 
 
 async def running_job(emu: KubeEmulator, op: OperatorProcess, doc: dict | None = None) -> dict:
     job = await create_job(emu, doc or job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+    await poll(lambda: children_exist(emu), what="children", log=op.log)
     await make_ready(emu)
-    await wait_for(lambda: phase(emu) == "Running", what="Running", log=op.log)
+    await poll(lambda: phase(emu) == "Running", what="Running", log=op.log)
     return job
 
 
@@ -107,12 +108,12 @@ async def test_outcome_record_in_managed_redis_succeeds_the_job_without_status_e
     redis: LocalRedis | None = None
     try:
         job = await create_job(emu, job_doc())
-        await wait_for(lambda: children_exist(emu), what="children", log=op.log)
+        await poll(lambda: children_exist(emu), what="children", log=op.log)
         # The job's Redis runs with the password the operator generated into the job's Secret.
         password = emu.get("secrets", NS, N.redis_secret("qwen"))["stringData"]["password"]
         redis = LocalRedis(tmp_path / "redis", port=port, password=password).start()
         await make_ready(emu)
-        await wait_for(lambda: phase(emu) == "Running", what="Running", log=op.log)
+        await poll(lambda: phase(emu) == "Running", what="Running", log=op.log)
 
         # The trainer records its outcome (and would stay up; its /status is unreachable here).
         uid = job["metadata"]["uid"]
@@ -122,13 +123,13 @@ async def test_outcome_record_in_managed_redis_succeeds_the_job_without_status_e
         assert await write_outcome_redis(client, StreamNames.for_job("qwen", uid), record)
         await client.aclose()
 
-        await wait_for(lambda: phase(emu) == "Succeeded", what="Succeeded", log=op.log)
+        await poll(lambda: phase(emu) == "Succeeded", what="Succeeded", log=op.log)
         s = status(emu)
         assert (s["reason"], s["message"]) == ("MaxStepsReached", "trained 400 steps")
         assert s["completionTime"]
         assert s["trainer"] == {"step": 400, "policyVersion": 400} and s["progress"]["percent"] == 100.0
         assert conditions(emu)["Complete"]["status"] == "True"
-        await wait_for(lambda: released(emu), what="trainer and rollout scaled to zero", log=op.log)
+        await poll(lambda: released(emu), what="trainer and rollout scaled to zero", log=op.log)
         assert replicas(emu, "statefulsets", N.redis("qwen")) == 1, "Redis stays until the TTL"
         assert emu.get("secrets", NS, N.redis_secret("qwen")), "its Secret too"
     finally:
@@ -145,18 +146,18 @@ async def test_outcome_record_in_external_redis_fails_the_job(emu, tmp_path, red
             "name": "shared-redis", "namespace": NS}, "stringData": {"url": redis_server.url}})
         job = await create_job(emu, job_doc(redis={"mode": "external", "external": {"urlSecret": {
             "name": "shared-redis", "key": "url"}}}))
-        await wait_for(lambda: emu.get("statefulsets", NS, N.trainer("qwen")), what="trainer", log=op.log)
+        await poll(lambda: emu.get("statefulsets", NS, N.trainer("qwen")), what="trainer", log=op.log)
         assert emu.get("statefulsets", NS, N.redis("qwen")) is None
         uid = job["metadata"]["uid"]
         client = await connect(redis_server.url)
         record = new_outcome("qwen", uid, "Failed", "TooManyBadSteps", step=17, message="5 non-finite losses")
         assert await write_outcome_redis(client, StreamNames.for_job("qwen", uid), record)
         await client.aclose()
-        await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=op.log)
+        await poll(lambda: phase(emu) == "Failed", what="Failed", log=op.log)
         s = status(emu)
         assert (s["reason"], s["message"]) == ("TooManyBadSteps", "5 non-finite losses") and s["completionTime"]
         assert conditions(emu)["Failed"]["status"] == "True"
-        await wait_for(lambda: released(emu), what="GPUs released", log=op.log)
+        await poll(lambda: released(emu), what="GPUs released", log=op.log)
     finally:
         await op.stop()
     assert_rbac_covers(emu)
@@ -170,41 +171,41 @@ async def test_trainer_restarts_over_backoff_limit_fail_the_job(emu, operator):
     last = {"terminated": {"exitCode": 1, "reason": "Error", "message": "RuntimeError: CUDA error: an illegal memory"}}
     await put_pod(emu, "qwen-trainer-0", "trainer", "trainer", restartCount=1, lastState=last)
     # A pass saw the restart (Degraded), and backoffLimit restarts are tolerated: still Running.
-    await wait_for(lambda: conditions(emu).get("Degraded", {}).get("status") == "True",
+    await poll(lambda: conditions(emu).get("Degraded", {}).get("status") == "True",
                    what="the restart seen (Degraded)", log=operator.log)
     assert phase(emu) == "Running"
     await emu.patch_status("", "v1", "pods", NS, "qwen-trainer-0", {"containerStatuses": [
         {"name": "trainer", "ready": False, "restartCount": 2, "image": "x", "lastState": last,
          "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]})
-    await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
+    await poll(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
     s = status(emu)
     assert s["reason"] == "BackoffLimitExceeded" and s["completionTime"]
     assert "restarted 2 times (backoffLimit 1)" in s["message"]
     assert "last exit code 1 (Error): RuntimeError: CUDA error" in s["message"]
-    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+    await poll(lambda: released(emu), what="GPUs released", log=operator.log)
 
 
 async def test_configuration_error_exit_code_fails_at_once(emu, operator):
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await put_pod(emu, "qwen-trainer-0", "trainer", "trainer", restartCount=1,
                   state={"waiting": {"reason": "CrashLoopBackOff"}},
                   lastState={"terminated": {"exitCode": 78, "reason": "Error",
                                             "message": "spec.dataset.source: hf:nope not found"}})
-    await wait_for(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
+    await poll(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
     s = status(emu)
     assert (s["reason"], s["message"]) == ("ConfigurationError", "spec.dataset.source: hf:nope not found")
-    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+    await poll(lambda: released(emu), what="GPUs released", log=operator.log)
 
 
 async def test_active_deadline_fails_the_job(emu, operator):
     await create_job(emu, job_doc(activeDeadlineSeconds=2))
-    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
+    await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await make_ready(emu)
-    await wait_for(lambda: phase(emu) == "Failed", what="Failed by activeDeadlineSeconds", log=operator.log)
+    await poll(lambda: phase(emu) == "Failed", what="Failed by activeDeadlineSeconds", log=operator.log)
     s = status(emu)
     assert s["reason"] == "DeadlineExceeded" and "2s" in s["message"] and s["completionTime"]
-    await wait_for(lambda: released(emu), what="GPUs released", log=operator.log)
+    await poll(lambda: released(emu), what="GPUs released", log=operator.log)
 
 
 async def test_crash_looping_rollout_pod_sets_degraded_without_failing(emu, operator):
@@ -212,7 +213,7 @@ async def test_crash_looping_rollout_pod_sets_degraded_without_failing(emu, oper
     await put_pod(emu, "qwen-rollout-7d9f-abcde", "rollout", "worker", restartCount=5,
                   state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 2m40s"}},
                   lastState={"terminated": {"exitCode": 1, "reason": "Error", "message": "engine not reachable"}})
-    await wait_for(lambda: conditions(emu).get("Degraded", {}).get("status") == "True", what="Degraded",
+    await poll(lambda: conditions(emu).get("Degraded", {}).get("status") == "True", what="Degraded",
                    log=operator.log)
     d = conditions(emu)["Degraded"]
     assert d["reason"] == "CrashLoopBackOff"
@@ -222,7 +223,7 @@ async def test_crash_looping_rollout_pod_sets_degraded_without_failing(emu, oper
     # The pod recovers: Degraded goes back to False.
     await emu.patch_status("", "v1", "pods", NS, "qwen-rollout-7d9f-abcde", {"containerStatuses": [
         {"name": "worker", "ready": True, "restartCount": 5, "image": "x", "state": {"running": {}}}]})
-    await wait_for(lambda: conditions(emu)["Degraded"]["status"] == "False", what="no longer Degraded",
+    await poll(lambda: conditions(emu)["Degraded"]["status"] == "False", what="no longer Degraded",
                    log=operator.log)
 
 
@@ -250,15 +251,15 @@ async def test_status_write_with_stale_resource_version_gets_409(emu):
 
 async def test_terminal_phase_survives_a_racing_status_write(emu, operator):
     await create_job(emu, job_doc())
-    await wait_for(lambda: children_exist(emu), what="children", log=operator.log)
-    await wait_for(lambda: phase(emu) == "Initializing", what="Initializing", log=operator.log)
+    await poll(lambda: children_exist(emu), what="children", log=operator.log)
+    await poll(lambda: phase(emu) == "Initializing", what="Initializing", log=operator.log)
 
     # Hold the operator's next status write (Running) in flight...
     gate = asyncio.Event()
     emu.gates[("patch", f"{PLURAL}/status")] = gate
     seen = len(emu.log)
     await make_ready(emu)
-    await wait_for(lambda: any(r.verb == "patch" and r.resource == f"{PLURAL}/status"
+    await poll(lambda: any(r.verb == "patch" and r.resource == f"{PLURAL}/status"
                                for r in emu.log[seen:] if not r.agent.startswith("kmock")),
                    what="the operator's status write in flight", log=operator.log)
     # ...while another writer finishes the job; then let the operator's stale write through.
@@ -269,10 +270,10 @@ async def test_terminal_phase_survives_a_racing_status_write(emu, operator):
     del emu.gates[("patch", f"{PLURAL}/status")]
     gate.set()
 
-    await wait_for(lambda: released(emu), what="GPUs released after the re-read", log=operator.log)
-    await wait_for(lambda: "re-reading" in operator.log.read_text(), what="the conflict in the log", log=operator.log)
+    await poll(lambda: released(emu), what="GPUs released after the re-read", log=operator.log)
+    await poll(lambda: "re-reading" in operator.log.read_text(), what="the conflict in the log", log=operator.log)
     seen = len(emu.log)
-    await wait_for(lambda: len(emu.log) > seen + 40, what="more passes", log=operator.log)
+    await poll(lambda: len(emu.log) > seen + 40, what="more passes", log=operator.log)
     s = status(emu)
     assert (s["phase"], s["reason"], s["completionTime"]) == ("Failed", "Preempted", finished)
     assert conditions(emu)["Failed"]["status"] == "True", "the operator's later writes keep the terminal phase"
@@ -285,9 +286,9 @@ async def test_spec_change_is_applied_once_by_one_writer(emu, operator):
     await running_job(emu, operator)
     seen = len(emu.log)
     await patch_job(emu, "qwen", {"spec": {"rollout": {"replicas": 2}}})
-    await wait_for(lambda: replicas(emu, "deployments", N.rollout("qwen")) == 2, what="scaled to 2",
+    await poll(lambda: replicas(emu, "deployments", N.rollout("qwen")) == 2, what="scaled to 2",
                    log=operator.log)
-    await wait_for(lambda: status(emu).get("observedGeneration") == 2, what="observedGeneration 2",
+    await poll(lambda: status(emu).get("observedGeneration") == 2, what="observedGeneration 2",
                    log=operator.log)
     await asyncio.sleep(1.0)  # a few more passes
     patches = [r for r in emu.log[seen:] if r.verb == "patch" and r.resource == "deployments"
@@ -324,5 +325,5 @@ async def test_a_changed_trainer_template_restarts_every_rank_at_once(emu, opera
     # The template changed: the controller's updateRevision moves on, and a new rank already runs it.
     await emu.patch_status("apps", "v1", "statefulsets", NS, N.trainer("qwen"), {"updateRevision": "qwen-trainer-2"})
     await put_rank(2, "qwen-trainer-2")
-    await wait_for(lambda: ranks() == [], what="every rank deleted together", log=operator.log)
+    await poll(lambda: ranks() == [], what="every rank deleted together", log=operator.log)
     assert "restarting all 3 ranks together" in operator.log.read_text()

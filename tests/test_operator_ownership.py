@@ -30,7 +30,7 @@ from tests.control_plane import (  # noqa: F401
     namespace_fixture,
     start_process,
 )
-from tests.polling import poll_sync
+from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_UID = "0b5e1c9e-0000-4000-8000-000000000001"

@@ -33,6 +33,7 @@ from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 from asyncrl.transport.wire import decode_group
 from tests.sglang_fake import FakeSGLang, ServerThread, create_app
+from tests.support.polling import poll
 
 OUTAGE_S = 15.0
 """Longer than the old policy (10 retries, backoff capped at 2 s) can wait: it gave up after
@@ -47,14 +48,6 @@ def health_board() -> Any:
 
     HEALTH.clear()
     return HEALTH
-
-
-async def wait_for(cond: Any, timeout: float = 60.0, what: str = "condition") -> None:
-    """Poll `cond()` (sync) until true; fail after a generous `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def failures(tasks: dict[str, asyncio.Task]) -> dict[str, str]:
@@ -149,7 +142,7 @@ async def test_a_rollout_worker_rides_out_a_redis_outage(redis_server: LocalRedi
     try:
         worker = make_worker(redis, fake.url, max_groups=6)
         run = asyncio.create_task(worker.run())
-        await wait_for(lambda: worker.stats.groups_published >= 1, what="a first group")
+        await poll(lambda: worker.stats.groups_published >= 1, what="a first group")
         redis_server.stop()
         await asyncio.sleep(OUTAGE_S)
         assert not run.done(), f"the worker ended during the outage: {run.exception() if run.done() else ''}"
@@ -176,9 +169,9 @@ async def test_a_rollout_worker_waits_for_its_engine_instead_of_dropping_groups(
     try:
         worker = make_worker(redis, fake.url, max_groups=6, health=board)
         run = asyncio.create_task(worker.run())
-        await wait_for(lambda: worker.stats.groups_published >= 1, what="a first group")
+        await poll(lambda: worker.stats.groups_published >= 1, what="a first group")
         fake.stop()  # in-flight answers finish, then nothing listens at the engine's address
-        await wait_for(lambda: board.is_failing("engine", fake.url), what="the engine outage to be seen")
+        await poll(lambda: board.is_failing("engine", fake.url), what="the engine outage to be seen")
         assert board.condition()["reason"] == "EngineUnavailable"
         assert "degraded=engine(" in worker.summary()
         await asyncio.sleep(2.0)  # many retries' worth of the old budget (2 retries, 0.01 s backoff)

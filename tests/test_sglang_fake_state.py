@@ -9,8 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.polling import poll
 from tests.sglang_fake import FakeSGLang
+from tests.support.polling import poll
 
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 20}, "return_logprob": True}
 

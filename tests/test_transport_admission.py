@@ -11,7 +11,7 @@ import pytest
 from asyncrl.transport.admission import Admission, admission_capacity, is_too_stale
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer
-from tests.polling import poll
+from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = StreamNames.for_job("job")
