@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the Kubernetes control plane the cluster tests run against (tests/control_plane.py):
+# Build the Kubernetes control plane the cluster tests run against (tests/support/control_plane.py):
 #   etcd, kube-apiserver, kube-controller-manager and kube-scheduler, from source, with the Go
 #   module in tools/k8s (the versions are pinned there). No container runtime, no downloads of
 #   release binaries: only the Go module proxy. Cold ~23 CPU-minutes; a no-op when built.

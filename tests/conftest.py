@@ -66,8 +66,8 @@ async def rollout_env(redis_url: str):
     """(a client of a real Redis, a fake SGLang server, the names of tests.support.rollout_workers.JOB)."""
     from asyncrl.transport.connection import connect
     from asyncrl.transport.names import StreamNames
-    from tests.sglang_fake import FakeSGLang
     from tests.support.rollout_workers import JOB
+    from tests.support.sglang_fake import FakeSGLang
 
     redis = await connect(redis_url)
     fake = FakeSGLang().start()

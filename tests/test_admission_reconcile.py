@@ -123,8 +123,8 @@ async def test_a_restarted_worker_returns_its_predecessors_leases_and_no_one_els
 
 async def test_a_worker_restarted_under_its_name_starts_at_once_on_its_predecessors_slots(redis_url):
     from asyncrl.transport.connection import connect
-    from tests.sglang_fake import FakeSGLang
     from tests.support.rollout_workers import make_worker
+    from tests.support.sglang_fake import FakeSGLang
 
     redis, fake = await connect(redis_url), FakeSGLang().start()
     names = StreamNames.for_job("wtest")

@@ -20,13 +20,14 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import JOBS, KINDS, OPERATOR, PERMISSIONS
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ The operator runs outside the cluster, as it would on a laptop against a real on
 status endpoint and Redis through the cluster's Service proxies (`--status-url-template`,
 `--redis-url-template`, what `kubectl port-forward` would give it), so one operator process serves one job.
 
-What stands in for the images (tests/kube_cluster.py maps paths, Service names and declared ports itself):
+What stands in for the images (tests/support/kube_cluster.py maps paths, Service names and declared ports itself):
 the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local_redis` uses (a bin dir
 on the pods' PATH); the trainer's status port, which it reads from the job file, is given as
 `--status-port <host port>` (the hook); the node's model cache (`ASYNCRL_CACHE`) plays the pre-pulled
@@ -35,8 +35,6 @@ import httpx
 import kmock
 import pytest
 import yaml
-from kube_cluster import KubeCluster, Launch, meta
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
@@ -45,6 +43,9 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 from tests.support.emulated_jobs import assert_rbac_covers
+from tests.support.kube_cluster import KubeCluster, Launch, meta
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"

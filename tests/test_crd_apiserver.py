@@ -1,4 +1,4 @@
-"""The CRD, the chart and the examples against a real kube-apiserver (tests/control_plane.py).
+"""The CRD, the chart and the examples against a real kube-apiserver (tests/support/control_plane.py).
 
 Offline checks (test_crd.py, test_crd_cel.py, test_helm_chart.py) evaluate our schema and CEL with
 libraries that approximate the apiserver; only the apiserver says whether it accepts the CRD (it
@@ -23,13 +23,7 @@ from pydantic import ValidationError
 
 from asyncrl import spec as S
 from asyncrl.crd import structural_default
-from tests.control_plane import (  # noqa: F401
-    ControlPlane,
-    control_plane_fixture,
-    find_tool,
-    k8s_version,
-    namespace_fixture,
-)
+from tests.support.control_plane import ControlPlane, control_plane_fixture, find_tool, k8s_version, namespace_fixture  # noqa: F401
 from tests.support.polling import poll_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

@@ -17,7 +17,7 @@ from asyncrl.rollout.engines.base import EngineError, GenerateResult
 from asyncrl.rollout.hf_server import create_app
 from asyncrl.runtime import ENV_ENGINE_API_KEY, Runtime
 from asyncrl.trainer.weight_sync import WeightSyncError, update_engines
-from tests.sglang_fake import FakeSGLang, ServerThread
+from tests.support.sglang_fake import FakeSGLang, ServerThread
 
 KEY = "k3y-for-tests"
 CLOSED = [("POST", "/update_weights_from_disk", {"model_path": "/x", "weight_version": "1"}),

@@ -25,8 +25,8 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
-from tests.sglang_fake import FakeSGLang, fake_logprob
 from tests.support.polling import poll
+from tests.support.sglang_fake import FakeSGLang, fake_logprob
 
 JOB = "rejoin"
 

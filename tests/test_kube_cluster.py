@@ -16,8 +16,17 @@ from typing import Any
 import aiohttp
 import kmock
 import pytest
-from kube_cluster import AddressRewriter, KubeCluster, Network, PathRewriter, expand_vars, is_terminating, meta
-from kube_emulator import KubeEmulator
+
+from tests.support.kube_cluster import (
+    AddressRewriter,
+    KubeCluster,
+    Network,
+    PathRewriter,
+    expand_vars,
+    is_terminating,
+    meta,
+)
+from tests.support.kube_emulator import KubeEmulator
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"

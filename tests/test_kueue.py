@@ -11,7 +11,6 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import JobFileError, parse_job
 from asyncrl.operator import builders as B
@@ -19,6 +18,8 @@ from asyncrl.operator import names as N
 from asyncrl.operator.status import parse_time
 from asyncrl.spec import PLURAL
 from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

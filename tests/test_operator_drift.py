@@ -20,7 +20,6 @@ import attrs
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
@@ -28,7 +27,9 @@ from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed, differences, patch_body, stamp
 from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.kube_emulator import KubeEmulator
 from tests.support.merge_patch import merge_patch
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,5 +1,5 @@
 """Two real operator processes (`asyncrl operator --leader-elect`) against the test cluster's API
-server (tests/kube_emulator.py): exactly one reconciles, and the other takes over when it dies.
+server (tests/support/kube_emulator.py): exactly one reconciles, and the other takes over when it dies.
 
 Each process has its own kubeconfig token, so the emulator's request log says which process sent
 every request. "Reconciles" is anything but the Lease: creating children, patching a job's status,
@@ -15,13 +15,14 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,12 +9,13 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report
 
 from asyncrl.operator import names as N
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord
 from tests.support.emulated_jobs import assert_rbac_covers
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

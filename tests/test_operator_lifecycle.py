@@ -7,7 +7,6 @@ from pathlib import Path
 
 import kmock
 import pytest
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
@@ -24,6 +23,8 @@ from tests.support.emulated_jobs import (
     patch_job,
     phase,
 )
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow

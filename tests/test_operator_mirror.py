@@ -7,7 +7,6 @@ from pathlib import Path
 import httpx
 import kmock
 import pytest
-from kube_emulator import KubeEmulator, OperatorProcess, TrainerStatusServer, synthetic_report
 
 from asyncrl import runtime as R
 from asyncrl.operator import names as N
@@ -15,6 +14,8 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
 from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,7 @@
 """A reconciled job's NetworkPolicies, as the API server stores them (a real operator process against
 the test cluster's API server, `kubectl get netpol` against it too).
 
-Nothing here enforces a policy (the test cluster does not, see tests/kube_cluster.py): what is shown
+Nothing here enforces a policy (the test cluster does not, see tests/support/kube_cluster.py): what is shown
 is that the operator creates them with selectors that match the live workloads' pods and ports that
 are the containers' own, that kubectl lists them, and that a hand-opened policy is closed again.
 """
@@ -15,13 +15,14 @@ from pathlib import Path
 import kmock
 import pytest
 import yaml
-from kube_cluster import register_kubectl_tables
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.kube_cluster import register_kubectl_tables
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import kmock
 import pytest
-from kube_emulator import KubeEmulator, OperatorProcess
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
@@ -31,6 +30,8 @@ from tests.support.emulated_jobs import (
     patch_job,
     phase,
 )
+from tests.support.kube_emulator import KubeEmulator
+from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow

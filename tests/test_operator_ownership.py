@@ -24,12 +24,7 @@ from asyncrl.operator import status as S
 from asyncrl.operator.kube import foreign_holder
 from asyncrl.operator.status import JobRef, Observed
 from asyncrl.spec import AsyncRLJobSpec
-from tests.control_plane import (  # noqa: F401
-    ControlPlane,
-    control_plane_fixture,
-    namespace_fixture,
-    start_process,
-)
+from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture, start_process  # noqa: F401
 from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent

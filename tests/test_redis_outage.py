@@ -32,8 +32,8 @@ from asyncrl.transport.connection import connect, make_client
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 from asyncrl.transport.wire import decode_group
-from tests.sglang_fake import FakeSGLang, ServerThread, create_app
 from tests.support.polling import poll
+from tests.support.sglang_fake import FakeSGLang, ServerThread, create_app
 
 OUTAGE_S = 15.0
 """Longer than the old policy (10 retries, backoff capped at 2 s) can wait: it gave up after

@@ -15,7 +15,7 @@ from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry
-from tests.sglang_fake import FakeSGLang
+from tests.support.sglang_fake import FakeSGLang
 
 pytestmark = pytest.mark.slow
 

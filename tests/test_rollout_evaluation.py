@@ -37,9 +37,9 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.evaluation import EVALUATORS_GROUP, EvalChannel
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry
-from tests.sglang_fake import FakeSGLang, fake_token
 from tests.support.polling import poll
 from tests.support.rollout_workers import WorkerEngine, decode, make_worker, published, render
+from tests.support.sglang_fake import FakeSGLang, fake_token
 
 EVAL_TOKENS = 3
 

@@ -16,7 +16,7 @@ from asyncrl.rollout.engines.base import EngineError
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.hf_engine import HFEngine, WeightUpdateError
 from asyncrl.rollout.hf_server import create_app
-from tests.sglang_fake import ServerThread
+from tests.support.sglang_fake import ServerThread
 
 pytestmark = pytest.mark.slow
 MODEL = "embedded:SmolLM2-135M-Instruct"

@@ -16,7 +16,7 @@ import pytest
 from asyncrl.rollout.engines import SamplingParams, make_engine
 from asyncrl.rollout.engines.base import EngineError
 from asyncrl.rollout.engines.sglang import SGLangEngine
-from tests.sglang_fake import FakeSGLang, fake_logprob, fake_token
+from tests.support.sglang_fake import FakeSGLang, fake_logprob, fake_token
 
 REAL_URL = os.environ.get("ASYNCRL_SGLANG_URL")
 

@@ -12,9 +12,9 @@ from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.prompt_cursor import cursor_key
 from asyncrl.trainer.weight_sync import catch_up, update_engines
 from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
-from tests.sglang_fake import fake_logprob, fake_token
 from tests.support.polling import poll
 from tests.support.rollout_workers import JOB, make_worker, published
+from tests.support.sglang_fake import fake_logprob, fake_token
 
 
 async def test_publishes_whole_scored_groups(rollout_env):

@@ -1,4 +1,4 @@
-"""The fake SGLang server keeps the pinned release's state (tests/sglang_fake.py says where each
+"""The fake SGLang server keeps the pinned release's state (tests/support/sglang_fake.py says where each
 rule comes from): a restart brings back the "default" label, overlapping weight updates during a
 pause leave the earlier caller without an answer, unpaused updates and pauses serialise."""
 
@@ -9,8 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.sglang_fake import FakeSGLang
 from tests.support.polling import poll
+from tests.support.sglang_fake import FakeSGLang
 
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 20}, "return_logprob": True}
 

@@ -7,7 +7,7 @@ The pinned wheel's `http_server.py` (route table), `v1_loads.py` (its one includ
     server: examples/local.yaml), and that the readiness handler cannot wait behind a pause;
   - every call the sglang adapter makes (path, method, body fields, field types, pause modes,
     sampling parameters);
-  - tests/sglang_fake.py: only routes and methods the pin has, request fields the pin declares;
+  - tests/support/sglang_fake.py: only routes and methods the pin has, request fields the pin declares;
   - the in-process hf server serves every route the adapter calls, readiness included.
 """
 
@@ -440,7 +440,7 @@ def _app_routes(app: Any, *, only_api: bool = False) -> dict[str, set[str]]:
 
 
 def test_the_fake_serves_only_routes_and_methods_of_the_pin():
-    from tests.sglang_fake import FakeState, create_app
+    from tests.support.sglang_fake import FakeState, create_app
 
     fake = _app_routes(create_app(FakeState()), only_api=True)
     pin = pin_routes()
@@ -454,7 +454,7 @@ def test_the_fake_serves_only_routes_and_methods_of_the_pin():
 
 
 def test_the_fake_request_models_are_the_pins():
-    from tests.sglang_fake import SAMPLING_KEYS, FakeState, create_app
+    from tests.support.sglang_fake import SAMPLING_KEYS, FakeState, create_app
 
     app = create_app(FakeState())
     pin = pin_routes()

@@ -22,9 +22,9 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
-from tests.sglang_fake import FakeSGLang
 from tests.support.polling import poll
 from tests.support.rollout_workers import WorkerEngine
+from tests.support.sglang_fake import FakeSGLang
 
 JOB = "wsync"
 VERSIONS = (1, 2, 3)

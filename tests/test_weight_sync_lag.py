@@ -18,7 +18,7 @@ from trainer_support import job_dict, make_groups, make_job, model_and_tokenizer
 
 from asyncrl.trainer.publish import published_versions, retained_versions, served_version
 from asyncrl.transport.versions import EngineInfo, VersionChannel
-from tests.sglang_fake import FakeSGLang
+from tests.support.sglang_fake import FakeSGLang
 
 STEPS = 4
 

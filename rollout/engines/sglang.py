@@ -18,7 +18,7 @@ Routes used, all present in the pin's `sglang/srt/entrypoints/http_server.py` wi
        generation is paused and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); its
        `/get_weight_version` and `/weight_version` always answer 404 ("use /model_info").
 
-Wire layout (see tests/sglang_fake.py for the upstream files it follows):
+Wire layout (see tests/support/sglang_fake.py for the upstream files it follows):
   POST /generate -> {"text", "output_ids", "meta_info": {"id", "finish_reason": {"type": ...},
        "prompt_tokens", "completion_tokens", "weight_version": str,
        "output_token_logprobs": [[logprob, token_id, null], ...]}}

@@ -1,5 +1,7 @@
-"""Test support shared by several test modules (a test module is never imported by another).
+"""Test support shared by several test modules (a test module is never imported by another): the
+one poll helper, the job builds, the Kubernetes emulator and the process kubelet's test cluster,
+the control plane, the fake SGLang server, the operator and status-server processes.
 
-The older helpers still live beside the tests (tests/kube_emulator.py, tests/kube_cluster.py,
-tests/trainer_support.py, ...); they move here as the suite is reorganised.
+The trainer and loss helpers (tests/trainer_support.py, tests/loss_support.py, ...) still live
+beside the tests; they move here as the suite is reorganised.
 """

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
-from kube_emulator import KubeEmulator
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.kube_emulator import KubeEmulator
 
 REPO = Path(__file__).resolve().parent.parent.parent
 NS = "rl"

@@ -133,8 +133,8 @@ from typing import Any
 
 import aiohttp
 import kmock
-from kube_emulator import STANDARD_RESOURCES, KubeEmulator
 
+from tests.support.kube_emulator import STANDARD_RESOURCES, KubeEmulator
 from tests.support.polling import poll
 
 Obj = dict[str, Any]

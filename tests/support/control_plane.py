@@ -11,7 +11,7 @@ cache dir). Without them the tests skip, or fail when ASYNCRL_REQUIRE_CONTROL_PL
 
 Usage in a test module (the import registers the fixtures `control_plane` and `namespace`)::
 
-    from control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
+    from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
 
     def test_x(control_plane: ControlPlane, namespace: str):
         control_plane.kubectl("get", "pods", "-n", namespace, check=True)
@@ -39,7 +39,7 @@ from typing import NoReturn
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 REQUIRE_ENV = "ASYNCRL_REQUIRE_CONTROL_PLANE"
 BIN_ENV = "ASYNCRL_K8S_BIN"
