@@ -53,7 +53,7 @@ if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install-vllm.sh
   bash scripts/fetch-sglang-source.sh   # the pinned SGLang route table, read by test_sglang_routes
   # verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
-  # tests/verl_oracle.py, never installed: importing verl pulls ray and its config system)
+  # tests/support/verl_oracle.py, never installed: importing verl pulls ray and its config system)
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
     .venv/bin/python -m pip download -q verl==0.9.1 --no-deps -d .tools/peers
   fi

@@ -145,13 +145,13 @@ async def test_a_resumed_trainer_counts_what_its_checkpoint_trained_and_reports_
     """The groups earlier lives trained and acked are gone from the stream: a resumed trainer that
     forgot them would see them as lost and hand their capacity out again (the bound loosened)."""
     import torch
-    from trainer_support import make_job, model_and_tokenizer, tiny_model
 
     from asyncrl.runtime import Runtime
     from asyncrl.trainer.checkpoint import TrainerState
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
+    from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
 
     job = make_job(name="resumed", batch_size=2, eta=0)
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",

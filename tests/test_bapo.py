@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from asyncrl.trainer.losses import BAPO_STAT_KEYS, LossConfig, bapo_bounds, policy_loss
-from tests.loss_support import step_over_micro_batches
+from tests.support.loss_support import step_over_micro_batches
 
 F64 = torch.float64
 GOLDEN = Path(__file__).parent / "data" / "bapo_golden.json"

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_support import (
+
+from asyncrl.local_redis import LocalRedis
+from asyncrl.transport.streams import trained_ids
+from tests.support.trainer_support import (
     ASYNCRL,
     make_groups,
     publish,
@@ -22,9 +25,6 @@ from trainer_support import (
     wait_for_outcome,
     write_job,
 )
-
-from asyncrl.local_redis import LocalRedis
-from asyncrl.transport.streams import trained_ids
 
 JOB = "t-resume"
 

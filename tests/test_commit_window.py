@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_support import chat_groups, make_job, model_and_tokenizer, publish, redis_query, tiny_model
 
 from asyncrl.transport.streams import trained_ids
+from tests.support.trainer_support import chat_groups, make_job, model_and_tokenizer, publish, redis_query, tiny_model
 
 JOB = "t-window"
 BATCH, INTERVAL, STEPS = 2, 2, 4

@@ -3,7 +3,7 @@
 Groups whose rewards are all equal carry no signal: with dynamic sampling the trainer skips them
 (acknowledged, admission capacity returned, counted) and keeps reading until the batch has
 batchSize groups with signal, or trains on fewer after `dynamicSamplingMaxDraws` draws. The trainer
-runs on the tiny one-layer copy of SmolLM2 (tests/trainer_support.py): a step takes milliseconds.
+runs on the tiny one-layer copy of SmolLM2 (tests/support/trainer_support.py): a step takes milliseconds.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainer_support import chat_groups, make_job, read_jsonl, redis_query, run_trainer_on_groups
-
 from asyncrl.transport.streams import trained_ids
+from tests.support.trainer_support import chat_groups, make_job, read_jsonl, redis_query, run_trainer_on_groups
 
 JOB = "t-dynamic"
 

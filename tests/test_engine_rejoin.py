@@ -193,12 +193,12 @@ async def _true(value: bool) -> bool:
 async def test_a_failing_engine_is_fenced_and_training_goes_on(tmp_path: Path, redis_url, env):
     """Before: three failed pushes in a row raised WeightSyncError and ended the job."""
     import torch
-    from trainer_support import make_job, model_and_tokenizer, tiny_model
 
     from asyncrl.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
+    from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
 
     _, _, fakes = env
     fake = FakeSGLang(update_delay=2.0).start()  # no load finishes within the sync timeout

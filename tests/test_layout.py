@@ -78,6 +78,25 @@ def imports_of_test_modules(tests_dir: Path) -> list[str]:
 
 
 def test_no_test_module_imports_another():
-    """What several test modules share lives in tests/support (or a *_support module), never in a
-    test module: importing one runs its module-level code and collects nothing it meant to."""
+    """What several test modules share lives in tests/support, never in a test module: importing
+    one runs its module-level code and collects nothing it meant to."""
     assert imports_of_test_modules(REPO / "tests") == []
+
+
+def test_test_support_lives_in_one_package_imported_one_way():
+    """Beside the tests there are only test modules and conftest.py; their helpers are
+    tests/support's modules, always imported as `tests.support.<module>` (never by a bare name that
+    works only because pytest put tests/ on the path)."""
+    import ast
+
+    tests = REPO / "tests"
+    assert sorted(p.name for p in tests.glob("*.py") if not p.name.startswith("test_")) == ["conftest.py"]
+    helpers = {p.stem for p in (tests / "support").glob("*.py")} - {"__init__"}
+    bare = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(m.split(".")[0] in helpers | {"support"} for m in modules):
+                bare.append(f"{path.relative_to(tests)}:{node.lineno}")
+    assert bare == []

@@ -20,7 +20,7 @@ from asyncrl.trainer.distributed import DistContext
 from asyncrl.trainer.losses import LossConfig, aggregate, policy_loss
 from asyncrl.trainer.plan import TrainSequence, loss_denominator, plan_step
 from asyncrl.trainer.step_metrics import StepStats
-from tests.loss_support import step_over_micro_batches
+from tests.support.loss_support import step_over_micro_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

@@ -33,7 +33,7 @@ from asyncrl.trainer.losses import (
     prepare_inputs,
     proximal_logprobs,
 )
-from tests.loss_support import step_over_micro_batches
+from tests.support.loss_support import step_over_micro_batches
 
 E = math.e
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")

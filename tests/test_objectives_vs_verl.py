@@ -1,4 +1,4 @@
-"""Our policy objectives against verl 0.9.1's own code (tests/verl_oracle.py): value and gradient.
+"""Our policy objectives against verl 0.9.1's own code (tests/support/verl_oracle.py): value and gradient.
 
 Same inputs (float64, masks with an empty row, both advantage signs, ratios inside and outside the
 clip band), `loss: ppo` so that verl's `old_log_prob` is our behaviour log-prob, several
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from asyncrl.trainer.losses import LossConfig, policy_loss
-from tests import verl_oracle
+from tests.support import verl_oracle
 
 F64 = torch.float64
 B, T = 6, 9

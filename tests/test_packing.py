@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from trainer_support import make_groups, make_job, model_and_tokenizer
 
 from asyncrl.trainer.batch import build_batch, model_rows, pack_rows
 from asyncrl.trainer.logprobs import packing_layout, token_logprobs
 from asyncrl.trainer.plan import plan_microbatches, plan_step, sequences_with_advantages
+from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer
 
 JOB = "t-packing"
 LAYOUTS = ("padded", "rows", "one-row")

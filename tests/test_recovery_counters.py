@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from trainer_support import make_job, model_and_tokenizer, tiny_model
 
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.recovery import RecoveryCounters, RecoveryCounts
 from asyncrl.transport.versions import EngineInfo
+from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
 
 NAMES = StreamNames.for_job("job")
 

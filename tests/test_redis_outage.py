@@ -238,7 +238,8 @@ def test_the_trainer_rides_out_a_redis_outage_without_losing_a_step(tmp_path: Pa
     (RedisUnavailable) meanwhile, and once Redis is back it trains step 2 and commits both. Step 1
     was never checkpointed before the outage (checkpointInterval 10): before, the trainer crashed
     and the restarted one trained it again from the last checkpoint."""
-    from trainer_support import (
+    from asyncrl.net import free_port
+    from tests.support.trainer_support import (
         ASYNCRL,
         make_groups,
         publish,
@@ -249,8 +250,6 @@ def test_the_trainer_rides_out_a_redis_outage_without_losing_a_step(tmp_path: Pa
         wait_for_outcome,
         write_job,
     )
-
-    from asyncrl.net import free_port
 
     job, uid, url = "t-outage", "7d1f3c2a-0000-4000-8000-000000000015", redis_server.url
     job_file = write_job(tmp_path / "job.yaml", name=job, batch_size=2, group_size=2, max_steps=2,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
 from asyncrl.transport.streams import trained_ids
+from tests.support.trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
 
 ETA = 1
 

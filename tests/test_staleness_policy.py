@@ -167,7 +167,6 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
     import json
 
     import yaml
-    from trainer_support import job_dict, make_groups, publish, redis_query
 
     from asyncrl.loader import load_job
     from asyncrl.runtime import Runtime
@@ -176,6 +175,7 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
     from asyncrl.trainer.main import build_trainer, connect_io
     from asyncrl.trainer.metrics import TrainerMetrics
     from asyncrl.trainer.status_api import status_document
+    from tests.support.trainer_support import job_dict, make_groups, publish, redis_query
 
     name = "t-alpha"
     doc = job_dict(name, batch_size=2, max_steps=4, checkpoint_interval=10)

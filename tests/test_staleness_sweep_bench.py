@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from bench_support import load_benchmark
 
 from asyncrl.loader import load_job, parse_job
+from tests.support.bench_support import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"

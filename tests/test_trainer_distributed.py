@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_support import ASYNCRL, make_groups, publish, read_jsonl, trainer_env, write_job
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
+from tests.support.trainer_support import ASYNCRL, make_groups, publish, read_jsonl, trainer_env, write_job
 
 JOB = "t-dist"
 
@@ -166,12 +166,12 @@ def _wrapper_worker(out: Path) -> None:
     import copy
 
     import torch
-    from trainer_support import make_job, model_and_tokenizer
 
     from asyncrl.trainer import distributed as D
     from asyncrl.trainer.batch import build_batch
     from asyncrl.trainer.logprobs import token_logprobs
     from asyncrl.trainer.plan import sequences_with_advantages
+    from tests.support.trainer_support import make_job, model_and_tokenizer
 
     torch.set_num_threads(1)
     ctx = D.init_distributed("cpu")
@@ -230,9 +230,9 @@ def _sharded_load(model: Any, ctx: Any, out: Path) -> None:
     shards, buffers (the rotary frequencies a state dict leaves out), generation config and
     attention implementation then equal those of the model loaded whole."""
     import torch
-    from trainer_support import MODEL
 
     from asyncrl.trainer import distributed as D
+    from tests.support.trainer_support import MODEL
 
     sharded = D.load_sharded_model(MODEL, ctx, gradient_checkpointing=True)
     params = dict(model.named_parameters())

@@ -24,10 +24,18 @@ import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from trainer_support import chat_groups, job_dict, model_and_tokenizer, publish, read_jsonl, redis_query, tiny_model
 
 from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import EvalRecord
+from tests.support.trainer_support import (
+    chat_groups,
+    job_dict,
+    model_and_tokenizer,
+    publish,
+    read_jsonl,
+    redis_query,
+    tiny_model,
+)
 
 JOB = "t-eval"
 BATCH = 2

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_support import make_groups, make_job, model_and_tokenizer
+
+from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer
 
 JOB = "t-numerics"
 

@@ -13,7 +13,11 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from trainer_support import (
+
+from asyncrl.net import free_port
+from asyncrl.outcome import EXIT_CONFIG_ERROR, new_outcome, read_outcome_file, read_outcome_redis
+from asyncrl.transport.names import StreamNames
+from tests.support.trainer_support import (
     ASYNCRL,
     make_groups,
     make_job,
@@ -25,10 +29,6 @@ from trainer_support import (
     wait_for_outcome,
     write_job,
 )
-
-from asyncrl.net import free_port
-from asyncrl.outcome import EXIT_CONFIG_ERROR, new_outcome, read_outcome_file, read_outcome_redis
-from asyncrl.transport.names import StreamNames
 
 JOB = "t-outcome"
 UID = "1b7e0c2a-0000-4000-8000-000000000001"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_support import make_groups, make_job, model_and_tokenizer, publish, redis_query, write_job
 
 from asyncrl.transport.streams import trained_ids
+from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer, publish, redis_query, write_job
 
 JOB = "t-step"
 
@@ -227,10 +227,10 @@ def test_restart_discards_newer_versions_and_half_written_temp_dirs(tmp_path):
 def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     """Two real steps of the trainer on the tiny model with each objective: finite loss, weights move."""
     import numpy as np
-    from trainer_support import own_behaviour_groups, tiny_model
 
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
+    from tests.support.trainer_support import own_behaviour_groups, tiny_model
 
     _, tok = model_and_tokenizer()
     model = tiny_model()

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_support import (
+
+from asyncrl.spec import TB_UNUSED, AlgorithmSpec
+from asyncrl.trainer.replay import ReplayBuffer, softmax_priorities
+from asyncrl.trainer.trajectory_balance import group_log_z, tb_beta, trajectory_balance_loss
+from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+from tests.support.trainer_support import (
     chat_groups,
     make_job,
     model_and_tokenizer,
@@ -24,11 +29,6 @@ from trainer_support import (
     run_trainer_on_groups,
     tiny_model,
 )
-
-from asyncrl.spec import TB_UNUSED, AlgorithmSpec
-from asyncrl.trainer.replay import ReplayBuffer, softmax_priorities
-from asyncrl.trainer.trajectory_balance import group_log_z, tb_beta, trajectory_balance_loss
-from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "tb_golden.json").read_text())
 JOB = "tb-job"

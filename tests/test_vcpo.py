@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_support import make_job, model_and_tokenizer, own_behaviour_groups, tiny_model
 
 from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer.losses import (
@@ -23,6 +22,7 @@ from asyncrl.trainer.losses import (
     vcpo_ess_scale,
     vcpo_weight_sums,
 )
+from tests.support.trainer_support import make_job, model_and_tokenizer, own_behaviour_groups, tiny_model
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_golden.json").read_text())
 BASELINE_GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_baseline_golden.json").read_text())

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_support import load_benchmark
 
 from asyncrl.loader import load_job, load_jobs_text
+from tests.support.bench_support import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO / "benchmarks"

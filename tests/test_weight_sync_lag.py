@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 from pydantic import ValidationError
-from trainer_support import job_dict, make_groups, make_job, model_and_tokenizer, tiny_model
 
 from asyncrl.trainer.publish import published_versions, retained_versions, served_version
 from asyncrl.transport.versions import EngineInfo, VersionChannel
 from tests.support.sglang_fake import FakeSGLang
+from tests.support.trainer_support import job_dict, make_groups, make_job, model_and_tokenizer, tiny_model
 
 STEPS = 4
 

@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 
 MODEL = "embedded:SmolLM2-135M-Instruct"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 ASYNCRL = [str(Path(sys.executable).parent / "asyncrl")]
 
 

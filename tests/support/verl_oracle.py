@@ -23,7 +23,7 @@ import pytest
 import torch
 
 VERL_VERSION = "0.9.1"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 WHEEL = REPO / ".tools" / "peers" / f"verl-{VERL_VERSION}-py3-none-any.whl"
 SETUP_HINT = (f"run `bash scripts/setup.sh --tests` (its step `pip download verl=={VERL_VERSION} --no-deps "
               "-d .tools/peers` fetches the wheel)")
