@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
-from tests.support.trainer_support import ASYNCRL, make_groups, publish, read_jsonl, trainer_env, write_job
+from tests.support.trainer_support import ASYNCRL, REPO, make_groups, publish, read_jsonl, trainer_env, write_job
 
 JOB = "t-dist"
 
@@ -138,7 +138,9 @@ def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_p
     publishes bfloat16 weights, gathered in buckets into an HF directory transformers loads. And the
     trainer's FSDP load (only rank 0 reads the weights) gives every rank the same model."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # (this file run as a script: the repository root on the path, for its `tests.support` imports)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     cmd = [torchrun, "--nproc-per-node=2", f"--master-port={free_port()}", __file__, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
