@@ -116,7 +116,8 @@ class StepRecord(_Report):
     proximal_seconds: float = 0.0
     """Time spent on the proximal policy's log-probs (recompute's forward, or the log-linear blend)."""
     weight_sync_seconds: float = 0.0
-    """Time the previous publish took: writing the weights and updating the engines."""
+    """Time the step's own publish took (it comes before the step is recorded): writing the weights
+    and updating the engines."""
     time: Annotated[float, gauge("last_step_timestamp_seconds")] = 0.0
     """Unix time the step finished."""
     zero_signal_groups: Annotated[int, not_exported("the report's `zero_signal_groups` is the counter")] = 0

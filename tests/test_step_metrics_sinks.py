@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from asyncrl.figures import Exported, figures, is_number
 from asyncrl.health import Health
 from asyncrl.operator.mirror import mirror_report
-from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus
+from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus, RecoveryStatus
 from asyncrl.status_report import RecoveryReport, ReplayReport, StepMetrics, TrainerReport
 from asyncrl.trainer.status_api import create_app
 from asyncrl.trainer.step_metrics import metrics_line
@@ -143,5 +143,4 @@ def test_every_recovery_total_reaches_status_prometheus_and_the_job_status(recor
     status = AsyncRLJobStatus()
     mirror_report(status, TrainerReport(recovery=totals), AsyncRLJob.model_validate(example()).spec)
     assert status.recovery is not None and status.recovery.model_dump() == totals.model_dump()
-    assert set(status.to_wire()["recovery"]) == {f.alias for f in AsyncRLJobStatus.model_fields["recovery"]
-                                                  .annotation.__args__[0].model_fields.values()}
+    assert set(status.to_wire()["recovery"]) == {f.alias for f in RecoveryStatus.model_fields.values()}
