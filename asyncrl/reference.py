@@ -74,6 +74,11 @@ def render_reference() -> str:
     lines += [f"- `{path}`: {message} (CEL: `{rule}`)" for path, rule, message in S.CEL_RULES]
     lines += ["", "## Immutable fields", ""]
     lines += [f"- `{path}`: {message}" for path, message in S.IMMUTABLE_FIELDS]
+    lines += ["", "## Former flat algorithm fields", "",
+              "The settings of one family were flat fields of `spec.algorithm` before they were grouped; a job "
+              "that still uses one fails validation with an error naming its new place.", "",
+              "| former field | now |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in {**S.MOVED_FIELDS, **S.RETYPED_FIELDS}.items()]
     lines += ["", *_figures_table()]
     return "\n".join(lines) + "\n"
 

@@ -13,9 +13,19 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, get_args
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
 
 from asyncrl import staleness_policy
+from asyncrl.algorithm_families import (
+    BapoSpec,
+    BehaviourCapSpec,
+    DynamicSamplingSpec,
+    M2Spec,
+    SapoSpec,
+    TbSpec,
+    VcpoSpec,
+)
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 from asyncrl.status_report import RecoveryReport
@@ -33,25 +43,39 @@ JOB_NAME_MAX = 63
 ENGINES = ("sglang", "vllm", "hf")
 OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
 """The aggregations VCPO's baseline composes with (per-sequence, as the authors' code asserts)."""
-TB_BETA = 0.012
-TB_BETA_ANNEAL_STEPS = 500
 TB_UNUSED: tuple[tuple[str, str, Any], ...] = (
     ("loss", "loss", "decoupled"), ("proximal", "proximal", "loglinear"),
     ("loglinearOnPolicy", "loglinear_on_policy", "behave"), ("clipEps", "clip_eps", 0.2),
     ("clipEpsHigh", "clip_eps_high", None), ("dualClip", "dual_clip", None),
-    ("behaviourCap", "behaviour_cap", 5.0), ("behaviourCapMode", "behaviour_cap_mode", "mask"),
-    ("behaviourCapLevel", "behaviour_cap_level", "token"), ("m2Threshold", "m2_threshold", None),
+    ("behaviourCap", "behaviour_cap", BehaviourCapSpec()), ("m2", "m2", None),
     ("aggregation", "aggregation", "token-mean"), ("advantageEstimator", "advantage_estimator", "grpo"),
-    ("batchNormalizeAdvantages", "batch_normalize_advantages", False), ("clipBounds", "clip_bounds", "fixed"),
-    ("vcpo", "vcpo", False), ("vcpoBaseline", "vcpo_baseline", False),
-    ("dynamicSampling", "dynamic_sampling", False))
+    ("batchNormalizeAdvantages", "batch_normalize_advantages", False), ("bapo", "bapo", None),
+    ("vcpo", "vcpo", VcpoSpec()), ("dynamicSampling", "dynamic_sampling", None))
 """(camelCase, field, default) of the algorithm settings objective 'tb' does not use: it has no
 importance ratio, clip, behaviour weight, advantage or token aggregation, and every group carries
 signal (equal rewards still pull towards the reference). Set to anything else, they are errors."""
-TB_ONLY: tuple[tuple[str, str, Any], ...] = (
-    ("tbBeta", "tb_beta", TB_BETA), ("tbBetaFinal", "tb_beta_final", None),
-    ("tbBetaAnnealSteps", "tb_beta_anneal_steps", TB_BETA_ANNEAL_STEPS), ("replay", "replay", None))
+TB_ONLY: tuple[tuple[str, str, Any], ...] = (("tb", "tb", TbSpec()), ("replay", "replay", None))
 """(camelCase, field, default) of the settings only objective 'tb' uses."""
+MOVED_FIELDS: dict[str, str] = {
+    "behaviourCapMode": "behaviourCap.mode", "behaviourCapLevel": "behaviourCap.level",
+    "m2Threshold": "m2.threshold", "m2Scope": "m2.scope",
+    "sapoTauPos": "sapo.tauPos", "sapoTauNeg": "sapo.tauNeg",
+    "clipBounds": "bapo ('bapo: {}' selects BAPO's bounds; unset = the fixed band)",
+    "bapoPositiveShare": "bapo.positiveShare", "bapoClipLowStart": "bapo.clipLowStart",
+    "bapoClipLowMax": "bapo.clipLowMax", "bapoClipHighStart": "bapo.clipHighStart",
+    "bapoClipHighMax": "bapo.clipHighMax", "bapoStep": "bapo.step",
+    "vcpoBaseEssRatio": "vcpo.baseEssRatio", "vcpoScaling": "vcpo.scaling", "vcpoBaseline": "vcpo.baseline",
+    "tbBeta": "tb.beta", "tbBetaFinal": "tb.betaFinal", "tbBetaAnnealSteps": "tb.betaAnnealSteps",
+    "dynamicSamplingMaxDraws": "dynamicSampling.maxDraws",
+}
+"""The algorithm's former flat fields (camelCase) and where each lives now: a job that still uses
+one fails validation with a message naming the new place."""
+RETYPED_FIELDS: dict[str, str] = {
+    "behaviourCap": "behaviourCap.limit (a number, or null for no behaviour weight)",
+    "vcpo": "vcpo.essScaling (true or false)",
+    "dynamicSampling": "dynamicSampling ('dynamicSampling: {}' turns it on, dynamicSampling.maxDraws bounds it)",
+}
+"""Former flat fields whose name is now a family object: a value that is not an object names the new place."""
 COLLECTIVE_ENGINES = ("sglang", "hf")
 """Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
@@ -196,7 +220,8 @@ class ReplaySpec(SpecModel):
 
 
 class AlgorithmSpec(SpecModel):
-    """The RL algorithm: advantage estimator, loss and sampling settings."""
+    """The RL algorithm: advantage estimator, loss and sampling settings. Settings that belong to one
+    family (behaviourCap, m2, sapo, bapo, vcpo, tb, dynamicSampling) are grouped under its name."""
 
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
     """grpo: (R-mean)/(std+eps); dr_grpo: R-mean; rloo: R - mean of the others."""
@@ -214,60 +239,24 @@ class AlgorithmSpec(SpecModel):
     """Upper clip epsilon (clip-higher); unset = symmetric."""
     dual_clip: float | None = Field(default=None, gt=1)
     """Dual clip constant c > 1 for negative advantages; unset = off."""
-    behaviour_cap: float | None = Field(default=5.0, gt=1)
-    """Cap on the behaviour importance weight w; unset disables the weight."""
-    behaviour_cap_mode: Literal["mask", "clamp"] = "mask"
-    """mask: drop tokens with w > cap; clamp: truncate w at the cap (TIS)."""
-    behaviour_cap_level: Literal["token", "sequence"] = "token"
-    """token: per-token w; sequence: the geometric mean of w over the response."""
-    m2_threshold: float | None = Field(default=None, gt=0)
-    """M2PO second-moment threshold tau (e.g. 0.04); set it to use M2PO masking instead of clipping."""
-    m2_scope: Literal["all", "harmful"] = "all"
-    """Tokens M2 is computed over: all (paper) or harmful ones (released code)."""
+    behaviour_cap: BehaviourCapSpec = Field(default_factory=BehaviourCapSpec)
+    """The cap on the behaviour importance weight w (decoupled loss): limit, mode, level."""
+    m2: M2Spec | None = None
+    """M2PO masking instead of clipping (objective ppo-clip); unset = off."""
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """How per-token losses are reduced; seq-mean-token-sum-norm (Dr. GRPO): token sum / (rows x maxNewTokens)."""
     objective: Literal["ppo-clip", "gspo", "cispo", "sapo", "tb"] = "ppo-clip"
     """Objective on u: ppo-clip, gspo (sequence-level u), cispo (clipped weight), sapo (soft gate); or tb:
     TBA's trajectory balance against the frozen initial model, no ratio (docs/algorithms.md)."""
-    sapo_tau_pos: float = Field(default=1.0, gt=0)
-    """SAPO gate temperature for positive advantages (verl 0.9.1's default); objective sapo only."""
-    sapo_tau_neg: float = Field(default=1.05, gt=0)
-    """SAPO gate temperature for advantages <= 0 (verl 0.9.1's default); objective sapo only."""
-    clip_bounds: Literal["fixed", "bapo"] = "fixed"
-    """fixed: the ratio band 1-clipEps .. 1+clipEpsHigh; bapo: BAPO's bounds, adapted per micro-batch
-    so positive-advantage tokens keep a share of the objective (objective ppo-clip, no m2Threshold)."""
-    bapo_positive_share: float = Field(default=0.5, gt=0, lt=1)
-    """BAPO's target positive share rho0 (paper and README: 0.5; the code's adv_ratio_target 1 = rho0/(1-rho0))."""
-    bapo_clip_low_start: float = Field(default=0.6, gt=0, lt=1)
-    """First lower ratio bound c_low tried (a-; WooooDyy/BAPO bapo_trainer.yaml ratio_lower_start)."""
-    bapo_clip_low_max: float = Field(default=0.8, gt=0, lt=1)
-    """Largest c_low the search may raise to (b-; bapo_trainer.yaml ratio_lower_max; the README says 0.9)."""
-    bapo_clip_high_start: float = Field(default=1.2, gt=1)
-    """First upper ratio bound c_high tried (a+; bapo_trainer.yaml ratio_upper_start)."""
-    bapo_clip_high_max: float = Field(default=2.0, gt=1)
-    """Largest c_high the search may raise to (b+; bapo_trainer.yaml ratio_upper_max; the README says 3.0)."""
-    bapo_step: float = Field(default=0.05, gt=0)
-    """Step of both bounds in the search (bapo_trainer.yaml ratio_lower_step and ratio_upper_step)."""
-    vcpo: bool = False
-    """VCPO (docs/algorithms.md): each update's learning rate x sqrt(min(1, ESS ratio / vcpoBaseEssRatio)),
-    the ESS of the minibatch's sequence weights pi_prox / pi_behav (loss 'decoupled' only)."""
-    vcpo_base_ess_ratio: float = Field(default=1.0, gt=0, le=1)
-    """ESS ratio at and above which the learning rate is not reduced (mit-han-lab/vcpo ess_scaling.base_ess_ratio)."""
-    vcpo_scaling: Literal["sqrt", "linear"] = "sqrt"
-    """sqrt (the paper's rule for AdamW) or linear in the ESS ratio (ess_scaling.scaling_rule)."""
-    vcpo_baseline: bool = False
-    """VCPO's off-policy optimal baseline (docs/algorithms.md): per group, the baseline is the mean of
-    the rewards weighted by ||grad log pi(tau_i)||^2 w_i^2 instead of the plain mean (advantages
-    (R_i - b) / std). Costs one extra backward per trajectory per update; needs aggregation
-    seq-mean-token-mean or seq-mean-token-sum-norm, advantageEstimator grpo and one trainer process."""
-    tb_beta: float = Field(default=TB_BETA, gt=0)
-    """Trajectory balance's reward temperature beta: the policy is pulled towards pi_ref x exp(R / beta)
-    (bbartoldson/TBA's GSM8K kl_coef, 0.012); objective tb only."""
-    tb_beta_final: float | None = Field(default=None, gt=0)
-    """Anneal beta linearly from tbBeta to this over tbBetaAnnealSteps steps (TBA's GSM8K: 0.004 over 500);
-    unset = constant tbBeta; objective tb only."""
-    tb_beta_anneal_steps: int = Field(default=TB_BETA_ANNEAL_STEPS, ge=1)
-    """Steps over which beta goes from tbBeta to tbBetaFinal (TBA's kl_coef_decay_target_iter)."""
+    sapo: SapoSpec = Field(default_factory=SapoSpec)
+    """SAPO's gate temperatures (objective sapo only)."""
+    bapo: BapoSpec | None = None
+    """BAPO's adaptive ratio bounds instead of 1-clipEps .. 1+clipEpsHigh (objective ppo-clip, no m2);
+    unset = the fixed band."""
+    vcpo: VcpoSpec = Field(default_factory=VcpoSpec)
+    """VCPO's stabilisers: the ESS-scaled learning rate and the off-policy optimal baseline."""
+    tb: TbSpec = Field(default_factory=TbSpec)
+    """Trajectory balance's reward temperature beta and its schedule (objective tb only)."""
     replay: ReplaySpec | None = None
     """TBA's replay buffer (objective tb only; unset = train on fresh groups only): part of each step's
     batch is drawn from the trajectories already trained on, by reward and recency (docs/algorithms.md)."""
@@ -292,14 +281,27 @@ class AlgorithmSpec(SpecModel):
     """Must be 1.0 (off): training needs the engine's log-probs of the full distribution."""
     top_k: int = Field(default=-1, ge=-1)
     """Must be -1 (off): training needs the engine's log-probs of the full distribution."""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose rewards are all equal (advantage exactly 0, no signal) is
-    skipped (acknowledged, its admission capacity returned, counted) and the trainer draws more groups
-    until the batch has batchSize with signal (docs/trainer.md)."""
-    dynamic_sampling_max_draws: int | None = Field(default=None, ge=1)
-    """Groups drawn for one step before a step that is still short trains on what it has (a warning,
-    counted); at least batchSize. Unset = 4 x batchSize. Needs dynamicSampling."""
+    dynamic_sampling: DynamicSamplingSpec | None = None
+    """DAPO's dynamic sampling; unset = off, `{}` = on with its defaults."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_names(cls, data: Any) -> Any:
+        # The family settings were flat fields before they were grouped: name the new place.
+        if isinstance(data, dict):
+            for key, value in data.items():
+                camel = to_camel(key)
+                why = ""
+                if camel in MOVED_FIELDS:
+                    why = f"algorithm.{camel} moved to algorithm.{MOVED_FIELDS[camel]}"
+                elif (camel in RETYPED_FIELDS and not isinstance(value, (dict, BaseModel, type(None)))) or (
+                        camel == "behaviourCap" and value is None):
+                    why = f"algorithm.{camel} is now an object: use algorithm.{RETYPED_FIELDS[camel]}"
+                if why:
+                    raise ValueError(f"{why} (the settings of one family are grouped under its name; "
+                                     "docs/spec-reference.md)")
+        return data
 
     @staticmethod
     def _untruncated(name: str, value: float, off: float) -> None:
@@ -351,80 +353,59 @@ class AlgorithmSpec(SpecModel):
         # Settings the chosen objective would silently ignore are errors (docs/algorithms.md, objectives).
         obj = self.objective
         for name, value, why in (
-                ("m2Threshold", self.m2_threshold, "M2PO's mask replaces the clip of ppo-clip; the other "
-                 "objectives keep their own clip or gate, so the two trust regions would stack"),
+                ("m2", self.m2, "M2PO's mask replaces the clip of ppo-clip; the other objectives keep their own "
+                 "clip or gate, so the two trust regions would stack"),
                 ("dualClip", self.dual_clip, "the dual clip bounds ppo-clip's loss for A < 0; gspo, "
                  "cispo and sapo do not have that branch")):
             if value is not None and obj != "ppo-clip":
-                raise ValueError(f"{name} {value!r} requires objective 'ppo-clip', got objective {obj!r}: "
+                raise ValueError(f"{name} requires objective 'ppo-clip', got objective {obj!r}: "
                                  f"{why}; allowed: objective 'ppo-clip' with {name}, or {name} unset")
         if obj == "sapo":
             for name, value, off in (("clipEpsHigh", self.clip_eps_high, None), ("clipEps", self.clip_eps, 0.2)):
                 if value != off:
                     raise ValueError(
                         f"{name} {value!r} has no effect with objective 'sapo' (its soft gate sigmoid(tau (u-1)) "
-                        f"has no clip; set sapoTauPos/sapoTauNeg instead); allowed: {name} {off!r} with "
+                        f"has no clip; set sapo.tauPos/sapo.tauNeg instead); allowed: {name} {off!r} with "
                         "objective 'sapo', or objective 'ppo-clip', 'gspo' or 'cispo'")
-        for name, value, default in (("sapoTauPos", self.sapo_tau_pos, 1.0), ("sapoTauNeg", self.sapo_tau_neg, 1.05)):
-            if value != default and obj != "sapo":
-                raise ValueError(f"{name} {value!r} only applies to objective 'sapo', got objective {obj!r}; "
-                                 f"allowed: objective 'sapo' with {name}, or {name} {default!r} (its default)")
+        if self.sapo != SapoSpec() and obj != "sapo":
+            raise ValueError(f"sapo {self.sapo.to_wire()} only applies to objective 'sapo', got objective {obj!r}; "
+                             "allowed: objective 'sapo' with sapo, or sapo at its defaults (tauPos 1.0, tauNeg 1.05)")
         return self
 
     @model_validator(mode="after")
-    def _clip_bounds_consistent(self) -> AlgorithmSpec:
-        # (the same rules as CEL_RULES' clipBounds/bapo entries; docs/algorithms.md, BAPO)
-        bapo = self.clip_bounds == "bapo"
-        if bapo and self.objective != "ppo-clip":
-            raise ValueError(f"clipBounds 'bapo' requires objective 'ppo-clip', got objective {self.objective!r}: "
-                             "BAPO adapts ppo-clip's token ratio band; allowed: clipBounds 'bapo' with objective "
-                             "'ppo-clip', or clipBounds 'fixed'")
-        if bapo and self.m2_threshold is not None:
-            raise ValueError(f"clipBounds 'bapo' cannot be combined with m2Threshold {self.m2_threshold!r}: M2PO "
-                             "replaces the clip that BAPO adapts; allowed: clipBounds 'bapo' with m2Threshold "
-                             "unset, or clipBounds 'fixed'")
-        if bapo and (self.clip_eps != 0.2 or self.clip_eps_high is not None):
-            raise ValueError("clipBounds 'bapo' sets the ratio bounds itself (bapoClipLow*, bapoClipHigh*), so "
+    def _bapo_consistent(self) -> AlgorithmSpec:
+        # (the same rules as CEL_RULES' bapo entry; docs/algorithms.md, BAPO)
+        if self.bapo is None:
+            return self
+        if self.objective != "ppo-clip":
+            raise ValueError(f"bapo requires objective 'ppo-clip', got objective {self.objective!r}: BAPO adapts "
+                             "ppo-clip's token ratio band; allowed: bapo with objective 'ppo-clip', or bapo unset")
+        if self.m2 is not None:
+            raise ValueError(f"bapo cannot be combined with m2 (threshold {self.m2.threshold!r}): M2PO replaces the "
+                             "clip that BAPO adapts; allowed: bapo with m2 unset, or bapo unset")
+        if self.clip_eps != 0.2 or self.clip_eps_high is not None:
+            raise ValueError("bapo sets the ratio bounds itself (bapo.clipLow*, bapo.clipHigh*), so "
                              f"clipEps {self.clip_eps!r} and clipEpsHigh {self.clip_eps_high!r} would be ignored; "
-                             "allowed: clipEps 0.2 and clipEpsHigh unset with clipBounds 'bapo'")
-        defaults = {"bapoPositiveShare": (self.bapo_positive_share, 0.5),
-                    "bapoClipLowStart": (self.bapo_clip_low_start, 0.6),
-                    "bapoClipLowMax": (self.bapo_clip_low_max, 0.8),
-                    "bapoClipHighStart": (self.bapo_clip_high_start, 1.2),
-                    "bapoClipHighMax": (self.bapo_clip_high_max, 2.0), "bapoStep": (self.bapo_step, 0.05)}
-        for name, (value, default) in defaults.items():
-            if not bapo and value != default:
-                raise ValueError(f"{name} {value!r} only applies to clipBounds 'bapo', got clipBounds "
-                                 f"{self.clip_bounds!r}; allowed: clipBounds 'bapo' with {name}, or {name} "
-                                 f"{default!r} (its default)")
-        for side, start, top in (("Low", self.bapo_clip_low_start, self.bapo_clip_low_max),
-                                 ("High", self.bapo_clip_high_start, self.bapo_clip_high_max)):
-            if start > top:
-                raise ValueError(f"bapoClip{side}Start ({start}) must be <= bapoClip{side}Max ({top}): the search "
-                                 "only raises a bound from its start up to its max")
+                             "allowed: clipEps 0.2 and clipEpsHigh unset with bapo")
         return self
 
     @model_validator(mode="after")
     def _vcpo_consistent(self) -> AlgorithmSpec:
         # (the same rules as CEL_RULES' vcpo entries; docs/algorithms.md, VCPO)
-        if self.vcpo and self.loss != "decoupled":
-            raise ValueError(f"vcpo requires loss 'decoupled', got loss {self.loss!r}: with 'ppo' the proximal is "
-                             "the behaviour policy, every weight is 1 and the scale always 1; allowed: vcpo true "
-                             "with loss 'decoupled', or vcpo false")
-        if not self.vcpo and (self.vcpo_base_ess_ratio != 1.0 or self.vcpo_scaling != "sqrt"):
-            raise ValueError(f"vcpoBaseEssRatio {self.vcpo_base_ess_ratio!r} and vcpoScaling {self.vcpo_scaling!r} "
-                             "only apply with vcpo true; allowed: vcpo true, or vcpoBaseEssRatio 1.0 and "
-                             "vcpoScaling 'sqrt' (their defaults)")
-        if self.vcpo_baseline:
+        if self.vcpo.ess_scaling and self.loss != "decoupled":
+            raise ValueError(f"vcpo.essScaling requires loss 'decoupled', got loss {self.loss!r}: with 'ppo' the "
+                             "proximal is the behaviour policy, every weight is 1 and the scale always 1; allowed: "
+                             "vcpo.essScaling true with loss 'decoupled', or essScaling false")
+        if self.vcpo.baseline:
             if self.aggregation not in OPOB_AGGREGATIONS:
-                raise ValueError(f"vcpoBaseline needs a per-sequence aggregation, got aggregation "
+                raise ValueError(f"vcpo.baseline needs a per-sequence aggregation, got aggregation "
                                  f"{self.aggregation!r}: the baseline weighs whole trajectories (the authors' code "
                                  "asserts the same); allowed: " + ", ".join(f"'{a}'" for a in OPOB_AGGREGATIONS))
             if self.advantage_estimator != "grpo":
-                raise ValueError(f"vcpoBaseline replaces the group baseline and std of advantageEstimator 'grpo', "
+                raise ValueError(f"vcpo.baseline replaces the group baseline and std of advantageEstimator 'grpo', "
                                  f"got {self.advantage_estimator!r}; allowed: advantageEstimator 'grpo'")
             if self.batch_normalize_advantages:
-                raise ValueError("vcpoBaseline sets the advantages itself: batchNormalizeAdvantages must be false")
+                raise ValueError("vcpo.baseline sets the advantages itself: batchNormalizeAdvantages must be false")
         return self
 
     @model_validator(mode="after")
@@ -433,14 +414,14 @@ class AlgorithmSpec(SpecModel):
         tb = self.objective == "tb"
         for camel, name, default in TB_UNUSED if tb else ():
             if getattr(self, name) != default:
-                raise ValueError(f"{camel} {getattr(self, name)!r} does not apply to objective 'tb': trajectory "
-                                 "balance has no importance ratio, clip, behaviour weight, advantage or token "
-                                 "aggregation, and every group carries signal; allowed with objective 'tb': "
-                                 f"{camel} {default!r} (its default)")
+                raise ValueError(f"{camel} {_shown(getattr(self, name))} does not apply to objective 'tb': "
+                                 "trajectory balance has no importance ratio, clip, behaviour weight, advantage or "
+                                 "token aggregation, and every group carries signal; allowed with objective 'tb': "
+                                 f"{camel} {_shown(default)} (its default)")
         for camel, name, default in () if tb else TB_ONLY:
             if getattr(self, name) != default:
                 raise ValueError(f"{camel} only applies to objective 'tb', got objective {self.objective!r}; "
-                                 f"allowed: objective 'tb' with {camel}, or {camel} {default!r} (its default)")
+                                 f"allowed: objective 'tb' with {camel}, or {camel} {_shown(default)} (its default)")
         if self.replay is not None and self.batch_size < 2:
             raise ValueError(f"replay needs batchSize >= 2, got batchSize {self.batch_size}: every step keeps one "
                              "slot for a fresh group, so with one slot nothing would ever be replayed")
@@ -449,15 +430,14 @@ class AlgorithmSpec(SpecModel):
     @model_validator(mode="after")
     def _dynamic_sampling_consistent(self) -> AlgorithmSpec:
         # (the same rules as CEL_RULES' dynamicSampling entries)
-        if self.dynamic_sampling and self.group_size < 2:
+        if self.dynamic_sampling is None:
+            return self
+        if self.group_size < 2:
             raise ValueError(f"dynamicSampling needs groupSize >= 2, got groupSize {self.group_size}: a group of "
                              "one sample has equal rewards by definition, so every group would be skipped")
-        draws = self.dynamic_sampling_max_draws
-        if draws is not None and not self.dynamic_sampling:
-            raise ValueError("dynamicSamplingMaxDraws is set but dynamicSampling is false: set dynamicSampling "
-                             "true, or leave dynamicSamplingMaxDraws unset")
+        draws = self.dynamic_sampling.max_draws
         if draws is not None and draws < self.batch_size:
-            raise ValueError(f"dynamicSamplingMaxDraws ({draws}) must be >= batchSize ({self.batch_size}): "
+            raise ValueError(f"dynamicSampling.maxDraws ({draws}) must be >= batchSize ({self.batch_size}): "
                              "a full batch needs batchSize draws")
         return self
 
@@ -468,7 +448,13 @@ class AlgorithmSpec(SpecModel):
         Default 4 x batchSize: a step then fills up as long as a quarter of the groups carry signal
         (draws needed ~ batchSize / informative fraction), and a starving step costs at most four
         batches of generation. DAPO's recipe (verl `max_num_gen_batches`) fails the run instead."""
-        return self.dynamic_sampling_max_draws or 4 * self.batch_size
+        chosen = self.dynamic_sampling.max_draws if self.dynamic_sampling is not None else None
+        return chosen or 4 * self.batch_size
+
+
+def _shown(value: Any) -> str:
+    """A setting as an error message shows it: a family by its wire form."""
+    return repr(value.to_wire()) if isinstance(value, SpecModel) else repr(value)
 
 
 class StalenessSpec(SpecModel):
@@ -893,13 +879,13 @@ class AsyncRLJobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _vcpo_baseline_in_one_process(self) -> AsyncRLJobSpec:
-        # (the same rule as CEL_RULES' spec entry on algorithm.vcpoBaseline)
+        # (the same rule as CEL_RULES' spec entry on algorithm.vcpo.baseline)
         processes = self.trainer.processes
-        if self.algorithm.vcpo_baseline and processes > 1:
-            raise ValueError(f"algorithm.vcpoBaseline needs one trainer process, got trainer.replicas "
+        if self.algorithm.vcpo.baseline and processes > 1:
+            raise ValueError(f"algorithm.vcpo.baseline needs one trainer process, got trainer.replicas "
                              f"{self.trainer.replicas} x gpusPerReplica {self.trainer.gpus_per_replica}: the "
                              "per-trajectory gradient norms are not gathered across ranks yet; allowed: "
-                             "trainer.replicas 1 with gpusPerReplica 0 or 1, or vcpoBaseline false")
+                             "trainer.replicas 1 with gpusPerReplica 0 or 1, or vcpo.baseline false")
         return self
 
     @model_validator(mode="after")
@@ -1050,19 +1036,27 @@ class AsyncRLJob(SpecModel):
 # (json path of the object the rule is attached to, rule, message). The CRD generator attaches
 # them; tests evaluate each with cel-python against the same cases the pydantic validators see.
 
-def _cel_at_default(camel: str, default: Any) -> str:
-    """A CEL condition: field `camel` of `self` is absent or equal to `default` (None: absent)."""
+def _cel_at_default(path: str, default: Any) -> str:
+    """A CEL condition: field `path` of `self` is absent or equal to `default` (None: absent; a family:
+    each of its fields absent or at its default)."""
     if default is None:
-        return f"!has(self.{camel})"
+        return f"!has(self.{path})"
+    if isinstance(default, SpecModel):
+        inner = " && ".join(_cel_at_default(f"{path}.{to_camel(name)}", getattr(default, name))
+                            for name in type(default).model_fields)
+        return f"(!has(self.{path}) || ({inner}))"
     literal = ("true" if default else "false") if isinstance(default, bool) else (
         f"'{default}'" if isinstance(default, str) else repr(default))
-    return f"(!has(self.{camel}) || self.{camel} == {literal})"
+    return f"(!has(self.{path}) || self.{path} == {literal})"
 
 
 _ONE_TRAINER_PROCESS_CEL = ("((has(self.trainer) && has(self.trainer.replicas) ? self.trainer.replicas : 1)"
                             " * (has(self.trainer) && has(self.trainer.gpusPerReplica)"
                             " && self.trainer.gpusPerReplica > 1 ? self.trainer.gpusPerReplica : 1)) == 1")
 """CEL on `spec`: the trainer runs as one process (TrainerSpec.processes)."""
+
+_VCPO_BASELINE_OFF_CEL = "(!has(self.vcpo) || !has(self.vcpo.baseline) || !self.vcpo.baseline)"
+"""CEL on `spec.algorithm`: VCPO's baseline is off."""
 
 CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
@@ -1074,48 +1068,38 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.algorithm", "!has(self.clipEpsHigh) || self.clipEpsHigh >= self.clipEps"
      " || (has(self.objective) && self.objective == 'cispo')",
      "clipEpsHigh must be >= clipEps (unless objective is cispo)"),
-    ("spec.algorithm", "!has(self.m2Threshold) || !has(self.objective) || self.objective == 'ppo-clip'",
-     "m2Threshold requires objective 'ppo-clip'"),
+    ("spec.algorithm", "!has(self.m2) || !has(self.objective) || self.objective == 'ppo-clip'",
+     "m2 requires objective 'ppo-clip'"),
     ("spec.algorithm", "!has(self.dualClip) || !has(self.objective) || self.objective == 'ppo-clip'",
      "dualClip requires objective 'ppo-clip'"),
     ("spec.algorithm", "!has(self.objective) || self.objective != 'sapo'"
      " || (!has(self.clipEpsHigh) && (!has(self.clipEps) || self.clipEps == 0.2))",
      "objective 'sapo' has no clip: leave clipEps and clipEpsHigh at their defaults"),
-    ("spec.algorithm", "(has(self.objective) && self.objective == 'sapo')"
-     " || ((!has(self.sapoTauPos) || self.sapoTauPos == 1.0) && (!has(self.sapoTauNeg) || self.sapoTauNeg == 1.05))",
-     "sapoTauPos and sapoTauNeg only apply to objective 'sapo'"),
-    # (BAPO's pydantic rules in two CEL rules: a bapo job keeps ppo-clip's other fields at their defaults,
-    # and a bapo* field needs clipBounds 'bapo' and an ordered range)
-    ("spec.algorithm", "!has(self.clipBounds) || self.clipBounds != 'bapo'"
-     " || ((!has(self.objective) || self.objective == 'ppo-clip') && !has(self.m2Threshold)"
+    ("spec.algorithm", "(has(self.objective) && self.objective == 'sapo') || " + _cel_at_default("sapo", SapoSpec()),
+     "sapo only applies to objective 'sapo'"),
+    ("spec.algorithm", "!has(self.bapo) || ((!has(self.objective) || self.objective == 'ppo-clip') && !has(self.m2)"
      " && !has(self.clipEpsHigh) && (!has(self.clipEps) || self.clipEps == 0.2))",
-     "clipBounds 'bapo' requires objective 'ppo-clip', no m2Threshold, and clipEps/clipEpsHigh at their defaults"),
-    ("spec.algorithm", "((has(self.clipBounds) && self.clipBounds == 'bapo')"
-     " || ((!has(self.bapoPositiveShare) || self.bapoPositiveShare == 0.5)"
-     " && (!has(self.bapoClipLowStart) || self.bapoClipLowStart == 0.6)"
-     " && (!has(self.bapoClipLowMax) || self.bapoClipLowMax == 0.8)"
-     " && (!has(self.bapoClipHighStart) || self.bapoClipHighStart == 1.2)"
-     " && (!has(self.bapoClipHighMax) || self.bapoClipHighMax == 2.0)"
-     " && (!has(self.bapoStep) || self.bapoStep == 0.05)))"
-     " && (has(self.bapoClipLowStart) ? self.bapoClipLowStart : 0.6)"
-     " <= (has(self.bapoClipLowMax) ? self.bapoClipLowMax : 0.8)"
-     " && (has(self.bapoClipHighStart) ? self.bapoClipHighStart : 1.2)"
-     " <= (has(self.bapoClipHighMax) ? self.bapoClipHighMax : 2.0)",
-     "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max"),
-    ("spec.algorithm", "!has(self.vcpo) || !self.vcpo || !has(self.loss) || self.loss == 'decoupled'",
-     "vcpo requires loss 'decoupled'"),
-    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || (has(self.aggregation)"
+     "bapo requires objective 'ppo-clip', no m2, and clipEps/clipEpsHigh at their defaults"),
+    ("spec.algorithm.bapo", "(has(self.clipLowStart) ? self.clipLowStart : 0.6)"
+     " <= (has(self.clipLowMax) ? self.clipLowMax : 0.8)"
+     " && (has(self.clipHighStart) ? self.clipHighStart : 1.2)"
+     " <= (has(self.clipHighMax) ? self.clipHighMax : 2.0)",
+     "each bapo.clip*Start must be <= its bapo.clip*Max"),
+    ("spec.algorithm", "!has(self.vcpo) || !has(self.vcpo.essScaling) || !self.vcpo.essScaling || !has(self.loss)"
+     " || self.loss == 'decoupled'",
+     "vcpo.essScaling requires loss 'decoupled'"),
+    ("spec.algorithm.vcpo", "(has(self.essScaling) && self.essScaling) || ((!has(self.baseEssRatio)"
+     " || self.baseEssRatio == 1.0) && (!has(self.scaling) || self.scaling == 'sqrt'))",
+     "vcpo.baseEssRatio and vcpo.scaling only apply with vcpo.essScaling true"),
+    ("spec.algorithm", _VCPO_BASELINE_OFF_CEL + " || (has(self.aggregation)"
      " && self.aggregation in ['seq-mean-token-mean', 'seq-mean-token-sum-norm'])",
-     "vcpoBaseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"),
-    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || !has(self.advantageEstimator)"
+     "vcpo.baseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'"),
+    ("spec.algorithm", _VCPO_BASELINE_OFF_CEL + " || !has(self.advantageEstimator)"
      " || self.advantageEstimator == 'grpo'",
-     "vcpoBaseline needs advantageEstimator 'grpo'"),
-    ("spec.algorithm", "!has(self.vcpoBaseline) || !self.vcpoBaseline || !has(self.batchNormalizeAdvantages)"
+     "vcpo.baseline needs advantageEstimator 'grpo'"),
+    ("spec.algorithm", _VCPO_BASELINE_OFF_CEL + " || !has(self.batchNormalizeAdvantages)"
      " || !self.batchNormalizeAdvantages",
-     "vcpoBaseline needs batchNormalizeAdvantages false"),
-    ("spec.algorithm", "(has(self.vcpo) && self.vcpo) || ((!has(self.vcpoBaseEssRatio) || self.vcpoBaseEssRatio == 1.0)"
-     " && (!has(self.vcpoScaling) || self.vcpoScaling == 'sqrt'))",
-     "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true"),
+     "vcpo.baseline needs batchNormalizeAdvantages false"),
     ("spec.algorithm",
      "!has(self.loglinearOnPolicy) || self.loglinearOnPolicy != 'current' || !has(self.minibatches)"
      " || self.minibatches == 1",
@@ -1130,18 +1114,17 @@ CEL_RULES: list[tuple[str, str, str]] = [
      + ", ".join(camel for camel, _, _ in TB_UNUSED) + " at their defaults"),
     ("spec.algorithm", "(has(self.objective) && self.objective == 'tb') || ("
      + " && ".join(_cel_at_default(camel, default) for camel, _, default in TB_ONLY) + ")",
-     "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'"),
+     "tb and replay only apply to objective 'tb'"),
     ("spec.algorithm", "!has(self.replay) || self.batchSize >= 2",
      "replay needs batchSize >= 2 (every step keeps one slot for a fresh group)"),
     ("spec", "!has(self.algorithm) || !has(self.algorithm.objective) || self.algorithm.objective != 'tb'"
      " || " + _ONE_TRAINER_PROCESS_CEL,
      "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
-    ("spec.algorithm", "!has(self.dynamicSampling) || !self.dynamicSampling || self.groupSize >= 2",
+    ("spec.algorithm", "!has(self.dynamicSampling) || self.groupSize >= 2",
      "dynamicSampling needs groupSize >= 2"),
-    ("spec.algorithm", "!has(self.dynamicSamplingMaxDraws) || (has(self.dynamicSampling) && self.dynamicSampling)",
-     "dynamicSamplingMaxDraws needs dynamicSampling true"),
-    ("spec.algorithm", "!has(self.dynamicSamplingMaxDraws) || self.dynamicSamplingMaxDraws >= self.batchSize",
-     "dynamicSamplingMaxDraws must be >= batchSize"),
+    ("spec.algorithm", "!has(self.dynamicSampling) || !has(self.dynamicSampling.maxDraws)"
+     " || self.dynamicSampling.maxDraws >= self.batchSize",
+     "dynamicSampling.maxDraws must be >= batchSize"),
     ("spec.evaluation",
      "!has(self.samplesPerPrompt) || self.samplesPerPrompt == 1 || (has(self.temperature) && self.temperature > 0.0)",
      "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)"),
@@ -1162,9 +1145,9 @@ CEL_RULES: list[tuple[str, str, str]] = [
      " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in ['sglang', 'hf']",
      "trainer.weightTransport 'collective' needs rollout.engine sglang or hf (vLLM 0.32's own weight transfer is "
      "another protocol, not spoken yet); allowed with vllm: disk"),
-    ("spec", "!has(self.algorithm) || !has(self.algorithm.vcpoBaseline) || !self.algorithm.vcpoBaseline"
-     " || " + _ONE_TRAINER_PROCESS_CEL,
-     "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
+    ("spec", "!has(self.algorithm) || " + _VCPO_BASELINE_OFF_CEL.replace("self.", "self.algorithm.")
+     + " || " + _ONE_TRAINER_PROCESS_CEL,
+     "algorithm.vcpo.baseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]

@@ -182,12 +182,12 @@ class StepMetrics(StepRecord):
     m2_masked_fraction: float = 0.0
     """M2PO: fraction of tokens masked."""
     bapo_clip_low: Annotated[float, gauge("bapo_clip_bound", "BAPO's adapted ratio bound of the last step "
-                                          "(algorithm.clipBounds bapo; 0 when off).", side="low")] = 0.0
+                                          "(algorithm.bapo; 0 when off).", side="low")] = 0.0
     """BAPO's adapted lower ratio bound (token-weighted mean over micro-batches); 0 when off."""
     bapo_clip_high: Annotated[float, gauge("bapo_clip_bound", side="high")] = 0.0
     """BAPO's adapted upper ratio bound; 0 when off."""
     vcpo_lr_scale: float = 1.0
-    """VCPO's learning-rate scale (algorithm.vcpo; the mean over the step's updates); 1 when off."""
+    """VCPO's learning-rate scale (algorithm.vcpo.essScaling; the mean over the step's updates); 1 when off."""
     vcpo_baseline_shift: float | None = None
     """VCPO's baseline: mean absolute shift of the groups' baselines from their mean rewards (None when off)."""
     tb_beta: float | None = None
@@ -220,7 +220,7 @@ class StepMetrics(StepRecord):
     """Of the groups drawn for the step, the fraction whose rewards were all equal (skipped with
     dynamicSampling, trained at advantage 0 without): what to tune the data's difficulty with."""
     dynamic_sampling_starved: int = 0
-    """1 when the step drew dynamicSamplingMaxDraws groups without batchSize with signal."""
+    """1 when the step drew dynamicSampling.maxDraws groups without batchSize with signal."""
     replayed_groups: Annotated[int, gauge("replayed_groups_last_step")] = 0
     """Groups of the step trained from TBA's replay buffer (algorithm.replay)."""
     replay: ReplayReport | None = None
@@ -354,7 +354,7 @@ class TrainerReport(_Report):
     """Groups skipped since the job started because their rewards were all equal (no signal;
     spec.algorithm.dynamicSampling): acknowledged untrained, their admission capacity returned."""
     dynamic_sampling_starved_steps: Annotated[int, counter("dynamic_sampling_starved_steps")] = 0
-    """Steps that drew dynamicSamplingMaxDraws groups without batchSize with signal and trained on fewer."""
+    """Steps that drew dynamicSampling.maxDraws groups without batchSize with signal and trained on fewer."""
     admission: AdmissionReport = Field(default_factory=AdmissionReport)
     recovery: RecoveryReport = Field(default_factory=RecoveryReport)
     weight_transport: Literal["disk", "collective"] = "disk"

@@ -102,7 +102,7 @@ def run_step(model: Any, optimizer: Any, minibatches: list[Any], proximal: str, 
     from asyncrl.trainer.logprobs import token_logprobs
     from asyncrl.trainer.losses import LossConfig, policy_loss
 
-    config = LossConfig(kind="decoupled", proximal=proximal)
+    config = LossConfig(loss="decoupled", proximal=proximal)
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()

@@ -9,9 +9,9 @@ loader and written to the run's folder as job.yaml; one that fails validation is
 loader's error, in the JSON as {"skipped": reason}):
   default     the job as is (decoupled loss, A-3PO log-linear proximal)
   recompute   algorithm.proximal recompute (the exact proximal: one more forward per step)
-  m2po        algorithm.m2Threshold 0.04 (M2PO's second-moment mask instead of the clip)
-  bapo        algorithm.clipBounds bapo (adaptive clip bounds)
-  vcpo        algorithm.vcpo true (learning rate scaled by the ESS of the behaviour weights)
+  m2po        algorithm.m2.threshold 0.04 (M2PO's second-moment mask instead of the clip)
+  bapo        algorithm.bapo {} (adaptive clip bounds)
+  vcpo        algorithm.vcpo.essScaling true (learning rate scaled by the ESS of the behaviour weights)
   gspo        algorithm.objective gspo, clipEps 3e-4 / clipEpsHigh 4e-4 (the paper's sequence-level band)
   cispo       algorithm.objective cispo, clipEps 0.99 / clipEpsHigh 0.28 (no lower bound, as its paper)
   sapo        algorithm.objective sapo (soft gate; its temperatures at their defaults)
@@ -110,9 +110,9 @@ from vs_trl import (  # noqa: E402
 STABILISERS: dict[str, dict[str, Any]] = {
     "default": {},
     "recompute": {"algorithm": {"proximal": "recompute"}},
-    "m2po": {"algorithm": {"m2Threshold": 0.04}},
-    "bapo": {"algorithm": {"clipBounds": "bapo"}},
-    "vcpo": {"algorithm": {"vcpo": True}},
+    "m2po": {"algorithm": {"m2": {"threshold": 0.04}}},
+    "bapo": {"algorithm": {"bapo": {}}},
+    "vcpo": {"algorithm": {"vcpo": {"essScaling": True}}},
     "gspo": {"algorithm": {"objective": "gspo", "clipEps": 3e-4, "clipEpsHigh": 4e-4}},
     "cispo": {"algorithm": {"objective": "cispo", "clipEps": 0.99, "clipEpsHigh": 0.28}},
     "sapo": {"algorithm": {"objective": "sapo"}},

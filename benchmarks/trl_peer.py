@@ -102,12 +102,12 @@ def inert_settings(spec: Any) -> dict[str, str]:
     }
     if a.loss == "decoupled":
         out["algorithm.proximal"] = f"{a.proximal}: {on_policy}"
-    if a.behaviour_cap is not None:
-        out["algorithm.behaviourCap"] = f"{a.behaviour_cap}: {on_policy}"
+    if a.behaviour_cap.limit is not None:
+        out["algorithm.behaviourCap.limit"] = f"{a.behaviour_cap.limit}: {on_policy}"
     if a.dual_clip is not None:
         out["algorithm.dualClip"] = f"{a.dual_clip}: {on_policy}"
-    if a.m2_threshold is not None:
-        out["algorithm.m2Threshold"] = f"{a.m2_threshold}: {on_policy}"
+    if a.m2 is not None:
+        out["algorithm.m2.threshold"] = f"{a.m2.threshold}: {on_policy}"
     return out
 
 

@@ -1,4 +1,4 @@
-"""BAPO's adaptive clip bounds (clipBounds: bapo): hand-computed cases, the authors' code as oracle, metrics.
+"""BAPO's adaptive clip bounds (algorithm.bapo): hand-computed cases, the authors' code as oracle, metrics.
 
 The golden file tests/data/bapo_golden.json holds the outputs (bounds, loss, gradient, clip fraction) of
 `compute_policy_loss_bapo` from WooooDyy/BAPO (recipe/bapo/policy_loss.py, the commit named in the file),
@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.algorithm_families import BapoSpec, BehaviourCapSpec, M2Spec
 from asyncrl.trainer.losses import BAPO_STAT_KEYS, LossConfig, bapo_bounds, policy_loss
 from tests.support.loss_support import step_over_micro_batches
 
 F64 = torch.float64
 GOLDEN = Path(__file__).parent / "data" / "bapo_golden.json"
-BAPO = LossConfig(kind="ppo", clip_bounds="bapo", dual_clip=3.0, behav_cap=None)
+BAPO = LossConfig(loss="ppo", dual_clip=3.0, bapo=BapoSpec(), behaviour_cap=BehaviourCapSpec(limit=None))
 
 
 def golden_cases() -> list[dict]:
@@ -52,11 +53,10 @@ def row(*values: float) -> torch.Tensor:
     return torch.tensor([values], dtype=F64)
 
 
-def bounds_of(adv, u, w=None, keep=None, **cfg) -> tuple[float, float]:
-    config = LossConfig(clip_bounds="bapo", **cfg)
+def bounds_of(adv, u, w=None, keep=None, **bapo) -> tuple[float, float]:
     w = torch.ones_like(u) if w is None else w
     keep = torch.ones_like(u, dtype=torch.bool) if keep is None else keep
-    return bapo_bounds(adv, u, w, keep, config)
+    return bapo_bounds(adv, u, w, keep, BapoSpec(**bapo))
 
 
 def test_positive_share_met_at_the_start_keeps_the_start_bounds():
@@ -91,8 +91,8 @@ def test_only_kept_tokens_count_and_nothing_negative_is_met():
 
 def test_target_share_and_ranges_are_honoured():
     adv, u = row(1.0, -1.5), row(1.0, 1.0)
-    assert bounds_of(adv, u, bapo_positive_share=0.35) == (0.6, 1.2)  # 1/1.5 >= 0.35/0.65
-    assert bounds_of(adv, u, bapo_clip_low_max=0.7, bapo_clip_high_max=1.3) == (0.7, 1.3)
+    assert bounds_of(adv, u, positive_share=0.35) == (0.6, 1.2)  # 1/1.5 >= 0.35/0.65
+    assert bounds_of(adv, u, clip_low_max=0.7, clip_high_max=1.3) == (0.7, 1.3)
 
 
 def test_policy_loss_clips_at_the_adapted_bounds():
@@ -100,11 +100,11 @@ def test_policy_loss_clips_at_the_adapted_bounds():
     lp_b = row(-1.0, -1.0)
     lp = (lp_b + torch.log(row(1.5, 1.0))).requires_grad_(True)
     loss, stats = policy_loss(lp, lp_b, row(1.0, -1.3), torch.ones(1, 2, dtype=torch.bool),
-                              config=LossConfig(kind="ppo", clip_bounds="bapo"))
+                              config=LossConfig(loss="ppo", bapo=BapoSpec()))
     assert float(loss.detach()) == pytest.approx((-1.0 * 1.35 + 1.3 * 1.0) / 2)
     assert stats["clip_fraction_high"] == 0.5 and stats["bapo_clip_high"] == pytest.approx(1.35)
     fixed = policy_loss(lp, lp_b, row(1.0, -1.3), torch.ones(1, 2, dtype=torch.bool),
-                        config=LossConfig(kind="ppo"))[1]
+                        config=LossConfig(loss="ppo"))[1]
     assert not set(BAPO_STAT_KEYS) & set(fixed)
 
 
@@ -113,38 +113,44 @@ def test_decoupled_bounds_use_u_and_w():
     lp_b = row(-1.0, -1.0)
     prox = lp_b + torch.log(row(2.0, 1.0))  # w = (2, 1)
     lp = prox.clone().requires_grad_(True)  # u = 1
-    cfg = LossConfig(kind="decoupled", proximal="recompute", clip_bounds="bapo")
+    cfg = LossConfig(loss="decoupled", proximal="recompute", bapo=BapoSpec())
     _, stats = policy_loss(lp, lp_b, row(1.0, -1.5), torch.ones(1, 2, dtype=torch.bool),
                            config=cfg, prox_logprobs=prox)
     assert (stats["bapo_clip_low"], stats["bapo_clip_high"]) == (0.6, 1.2)  # 2 * 1 / 1.5 >= 1
-    cfg_ppo = LossConfig(kind="ppo", clip_bounds="bapo")  # the same tokens without w: 1 / 1.5, unmet
+    cfg_ppo = LossConfig(loss="ppo", bapo=BapoSpec())  # the same tokens without w: 1 / 1.5, unmet
     _, ppo = policy_loss(prox.clone(), prox, row(1.0, -1.5), torch.ones(1, 2, dtype=torch.bool),
                          config=cfg_ppo)
     assert (ppo["bapo_clip_low"], ppo["bapo_clip_high"]) == (0.8, 2.0)
 
 
 @pytest.mark.parametrize("kw, says", [
-    ({"objective": "gspo"}, "allowed: clip_bounds 'bapo' with objective 'ppo-clip'"),
-    ({"m2_threshold": 0.04}, "m2_threshold 0.04"),
-    ({"bapo_positive_share": 1.0}, "bapo_positive_share"),
-    ({"bapo_clip_low_start": 1.0}, "bapo_clip_low_start"),
-    ({"bapo_clip_high_max": 1.0}, "bapo_clip_high_max"),
-    ({"bapo_step": 0.0}, "bapo_step"),
+    ({"objective": "gspo"}, "allowed: objective 'ppo-clip' with bapo"),
+    ({"m2": M2Spec(threshold=0.04)}, "bapo adapts the clip that m2 replaces"),
 ])
 def test_loss_config_rejects_what_bapo_cannot_honour(kw, says):
     with pytest.raises(ValueError, match=says):
-        LossConfig(clip_bounds="bapo", **kw)
+        LossConfig(**kw, bapo=BapoSpec())
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"positive_share": 1.0}, "positive_share"), ({"clip_low_start": 1.0}, "clip_low_start"),
+    ({"clip_high_max": 1.0}, "clip_high_max"), ({"step": 0.0}, "step"),
+    ({"clip_low_start": 0.7, "clip_low_max": 0.65}, r"bapo.clipLowStart \(0.7\) must be <= bapo.clipLowMax"),
+])
+def test_bapo_settings_have_the_spec_bounds(kw, says):
+    with pytest.raises(ValueError, match=says):
+        BapoSpec(**kw)
 
 
 def test_loss_config_from_spec_maps_the_bapo_fields():
     from asyncrl.spec import AlgorithmSpec
 
-    spec = AlgorithmSpec.model_validate({"clipBounds": "bapo", "bapoPositiveShare": 0.4, "bapoClipLowStart": 0.5,
-                                         "bapoClipLowMax": 0.9, "bapoClipHighStart": 1.1, "bapoClipHighMax": 3.0,
-                                         "bapoStep": 0.1})
-    cfg = LossConfig.from_spec(spec)
-    assert (cfg.clip_bounds, cfg.bapo_positive_share, cfg.bapo_clip_low_start, cfg.bapo_clip_low_max,
-            cfg.bapo_clip_high_start, cfg.bapo_clip_high_max, cfg.bapo_step) == ("bapo", 0.4, 0.5, 0.9, 1.1, 3.0, 0.1)
+    spec = AlgorithmSpec.model_validate({"bapo": {"positiveShare": 0.4, "clipLowStart": 0.5, "clipLowMax": 0.9,
+                                                  "clipHighStart": 1.1, "clipHighMax": 3.0, "step": 0.1}})
+    bapo = LossConfig.from_spec(spec).bapo
+    assert bapo is not None
+    assert (bapo.positive_share, bapo.clip_low_start, bapo.clip_low_max, bapo.clip_high_start, bapo.clip_high_max,
+            bapo.step) == (0.4, 0.5, 0.9, 1.1, 3.0, 0.1)
 
 
 def test_the_adapted_bounds_reach_metrics_jsonl(tmp_path):
@@ -152,7 +158,7 @@ def test_the_adapted_bounds_reach_metrics_jsonl(tmp_path):
     lp_b = row(-1.0, -1.0, -1.0)
     lp = lp_b + torch.log(row(1.5, 1.0, 1.0))
     adv, mask = row(1.0, -1.3, 5.0), torch.ones(1, 3, dtype=torch.bool)
-    cfg = LossConfig(kind="ppo", clip_bounds="bapo")
+    cfg = LossConfig(loss="ppo", bapo=BapoSpec())
     # (0.8, 1.35) over 2 tokens, then (0.6, 1.2) over 1
     parts = [(slice(None), slice(0, 2)), (slice(None), slice(2, 3))]
     _, line = step_over_micro_batches(tmp_path / "metrics.jsonl", lp, lp_b, adv, mask, cfg, parts)

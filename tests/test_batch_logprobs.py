@@ -96,7 +96,7 @@ def test_select_split_and_micro_batches():
     assert sum(m.num_tokens for m in micros) == batch.num_tokens
     # exact token-mean across micro-batches via loss_denominator
     torch.manual_seed(0)
-    cfg = LossConfig(kind="ppo")
+    cfg = LossConfig(loss="ppo")
     full_lp = batch.behav_logprobs + 0.3 * torch.randn(batch.behav_logprobs.shape)
     full, _ = policy_loss(full_lp, batch.behav_logprobs, batch.advantages, batch.loss_mask, config=cfg)
     total, start = 0.0, 0

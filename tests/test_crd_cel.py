@@ -192,20 +192,18 @@ BREAKERS = {
     "advantageEstimator grpo and rloo need groupSize >= 2":
         {"algorithm": {"advantageEstimator": "rloo", "groupSize": 1}},
     "clipEpsHigh must be >= clipEps (unless objective is cispo)": {"algorithm": {"clipEps": 0.3, "clipEpsHigh": 0.2}},
-    "m2Threshold requires objective 'ppo-clip'": {"algorithm": {"objective": "gspo", "m2Threshold": 0.04}},
+    "m2 requires objective 'ppo-clip'": {"algorithm": {"objective": "gspo", "m2": {"threshold": 0.04}}},
     "dualClip requires objective 'ppo-clip'": {"algorithm": {"objective": "cispo", "dualClip": 3.0}},
     "objective 'sapo' has no clip: leave clipEps and clipEpsHigh at their defaults":
         {"algorithm": {"objective": "sapo", "clipEpsHigh": 0.28}},
-    "sapoTauPos and sapoTauNeg only apply to objective 'sapo'": {"algorithm": {"sapoTauNeg": 2.0}},
+    "sapo only applies to objective 'sapo'": {"algorithm": {"sapo": {"tauNeg": 2.0}}},
     "loglinearOnPolicy 'current' requires minibatches 1 (use 'behave')":
         {"algorithm": {"loglinearOnPolicy": "current", "minibatches": 2}},
     "topP must be 1.0: the trainer scores the full distribution": {"algorithm": {"topP": 0.9}},
     "topK must be -1: the trainer scores the full distribution": {"algorithm": {"topK": 50}},
     "dynamicSampling needs groupSize >= 2":
-        {"algorithm": {"dynamicSampling": True, "advantageEstimator": "dr_grpo", "groupSize": 1}},
-    "dynamicSamplingMaxDraws needs dynamicSampling true": {"algorithm": {"dynamicSamplingMaxDraws": 128}},
-    "dynamicSamplingMaxDraws must be >= batchSize":
-        {"algorithm": {"dynamicSampling": True, "dynamicSamplingMaxDraws": 31}},
+        {"algorithm": {"dynamicSampling": {}, "advantageEstimator": "dr_grpo", "groupSize": 1}},
+    "dynamicSampling.maxDraws must be >= batchSize": {"algorithm": {"dynamicSampling": {"maxDraws": 31}}},
     "mode 'external' requires external.urlSecret": {"redis": {"mode": "external"}},
     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
         {"trainer": {"weightSyncLag": 99}},
@@ -216,25 +214,28 @@ BREAKERS = {
         {"staleness": {"policy": "per-sample", "asyncRatio": 0.5, "maxHeadOffpolicyness": 2}},
     "evaluation.samplesPerPrompt > 1 needs temperature > 0 (greedy answers are identical)":
         {"evaluation": {"samplesPerPrompt": 4}},
-    "clipBounds 'bapo' requires objective 'ppo-clip', no m2Threshold, and clipEps/clipEpsHigh at their defaults":
-        {"algorithm": {"clipBounds": "bapo", "clipEpsHigh": 0.28}},
-    "bapo* fields need clipBounds 'bapo', and each bapoClip*Start <= its bapoClip*Max":
-        {"algorithm": {"bapoStep": 0.1}},
-    "vcpo requires loss 'decoupled'": {"algorithm": {"vcpo": True, "loss": "ppo", "proximal": "recompute"}},
-    "vcpoBaseEssRatio and vcpoScaling only apply with vcpo true": {"algorithm": {"vcpoScaling": "linear"}},
-    "vcpoBaseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'":
-        {"algorithm": {"vcpoBaseline": True}, "trainer": {"gpusPerReplica": 1}},
-    "vcpoBaseline needs advantageEstimator 'grpo'":
-        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean", "advantageEstimator": "rloo"},
+    "bapo requires objective 'ppo-clip', no m2, and clipEps/clipEpsHigh at their defaults":
+        {"algorithm": {"bapo": {}, "clipEpsHigh": 0.28}},
+    "each bapo.clip*Start must be <= its bapo.clip*Max":
+        {"algorithm": {"bapo": {"clipLowStart": 0.85}, "clipEpsHigh": None}},
+    "vcpo.essScaling requires loss 'decoupled'":
+        {"algorithm": {"vcpo": {"essScaling": True}, "loss": "ppo", "proximal": "recompute"}},
+    "vcpo.baseEssRatio and vcpo.scaling only apply with vcpo.essScaling true":
+        {"algorithm": {"vcpo": {"scaling": "linear"}}},
+    "vcpo.baseline needs aggregation 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'":
+        {"algorithm": {"vcpo": {"baseline": True}}, "trainer": {"gpusPerReplica": 1}},
+    "vcpo.baseline needs advantageEstimator 'grpo'":
+        {"algorithm": {"vcpo": {"baseline": True}, "aggregation": "seq-mean-token-mean", "advantageEstimator": "rloo"},
          "trainer": {"gpusPerReplica": 1}},
-    "vcpoBaseline needs batchNormalizeAdvantages false":
-        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean", "batchNormalizeAdvantages": True},
+    "vcpo.baseline needs batchNormalizeAdvantages false":
+        {"algorithm": {"vcpo": {"baseline": True}, "aggregation": "seq-mean-token-mean",
+                       "batchNormalizeAdvantages": True},
          "trainer": {"gpusPerReplica": 1}},
-    "algorithm.vcpoBaseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
-        {"algorithm": {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean"}},
-    TB_UNUSED_MESSAGE: {"algorithm": {"objective": "tb", "behaviourCap": 3.0, "clipEpsHigh": None},
+    "algorithm.vcpo.baseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
+        {"algorithm": {"vcpo": {"baseline": True}, "aggregation": "seq-mean-token-mean"}},
+    TB_UNUSED_MESSAGE: {"algorithm": {"objective": "tb", "behaviourCap": {"limit": 3.0}, "clipEpsHigh": None},
                         "trainer": {"gpusPerReplica": 1}},
-    "tbBeta, tbBetaFinal, tbBetaAnnealSteps and replay only apply to objective 'tb'": {"algorithm": {"replay": {}}},
+    "tb and replay only apply to objective 'tb'": {"algorithm": {"replay": {}}},
     "replay needs batchSize >= 2 (every step keeps one slot for a fresh group)":
         {"algorithm": {"objective": "tb", "clipEpsHigh": None, "replay": {}, "batchSize": 1, "minibatches": 1},
          "trainer": {"gpusPerReplica": 1}},

@@ -2,7 +2,7 @@
 
 Groups whose rewards are all equal carry no signal: with dynamic sampling the trainer skips them
 (acknowledged, admission capacity returned, counted) and keeps reading until the batch has
-batchSize groups with signal, or trains on fewer after `dynamicSamplingMaxDraws` draws. The trainer
+batchSize groups with signal, or trains on fewer after `dynamicSampling.maxDraws` draws. The trainer
 runs on the tiny one-layer copy of SmolLM2 (tests/support/trainer_support.py): a step takes milliseconds.
 """
 
@@ -75,7 +75,7 @@ def test_zero_signal_groups_are_skipped_acked_counted_and_give_capacity_back(tmp
 
     groups = groups_with({"z0": NONE, "i0": MIXED, "z1": ONES, "i1": MIXED, "i2": MIXED, "z2": NONE,
                           "i3": MIXED})
-    trainer, batches = run_trainer(tmp_path, redis_url, groups, max_steps=2, algorithm={"dynamicSampling": True})
+    trainer, batches = run_trainer(tmp_path, redis_url, groups, max_steps=2, algorithm={"dynamicSampling": {}})
 
     assert batches == [["i0", "i1"], ["i2", "i3"]]  # only groups with signal, the batch kept full
     acked, pending, accepted, dropped = redis_state(redis_url)
@@ -109,7 +109,7 @@ def test_a_starving_step_trains_what_it_has_after_max_draws(tmp_path: Path, redi
                           "i1": MIXED})
     with caplog.at_level(logging.WARNING, logger="asyncrl.trainer"):
         trainer, batches = run_trainer(tmp_path, redis_url, groups, max_steps=2,
-                                       algorithm={"dynamicSampling": True, "dynamicSamplingMaxDraws": 3})
+                                       algorithm={"dynamicSampling": {"maxDraws": 3}})
 
     assert batches == [["i0"], ["z5"]]
     lines = read_jsonl(tmp_path / "metrics.jsonl")
@@ -121,7 +121,7 @@ def test_a_starving_step_trains_what_it_has_after_max_draws(tmp_path: Path, redi
     metrics = TrainerMetrics()
     metrics.update(report)
     assert metrics.registry.get_sample_value("asyncrl_trainer_dynamic_sampling_starved_steps_total") == 2
-    starving = [r.getMessage() for r in caplog.records if "dynamicSamplingMaxDraws=3" in r.getMessage()]
+    starving = [r.getMessage() for r in caplog.records if "dynamicSampling.maxDraws=3" in r.getMessage()]
     assert len(starving) == 2 and "1 with signal" in starving[0] and "0 with signal" in starving[1]
     acked, _, accepted, dropped = redis_state(redis_url)
     assert acked == {"z0", "z1", "z2", "z3", "z4", "z5", "i0"}  # not i1: left for step 3

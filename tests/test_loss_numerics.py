@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.algorithm_families import BehaviourCapSpec, M2Spec
 from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer.distributed import DistContext
 from asyncrl.trainer.losses import LossConfig, aggregate, policy_loss
@@ -89,7 +90,7 @@ def test_m2po_masks_stale_tokens_under_the_loglinear_proximal():
     # On the full ratio: M2 = .6229 / 6 = .1038 > .04 -> drop .36: .2629 / 5 = .0526 > .04
     # -> drop .25: .0129 / 4 = .003225 <= .04. Two of six tokens masked.
     lp, lp_b, adv, versions = _stale_case()
-    cfg = LossConfig(proximal="loglinear", m2_threshold=0.04)
+    cfg = LossConfig(proximal="loglinear", m2=M2Spec(threshold=0.04))
     loss, stats = policy_loss(lp, lp_b, adv, ones(lp.shape), config=cfg, versions=versions, current_version=20)
     direct = float(((lp.detach() - lp_b) ** 2).mean())  # every token is a candidate (scope "all")
     assert stats["m2_before"] == pytest.approx(direct, rel=1e-12)
@@ -105,22 +106,22 @@ def test_m2po_masks_stale_tokens_under_the_loglinear_proximal():
 def test_m2po_harmful_scope_uses_the_full_ratio():
     # harmful with A = +1: r > 1, i.e. the gaps .6, .1, .05: M2 = .3725 / 3 = .1242 -> drop .36
     lp, lp_b, adv, versions = _stale_case()
-    cfg = LossConfig(m2_threshold=0.04, m2_scope="harmful")
+    cfg = LossConfig(m2=M2Spec(threshold=0.04, scope="harmful"))
     _, stats = policy_loss(lp, lp_b, adv, ones(lp.shape), config=cfg, versions=versions, current_version=20)
     assert stats["m2_before"] == pytest.approx((0.36 + 0.01 + 0.0025) / 3, rel=1e-12)
     assert stats["m2_masked_fraction"] == pytest.approx(1 / 6)
     # the sign is the full ratio's: lp_b < lp < lp_p gives u < 1 but r > 1, harmful for A > 0
     lp_b1, lp1, prox1 = row(-2.0), row(-1.5).requires_grad_(True), row(-1.0)
     _, stats = policy_loss(lp1, lp_b1, row(1.0), ones((1, 1)), prox_logprobs=prox1,
-                           config=LossConfig(proximal="recompute", m2_threshold=0.04, m2_scope="harmful",
-                                             behav_cap=None))
+                           config=LossConfig(proximal="recompute", m2=M2Spec(threshold=0.04, scope="harmful"),
+                                             behaviour_cap=BehaviourCapSpec(limit=None)))
     assert stats["m2_before"] == pytest.approx(0.25) and stats["m2_masked_fraction"] == 1.0
 
 
 def test_m2po_is_not_zero_with_a_recomputed_proximal():
     # recompute with one minibatch: lp_p = lp, so log u = 0 on every token; M2 is the stale ratio's
     lp, lp_b, adv, _ = _stale_case()
-    cfg = LossConfig(proximal="recompute", m2_threshold=0.04)
+    cfg = LossConfig(proximal="recompute", m2=M2Spec(threshold=0.04))
     _, stats = policy_loss(lp, lp_b, adv, ones(lp.shape), config=cfg, prox_logprobs=lp.detach().clone())
     assert stats["m2_before"] == pytest.approx(sum(g * g for g in GAPS) / 6, rel=1e-12)
     assert stats["m2_masked_fraction"] == pytest.approx(2 / 6)
@@ -140,7 +141,7 @@ def _two_rows():
 def test_seq_mean_token_sum_norm_is_dr_grpo():
     # Dr. GRPO: sum over every token of every row / (rows x L_max) = (-1 - 2 - 3) / (2 x 16)
     lp, lp_b, adv, mask = _two_rows()
-    cfg = LossConfig(kind="ppo", aggregation="seq-mean-token-sum-norm", norm_length=16)
+    cfg = LossConfig(loss="ppo", aggregation="seq-mean-token-sum-norm", max_new_tokens=16)
     loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     assert float(loss) == pytest.approx(-6.0 / (2 * 16), rel=1e-15)
     (grad,) = torch.autograd.grad(loss, lp)
@@ -151,7 +152,7 @@ def test_seq_mean_token_sum_norm_is_dr_grpo():
 def test_padding_columns_do_not_change_the_loss(aggregation):
     # The same rows in a wider batch (the longest row of another minibatch sets the width).
     lp, lp_b, adv, mask = _two_rows()
-    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=16)
+    cfg = LossConfig(loss="ppo", aggregation=aggregation, max_new_tokens=16)
     narrow, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     pad = 7
     wide = [torch.cat([t, torch.full((2, pad), float("nan"), dtype=torch.float64)], dim=1) for t in (lp, lp_b, adv)]
@@ -171,13 +172,13 @@ def _seq(prompt: int, response: int) -> TrainSequence:
 
 def test_minibatch_denominator_is_rows_times_max_new_tokens():
     seqs = [_seq(5, 3), _seq(40, 1), _seq(2, 0)]
-    cfg = LossConfig(aggregation="seq-mean-token-sum-norm", norm_length=64)
+    cfg = LossConfig(aggregation="seq-mean-token-sum-norm", max_new_tokens=64)
     assert loss_denominator(seqs, [0, 1, 2], cfg) == 3 * 64  # not the padded width 44
     assert loss_denominator(seqs, [0, 1, 2], LossConfig(aggregation="token-mean")) == 4
     assert loss_denominator(seqs, [0, 1, 2], LossConfig(aggregation="seq-mean-token-mean")) == 2
     # micro-batch losses with it add up to the whole minibatch's own loss
     lp, lp_b, adv, mask = _two_rows()
-    cfg = LossConfig(kind="ppo", aggregation="seq-mean-token-sum-norm", norm_length=16)
+    cfg = LossConfig(loss="ppo", aggregation="seq-mean-token-sum-norm", max_new_tokens=16)
     whole, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     parts = [policy_loss(lp[r], lp_b[r], adv[r], mask[r], config=cfg, loss_denominator=2 * 16.0)[0]
              for r in (slice(0, 1), slice(1, 2))]

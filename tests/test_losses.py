@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from asyncrl.algorithm_families import BapoSpec, BehaviourCapSpec, M2Spec, SapoSpec, VcpoSpec
 from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer.losses import (
     LOG_RATIO_LIMIT,
@@ -37,7 +38,7 @@ from tests.support.loss_support import step_over_micro_batches
 
 E = math.e
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
-PPO = LossConfig(kind="ppo")
+PPO = LossConfig(loss="ppo")
 
 
 def row(*values: float) -> torch.Tensor:
@@ -93,7 +94,7 @@ def test_clip_higher():
     # r = 1.5 -> -1.28 (clipped) ; r = 1.25 -> -1.25 (inside; symmetric eps would clip at 1.2)
     # r = 0.7 -> max(-0.7, -0.8) = -0.7 ; mean = (-1.28 - 1.25 - 0.7) / 3 = -1.076667
     lp, lp_b = tokens_with_ratios(1.5, 1.25, 0.7)
-    cfg = LossConfig(kind="ppo", eps_clip_high=0.28)
+    cfg = LossConfig(loss="ppo", clip_eps_high=0.28)
     loss, stats = policy_loss(lp, lp_b, row(1, 1, 1), ones_like(lp), config=cfg)
     assert float(loss) == pytest.approx(-3.23 / 3, rel=1e-12)
     assert stats["clip_fraction"] == pytest.approx(1 / 3)
@@ -110,7 +111,7 @@ def test_dual_clip():
     # (5,+1): max(-5, -1.2) = -1.2 (eps-clipped; dual clip only applies to A < 0)
     # mean = (3 + 2 + 0.8 - 1.2) / 4 = 1.15
     lp, lp_b = tokens_with_ratios(5, 2, 0.5, 5)
-    cfg = LossConfig(kind="ppo", dual_clip=3.0)
+    cfg = LossConfig(loss="ppo", dual_clip=3.0)
     loss, stats = policy_loss(lp, lp_b, row(-1, -1, -1, 1), ones_like(lp), config=cfg)
     assert float(loss) == pytest.approx(1.15, rel=1e-12)
     assert stats["dual_clip_fraction"] == pytest.approx(0.25)
@@ -143,7 +144,7 @@ def _aggregation_case():
 )
 def test_aggregations(aggregation, expected):
     lp, lp_b, adv, mask = _aggregation_case()
-    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=8)
+    cfg = LossConfig(loss="ppo", aggregation=aggregation, max_new_tokens=8)
     loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     assert float(loss) == pytest.approx(expected, rel=1e-12)
 
@@ -151,7 +152,7 @@ def test_aggregations(aggregation, expected):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_loss_denominator_makes_micro_batches_exact(aggregation):
     lp, lp_b, adv, mask = _aggregation_case()
-    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=8)
+    cfg = LossConfig(loss="ppo", aggregation=aggregation, max_new_tokens=8)
     full, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     denom = {"token-mean": 4.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum-norm": 3 * 8.0}[aggregation]
     parts = [policy_loss(lp[rows], lp_b[rows], adv[rows], mask[rows], config=cfg,
@@ -187,7 +188,7 @@ def _decoupled_case():
 
 def test_decoupled_token_mask_cap_keeps_original_denominator():
     lp, lp_b, prox, adv = _decoupled_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute")
+    cfg = LossConfig(loss="decoupled", proximal="recompute")
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     # (-2.2 + 0 - 0.6 + 0.8) / 4 (t2 masked, but still counted in the denominator) = -0.5
     assert float(loss) == pytest.approx(-0.5, rel=1e-12)
@@ -214,7 +215,7 @@ def test_decoupled_token_mask_cap_keeps_original_denominator():
 
 def test_decoupled_token_clamp_cap():
     lp, lp_b, prox, adv = _decoupled_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_mode="clamp")
+    cfg = LossConfig(loss="decoupled", proximal="recompute", behaviour_cap=BehaviourCapSpec(mode="clamp"))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     # t2 now weighted by min(6, 5) = 5: (-2.2 - 5 - 0.6 + 0.8) / 4 = -1.75
     assert float(loss) == pytest.approx(-1.75, rel=1e-12)
@@ -225,7 +226,7 @@ def test_decoupled_token_clamp_cap():
 
 def test_decoupled_without_cap_has_no_behaviour_weight():
     lp, lp_b, prox, adv = _decoupled_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_cap=None)
+    cfg = LossConfig(loss="decoupled", proximal="recompute", behaviour_cap=BehaviourCapSpec(limit=None))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     # w = 1: (-1.1 - 1.0 - 1.2 + 0.8) / 4 = -0.625
     assert float(loss) == pytest.approx(-0.625, rel=1e-12)
@@ -243,20 +244,21 @@ def _sequence_case():
 
 def test_sequence_level_mask_cap():
     lp, lp_b, prox, adv = _sequence_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_level="sequence")
+    cfg = LossConfig(loss="decoupled", proximal="recompute", behaviour_cap=BehaviourCapSpec(level="sequence"))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     # row 0 kept with weight 4 on both tokens: -4 - 4 ; row 1 dropped; / 4 tokens = -2
     assert float(loss) == pytest.approx(-2.0, rel=1e-12)
     assert stats["behav_filtered_fraction"] == pytest.approx(0.5)
     # token level for contrast: row 0 t1 (w=2) -> -2, t2 (w=8) masked; row 1 masked: -2 / 4
-    tok, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=LossConfig(kind="decoupled", proximal="recompute"),
+    tok, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=LossConfig(loss="decoupled", proximal="recompute"),
                          prox_logprobs=prox)
     assert float(tok) == pytest.approx(-0.5, rel=1e-12)
 
 
 def test_sequence_level_clamp_cap():
     lp, lp_b, prox, adv = _sequence_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute", behav_level="sequence", behav_mode="clamp")
+    cfg = LossConfig(loss="decoupled", proximal="recompute",
+                     behaviour_cap=BehaviourCapSpec(level="sequence", mode="clamp"))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     # row 0: weight 4 -> -8 ; row 1: weight min(6, 5) = 5 -> -10 ; (-8 - 10) / 4 = -4.5
     assert float(loss) == pytest.approx(-4.5, rel=1e-12)
@@ -266,7 +268,7 @@ def test_sequence_level_clamp_cap():
 def test_ppo_kind_ignores_cap_and_proximal():
     # kind "ppo": proximal = behaviour, w = 1, so even a 10x ratio is not "filtered", only clipped
     lp, lp_b = tokens_with_ratios(10.0)
-    loss, stats = policy_loss(lp, lp_b, row(1), ones_like(lp), config=LossConfig(kind="ppo", proximal="recompute"))
+    loss, stats = policy_loss(lp, lp_b, row(1), ones_like(lp), config=LossConfig(loss="ppo", proximal="recompute"))
     assert float(loss) == pytest.approx(-1.2)
     assert stats["behav_filtered_fraction"] == 0.0
 
@@ -283,7 +285,7 @@ def _stale(ws: list[list[float]], us: list[list[float]]):
 
 
 def _objective(name: str, **kw) -> LossConfig:
-    return LossConfig(kind="decoupled", proximal="recompute", objective=name, eps_clip_high=0.28, **kw)
+    return LossConfig(loss="decoupled", proximal="recompute", objective=name, clip_eps_high=0.28, **kw)
 
 
 def test_gspo_decoupled_uses_the_sequence_ratio_of_u_and_weights_each_token_by_w():
@@ -319,7 +321,7 @@ def test_sapo_decoupled_gates_u_softly_with_a_temperature_per_sign():
     # gradient is the plain -A w. Gate f(u) = 4/tau sigmoid(tau (u - 1)), df/dlp = 4 s (1 - s) u.
     lp, lp_b, prox = _stale([[2.0, 0.5, 3.0]], [[1.5, 0.5, 1.0]])
     adv = row(1.0, -1.0, 1.0)
-    sapo = LossConfig(kind="decoupled", proximal="recompute", objective="sapo")
+    sapo = LossConfig(loss="decoupled", proximal="recompute", objective="sapo")
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=sapo, prox_logprobs=prox)
 
     def sig(z: float) -> float:
@@ -333,7 +335,7 @@ def test_sapo_decoupled_gates_u_softly_with_a_temperature_per_sign():
     assert lp.grad.tolist()[0] == pytest.approx(grads, rel=1e-12)
     assert grads[2] == pytest.approx(-3.0 / 3)  # u = 1: -A w / n
     assert stats["clip_fraction"] == stats["clip_fraction_low"] == stats["clip_fraction_high"] == 0.0
-    hot = LossConfig(kind="decoupled", proximal="recompute", objective="sapo", sapo_tau_pos=4.0)
+    hot = LossConfig(loss="decoupled", proximal="recompute", objective="sapo", sapo=SapoSpec(tau_pos=4.0))
     lp2, _, _ = _stale([[2.0, 0.5, 3.0]], [[1.5, 0.5, 1.0]])
     loss2, _ = policy_loss(lp2, lp_b, adv, ones_like(lp2), config=hot, prox_logprobs=prox)
     loss2.backward()
@@ -343,11 +345,11 @@ def test_sapo_decoupled_gates_u_softly_with_a_temperature_per_sign():
 
 FRESH_DATA_STABILISERS = {
     "recompute": LossConfig(proximal="recompute"),
-    "m2po": LossConfig(m2_threshold=0.04),
-    "bapo": LossConfig(clip_bounds="bapo"),
-    "vcpo": LossConfig(vcpo=True),
-    "gspo": LossConfig(objective="gspo", eps_clip=3e-4, eps_clip_high=4e-4),
-    "cispo": LossConfig(objective="cispo", eps_clip=0.99, eps_clip_high=0.28),
+    "m2po": LossConfig(m2=M2Spec(threshold=0.04)),
+    "bapo": LossConfig(bapo=BapoSpec()),
+    "vcpo": LossConfig(vcpo=VcpoSpec(ess_scaling=True)),
+    "gspo": LossConfig(objective="gspo", clip_eps=3e-4, clip_eps_high=4e-4),
+    "cispo": LossConfig(objective="cispo", clip_eps=0.99, clip_eps_high=0.28),
     "sapo": LossConfig(objective="sapo"),
 }
 
@@ -378,8 +380,8 @@ def test_on_fresh_data_every_stabiliser_takes_the_default_step(name):
 
 def test_ppo_clip_objective_is_the_default_and_unchanged():
     lp, lp_b, prox, adv = _decoupled_case()
-    cfg = LossConfig(kind="decoupled", proximal="recompute")
-    explicit = LossConfig(kind="decoupled", proximal="recompute", objective="ppo-clip")
+    cfg = LossConfig(loss="decoupled", proximal="recompute")
+    explicit = LossConfig(loss="decoupled", proximal="recompute", objective="ppo-clip")
     a, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg, prox_logprobs=prox)
     b, _ = policy_loss(lp, lp_b, adv, ones_like(lp), config=explicit, prox_logprobs=prox)
     assert cfg == explicit and float(a) == float(b) == pytest.approx(-0.5, rel=1e-12)
@@ -428,7 +430,7 @@ def test_loglinear_proximal_ignores_ungenerated_positions():
 def test_loglinear_loss_by_staleness(staleness, on_policy, expected):
     lp_b = row(-2.0)
     lp = row(-1.0).requires_grad_(True)
-    cfg = LossConfig(kind="decoupled", proximal="loglinear", loglinear_on_policy=on_policy)
+    cfg = LossConfig(loss="decoupled", proximal="loglinear", loglinear_on_policy=on_policy)
     loss, stats = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg,
                               versions=torch.tensor([[7 - staleness]]), current_version=7)
     assert float(loss) == pytest.approx(expected, rel=1e-12)
@@ -443,7 +445,7 @@ def test_partial_rollout_tokens_with_different_versions():
     # u = e^0.1 = 1.105 inside the band -> -e^0.1 each ; mean = (2 * -1.978845 + 2 * -1.105171) / 4
     lp_b = torch.full((1, 4), -2.0, dtype=torch.float64)
     lp = (lp_b + row(1.0, 1.0, 0.1, 0.1)).requires_grad_(True)
-    cfg = LossConfig(kind="decoupled", proximal="loglinear")
+    cfg = LossConfig(loss="decoupled", proximal="loglinear")
     loss, stats = policy_loss(lp, lp_b, row(1, 1, 1, 1), ones_like(lp), config=cfg,
                               versions=torch.tensor([[3, 3, 5, 5]]), current_version=5)
     expected = (2 * -1.2 * math.exp(0.5) + 2 * -math.exp(0.1)) / 4
@@ -462,7 +464,7 @@ def test_loglinear_unclipped_gradient_is_the_full_ratio():
     adv = row(1.0, -2.0, 0.5, -1.0, 3.0, 1.0)
     lp_b = torch.full((1, 6), -1.5, dtype=torch.float64)
     lp = (lp_b + gaps).requires_grad_(True)
-    cfg = LossConfig(kind="decoupled", proximal="loglinear")
+    cfg = LossConfig(loss="decoupled", proximal="loglinear")
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg,
                               versions=20 - staleness, current_version=20)
     assert stats["clip_fraction"] == 0.0
@@ -484,7 +486,7 @@ def test_m2po_scope_all():
     # loss = -(M r A) token-mean over the ORIGINAL 4 tokens, no eps-clip (r = e^.3 = 1.35 is kept):
     #   t1: -e^.3 = -1.349859 ; t3: +e^.1 = 1.105171 ; t4: -1  -> -1.244688 / 4 = -0.311172
     lp, lp_b, adv = _m2_case()
-    cfg = LossConfig(kind="ppo", m2_threshold=0.04, m2_scope="all")
+    cfg = LossConfig(loss="ppo", m2=M2Spec(threshold=0.04, scope="all"))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg)
     assert float(loss) == pytest.approx((-math.exp(0.3) + math.exp(0.1) - 1) / 4, rel=1e-12)
     assert stats["m2_before"] == pytest.approx(0.115)
@@ -502,7 +504,7 @@ def test_m2po_scope_harmful():
     # M2 = .09 > .04 -> drop t1, nothing left: M2 = 0
     # loss: t2: -e^-.6 = -0.548812 ; t3: +e^.1 ; t4: -1 -> -0.443641 / 4 = -0.110910
     lp, lp_b, adv = _m2_case()
-    cfg = LossConfig(kind="ppo", m2_threshold=0.04, m2_scope="harmful")
+    cfg = LossConfig(loss="ppo", m2=M2Spec(threshold=0.04, scope="harmful"))
     loss, stats = policy_loss(lp, lp_b, adv, ones_like(lp), config=cfg)
     assert float(loss) == pytest.approx((-math.exp(-0.6) + math.exp(0.1) - 1) / 4, rel=1e-12)
     assert stats["m2_before"] == pytest.approx(0.09)
@@ -512,7 +514,8 @@ def test_m2po_scope_harmful():
 
 def test_m2po_below_threshold_masks_nothing():
     lp, lp_b = tokens_with_ratios(1.1, 0.95)
-    loss, stats = policy_loss(lp, lp_b, row(1, 1), ones_like(lp), config=LossConfig(kind="ppo", m2_threshold=0.04))
+    loss, stats = policy_loss(lp, lp_b, row(1, 1), ones_like(lp),
+                              config=LossConfig(loss="ppo", m2=M2Spec(threshold=0.04)))
     # (log 1.1)^2 = .009084, (log .95)^2 = .002631 -> M2 = .005857 <= .04 ; loss = -(1.1 + .95) / 2
     assert float(loss) == pytest.approx(-1.025, rel=1e-12)
     assert stats["m2_before"] == stats["m2_after"] == pytest.approx((math.log(1.1) ** 2 + math.log(0.95) ** 2) / 2)
@@ -533,7 +536,7 @@ def test_m2po_with_decoupled_applies_behaviour_weight():
     lp_b = row(-2.0)
     prox = lp_b + 0.05
     lp = (prox + 0.1).requires_grad_(True)
-    cfg = LossConfig(kind="decoupled", proximal="recompute", m2_threshold=0.04)
+    cfg = LossConfig(loss="decoupled", proximal="recompute", m2=M2Spec(threshold=0.04))
     loss, stats = policy_loss(lp, lp_b, row(1.0), ones_like(lp), config=cfg, prox_logprobs=prox)
     assert float(loss) == pytest.approx(-math.exp(0.15), rel=1e-12)
     assert stats["m2_before"] == pytest.approx(0.15 ** 2, rel=1e-9)
@@ -555,10 +558,10 @@ def test_gradient_flows_only_through_logprobs():
     adv = torch.randn(3, 5, dtype=torch.float64).requires_grad_(True)
     mask = torch.rand(3, 5) > 0.3
     for cfg, kw in [
-        (LossConfig(kind="decoupled", proximal="recompute"), dict(prox_logprobs=prox)),
-        (LossConfig(kind="decoupled", proximal="loglinear"),
+        (LossConfig(loss="decoupled", proximal="recompute"), dict(prox_logprobs=prox)),
+        (LossConfig(loss="decoupled", proximal="loglinear"),
          dict(versions=torch.randint(0, 4, (3, 5)), current_version=4)),
-        (LossConfig(kind="ppo", m2_threshold=0.001), {}),
+        (LossConfig(loss="ppo", m2=M2Spec(threshold=0.001)), {}),
     ]:
         loss, _ = policy_loss(lp, lp_b, adv, mask, config=cfg, **kw)
         grads = torch.autograd.grad(loss, [lp, lp_b, prox, adv], allow_unused=True)
@@ -574,7 +577,7 @@ def test_gradcheck_decoupled_recompute():
     lp = (prox + torch.tensor([[0.05, -0.5, 0.6], [0.1, -0.02, 0.0]], dtype=torch.float64)).requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 2.0], [-0.5, 0.7, 1.5]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    cfg = LossConfig(kind="decoupled", proximal="recompute", dual_clip=3.0)
+    cfg = LossConfig(loss="decoupled", proximal="recompute", dual_clip=3.0)
     assert torch.autograd.gradcheck(
         lambda x: policy_loss(x, lp_b, adv, mask, config=cfg, prox_logprobs=prox)[0], (lp,))
 
@@ -591,11 +594,11 @@ def test_fifty_nat_gaps_stay_finite():
         adv = torch.tensor([[-1.0, 1.0, 1.0]], dtype=dtype)
         for cfg, kw in [
             (PPO, {}),
-            (LossConfig(kind="decoupled", proximal="loglinear", behav_cap=None),
+            (LossConfig(loss="decoupled", proximal="loglinear", behaviour_cap=BehaviourCapSpec(limit=None)),
              dict(versions=torch.tensor([[0, 1, 2]]), current_version=2)),
-            (LossConfig(kind="decoupled", proximal="loglinear"),
+            (LossConfig(loss="decoupled", proximal="loglinear"),
              dict(versions=torch.tensor([[0, 1, 2]]), current_version=2)),
-            (LossConfig(kind="ppo", m2_threshold=0.04), {}),
+            (LossConfig(loss="ppo", m2=M2Spec(threshold=0.04)), {}),
         ]:
             loss, stats = policy_loss(lp, lp_b, adv, torch.ones(1, 3, dtype=torch.bool), config=cfg, **kw)
             (grad,) = torch.autograd.grad(loss, lp)
@@ -614,7 +617,7 @@ def test_garbage_outside_mask_and_fully_masked_rows():
     mask = torch.tensor([[True, False], [False, False]])
     versions = torch.tensor([[2, -1], [-1, -1]])
     for cfg in [PPO, LossConfig(), LossConfig(aggregation="seq-mean-token-mean"),
-                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2_threshold=0.01)]:
+                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2=M2Spec(threshold=0.01))]:
         loss, stats = policy_loss(lp, lp_b, adv, mask, config=cfg, versions=versions, current_version=3)
         (grad,) = torch.autograd.grad(loss, lp)
         assert math.isfinite(float(loss)) and bool(torch.isfinite(grad).all())
@@ -627,7 +630,7 @@ def test_empty_batches(shape):
     lp = torch.zeros(shape, requires_grad=True)
     mask = torch.zeros(shape, dtype=torch.bool)  # (2, 3): fully masked
     for cfg in [PPO, LossConfig(), LossConfig(aggregation="seq-mean-token-mean"),
-                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2_threshold=0.04)]:
+                LossConfig(aggregation="seq-mean-token-sum-norm"), LossConfig(m2=M2Spec(threshold=0.04))]:
         loss, stats = policy_loss(lp, torch.zeros(shape), torch.zeros(shape), mask, config=cfg,
                                   versions=torch.full(shape, -1), current_version=0)
         assert float(loss) == 0.0
@@ -687,69 +690,74 @@ def test_dtypes_are_promoted_not_rejected():
 def test_loss_config_defaults():
     cfg = LossConfig()
     assert cfg.to_dict() == {
-        "kind": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "behave",
-        "eps_clip": 0.2, "eps_clip_high": None, "dual_clip": None, "behav_cap": 5.0,
-        "behav_mode": "mask", "behav_level": "token", "m2_threshold": None, "m2_scope": "all",
-        "aggregation": "token-mean", "norm_length": 256, "objective": "ppo-clip", "sapo_tau_pos": 1.0,
-        "sapo_tau_neg": 1.05, "clip_bounds": "fixed", "bapo_positive_share": 0.5, "bapo_clip_low_start": 0.6,
-        "bapo_clip_low_max": 0.8, "bapo_clip_high_start": 1.2, "bapo_clip_high_max": 2.0, "bapo_step": 0.05,
-        "vcpo": False,
+        "loss": "decoupled", "proximal": "loglinear", "loglinear_on_policy": "behave",
+        "clip_eps": 0.2, "clip_eps_high": None, "dual_clip": None,
+        "behaviour_cap": {"limit": 5.0, "mode": "mask", "level": "token"}, "m2": None,
+        "aggregation": "token-mean", "max_new_tokens": 256, "objective": "ppo-clip",
+        "sapo": {"tauPos": 1.0, "tauNeg": 1.05}, "bapo": None,
+        "vcpo": {"essScaling": False, "baseEssRatio": 1.0, "scaling": "sqrt", "baseline": False},
     }
-    assert cfg.eps_high == 0.2 and LossConfig(eps_clip_high=0.28).eps_high == 0.28
+    assert cfg.eps_high == 0.2 and LossConfig(clip_eps_high=0.28).eps_high == 0.28
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(kind="grpo"), dict(proximal="forward"), dict(loglinear_on_policy="both"), dict(eps_clip=0.0),
-     dict(eps_clip=1.5), dict(eps_clip_high=-0.1), dict(dual_clip=1.0), dict(behav_cap=0.5),
-     dict(behav_cap=1.0),
-     dict(behav_mode="drop"), dict(behav_level="batch"), dict(m2_threshold=0.0), dict(m2_scope="some"),
-     dict(aggregation="sum"), dict(norm_length=0), dict(norm_length=8.0), dict(objective="grpo"),
-     dict(sapo_tau_pos=0.0), dict(sapo_tau_neg=-1.0), dict(objective="gspo", m2_threshold=0.04),
-     dict(objective="sapo", dual_clip=3.0)],
+    [dict(loss="grpo"), dict(proximal="forward"), dict(loglinear_on_policy="both"), dict(clip_eps=0.0),
+     dict(clip_eps=1.5), dict(clip_eps_high=-0.1), dict(dual_clip=1.0), dict(behaviour_cap={"limit": 2.0}),
+     dict(aggregation="sum"), dict(max_new_tokens=0), dict(max_new_tokens=8.0), dict(objective="grpo"),
+     dict(objective="gspo", m2=M2Spec(threshold=0.04)), dict(objective="sapo", dual_clip=3.0),
+     dict(objective="cispo", bapo=BapoSpec()), dict(m2=M2Spec(threshold=0.04), bapo=BapoSpec())],
 )
 def test_loss_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match="LossConfig"):
         LossConfig(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [lambda: BehaviourCapSpec(limit=0.5), lambda: BehaviourCapSpec(limit=1.0),
+     lambda: BehaviourCapSpec(mode="drop"), lambda: BehaviourCapSpec(level="batch"), lambda: M2Spec(threshold=0.0),
+     lambda: M2Spec(threshold=0.04, scope="some"), lambda: SapoSpec(tau_pos=0.0), lambda: SapoSpec(tau_neg=-1.0)],
+)
+def test_family_settings_reject_bad_values(build):
+    # The loss takes the spec's own family models, so their bounds are the job's (pydantic's errors).
+    with pytest.raises(ValueError):
+        build()
+
+
 def test_loss_config_from_spec():
     spec = AlgorithmSpec(
         loss="decoupled", proximal="recompute", loglinear_on_policy="behave", clip_eps=0.1,
-        clip_eps_high=0.3, dual_clip=3.0, behaviour_cap=2.0, behaviour_cap_mode="clamp",
-        behaviour_cap_level="sequence", m2_threshold=0.04, m2_scope="harmful",
-        aggregation="seq-mean-token-sum-norm", max_new_tokens=1024,
+        clip_eps_high=0.3, dual_clip=3.0, behaviour_cap=BehaviourCapSpec(limit=2.0, mode="clamp", level="sequence"),
+        m2=M2Spec(threshold=0.04, scope="harmful"), aggregation="seq-mean-token-sum-norm", max_new_tokens=1024,
     )
     assert LossConfig.from_spec(spec) == LossConfig(
-        kind="decoupled", proximal="recompute", loglinear_on_policy="behave", eps_clip=0.1,
-        eps_clip_high=0.3, dual_clip=3.0, behav_cap=2.0, behav_mode="clamp", behav_level="sequence",
-        m2_threshold=0.04, m2_scope="harmful", aggregation="seq-mean-token-sum-norm", norm_length=1024,
-    )
+        loss="decoupled", proximal="recompute", loglinear_on_policy="behave", clip_eps=0.1, clip_eps_high=0.3,
+        dual_clip=3.0, aggregation="seq-mean-token-sum-norm", max_new_tokens=1024,
+        behaviour_cap=BehaviourCapSpec(limit=2.0, mode="clamp", level="sequence"),
+        m2=M2Spec(threshold=0.04, scope="harmful"))
     defaults = LossConfig.from_spec(AlgorithmSpec())
     assert defaults == LossConfig()  # the job's defaults and the loss defaults agree
-    ppo = LossConfig.from_spec(AlgorithmSpec(loss="ppo", proximal="recompute", behaviour_cap=None))
-    assert ppo.kind == "ppo" and ppo.behav_cap is None
+    ppo = LossConfig.from_spec(AlgorithmSpec(loss="ppo", proximal="recompute",
+                                             behaviour_cap=BehaviourCapSpec(limit=None)))
+    assert ppo.loss == "ppo" and ppo.behaviour_cap.limit is None
     with pytest.raises(ValueError, match="not an AlgorithmSpec"):
         LossConfig.from_spec(object())
 
 
 @pytest.mark.parametrize(
-    ("spec_field", "config_field", "value", "valid"),
+    ("field", "value", "valid"),
     [
-        ("clip_eps", "eps_clip", 0.0, False), ("clip_eps", "eps_clip", 0.5, True), ("clip_eps", "eps_clip", 1.0, False),
-        ("clip_eps_high", "eps_clip_high", 0.0, False), ("clip_eps_high", "eps_clip_high", 0.3, True),
-        ("dual_clip", "dual_clip", 1.0, False), ("dual_clip", "dual_clip", 1.01, True),
-        ("behaviour_cap", "behav_cap", 0.5, False), ("behaviour_cap", "behav_cap", 1.0, False),
-        ("behaviour_cap", "behav_cap", 1.01, True),
-        ("m2_threshold", "m2_threshold", 0.0, False), ("m2_threshold", "m2_threshold", 0.04, True),
-        ("max_new_tokens", "norm_length", 0, False), ("max_new_tokens", "norm_length", 1, True),
-        ("objective", "objective", "gspo", True), ("objective", "objective", "dapo", False),
-        ("sapo_tau_pos", "sapo_tau_pos", 0.0, False), ("sapo_tau_neg", "sapo_tau_neg", -1.0, False),
+        ("clip_eps", 0.0, False), ("clip_eps", 0.5, True), ("clip_eps", 1.0, False),
+        ("clip_eps_high", 0.0, False), ("clip_eps_high", 0.3, True),
+        ("dual_clip", 1.0, False), ("dual_clip", 1.01, True),
+        ("max_new_tokens", 0, False), ("max_new_tokens", 1, True),
+        ("objective", "gspo", True), ("objective", "dapo", False),
     ],
 )
-def test_loss_config_bounds_agree_with_the_spec(spec_field, config_field, value, valid):
-    # LossConfig restates the spec's per-field bounds: a value is valid in both or in neither
-    # (behaviourCap = 1 was accepted by LossConfig only, while the spec requires > 1).
+def test_loss_config_bounds_agree_with_the_spec(field, value, valid):
+    # LossConfig restates the spec's top-level bounds under the same names: a value is valid in both
+    # or in neither (the family settings are the spec's own models).
     def accepts(build) -> bool:
         try:
             build()
@@ -757,8 +765,8 @@ def test_loss_config_bounds_agree_with_the_spec(spec_field, config_field, value,
             return False
         return True
 
-    assert accepts(lambda: AlgorithmSpec(**{spec_field: value})) is valid
-    assert accepts(lambda: LossConfig(**{config_field: value})) is valid
+    assert accepts(lambda: AlgorithmSpec(**{field: value})) is valid
+    assert accepts(lambda: LossConfig(**{field: value})) is valid
 
 
 # ------------------------------------------------------------------------------ stages of policy_loss
@@ -777,7 +785,7 @@ def test_stage_prepare_inputs_zeroes_garbage_and_promotes():
 def test_stage_proximal_logprobs():
     # lp = -1, lp_b = -2, staleness 2 (alpha = 1/2) -> lp_p = -1.5; a second, masked-out token
     x = prepare_inputs(row(-1.0, -1.0), row(-2.0, -2.0), row(1.0, 1.0), torch.tensor([[True, False]]))
-    ppo = proximal_logprobs(x, LossConfig(kind="ppo"))
+    ppo = proximal_logprobs(x, LossConfig(loss="ppo"))
     assert ppo.logprobs is x.lp_b and ppo.seconds == 0.0  # coupled: the behaviour policy
     rec = proximal_logprobs(x, LossConfig(proximal="recompute"), prox_logprobs=row(-1.25, float("nan")))
     assert rec.logprobs.tolist() == [[-1.25, 0.0]] and rec.seconds == 0.0  # passed through, masked
@@ -807,14 +815,14 @@ def test_stage_cap_behaviour_weight():
     assert masked.keep.tolist() == [[True, False, True], [True, False, False]]
     assert masked.capped.tolist() == [[False, True, False], [False, True, False]]
     assert masked.w.tolist()[0] == pytest.approx([2.0, 0.0, 0.5])
-    clamped = cap_behaviour_weight(log_w, mask, LossConfig(behav_mode="clamp"))
+    clamped = cap_behaviour_weight(log_w, mask, LossConfig(behaviour_cap=BehaviourCapSpec(mode="clamp")))
     assert clamped.keep.tolist() == mask.tolist() and clamped.capped.tolist() == masked.capped.tolist()
     assert clamped.w.tolist()[0] == pytest.approx([2.0, 5.0, 0.5])
-    seq = cap_behaviour_weight(log_w, mask, LossConfig(behav_level="sequence", behav_mode="clamp"))
+    seq = cap_behaviour_weight(log_w, mask, LossConfig(behaviour_cap=BehaviourCapSpec(level="sequence", mode="clamp")))
     # row 0: (2 * 6 * 0.5)^(1/3) = 6^(1/3) < 5 ; row 1: sqrt(2 * 8) = 4 on its 2 tokens
     assert seq.w.tolist()[0] == pytest.approx([6 ** (1 / 3)] * 3) and seq.capped.sum() == 0
     assert seq.w.tolist()[1] == pytest.approx([4.0, 4.0, 0.0])
-    for cfg in (LossConfig(kind="ppo"), LossConfig(behav_cap=None)):
+    for cfg in (LossConfig(loss="ppo"), LossConfig(behaviour_cap=BehaviourCapSpec(limit=None))):
         none = cap_behaviour_weight(log_w, mask, cfg)
         assert none.w.tolist() == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]] and not none.capped.any()
 
@@ -832,7 +840,7 @@ def test_stage_clipped_surrogate():
     assert s.dual_clipped.tolist() == [[False, False, False, True]]
     dropped = clipped_surrogate(adv, u, torch.tensor([[False, True, True, True]]), LossConfig())
     assert dropped.clipped.tolist() == [[False, False, True, False]]  # only kept tokens count
-    m2 = clipped_surrogate(adv, u, keep, LossConfig(m2_threshold=0.04, dual_clip=3.0))
+    m2 = clipped_surrogate(adv, u, keep, LossConfig(dual_clip=3.0, m2=M2Spec(threshold=0.04)))
     assert m2.per_token.tolist()[0] == pytest.approx([-1.5, -1.1, 0.5, 5.0])  # -A u, no clip at all
     assert not m2.clipped.any() and not m2.dual_clipped.any()
 
@@ -841,10 +849,10 @@ def test_stage_m2po_trust_region():
     # log r (full ratio pi/pi_b) = .3, -.6, .1, 0 ; A = +1, +1, -1, +1 (same as _m2_case)
     log_r, adv = row(0.3, -0.6, 0.1, 0.0), row(1.0, 1.0, -1.0, 1.0)
     keep = torch.ones(1, 4, dtype=torch.bool)
-    every = m2po_trust_region(log_r, adv, keep, LossConfig(m2_threshold=0.04))
+    every = m2po_trust_region(log_r, adv, keep, LossConfig(m2=M2Spec(threshold=0.04)))
     assert every.dropped.tolist() == [[False, True, False, False]]
     assert every.before == pytest.approx(0.115) and every.after == pytest.approx(0.1 / 3)
-    harmful = m2po_trust_region(log_r, adv, keep, LossConfig(m2_threshold=0.04, m2_scope="harmful"))
+    harmful = m2po_trust_region(log_r, adv, keep, LossConfig(m2=M2Spec(threshold=0.04, scope="harmful")))
     assert harmful.dropped.tolist() == [[True, False, False, False]]  # only t1: A > 0 and r > 1
     assert harmful.before == pytest.approx(0.09) and harmful.after == 0.0
     off = m2po_trust_region(log_r, adv, keep, LossConfig())
@@ -907,7 +915,7 @@ def test_stage_loss_metrics():
 def test_clip_fractions_per_side_reach_the_step_metrics(tmp_path):
     """clip_fraction_low/high are token-weighted step means in metrics.jsonl, like clip_fraction."""
     lp, lp_b, prox, adv = _decoupled_case()  # t3 clipped high, t4 clipped low
-    cfg = LossConfig(kind="decoupled", proximal="recompute")
+    cfg = LossConfig(loss="decoupled", proximal="recompute")
     mask = ones_like(lp)
     _, whole = policy_loss(lp, lp_b, adv, mask, config=cfg, prox_logprobs=prox)
     parts = [(slice(None), slice(0, 3)), (slice(None), slice(3, 4))]  # two micro-batches of 3 and 1 tokens

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.algorithm_families import BehaviourCapSpec, M2Spec
 from asyncrl.trainer.losses import LossConfig, loglinear_proximal, m2po_mask, policy_loss
 
 logprob = st.floats(min_value=-30.0, max_value=0.0, allow_nan=False)
@@ -48,12 +49,12 @@ def test_recompute_with_proximal_equal_to_behaviour_is_plain_ppo(data, aggregati
     # eta = 0 (synchronous) with recompute: the proximal forward equals the behaviour policy, w = 1,
     # and decoupled PPO must be exactly coupled PPO, value and gradient.
     lp, lp_b, adv, mask = data
-    common = dict(aggregation=aggregation, dual_clip=dual, eps_clip_high=eps_high)
+    common = dict(aggregation=aggregation, dual_clip=dual, clip_eps_high=eps_high)
     lp1 = lp.clone().requires_grad_(True)
     lp2 = lp.clone().requires_grad_(True)
     dec, dec_stats = policy_loss(lp1, lp_b, adv, mask, prox_logprobs=lp_b.clone(),
-                                 config=LossConfig(kind="decoupled", proximal="recompute", **common))
-    ppo, ppo_stats = policy_loss(lp2, lp_b, adv, mask, config=LossConfig(kind="ppo", **common))
+                                 config=LossConfig(loss="decoupled", proximal="recompute", **common))
+    ppo, ppo_stats = policy_loss(lp2, lp_b, adv, mask, config=LossConfig(loss="ppo", **common))
     assert torch.allclose(dec, ppo, rtol=1e-12, atol=1e-15)
     dec.backward()
     ppo.backward()
@@ -83,8 +84,8 @@ def test_loglinear_matches_recompute_given_the_same_proximal(data, staleness):
        mode=st.sampled_from(["mask", "clamp"]), level=st.sampled_from(["token", "sequence"]))
 def test_stats_are_finite_and_fractions_bounded(data, kind, m2, scope, mode, level):
     lp, lp_b, adv, mask = data
-    cfg = LossConfig(kind=kind, proximal="loglinear", m2_threshold=m2, m2_scope=scope,
-                     behav_mode=mode, behav_level=level)
+    cfg = LossConfig(loss=kind, proximal="loglinear", m2=None if m2 is None else M2Spec(threshold=m2, scope=scope),
+                     behaviour_cap=BehaviourCapSpec(mode=mode, level=level))
     versions = torch.randint(0, 5, lp.shape, generator=torch.Generator().manual_seed(1))
     loss, stats = policy_loss(lp.requires_grad_(True), lp_b, adv, mask, config=cfg,
                               versions=versions, current_version=4)
@@ -123,7 +124,7 @@ def test_m2po_mask_equals_the_greedy_loop(values, tau):
 def test_padding_columns_never_change_the_loss(data, aggregation, pad, norm_length):
     # The width of a batch is set by its longest row, so padding must not move any aggregation.
     lp, lp_b, adv, mask = data
-    cfg = LossConfig(kind="ppo", aggregation=aggregation, norm_length=norm_length)
+    cfg = LossConfig(loss="ppo", aggregation=aggregation, max_new_tokens=norm_length)
     narrow, _ = policy_loss(lp, lp_b, adv, mask, config=cfg)
     widen = lambda t, fill: torch.cat([t, torch.full((t.shape[0], pad), fill, dtype=t.dtype)], dim=1)  # noqa: E731
     wide, _ = policy_loss(widen(lp, float("nan")), widen(lp_b, float("-inf")), widen(adv, 1e9),
@@ -138,7 +139,8 @@ def test_m2_is_the_second_moment_of_the_full_stale_ratio(data, kind, staleness, 
     # M2PO measures (log pi/pi_b)^2 whatever the proximal: scope "all", no behaviour cap, so every
     # masked token is a candidate and M2 before masking is their plain mean.
     lp, lp_b, adv, mask = data
-    cfg = LossConfig(kind=kind, proximal=proximal, m2_threshold=0.04, behav_cap=None)
+    cfg = LossConfig(loss=kind, proximal=proximal, m2=M2Spec(threshold=0.04),
+                     behaviour_cap=BehaviourCapSpec(limit=None))
     versions = torch.full(lp.shape, 20 - staleness)
     prox = (lp_b + lp) / 2 if proximal == "recompute" else None
     _, stats = policy_loss(lp, lp_b, adv, mask, config=cfg, versions=versions, current_version=20,

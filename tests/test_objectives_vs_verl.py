@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncrl.algorithm_families import BehaviourCapSpec, SapoSpec
 from asyncrl.trainer.losses import LossConfig, policy_loss
 from tests.support import verl_oracle
 
@@ -53,8 +54,8 @@ def make_inputs(seed: int, dtype: torch.dtype = F64) -> dict[str, torch.Tensor]:
 
 def ours(x: dict, objective: str, aggregation: str, **kw) -> tuple[torch.Tensor, torch.Tensor, dict]:
     lp = x["lp"].clone().requires_grad_(True)
-    cfg = LossConfig(kind="ppo", objective=objective, aggregation=aggregation, norm_length=12,
-                     eps_clip=0.2, eps_clip_high=kw.pop("eps_high", 0.28), **kw)
+    cfg = LossConfig(loss="ppo", objective=objective, aggregation=aggregation, max_new_tokens=12,
+                     clip_eps=0.2, clip_eps_high=kw.pop("eps_high", 0.28), **kw)
     loss, stats = policy_loss(lp, x["lp_b"], x["adv"], x["mask"], config=cfg)
     loss.backward()
     return loss.detach(), lp.grad, stats
@@ -95,9 +96,9 @@ def test_gspo_and_cispo_equal_verl(verl, objective, aggregation, seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sapo_equals_verl_with_its_aggregation(verl, seed):
     x = make_inputs(seed)
-    for taus in ({}, {"sapo_tau_pos": 0.7, "sapo_tau_neg": 2.0}):
-        loss, grad, stats = ours(x, "sapo", "seq-mean-token-mean", eps_high=None, **taus)
-        verl_taus = {"tau_pos": taus.get("sapo_tau_pos", 1.0), "tau_neg": taus.get("sapo_tau_neg", 1.05)}
+    for taus in ({}, {"tau_pos": 0.7, "tau_neg": 2.0}):
+        loss, grad, stats = ours(x, "sapo", "seq-mean-token-mean", eps_high=None, sapo=SapoSpec(**taus))
+        verl_taus = {"tau_pos": taus.get("tau_pos", 1.0), "tau_neg": taus.get("tau_neg", 1.05)}
         # verl ignores the mode it is given: token-mean in, seq-mean-token-mean out
         v_loss, v_grad, _ = theirs(verl, x, "sapo", "token-mean", **verl_taus)
         assert_close(loss, v_loss, TOL["seq-mean-token-mean"], f"loss {taus}")
@@ -132,9 +133,9 @@ def test_decoupled_equals_verl_with_rollout_weights(verl, objective, name):
     lp_p = x["lp_b"] + torch.randn(B, T, generator=g, dtype=F64) * 0.3
     w = (lp_p - x["lp_b"]).exp() * x["mask"]
     lp = x["lp"].clone().requires_grad_(True)
-    cfg = LossConfig(kind="decoupled", proximal="recompute", objective=objective, behav_cap=1e9,
-                     behav_mode="clamp", aggregation="seq-mean-token-mean",
-                     eps_clip_high=None if objective == "sapo" else 0.28)
+    cfg = LossConfig(loss="decoupled", proximal="recompute", objective=objective, aggregation="seq-mean-token-mean",
+                     clip_eps_high=None if objective == "sapo" else 0.28,
+                     behaviour_cap=BehaviourCapSpec(limit=1e9, mode="clamp"))
     loss, stats = policy_loss(lp, x["lp_b"], x["adv"], x["mask"], config=cfg, prox_logprobs=lp_p)
     loss.backward()
     extra = {"clip_ratio_c": 1e12} if name == "vanilla" else {}

@@ -164,7 +164,7 @@ def _trainer(job: Any) -> Any:
 @pytest.mark.parametrize("algorithm", [
     {"loss": "decoupled", "proximal": "recompute"},
     # sequence-level: GSPO's sequence ratio, per-sequence aggregation and the sequence-level cap
-    {"objective": "gspo", "aggregation": "seq-mean-token-mean", "behaviourCapLevel": "sequence"},
+    {"objective": "gspo", "aggregation": "seq-mean-token-mean", "behaviourCap": {"level": "sequence"}},
 ])
 def test_a_packed_train_step_equals_the_padded_one(algorithm: dict[str, Any]) -> None:
     from asyncrl.trainer.step_metrics import metrics_line

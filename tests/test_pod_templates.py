@@ -395,9 +395,9 @@ def test_fields_at_their_defaults_do_not_change_the_config_hash():
     doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
     base = B.config_hash(parse_job(doc))
     spelled = copy.deepcopy(doc)
-    spelled["spec"]["algorithm"].update(vcpo=False, objective="ppo-clip", clipBounds="fixed")
+    spelled["spec"]["algorithm"].update(vcpo={"essScaling": False}, objective="ppo-clip", sapo={"tauPos": 1.0})
     spelled["spec"]["trainer"]["weightTransport"] = "disk"
     assert B.config_hash(parse_job(spelled)) == base
     changed = copy.deepcopy(doc)
-    changed["spec"]["algorithm"]["vcpo"] = True
+    changed["spec"]["algorithm"]["vcpo"] = {"essScaling": True}
     assert B.config_hash(parse_job(changed)) != base

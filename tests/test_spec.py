@@ -130,10 +130,10 @@ def test_the_eval_prompt_format_falls_back_to_the_training_one():
 
 def test_dynamic_sampling_is_off_by_default_and_draws_four_batches():
     algo = AlgorithmSpec()
-    assert algo.dynamic_sampling is False and algo.dynamic_sampling_max_draws is None
-    on = AlgorithmSpec.model_validate({"dynamicSampling": True, "batchSize": 6})
-    assert on.dynamic_sampling_draws == 24
-    set_ = AlgorithmSpec.model_validate({"dynamicSampling": True, "batchSize": 6, "dynamicSamplingMaxDraws": 6})
+    assert algo.dynamic_sampling is None
+    on = AlgorithmSpec.model_validate({"dynamicSampling": {}, "batchSize": 6})
+    assert on.dynamic_sampling is not None and on.dynamic_sampling_draws == 24
+    set_ = AlgorithmSpec.model_validate({"dynamicSampling": {"maxDraws": 6}, "batchSize": 6})
     assert set_.dynamic_sampling_draws == 6
 
 
@@ -145,11 +145,11 @@ def algorithm_error(algorithm: dict) -> str:
 
 
 @pytest.mark.parametrize("algorithm, says", [
-    ({"dynamicSampling": True, "batchSize": 8, "dynamicSamplingMaxDraws": 7},
-     "dynamicSamplingMaxDraws (7) must be >= batchSize (8)"),
-    ({"dynamicSampling": True, "dynamicSamplingMaxDraws": 0}, "dynamicSamplingMaxDraws"),
-    ({"dynamicSamplingMaxDraws": 64}, "dynamicSamplingMaxDraws is set but dynamicSampling is false"),
-    ({"dynamicSampling": True, "advantageEstimator": "dr_grpo", "groupSize": 1},
+    ({"dynamicSampling": {"maxDraws": 7}, "batchSize": 8}, "dynamicSampling.maxDraws (7) must be >= batchSize (8)"),
+    ({"dynamicSampling": {"maxDraws": 0}}, "maxDraws"),
+    ({"dynamicSamplingMaxDraws": 64}, "algorithm.dynamicSamplingMaxDraws moved to algorithm.dynamicSampling.maxDraws"),
+    ({"dynamicSampling": True}, "algorithm.dynamicSampling is now an object: use algorithm.dynamicSampling"),
+    ({"dynamicSampling": {}, "advantageEstimator": "dr_grpo", "groupSize": 1},
      "dynamicSampling needs groupSize >= 2"),
 ])
 def test_dynamic_sampling_rules_name_the_field(algorithm, says):
@@ -161,11 +161,11 @@ def test_dynamic_sampling_rules_name_the_field(algorithm, says):
 
 def test_objective_defaults_to_ppo_clip_with_verls_sapo_temperatures():
     algo = AlgorithmSpec()
-    assert (algo.objective, algo.sapo_tau_pos, algo.sapo_tau_neg) == ("ppo-clip", 1.0, 1.05)
+    assert (algo.objective, algo.sapo.tau_pos, algo.sapo.tau_neg) == ("ppo-clip", 1.0, 1.05)
     for objective in ("gspo", "cispo", "sapo"):
         assert AlgorithmSpec.model_validate({"objective": objective}).objective == objective
-    sapo = AlgorithmSpec.model_validate({"objective": "sapo", "sapoTauPos": 0.5, "sapoTauNeg": 2.0})
-    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (0.5, 2.0)
+    sapo = AlgorithmSpec.model_validate({"objective": "sapo", "sapo": {"tauPos": 0.5, "tauNeg": 2.0}})
+    assert (sapo.sapo.tau_pos, sapo.sapo.tau_neg) == (0.5, 2.0)
     # CISPO's paper drops the lower bound (clipEps near 1) and keeps a small upper one
     cispo = AlgorithmSpec.model_validate({"objective": "cispo", "clipEps": 0.99, "clipEpsHigh": 0.28})
     assert cispo.clip_eps_high == 0.28
@@ -173,53 +173,54 @@ def test_objective_defaults_to_ppo_clip_with_verls_sapo_temperatures():
 
 @pytest.mark.parametrize("algorithm, says", [
     ({"objective": "dapo"}, "'ppo-clip', 'gspo', 'cispo', 'sapo' or 'tb'"),
-    ({"objective": "gspo", "m2Threshold": 0.04},
-     "m2Threshold 0.04 requires objective 'ppo-clip', got objective 'gspo'"),
-    ({"objective": "sapo", "m2Threshold": 0.04},
-     "allowed: objective 'ppo-clip' with m2Threshold, or m2Threshold unset"),
-    ({"objective": "cispo", "dualClip": 3.0}, "dualClip 3.0 requires objective 'ppo-clip', got objective 'cispo'"),
+    ({"objective": "gspo", "m2": {"threshold": 0.04}}, "m2 requires objective 'ppo-clip', got objective 'gspo'"),
+    ({"objective": "sapo", "m2": {"threshold": 0.04}}, "allowed: objective 'ppo-clip' with m2, or m2 unset"),
+    ({"m2Threshold": 0.04}, "algorithm.m2Threshold moved to algorithm.m2.threshold"),
+    ({"m2": {}}, "threshold"),
+    ({"objective": "cispo", "dualClip": 3.0}, "dualClip requires objective 'ppo-clip', got objective 'cispo'"),
     ({"objective": "sapo", "clipEpsHigh": 0.28},
      "clipEpsHigh 0.28 has no effect with objective 'sapo'"),
     ({"objective": "sapo", "clipEps": 0.1}, "allowed: clipEps 0.2 with objective 'sapo', or objective 'ppo-clip'"),
-    ({"objective": "gspo", "sapoTauNeg": 2.0},
-     "sapoTauNeg 2.0 only applies to objective 'sapo', got objective 'gspo'; allowed: objective 'sapo'"),
-    ({"sapoTauPos": 0.5}, "sapoTauPos 0.5 only applies to objective 'sapo'"),
-    ({"objective": "sapo", "sapoTauPos": 0.0}, "sapoTauPos"),
+    ({"objective": "gspo", "sapo": {"tauNeg": 2.0}},
+     "sapo {'tauPos': 1.0, 'tauNeg': 2.0} only applies to objective 'sapo', got objective 'gspo'; allowed"),
+    ({"sapo": {"tauPos": 0.5}}, "only applies to objective 'sapo'"),
+    ({"objective": "sapo", "sapo": {"tauPos": 0.0}}, "tauPos"),
+    ({"sapoTauPos": 0.5}, "algorithm.sapoTauPos moved to algorithm.sapo.tauPos"),
     ({"objective": "gspo", "clipEps": 0.3, "clipEpsHigh": 0.2}, "unless objective is 'cispo'"),
 ])
 def test_objective_rules_name_the_field_and_the_allowed_values(algorithm, says):
     assert says in algorithm_error(algorithm)
 
 
-# ---- BAPO's adaptive clip bounds (issue 20): clipBounds bapo and its bapo* fields
+# ---- BAPO's adaptive clip bounds: algorithm.bapo (present = on)
 
 
-def test_clip_bounds_default_fixed_with_the_bapo_codes_defaults():
-    algo = AlgorithmSpec()
-    assert algo.clip_bounds == "fixed"
-    assert (algo.bapo_positive_share, algo.bapo_clip_low_start, algo.bapo_clip_low_max, algo.bapo_clip_high_start,
-            algo.bapo_clip_high_max, algo.bapo_step) == (0.5, 0.6, 0.8, 1.2, 2.0, 0.05)
-    bapo = AlgorithmSpec.model_validate({"clipBounds": "bapo", "loss": "ppo", "proximal": "recompute",
-                                         "dualClip": 3.0, "bapoClipHighMax": 3.0, "bapoClipLowMax": 0.9})
-    assert (bapo.clip_bounds, bapo.bapo_clip_high_max, bapo.dual_clip) == ("bapo", 3.0, 3.0)
+def test_bapo_is_off_by_default_with_the_bapo_codes_defaults():
+    assert AlgorithmSpec().bapo is None
+    on = AlgorithmSpec.model_validate({"bapo": {}}).bapo
+    assert on is not None
+    assert (on.positive_share, on.clip_low_start, on.clip_low_max, on.clip_high_start, on.clip_high_max,
+            on.step) == (0.5, 0.6, 0.8, 1.2, 2.0, 0.05)
+    algo = AlgorithmSpec.model_validate({"bapo": {"clipHighMax": 3.0, "clipLowMax": 0.9}, "loss": "ppo",
+                                         "proximal": "recompute", "dualClip": 3.0})
+    assert algo.bapo is not None and (algo.bapo.clip_high_max, algo.dual_clip) == (3.0, 3.0)
 
 
 @pytest.mark.parametrize("algorithm, says", [
-    ({"clipBounds": "adaptive"}, "'fixed' or 'bapo'"),
-    ({"clipBounds": "bapo", "objective": "gspo"},
-     "clipBounds 'bapo' requires objective 'ppo-clip', got objective 'gspo'"),
-    ({"clipBounds": "bapo", "objective": "sapo"}, "allowed: clipBounds 'bapo' with objective 'ppo-clip'"),
-    ({"clipBounds": "bapo", "m2Threshold": 0.04}, "clipBounds 'bapo' cannot be combined with m2Threshold 0.04"),
-    ({"clipBounds": "bapo", "clipEpsHigh": 0.28}, "allowed: clipEps 0.2 and clipEpsHigh unset with clipBounds 'bapo'"),
-    ({"clipBounds": "bapo", "clipEps": 0.1}, "clipEps 0.1 and clipEpsHigh None would be ignored"),
-    ({"bapoStep": 0.1}, "bapoStep 0.1 only applies to clipBounds 'bapo', got clipBounds 'fixed'; allowed"),
-    ({"bapoPositiveShare": 0.6}, "bapoPositiveShare 0.6 only applies to clipBounds 'bapo'"),
-    ({"clipBounds": "bapo", "bapoClipLowStart": 0.85}, "bapoClipLowStart (0.85) must be <= bapoClipLowMax (0.8)"),
-    ({"clipBounds": "bapo", "bapoClipHighStart": 2.5}, "bapoClipHighStart (2.5) must be <= bapoClipHighMax (2.0)"),
-    ({"clipBounds": "bapo", "bapoPositiveShare": 1.0}, "bapoPositiveShare"),
-    ({"clipBounds": "bapo", "bapoClipHighMax": 1.0}, "bapoClipHighMax"),
+    ({"clipBounds": "bapo"}, "algorithm.clipBounds moved to algorithm.bapo ('bapo: {}' selects BAPO's bounds"),
+    ({"bapoStep": 0.1}, "algorithm.bapoStep moved to algorithm.bapo.step"),
+    ({"bapo": {}, "objective": "gspo"}, "bapo requires objective 'ppo-clip', got objective 'gspo'"),
+    ({"bapo": {}, "objective": "sapo"}, "allowed: bapo with objective 'ppo-clip', or bapo unset"),
+    ({"bapo": {}, "m2": {"threshold": 0.04}}, "bapo cannot be combined with m2 (threshold 0.04)"),
+    ({"bapo": {}, "clipEpsHigh": 0.28}, "allowed: clipEps 0.2 and clipEpsHigh unset with bapo"),
+    ({"bapo": {}, "clipEps": 0.1}, "clipEps 0.1 and clipEpsHigh None would be ignored"),
+    ({"bapo": {"clipLowStart": 0.85}}, "bapo.clipLowStart (0.85) must be <= bapo.clipLowMax (0.8)"),
+    ({"bapo": {"clipHighStart": 2.5}}, "bapo.clipHighStart (2.5) must be <= bapo.clipHighMax (2.0)"),
+    ({"bapo": {"positiveShare": 1.0}}, "positiveShare"),
+    ({"bapo": {"clipHighMax": 1.0}}, "clipHighMax"),
+    ({"bapo": {"step": 0.1, "stride": 2}}, "stride"),
 ])
-def test_clip_bounds_rules_name_the_field_and_the_allowed_values(algorithm, says):
+def test_bapo_rules_name_the_field_and_the_allowed_values(algorithm, says):
     assert says in algorithm_error(algorithm)
 
 
@@ -248,22 +249,25 @@ def test_staleness_policy_rules_name_the_field_and_the_allowed_values(staleness,
     assert says in str(err.value)
 
 
-# ---- VCPO's ESS-scaled learning rate (issue 20): vcpo and its vcpo* fields
+# ---- VCPO: algorithm.vcpo (essScaling and baseline)
 
 
 def test_vcpo_defaults_are_the_vcpo_codes():
-    algo = AsyncRLJobSpec(model={"path": "m"}).algorithm
-    assert (algo.vcpo, algo.vcpo_base_ess_ratio, algo.vcpo_scaling) == (False, 1.0, "sqrt")
-    on = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "algorithm": {"vcpo": True, "vcpoBaseEssRatio": 0.5}})
-    assert on.algorithm.vcpo and on.model_dump(by_alias=True)["algorithm"]["vcpoBaseEssRatio"] == 0.5
+    vcpo = AsyncRLJobSpec(model={"path": "m"}).algorithm.vcpo
+    assert (vcpo.ess_scaling, vcpo.base_ess_ratio, vcpo.scaling, vcpo.baseline) == (False, 1.0, "sqrt", False)
+    on = AsyncRLJobSpec.model_validate({"model": {"path": "m"},
+                                        "algorithm": {"vcpo": {"essScaling": True, "baseEssRatio": 0.5}}})
+    assert on.algorithm.vcpo.ess_scaling and on.model_dump(by_alias=True)["algorithm"]["vcpo"]["baseEssRatio"] == 0.5
 
 
 @pytest.mark.parametrize("algorithm, says", [
-    ({"vcpo": True, "loss": "ppo", "proximal": "recompute"},
-     "vcpo requires loss 'decoupled', got loss 'ppo'"),
-    ({"vcpoScaling": "linear"}, "only apply with vcpo true; allowed: vcpo true"),
-    ({"vcpo": True, "vcpoBaseEssRatio": 1.5}, "vcpoBaseEssRatio"),
-    ({"vcpo": True, "vcpoScaling": "cube"}, "'sqrt' or 'linear'"),
+    ({"vcpo": {"essScaling": True}, "loss": "ppo", "proximal": "recompute"},
+     "vcpo.essScaling requires loss 'decoupled', got loss 'ppo'"),
+    ({"vcpo": {"scaling": "linear"}}, "only apply with vcpo.essScaling true; allowed: essScaling true"),
+    ({"vcpo": {"essScaling": True, "baseEssRatio": 1.5}}, "baseEssRatio"),
+    ({"vcpo": {"essScaling": True, "scaling": "cube"}}, "'sqrt' or 'linear'"),
+    ({"vcpo": True}, "algorithm.vcpo is now an object: use algorithm.vcpo.essScaling"),
+    ({"vcpoBaseline": True}, "algorithm.vcpoBaseline moved to algorithm.vcpo.baseline"),
 ])
 def test_vcpo_rules_name_the_field_and_the_allowed_values(algorithm, says):
     assert says in algorithm_error(algorithm)

@@ -55,9 +55,10 @@ def test_stabiliser_overrides_use_the_specs_field_names(local):
     algo = load_job(LOCAL).spec.algorithm
     for name, level in (("recompute", 2), ("m2po", 2), ("bapo", 2), ("vcpo", 2), ("sapo", 2)):
         alg = parse_job(sw.derive(local, name, level)).spec.algorithm
-        assert (alg.proximal, alg.m2_threshold, alg.clip_bounds, alg.vcpo, alg.objective) != (
-            algo.proximal, algo.m2_threshold, algo.clip_bounds, algo.vcpo, algo.objective), name
-    assert parse_job(sw.derive(local, "m2po", 2)).spec.algorithm.m2_threshold == 0.04
+        assert (alg.proximal, alg.m2, alg.bapo, alg.vcpo, alg.objective) != (
+            algo.proximal, algo.m2, algo.bapo, algo.vcpo, algo.objective), name
+    m2 = parse_job(sw.derive(local, "m2po", 2)).spec.algorithm.m2
+    assert m2 is not None and m2.threshold == 0.04
     cispo = parse_job(sw.derive(local, "cispo", 2)).spec.algorithm
     assert cispo.objective == "cispo" and cispo.clip_eps == 0.99 and cispo.clip_eps_high == 0.28
     default = parse_job(sw.derive(local, "default", 2)).spec.algorithm

@@ -235,7 +235,7 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     _, tok = model_and_tokenizer()
     model = tiny_model()
     groups = own_behaviour_groups(model, JOB, 2)  # behaviour: the tiny model's own, so ratios start at 1
-    algorithm = {"clipBounds": "bapo"} if objective == "bapo" else {"objective": objective}  # (bapo: ppo-clip's bounds)
+    algorithm = {"bapo": {}} if objective == "bapo" else {"objective": objective}  # (bapo: ppo-clip's bounds)
     job = make_job(name=JOB, batch_size=2, algorithm=algorithm)
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)

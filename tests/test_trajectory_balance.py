@@ -84,8 +84,8 @@ def test_equal_rewards_still_pull_towards_the_reference() -> None:
     # residuals: (S_i - ref_i) centred over the group = -3 - (-3.25), -3.5 - (-3.25) = 0.25, -0.25
     assert float(loss.detach()) == pytest.approx((0.25 ** 2 + 0.25 ** 2) / 2)
     assert lp.grad[0].tolist() == pytest.approx([0.25, 0.25]) and lp.grad[1].tolist() == pytest.approx([-0.25, -0.25])
-    with pytest.raises(ValidationError, match="dynamicSampling True does not apply to objective 'tb'"):
-        AlgorithmSpec(objective="tb", dynamic_sampling=True)
+    with pytest.raises(ValidationError, match=r"dynamicSampling \{\} does not apply to objective 'tb'"):
+        AlgorithmSpec(objective="tb", dynamic_sampling={})
 
 
 def test_beta_anneals_as_the_authors_kl_coef() -> None:
@@ -158,25 +158,28 @@ def test_reward_priority_prefers_rewarded_trajectories() -> None:
 
 
 NOT_DEFAULT = {"loss": "ppo", "proximal": "recompute", "loglinearOnPolicy": "current", "clipEps": 0.3,
-               "clipEpsHigh": 0.3, "dualClip": 3.0, "behaviourCap": 3.0, "behaviourCapMode": "clamp",
-               "behaviourCapLevel": "sequence", "m2Threshold": 0.04, "aggregation": "seq-mean-token-mean",
-               "advantageEstimator": "rloo", "batchNormalizeAdvantages": True, "clipBounds": "bapo", "vcpo": True,
-               "vcpoBaseline": True, "dynamicSampling": True}
+               "clipEpsHigh": 0.3, "dualClip": 3.0, "behaviourCap": {"limit": 3.0, "mode": "clamp"},
+               "m2": {"threshold": 0.04}, "aggregation": "seq-mean-token-mean", "advantageEstimator": "rloo",
+               "batchNormalizeAdvantages": True, "bapo": {}, "vcpo": {"essScaling": True}, "dynamicSampling": {}}
 
 
 @pytest.mark.parametrize(("camel", "name", "default"), TB_UNUSED)
 def test_tb_rejects_every_setting_it_does_not_use(camel: str, name: str, default: object) -> None:
-    """(m2Threshold, dualClip and vcpoBaseline meet an earlier rule first; each error names the field)"""
+    """(m2, dualClip and bapo meet an earlier rule first; each error names the field)"""
     change = {camel: NOT_DEFAULT[camel]} | ({"proximal": "recompute"} if camel == "loss" else {})
     with pytest.raises(ValidationError, match=camel):
         AlgorithmSpec.model_validate({"objective": "tb", **change})
 
 
 def test_tb_settings_need_tb_and_one_trainer_process() -> None:
-    for change in ({"tbBeta": 0.1}, {"tbBetaFinal": 0.004}, {"tbBetaAnnealSteps": 10}, {"replay": {}}):
+    for change in ({"tb": {"beta": 0.1}}, {"tb": {"betaFinal": 0.004}}, {"tb": {"betaAnnealSteps": 10}},
+                   {"replay": {}}):
         with pytest.raises(ValidationError, match="only applies to objective 'tb'"):
             AlgorithmSpec.model_validate(change)
-    spec = AlgorithmSpec.model_validate({"objective": "tb", "tbBetaFinal": 0.004, "replay": {"onPolicyProb": 0.5}})
+    with pytest.raises(ValidationError, match=r"algorithm.tbBeta moved to algorithm.tb.beta"):
+        AlgorithmSpec.model_validate({"objective": "tb", "tbBeta": 0.1})
+    spec = AlgorithmSpec.model_validate({"objective": "tb", "tb": {"betaFinal": 0.004},
+                                         "replay": {"onPolicyProb": 0.5}})
     assert spec.replay is not None and spec.replay.capacity_per_prompt == 100 and spec.replay.reward_priority == 1.0
     with pytest.raises(ValidationError, match="replay needs batchSize >= 2"):
         AlgorithmSpec.model_validate({"objective": "tb", "replay": {}, "batchSize": 1})
@@ -194,7 +197,7 @@ def _trainer(model: torch.nn.Module, reference: torch.nn.Module, opt: torch.opti
     from asyncrl.trainer.loop import RunConfig, Trainer
 
     _, tok = model_and_tokenizer()
-    job = make_job(name=JOB, batch_size=2, algorithm={"objective": "tb", "tbBeta": 0.5, **algorithm})
+    job = make_job(name=JOB, batch_size=2, algorithm={"objective": "tb", "tb": {"beta": 0.5}, **algorithm})
     return Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok, reference_model=reference)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from asyncrl.algorithm_families import VcpoSpec
 from asyncrl.spec import AlgorithmSpec
 from asyncrl.trainer.losses import (
     VCPO_STAT_KEYS,
@@ -73,22 +74,26 @@ def test_policy_loss_reports_the_sums_only_with_vcpo() -> None:
     mask, adv = torch.ones(3, 5, dtype=torch.bool), torch.tensor([1.0, -1.0, 0.5])
     kw = dict(prox_logprobs=prox, versions=torch.zeros(3, 5, dtype=torch.long), current_version=1)
     _, plain = policy_loss(lp, lp_b, adv, mask, config=LossConfig(proximal="recompute"), **kw)
-    _, on = policy_loss(lp, lp_b, adv, mask, config=LossConfig(proximal="recompute", vcpo=True), **kw)
+    _, on = policy_loss(lp, lp_b, adv, mask, config=LossConfig(proximal="recompute", vcpo=VcpoSpec(ess_scaling=True)),
+                        **kw)
     assert not set(VCPO_STAT_KEYS) & set(plain)
     assert [on[k] for k in VCPO_STAT_KEYS] == pytest.approx(list(vcpo_weight_sums(prox - lp_b, mask)))
 
 
 def test_spec_rules() -> None:
-    assert AlgorithmSpec(vcpo=True, vcpo_scaling="linear", vcpo_base_ess_ratio=0.5).vcpo
-    assert LossConfig.from_spec(AlgorithmSpec(vcpo=True)).vcpo
-    with pytest.raises(ValidationError, match="vcpo requires loss 'decoupled'"):
-        AlgorithmSpec(vcpo=True, loss="ppo", proximal="recompute")
-    with pytest.raises(ValidationError, match="only apply with vcpo true"):
-        AlgorithmSpec(vcpo_scaling="linear")
+    on = {"essScaling": True}
+    assert AlgorithmSpec(vcpo={**on, "scaling": "linear", "baseEssRatio": 0.5}).vcpo.ess_scaling
+    assert LossConfig.from_spec(AlgorithmSpec(vcpo=on)).vcpo.ess_scaling
+    with pytest.raises(ValidationError, match=r"vcpo.essScaling requires loss 'decoupled'"):
+        AlgorithmSpec(vcpo=on, loss="ppo", proximal="recompute")
+    with pytest.raises(ValidationError, match=r"only apply with vcpo.essScaling true"):
+        AlgorithmSpec(vcpo={"scaling": "linear"})
     with pytest.raises(ValidationError, match="sqrt"):
-        AlgorithmSpec(vcpo=True, vcpo_scaling="cube")
-    with pytest.raises(ValidationError, match=r"vcpoBaseEssRatio|vcpo_base_ess_ratio"):
-        AlgorithmSpec(vcpo=True, vcpo_base_ess_ratio=0.0)
+        AlgorithmSpec(vcpo={**on, "scaling": "cube"})
+    with pytest.raises(ValidationError, match=r"baseEssRatio|base_ess_ratio"):
+        AlgorithmSpec(vcpo={**on, "baseEssRatio": 0.0})
+    with pytest.raises(ValidationError, match=r"algorithm.vcpo is now an object: use algorithm.vcpo.essScaling"):
+        AlgorithmSpec.model_validate({"vcpo": True})
 
 
 def _stale_groups(model: torch.nn.Module) -> list:
@@ -107,7 +112,7 @@ def test_trainer_step_takes_the_scaled_step() -> None:
         model = tiny_model()
         groups = _stale_groups(model)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        job = make_job(name=JOB, batch_size=2, algorithm={"proximal": "recompute", "vcpo": vcpo})
+        job = make_job(name=JOB, batch_size=2, algorithm={"proximal": "recompute", "vcpo": {"essScaling": vcpo}})
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok)
         records.append(trainer.train_step(groups))
@@ -133,7 +138,7 @@ def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
     _, tok = model_and_tokenizer()
     model = tiny_model()
     groups = _stale_groups(model)
-    job = make_job(name=JOB, batch_size=2, algorithm={"vcpo": True, "vcpoScaling": "linear"})
+    job = make_job(name=JOB, batch_size=2, algorithm={"vcpo": {"essScaling": True, "scaling": "linear"}})
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     records = [trainer.train_step(groups) for _ in range(2)]
@@ -183,14 +188,14 @@ def test_baseline_by_hand() -> None:
     ({"aggregation": "seq-mean-token-mean", "batch_normalize_advantages": True}, "batchNormalizeAdvantages"),
 ])
 def test_baseline_spec_rules(change: dict, says: str) -> None:
-    assert AlgorithmSpec(vcpo_baseline=True, aggregation="seq-mean-token-sum-norm").vcpo_baseline
+    assert AlgorithmSpec(vcpo={"baseline": True}, aggregation="seq-mean-token-sum-norm").vcpo.baseline
     with pytest.raises(ValidationError, match=says):
-        AlgorithmSpec(vcpo_baseline=True, **change)
+        AlgorithmSpec(vcpo={"baseline": True}, **change)
 
 
 def test_baseline_needs_one_trainer_process() -> None:
-    algorithm = {"vcpoBaseline": True, "aggregation": "seq-mean-token-mean"}
-    assert make_job(algorithm=algorithm).spec.algorithm.vcpo_baseline
+    algorithm = {"vcpo": {"baseline": True}, "aggregation": "seq-mean-token-mean"}
+    assert make_job(algorithm=algorithm).spec.algorithm.vcpo.baseline
     with pytest.raises(ValidationError, match="needs one trainer process"):
         make_job(algorithm=algorithm, trainer={"gpusPerReplica": 2, "device": "cuda"})
 
@@ -219,8 +224,9 @@ def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
         b = float((np.array(norms) * rewards).sum() / (sum(norms) + 1e-8))
         expected += list((rewards - b) / rewards.std())
     model.zero_grad(set_to_none=True)
-    job = make_job(name=JOB, batch_size=2, algorithm={"loss": "ppo", "proximal": "recompute", "vcpoBaseline": True,
-                                                       "minibatches": 1, "aggregation": "seq-mean-token-mean"})
+    job = make_job(name=JOB, batch_size=2, algorithm={"loss": "ppo", "proximal": "recompute",
+                                                       "vcpo": {"baseline": True}, "minibatches": 1,
+                                                       "aggregation": "seq-mean-token-mean"})
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.SGD(model.parameters(), lr=1e-3), tok)
     used: list[float] = []
@@ -248,7 +254,8 @@ def test_baseline_with_the_decoupled_loss_and_stale_data(proximal: str) -> None:
     _, tok = model_and_tokenizer()
     model = tiny_model()
     groups = _stale_groups(model)
-    job = make_job(name=JOB, batch_size=2, algorithm={"proximal": proximal, "vcpo": True, "vcpoBaseline": True,
+    job = make_job(name=JOB, batch_size=2, algorithm={"proximal": proximal,
+                                                       "vcpo": {"essScaling": True, "baseline": True},
                                                        "minibatches": 2, "aggregation": "seq-mean-token-sum-norm"})
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)

@@ -240,7 +240,7 @@ def test_settings_trl_cannot_reproduce_are_refused(change, words):
 def test_inert_settings_name_the_off_policy_corrections():
     inert = peer.inert_settings(local_spec())
     assert "algorithm.proximal" in inert and "staleness.maxHeadOffpolicyness" in inert
-    assert "algorithm.behaviourCap" in inert
+    assert "algorithm.behaviourCap.limit" in inert
 
 
 def test_prompt_positions_are_asyncrls_order():

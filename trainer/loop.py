@@ -5,7 +5,7 @@ One step:
      the staleness policy's bound (eta versions, or ROLL's asyncRatio) are dropped, counted
      (admission frees their capacity) and acknowledged (inbox.py); with `dynamicSampling` (DAPO)
      groups whose rewards are all equal are skipped the same way and reading goes on until B
-     groups with signal are buffered, or `dynamicSamplingMaxDraws` were drawn (then the step
+     groups with signal are buffered, or `dynamicSampling.maxDraws` were drawn (then the step
      trains on the fewer it has, with a warning: `next_batch`);
   2. the batch is broadcast, so every rank computes the same advantages and token counts;
   3-4. the step (trainer/step.py, the objective from trainer/objectives/):
@@ -155,7 +155,7 @@ class Trainer:
             io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
             version_bound=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
             pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
-            dynamic_sampling=self.spec.algorithm.dynamic_sampling,
+            dynamic_sampling=self.spec.algorithm.dynamic_sampling is not None,
             max_draws=self.spec.algorithm.dynamic_sampling_draws, async_ratio=self.spec.staleness.async_ratio)
         self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
@@ -332,7 +332,7 @@ class Trainer:
         """Rank 0: the B oldest fresh groups, or None when a stop was requested.
 
         With `dynamicSampling`, groups without signal are skipped and reading goes on; a step that
-        drew `dynamicSamplingMaxDraws` groups without B with signal trains on the fewer it has (a
+        drew `dynamicSampling.maxDraws` groups without B with signal trains on the fewer it has (a
         warning, counted in `dynamic_sampling_starved_steps`) rather than waiting on: a task where
         nearly every group is solved (or failed) by every sample would otherwise stall the job
         with no sign but a flat step count."""
@@ -429,7 +429,7 @@ class Trainer:
         draw.starved = True
         with self.reporter.edit() as report:
             report.dynamic_sampling_starved_steps += 1
-        log.warning("dynamic sampling: step %d drew %d group(s) (dynamicSamplingMaxDraws=%d), %d with signal: "
+        log.warning("dynamic sampling: step %d drew %d group(s) (dynamicSampling.maxDraws=%d), %d with signal: "
                     "training on the %d it has (batchSize %d); most groups get equal rewards: consider an "
                     "easier or harder dataset, or a larger groupSize", self.state.step + 1,
                     draw.skipped + draw.batch, self.spec.algorithm.dynamic_sampling_draws,
@@ -528,7 +528,7 @@ class Trainer:
         """The step's dynamic-sampling figures, from what rank 0 drew (`next_batch`; 0 on the other
         ranks): groups skipped, the job's total, the fraction of the groups drawn that had no
         signal (with dynamicSampling off: trained at advantage 0; the figure that says whether to
-        turn it on), whether the step was short (`dynamicSamplingMaxDraws` reached), and the mean
+        turn it on), whether the step was short (`dynamicSampling.maxDraws` reached), and the mean
         reward of every sample drawn (`reward_mean` is the trained batch's: with skipping, not the
         policy's)."""
         draw, self._draw = self._draw, StepDraw()

@@ -21,44 +21,32 @@ import math
 import operator
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
+from asyncrl.algorithm_families import BapoSpec, BehaviourCapSpec, M2Spec, SapoSpec, VcpoSpec
+from asyncrl.spec_base import SpecModel
+
 Estimator = Literal["grpo", "dr_grpo", "rloo"]
 LossKind = Literal["ppo", "decoupled"]
 ProximalMethod = Literal["recompute", "loglinear"]
 OnPolicyRule = Literal["current", "behave"]
-CapMode = Literal["mask", "clamp"]
-CapLevel = Literal["token", "sequence"]
-M2Scope = Literal["all", "harmful"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 Objective = Literal["ppo-clip", "gspo", "cispo", "sapo"]
-ClipBounds = Literal["fixed", "bapo"]
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
 AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OBJECTIVES: tuple[str, ...] = ("ppo-clip", "gspo", "cispo", "sapo")
-CLIP_BOUNDS: tuple[str, ...] = ("fixed", "bapo")
 VCPO_SCALINGS: tuple[str, ...] = ("sqrt", "linear")
 
-# SAPO's gate temperatures for A > 0 and A <= 0: verl 0.9.1's ActorConfig defaults
-# (verl/workers/config/actor.py, tau_pos / tau_neg), tau_neg > tau_pos damps negative updates faster.
-SAPO_TAU_POS = 1.0
-SAPO_TAU_NEG = 1.05
-
 # BAPO's search (arXiv 2510.18927; the released code WooooDyy/BAPO @ 7287044, recipe/bapo/config/
-# bapo_trainer.yaml): explicit ratio bounds, c_low from 0.6 up to 0.8 and then c_high from 1.2 up to
-# 2.0, in steps of 0.05, until positive / negative contribution >= 1 (a positive share rho0 of 0.5,
-# the paper's value). BAPO_EPS is the code's guard on the division.
-BAPO_POSITIVE_SHARE = 0.5
-BAPO_CLIP_LOW_START = 0.6
-BAPO_CLIP_LOW_MAX = 0.8
-BAPO_CLIP_HIGH_START = 1.2
-BAPO_CLIP_HIGH_MAX = 2.0
-BAPO_STEP = 0.05
+# bapo_trainer.yaml; the defaults are asyncrl.algorithm_families.BapoSpec's): explicit ratio bounds,
+# c_low from 0.6 up to 0.8 and then c_high from 1.2 up to 2.0, in steps of 0.05, until positive /
+# negative contribution >= 1 (a positive share rho0 of 0.5, the paper's value). BAPO_EPS is the
+# code's guard on the division.
 BAPO_EPS = 1e-8
 
 # VCPO's ESS-scaled learning rate (arXiv 2602.17616; the released code mit-han-lab/vcpo @ c7f030f,
@@ -88,9 +76,9 @@ STAT_KEYS: tuple[str, ...] = (
     "m2_masked_fraction", "proximal_s",
 )
 BAPO_STAT_KEYS: tuple[str, ...] = ("bapo_clip_low", "bapo_clip_high")
-"""Added to the stats with `clip_bounds="bapo"` only: the ratio bounds the search chose for the call."""
+"""Added to the stats with `bapo` set only: the ratio bounds the search chose for the call."""
 VCPO_STAT_KEYS: tuple[str, ...] = ("vcpo_w_sum", "vcpo_w_sq_sum", "vcpo_sequences")
-"""Added to the stats with `vcpo=True` only: this call's sums of VCPO's sequence weights (`vcpo_weight_sums`)."""
+"""Added to the stats with `vcpo.ess_scaling` only: this call's sums of VCPO's sequence weights (`vcpo_weight_sums`)."""
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -180,123 +168,93 @@ def normalize_advantages(advantages: Tensor, weights: Tensor, eps: float = 1e-6)
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Which policy objective to use; one-to-one with the job's `spec.algorithm` loss fields.
+    """The settings of the policy objective, by the names `spec.algorithm` gives them.
 
-    `kind="ppo"` ignores `proximal`/`loglinear_on_policy`/behaviour cap (the behaviour policy is
-    the proximal, w = 1). `behav_cap=None` removes the behaviour weight entirely (w = 1).
-    `norm_length` is Dr. GRPO's fixed length (the job's `maxNewTokens`): `seq-mean-token-sum-norm`
-    divides the token sum by rows x norm_length, so the loss does not depend on padding.
+    `loss="ppo"` ignores `proximal`/`loglinear_on_policy`/`behaviour_cap` (the behaviour policy is
+    the proximal, w = 1); `behaviour_cap.limit=None` removes the behaviour weight entirely (w = 1).
+    `max_new_tokens` is Dr. GRPO's fixed length: `seq-mean-token-sum-norm` divides the token sum by
+    rows x max_new_tokens, so the loss does not depend on padding.
 
-    Why a class of its own rather than `asyncrl.spec.AlgorithmSpec`: this module stays pure math,
-    usable without a job spec (no pydantic model, no camelCase aliases, none of the spec's
-    sampling/batching/optimizer fields); tests, benchmarks and other trainers build it from plain
-    values, and `from_spec` is the one mapping from a job. Its per-field bounds restate the spec's
-    (a test compares them). The spec's cross-field rules are job-setting rules, not restated here:
-    `kind="ppo"` with the default `proximal="loglinear"` is fine (ppo ignores the proximal), and
-    `eps_clip_high < eps_clip` is well-defined math; the spec rejects both in a job. What it does
-    reject across fields is what the math cannot honour: `m2_threshold` and `dual_clip` are parts of
-    the PPO-clip objective, so another `objective` with either set would silently drop them.
+    Why a class of its own rather than `asyncrl.spec.AlgorithmSpec`: tests, benchmarks and other
+    trainers build it from plain values, without the spec's sampling/batching/optimizer fields, and
+    the spec's cross-field rules are job-setting rules, not restated here: `loss="ppo"` with the
+    default `proximal="loglinear"` is fine (ppo ignores the proximal), and `clip_eps_high <
+    clip_eps` is well-defined math; the spec rejects both in a job. The family settings are the
+    spec's own models (asyncrl.algorithm_families), which carry their bounds; the top-level
+    bounds are restated here (a test compares them). What it does reject across fields is what the
+    math cannot honour: `m2` and `dual_clip` are parts of the PPO-clip objective, so another
+    `objective` with either set would silently drop them, and `bapo` adapts that same clip.
+    `from_spec` reads every field by its own name.
     """
 
-    kind: LossKind = "decoupled"
+    loss: LossKind = "decoupled"
     proximal: ProximalMethod = "loglinear"
     loglinear_on_policy: OnPolicyRule = "behave"
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
     dual_clip: float | None = None
-    behav_cap: float | None = 5.0
-    behav_mode: CapMode = "mask"
-    behav_level: CapLevel = "token"
-    m2_threshold: float | None = None
-    m2_scope: M2Scope = "all"
+    behaviour_cap: BehaviourCapSpec = field(default_factory=BehaviourCapSpec)
+    m2: M2Spec | None = None
     aggregation: Aggregation = "token-mean"
-    norm_length: int = DEFAULT_NORM_LENGTH
+    max_new_tokens: int = DEFAULT_NORM_LENGTH
     objective: Objective = "ppo-clip"
-    sapo_tau_pos: float = SAPO_TAU_POS
-    sapo_tau_neg: float = SAPO_TAU_NEG
-    clip_bounds: ClipBounds = "fixed"
-    bapo_positive_share: float = BAPO_POSITIVE_SHARE
-    bapo_clip_low_start: float = BAPO_CLIP_LOW_START
-    bapo_clip_low_max: float = BAPO_CLIP_LOW_MAX
-    bapo_clip_high_start: float = BAPO_CLIP_HIGH_START
-    bapo_clip_high_max: float = BAPO_CLIP_HIGH_MAX
-    bapo_step: float = BAPO_STEP
-    vcpo: bool = False
+    sapo: SapoSpec = field(default_factory=SapoSpec)
+    bapo: BapoSpec | None = None
+    vcpo: VcpoSpec = field(default_factory=VcpoSpec)
 
     def __post_init__(self) -> None:
         choices = {
-            "kind": ("ppo", "decoupled"), "proximal": ("recompute", "loglinear"),
-            "loglinear_on_policy": ("current", "behave"), "behav_mode": ("mask", "clamp"),
-            "behav_level": ("token", "sequence"), "m2_scope": ("all", "harmful"),
-            "aggregation": AGGREGATIONS, "objective": OBJECTIVES, "clip_bounds": CLIP_BOUNDS,
+            "loss": ("ppo", "decoupled"), "proximal": ("recompute", "loglinear"),
+            "loglinear_on_policy": ("current", "behave"), "aggregation": AGGREGATIONS, "objective": OBJECTIVES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not 0 < self.eps_clip < 1:
-            raise ValueError(f"LossConfig.eps_clip must be in (0, 1), got {self.eps_clip!r}")
-        if self.eps_clip_high is not None and not self.eps_clip_high > 0:
-            raise ValueError(f"LossConfig.eps_clip_high must be > 0, got {self.eps_clip_high!r}")
+        families = {"behaviour_cap": BehaviourCapSpec, "m2": M2Spec, "sapo": SapoSpec, "bapo": BapoSpec,
+                    "vcpo": VcpoSpec}
+        for name, family in families.items():
+            value = getattr(self, name)
+            if not isinstance(value, family) and not (value is None and name in ("m2", "bapo")):
+                raise ValueError(f"LossConfig.{name} must be an asyncrl.algorithm_families.{family.__name__}"
+                                 f"{' or None' if name in ('m2', 'bapo') else ''}, got {value!r}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"LossConfig.clip_eps must be in (0, 1), got {self.clip_eps!r}")
+        if self.clip_eps_high is not None and not self.clip_eps_high > 0:
+            raise ValueError(f"LossConfig.clip_eps_high must be > 0, got {self.clip_eps_high!r}")
         if self.dual_clip is not None and not self.dual_clip > 1:
             raise ValueError(f"LossConfig.dual_clip must be > 1, got {self.dual_clip!r}")
-        if self.behav_cap is not None and not self.behav_cap > 1:
-            raise ValueError(f"LossConfig.behav_cap must be > 1, got {self.behav_cap!r}")
-        if self.m2_threshold is not None and not self.m2_threshold > 0:
-            raise ValueError(f"LossConfig.m2_threshold must be > 0, got {self.m2_threshold!r}")
-        if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, int) or self.norm_length < 1:
-            raise ValueError(f"LossConfig.norm_length must be an int >= 1, got {self.norm_length!r}")
-        for name in ("sapo_tau_pos", "sapo_tau_neg"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("m2_threshold", "dual_clip"):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"LossConfig.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        for name in ("m2", "dual_clip", "bapo"):
             if getattr(self, name) is not None and self.objective != "ppo-clip":
                 raise ValueError(
                     f"LossConfig.{name} is part of the 'ppo-clip' objective only, got objective "
                     f"{self.objective!r}; allowed: objective 'ppo-clip' with {name}, or {name}=None")
-        self._check_bapo()
-
-    def _check_bapo(self) -> None:
-        """BAPO's per-field bounds (the spec's), and what its search cannot honour."""
-        for name, lo, hi in (("bapo_positive_share", 0.0, 1.0), ("bapo_clip_low_start", 0.0, 1.0),
-                             ("bapo_clip_low_max", 0.0, 1.0), ("bapo_clip_high_start", 1.0, math.inf),
-                             ("bapo_clip_high_max", 1.0, math.inf), ("bapo_step", 0.0, math.inf)):
-            if not lo < getattr(self, name) < hi:
-                raise ValueError(f"LossConfig.{name} must be in ({lo}, {hi}), got {getattr(self, name)!r}")
-        if self.clip_bounds == "bapo" and (self.objective != "ppo-clip" or self.m2_threshold is not None):
-            raise ValueError(
-                "LossConfig.clip_bounds 'bapo' adapts the clip of the 'ppo-clip' objective, got objective "
-                f"{self.objective!r} and m2_threshold {self.m2_threshold!r}; allowed: clip_bounds 'bapo' with "
-                "objective 'ppo-clip' and m2_threshold=None, or clip_bounds 'fixed'")
+        if self.bapo is not None and self.m2 is not None:
+            raise ValueError("LossConfig.bapo adapts the clip that m2 replaces; allowed: bapo with m2=None, "
+                             "or bapo=None")
 
     @property
     def eps_high(self) -> float:
-        """Upper clip epsilon (clip-higher), `eps_clip` when unset."""
-        return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+        """Upper clip epsilon (clip-higher), `clip_eps` when unset."""
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
 
     @classmethod
     def from_spec(cls, spec: Any) -> LossConfig:
-        """Map an `asyncrl.spec.AlgorithmSpec` (or anything with its attribute names) onto a config."""
-        mapping = {
-            "kind": "loss", "proximal": "proximal", "loglinear_on_policy": "loglinear_on_policy",
-            "eps_clip": "clip_eps", "eps_clip_high": "clip_eps_high", "dual_clip": "dual_clip",
-            "behav_cap": "behaviour_cap", "behav_mode": "behaviour_cap_mode",
-            "behav_level": "behaviour_cap_level", "m2_threshold": "m2_threshold",
-            "m2_scope": "m2_scope", "aggregation": "aggregation", "norm_length": "max_new_tokens",
-            "objective": "objective", "sapo_tau_pos": "sapo_tau_pos", "sapo_tau_neg": "sapo_tau_neg",
-            "clip_bounds": "clip_bounds", "bapo_positive_share": "bapo_positive_share",
-            "bapo_clip_low_start": "bapo_clip_low_start", "bapo_clip_low_max": "bapo_clip_low_max",
-            "bapo_clip_high_start": "bapo_clip_high_start", "bapo_clip_high_max": "bapo_clip_high_max",
-            "bapo_step": "bapo_step", "vcpo": "vcpo",
-        }
-        missing = [src for src in mapping.values() if not hasattr(spec, src)]
+        """The config of an `asyncrl.spec.AlgorithmSpec` (or anything with its attribute names)."""
+        missing = [f.name for f in fields(cls) if not hasattr(spec, f.name)]
         if missing:
             raise ValueError(
                 f"{type(spec).__name__} is not an AlgorithmSpec: missing {', '.join(missing)}")
-        return cls(**{dst: getattr(spec, src) for dst, src in mapping.items()})
+        return cls(**{f.name: getattr(spec, f.name) for f in fields(cls)})
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields by name (for logs and reports)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The fields by name, families as their wire form (for logs and reports)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def _plain(value: Any) -> Any:
+    return value.to_wire() if isinstance(value, SpecModel) else value
 
 
 # ------------------------------------------------------------------------------------ proximal
@@ -430,7 +388,7 @@ def proximal_logprobs(
     Timed because the cost of `lp_p` is a reported figure (`proximal_seconds`): the point of log-linear is that it needs
     no forward pass (`recompute` paid for its forward before this call, so it reports 0 here).
     """
-    if config.kind != "decoupled":
+    if config.loss != "decoupled":
         return Proximal(x.lp_b, 0.0)
     if config.proximal == "recompute":
         if prox_logprobs is None:
@@ -485,17 +443,18 @@ def cap_behaviour_weight(log_w: Tensor, mask: Tensor, config: LossConfig) -> Beh
 
     mode "mask" drops tokens with `w > cap` (the denominator later keeps them); "clamp" truncates w
     (TIS). Level "sequence" caps each response's geometric mean, so it is kept or dropped whole.
-    Coupled PPO or `behav_cap=None`: w = 1 on the mask. The comparison is in log space.
+    Coupled PPO or `behaviour_cap.limit=None`: w = 1 on the mask. The comparison is in log space.
     """
     zero = log_w.new_zeros(())
-    if config.kind != "decoupled" or config.behav_cap is None:
+    cap = config.behaviour_cap
+    if config.loss != "decoupled" or cap.limit is None:
         ones = torch.where(mask, torch.ones_like(log_w), zero)
         return BehaviourWeight(w=ones, keep=mask.clone(), capped=torch.zeros_like(mask))
-    log_cap = math.log(config.behav_cap)
-    if config.behav_level == "sequence":
+    log_cap = math.log(cap.limit)
+    if cap.level == "sequence":
         log_w = _sequence_log_weight(log_w, mask)
     over = mask & (log_w > log_cap)
-    if config.behav_mode == "mask":
+    if cap.mode == "mask":
         keep = mask & ~over
     else:
         keep, log_w = mask.clone(), log_w.clamp(max=log_cap)
@@ -519,11 +478,11 @@ class Surrogate:
     clipped_high: Tensor  # of `clipped`: the ratio was above 1 + eps_hi
 
 
-def bapo_bounds(adv: Tensor, u: Tensor, w: Tensor, keep: Tensor, config: LossConfig) -> tuple[float, float]:
+def bapo_bounds(adv: Tensor, u: Tensor, w: Tensor, keep: Tensor, bapo: BapoSpec) -> tuple[float, float]:
     """BAPO's ratio bounds `(c_low, c_high)` for this call, chosen on detached tensors.
 
     The candidates are the released code's walk: c_low from its start up to its max, then c_high
-    from its start up to its max, `bapo_step` at a time (each step `min(c + step, max)`, Python
+    from its start up to its max, `bapo.step` at a time (each step `min(c + step, max)`, Python
     floats, so the bounds are the code's to the last bit). The first candidate whose positive /
     negative contribution reaches `rho0 / (1 - rho0)` wins, else the last one. A token's
     contribution is its term of the objective before the pessimistic max, `w A min(u, c_high)`
@@ -531,14 +490,13 @@ def bapo_bounds(adv: Tensor, u: Tensor, w: Tensor, keep: Tensor, config: LossCon
     case). No negative contribution counts as an infinite ratio. All candidates are evaluated at
     once, with one device sync. See docs/algorithms.md ("BAPO") for the choices.
     """
-    cfg = config
-    lo, hi = cfg.bapo_clip_low_start, cfg.bapo_clip_high_start
+    lo, hi = bapo.clip_low_start, bapo.clip_high_start
     candidates = [(lo, hi)]
-    while lo < cfg.bapo_clip_low_max:
-        lo = min(lo + cfg.bapo_step, cfg.bapo_clip_low_max)
+    while lo < bapo.clip_low_max:
+        lo = min(lo + bapo.step, bapo.clip_low_max)
         candidates.append((lo, hi))
-    while hi < cfg.bapo_clip_high_max:
-        hi = min(hi + cfg.bapo_step, cfg.bapo_clip_high_max)
+    while hi < bapo.clip_high_max:
+        hi = min(hi + bapo.step, bapo.clip_high_max)
         candidates.append((lo, hi))
     with torch.no_grad():
         a, uk, wk = adv[keep], u.detach()[keep], w.detach()[keep].to(u.dtype)
@@ -547,7 +505,7 @@ def bapo_bounds(adv: Tensor, u: Tensor, w: Tensor, keep: Tensor, config: LossCon
         eff = wk * a * ratio  # [K, n]
         pos, neg = eff.clamp(min=0).sum(dim=1), (-eff.clamp(max=0)).sum(dim=1)
         balance = torch.where(neg <= 0, torch.full_like(pos, math.inf), pos / (neg + BAPO_EPS))
-        met = (balance >= cfg.bapo_positive_share / (1.0 - cfg.bapo_positive_share)).tolist()
+        met = (balance >= bapo.positive_share / (1.0 - bapo.positive_share)).tolist()
     return candidates[met.index(True) if True in met else len(candidates) - 1]
 
 
@@ -557,14 +515,14 @@ def clipped_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig,
 
     The dual clip bounds the loss of a negative-advantage token whose ratio exploded. Clip
     fractions count strict wins only (a tie, u inside the band or A = 0, is not clipped). With
-    M2PO (`m2_threshold` set) its second-moment mask replaces clipping: the objective is `-A u`.
+    M2PO (`m2` set) its second-moment mask replaces clipping: the objective is `-A u`.
     GSPO uses it too, with its sequence-level ratio in place of `u`. `bounds` (BAPO's ratio bounds
     `(c_low, c_high)`) replaces `(1 - eps_lo, 1 + eps_hi)`.
     """
     none = torch.zeros_like(keep)
-    if config.m2_threshold is not None:
+    if config.m2 is not None:
         return Surrogate(per_token=-adv * u, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
-    lo, hi = bounds if bounds is not None else (1.0 - config.eps_clip, 1.0 + config.eps_high)
+    lo, hi = bounds if bounds is not None else (1.0 - config.clip_eps, 1.0 + config.eps_high)
     unclipped = -adv * u
     clipped = -adv * u.clamp(lo, hi)
     per_token = torch.maximum(unclipped, clipped)
@@ -597,7 +555,7 @@ def cispo_surrogate(adv: Tensor, u: Tensor, lp: Tensor, keep: Tensor, config: Lo
     The value carries `log pi` itself (as in the paper and verl), so the loss is a surrogate whose
     gradient, `-clip(u) A d(log pi)`, is what counts; `clipped_*` is the ratio outside the band.
     """
-    lo, hi = 1.0 - config.eps_clip, 1.0 + config.eps_high
+    lo, hi = 1.0 - config.clip_eps, 1.0 + config.eps_high
     weight = u.detach().clamp(lo, hi)
     low, high = keep & (u < lo).detach(), keep & (u > hi).detach()
     return Surrogate(per_token=-weight * adv * lp, clipped=low | high, dual_clipped=torch.zeros_like(keep),
@@ -610,8 +568,8 @@ def sapo_surrogate(adv: Tensor, u: Tensor, keep: Tensor, config: LossConfig) -> 
     The gate's slope at u is `4 sigma (1 - sigma)`, 1 at u = 1 (the plain policy gradient there)
     and decaying smoothly away from it, so there is no hard clip and no clip fraction.
     """
-    tau = torch.where(adv > 0, torch.as_tensor(config.sapo_tau_pos, dtype=u.dtype, device=u.device),
-                      torch.as_tensor(config.sapo_tau_neg, dtype=u.dtype, device=u.device))
+    tau = torch.where(adv > 0, torch.as_tensor(config.sapo.tau_pos, dtype=u.dtype, device=u.device),
+                      torch.as_tensor(config.sapo.tau_neg, dtype=u.dtype, device=u.device))
     gate = torch.sigmoid(tau * (u - 1.0)) * (4.0 / tau)
     none = torch.zeros_like(keep)
     return Surrogate(per_token=-adv * gate, clipped=none, dual_clipped=none, clipped_low=none, clipped_high=none)
@@ -649,13 +607,13 @@ def m2po_trust_region(log_r: Tensor, adv: Tensor, keep: Tensor, config: LossConf
     is exactly 0. Candidates are the kept tokens (scope "all", the paper) or only those whose full
     ratio already moved the way A pushes it (scope "harmful", the released code).
     """
-    if config.m2_threshold is None:
+    if config.m2 is None:
         return M2Mask(dropped=torch.zeros_like(keep), before=0.0, after=0.0)
-    if config.m2_scope == "all":
+    if config.m2.scope == "all":
         candidates = keep
     else:
         candidates = keep & (((adv > 0) & (log_r > 0)) | ((adv < 0) & (log_r < 0)))
-    dropped, before, after = m2po_mask(log_r, candidates, config.m2_threshold)
+    dropped, before, after = m2po_mask(log_r, candidates, config.m2.threshold)
     return M2Mask(dropped=dropped, before=before, after=after)
 
 
@@ -697,7 +655,7 @@ class LossTerms:
     surrogate: Surrogate
     m2: M2Mask
     proximal_s: float
-    bounds: tuple[float, float] | None = None  # BAPO's ratio bounds (clip_bounds "bapo" only)
+    bounds: tuple[float, float] | None = None  # BAPO's ratio bounds (bapo set only)
     vcpo_sums: tuple[float, float, float] | None = None  # VCPO's weight sums (vcpo only)
 
 
@@ -923,7 +881,7 @@ def _check_tensors(logprobs: Any, behav_logprobs: Any, advantages: Any, mask: An
 def _check_proximal_inputs(config: LossConfig, logprobs: Tensor, mask: Tensor, versions: Tensor | None,
                            current_version: Any, prox_logprobs: Any) -> None:
     """What the configured proximal method needs: `prox_logprobs`, or versions on every masked token."""
-    decoupled = config.kind == "decoupled"
+    decoupled = config.loss == "decoupled"
     if decoupled and config.proximal == "recompute":
         if prox_logprobs is None:
             raise ValueError("prox_logprobs is required for proximal='recompute'")
@@ -971,7 +929,7 @@ def policy_loss(
 
     `loss_denominator` replaces this call's own normaliser so that micro-batch losses add up to the
     exact minibatch loss: the total mask count of the minibatch (token-mean), its number of
-    non-empty sequences (seq-mean-token-mean), or its rows x `config.norm_length`
+    non-empty sequences (seq-mean-token-mean), or its rows x `config.max_new_tokens`
     (seq-mean-token-sum-norm). Default None: this call alone.
     """
     # ---- 0. checks (a ValueError naming the argument, before any arithmetic), then sanitised inputs
@@ -993,8 +951,8 @@ def policy_loss(
 
     # ---- 4. objective on u: PPO clip and dual clip (M2PO: the unclipped -A u), GSPO, CISPO or SAPO;
     #         BAPO first picks this call's clip bounds from the detached u, w and advantages
-    bounds = (bapo_bounds(x.adv, ratios.u, weight.w, weight.keep, config)
-              if config.clip_bounds == "bapo" else None)
+    bounds = (bapo_bounds(x.adv, ratios.u, weight.w, weight.keep, config.bapo)
+              if config.bapo is not None else None)
     surrogate = policy_objective(x, ratios, weight.keep, config, bounds)
 
     # ---- 5. M2PO mask: drop the largest (log r)^2 (full ratio pi/pi_b) until their mean is <= tau
@@ -1003,10 +961,10 @@ def policy_loss(
     per_token = torch.where(keep, weight.w * surrogate.per_token, x.lp.new_zeros(()))
 
     # ---- 6. aggregation over the original mask count (or the caller's minibatch denominator)
-    loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator, norm_length=config.norm_length)
+    loss = aggregate(per_token, x.mask, config.aggregation, loss_denominator, norm_length=config.max_new_tokens)
 
     # ---- 7. metrics: float64, detached, one device sync
-    vcpo_sums = vcpo_weight_sums(ratios.log_w, x.mask) if config.vcpo else None
+    vcpo_sums = vcpo_weight_sums(ratios.log_w, x.mask) if config.vcpo.ess_scaling else None
     terms = LossTerms(loss=loss, keep=keep, ratios=ratios, weight=weight, surrogate=surrogate, m2=m2,
                       proximal_s=prox.seconds, bounds=bounds, vcpo_sums=vcpo_sums)
     return loss, loss_metrics(x, terms, versions, version)

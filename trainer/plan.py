@@ -148,7 +148,7 @@ def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossCon
 
     No config (objective tb): the minibatch's sequences, trajectory balance's mean over trajectories.
     token-mean: response tokens; seq-mean-token-mean: non-empty responses; seq-mean-token-sum-norm
-    (Dr. GRPO): rows x the fixed length `config.norm_length` (maxNewTokens), what `aggregate` uses
+    (Dr. GRPO): rows x the fixed length `config.max_new_tokens` (maxNewTokens), what `aggregate` uses
     for a single call, never a padded width (which would depend on the longest row).
     """
     if config is None:
@@ -157,4 +157,4 @@ def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossCon
         return float(sum(len(seqs[i].response_ids) for i in rows))
     if config.aggregation == "seq-mean-token-mean":
         return float(sum(1 for i in rows if len(seqs[i].response_ids)))
-    return float(len(rows) * config.norm_length)
+    return float(len(rows) * config.max_new_tokens)

@@ -23,4 +23,4 @@ def build_objective(algo: AlgorithmSpec, *, reference_model: Any = None) -> Obje
     if algo.objective == "tb":
         return TrajectoryBalance(algo, reference_model)
     policy_gradient = PolicyGradient(algo)
-    return VcpoBaseline(policy_gradient) if algo.vcpo_baseline else policy_gradient
+    return VcpoBaseline(policy_gradient) if algo.vcpo.baseline else policy_gradient

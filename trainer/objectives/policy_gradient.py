@@ -54,11 +54,11 @@ class PolicyGradient:
     def lr_scale(self) -> float:
         """VCPO: one scale from the update's sums of every rank (a collective on every rank,
         whether the update is then skipped or not); 1.0 without VCPO."""
-        if not self.algo.vcpo:
+        if not self.algo.vcpo.ess_scaling:
             return 1.0
         assert self.step is not None
         scale = vcpo_ess_scale(*D.all_reduce_sum(self._vcpo_sums, self.step.forward.ctx),
-                               base_ess_ratio=self.algo.vcpo_base_ess_ratio, scaling=self.algo.vcpo_scaling)
+                               base_ess_ratio=self.algo.vcpo.base_ess_ratio, scaling=self.algo.vcpo.scaling)
         self._scales.append(scale)
         return scale
 
@@ -69,7 +69,7 @@ class PolicyGradient:
     def _recomputed_proximal(self, step: StepData) -> dict[tuple[int, int], Tensor]:
         """`recompute`: no-grad log-probs of the current weights per (update, micro-batch); else none.
         A rank with no rows left runs a padding forward (FSDP: every rank runs as many forwards)."""
-        if not (self.config.kind == "decoupled" and self.config.proximal == "recompute"):
+        if not (self.config.loss == "decoupled" and self.config.proximal == "recompute"):
             return {}
         fwd = step.forward
         fwd.model.eval()

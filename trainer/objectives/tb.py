@@ -21,7 +21,7 @@ from asyncrl.trainer.trajectory_balance import group_log_z, tb_beta, trajectory_
 
 
 class TrajectoryBalance:
-    """TB's squared residuals, beta annealed by step (`tbBeta` -> `tbBetaFinal`)."""
+    """TB's squared residuals, beta annealed by step (`tb.beta` -> `tb.betaFinal`)."""
 
     def __init__(self, algo: AlgorithmSpec, reference_model: Any):
         if reference_model is None:
@@ -29,7 +29,7 @@ class TrajectoryBalance:
         self.algo = algo
         self.reference_model = reference_model
         self.step: StepData | None = None
-        self.beta = algo.tb_beta
+        self.beta = algo.tb.beta
         self.log_z: dict[int, float] = {}
         self.log_zs: list[float] = []
         self.residual_sq = 0.0
@@ -37,7 +37,7 @@ class TrajectoryBalance:
     def prepare(self, step: StepData) -> None:
         algo = self.algo
         self.step, self.log_zs, self.residual_sq = step, [], 0.0
-        self.beta = tb_beta(step.step, algo.tb_beta, algo.tb_beta_final, algo.tb_beta_anneal_steps)
+        self.beta = tb_beta(step.step, algo.tb.beta, algo.tb.beta_final, algo.tb.beta_anneal_steps)
         seqs, fresh = step.seqs, step.fresh
         for s, ref in zip(seqs[fresh:], (x for r in step.replayed for x in r.ref_sums), strict=True):
             s.ref_sum = ref

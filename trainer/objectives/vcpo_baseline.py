@@ -1,4 +1,4 @@
-"""VCPO's off-policy optimal baseline (`algorithm.vcpoBaseline`), wrapped around the policy gradient.
+"""VCPO's off-policy optimal baseline (`algorithm.vcpo.baseline`), wrapped around the policy gradient.
 
 Before each update the advantages of the minibatch's sequences are replaced by the baseline of
 `losses.opob_advantages`, which weighs each trajectory by the squared norm of its score gradient
@@ -13,6 +13,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from asyncrl.algorithm_families import VcpoSpec
 from asyncrl.trainer.batch import TrainBatch
 from asyncrl.trainer.losses import opob_advantages, policy_loss
 from asyncrl.trainer.objectives.base import StepData
@@ -57,8 +58,8 @@ class VcpoBaseline:
         step = self.step
         assert step is not None
         fwd, seqs, model = step.forward, step.seqs, step.forward.model
-        config = dataclasses.replace(self.inner.config, aggregation="token-mean", vcpo=True, clip_bounds="fixed",
-                                     m2_threshold=None)
+        config = dataclasses.replace(self.inner.config, aggregation="token-mean", vcpo=VcpoSpec(ess_scaling=True),
+                                     bapo=None, m2=None)
         norms: dict[int, float] = {}
         weights: dict[int, float] = {}
         for k, rows in enumerate(plan.rank_micro_batches()):
