@@ -12,6 +12,7 @@ from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
+from tests.support.jobs import JobBuilder
 from tests.support.polling import poll
 
 NAMES = StreamNames.for_job("job")
@@ -151,9 +152,9 @@ async def test_a_resumed_trainer_counts_what_its_checkpoint_trained_and_reports_
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
-    from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
+    from tests.support.trainer_support import model_and_tokenizer, tiny_model
 
-    job = make_job(name="resumed", batch_size=2, eta=0)
+    job = JobBuilder.small(name="resumed", batch_size=2, eta=0).job()
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",
                       run_dir=tmp_path, pod_name="trainer-0")
     io = await connect_io(job, runtime)

@@ -26,21 +26,23 @@ from asyncrl.runtime import (
     ENV_WEIGHT_GROUP_PORT,
     ENV_WEIGHTS_DIR,
 )
-from tests.support.job_builds import OPERATOR_PEER, build, example
+from tests.support.job_builds import OPERATOR_PEER, build
+from tests.support.jobs import JobBuilder
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 VARIANTS = {
-    "cluster": example(),
-    "local": example("local"),
-    "vllm-multinode": example(**{"rollout.engine": "vllm", "trainer.replicas": 3, "trainer.gpusPerReplica": 4}),
-    "external-redis-existing-claim": example(**{"redis": {"mode": "external",
-                                                           "external": {"urlSecret": {"name": "r", "key": "url"}}},
-                                                "storage.claimName": "shared-rwx"}),
-    "suspended": example(suspend=True),
-    "weights-deleted-with-job": example(**{"storage.deleteWithJob": True}),
+    "cluster": JobBuilder.example().doc(),
+    "local": JobBuilder.example("local").doc(),
+    "vllm-multinode": JobBuilder.example(**{"rollout.engine": "vllm", "trainer.replicas": 3,
+                                         "trainer.gpusPerReplica": 4}).doc(),
+    "external-redis-existing-claim": JobBuilder.example(**{"redis": {"mode": "external",
+                                                        "external": {"urlSecret": {"name": "r", "key": "url"}}},
+                                             "storage.claimName": "shared-rwx"}).doc(),
+    "suspended": JobBuilder.example(suspend=True).doc(),
+    "weights-deleted-with-job": JobBuilder.example(**{"storage.deleteWithJob": True}).doc(),
 }
 
 
@@ -244,7 +246,7 @@ def test_engine_port_admits_only_the_jobs_own_pods(variant):
 
 
 def test_trainer_ports_admit_the_job_and_the_operator_on_status_only():
-    objs = build(example(**{"trainer.statusPort": 8123, "trainer.replicas": 2}))
+    objs = build(JobBuilder.example(**{"trainer.statusPort": 8123, "trainer.replicas": 2}).doc())
     policy = _policy(objs, "trainer")
     sts = next(o for o in objs if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("-trainer"))
     assert policy["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
@@ -299,10 +301,10 @@ def test_suspend_scales_to_zero_and_keeps_redis():
 
 def test_scaling_does_not_change_the_pod_template():
     a = build(VARIANTS["cluster"])
-    b = build(example(**{"rollout.replicas": 9}))
+    b = build(JobBuilder.example(**{"rollout.replicas": 9}).doc())
     deploy = lambda objs: next(o for o in objs if o["kind"] == "Deployment")  # noqa: E731
     assert deploy(a)["spec"]["template"] == deploy(b)["spec"]["template"]
-    c = build(example(**{"algorithm.temperature": 0.7}))
+    c = build(JobBuilder.example(**{"algorithm.temperature": 0.7}).doc())
     assert deploy(a)["spec"]["template"] != deploy(c)["spec"]["template"], "config changes roll the pods"
 
 
@@ -454,9 +456,9 @@ def test_disk_transport_renders_exactly_as_without_the_field(variant):
 @pytest.mark.parametrize("engine", ["sglang", "hf"])
 def test_collective_wires_rank0_address_port_and_policies(engine):
     job = "qwen25-gsm8k"
-    disk = build(example(**{"rollout.engine": engine, "trainer.replicas": 2}))
-    collective = build(example(**{"rollout.engine": engine, "trainer.replicas": 2,
-                                  "trainer.weightTransport": "collective"}))
+    disk = build(JobBuilder.example(**{"rollout.engine": engine, "trainer.replicas": 2}).doc())
+    collective = build(JobBuilder.example(**{"rollout.engine": engine, "trainer.replicas": 2,
+                                          "trainer.weightTransport": "collective"}).doc())
     objs = _by_key(collective)
     sts = objs[("StatefulSet", N.trainer(job))]
     trainer = sts["spec"]["template"]["spec"]["containers"][0]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from tests.support.job_builds import build, example
+from tests.support.job_builds import build
+from tests.support.jobs import JobBuilder
 
 LOGGING = {"wandb": {"project": "rl", "mode": "online", "apiKeySecret": {"name": "wandb", "key": "api-key"}},
            "mlflow": {"trackingUri": "https://mlflow.example.com", "credentialsSecret": "mlflow-auth"}}
@@ -18,7 +19,7 @@ def containers(objs: list[dict], kind: str, component: str) -> list[dict]:
 
 
 def test_trainer_gets_the_wandb_key_and_the_mlflow_credentials_from_secrets():
-    objs = build(example(logging=LOGGING))
+    objs = build(JobBuilder.example(logging=LOGGING).doc())
     [trainer] = containers(objs, "StatefulSet", "trainer")
     env = {e["name"]: e for e in trainer["env"]}
     assert env["WANDB_API_KEY"] == {"name": "WANDB_API_KEY",
@@ -34,7 +35,7 @@ def test_trainer_gets_the_wandb_key_and_the_mlflow_credentials_from_secrets():
 @pytest.mark.parametrize("logging", [None, {"tensorboard": {}}, {"wandb": {"project": "rl", "mode": "offline"}},
                                      {"mlflow": {}}])
 def test_no_secret_named_no_tracker_env(logging):
-    objs = build(example(logging=logging) if logging else example())
+    objs = build(JobBuilder.example(logging=logging).doc() if logging else JobBuilder.example().doc())
     [trainer] = containers(objs, "StatefulSet", "trainer")
     assert "WANDB_API_KEY" not in {e["name"] for e in trainer["env"]}
     assert "envFrom" not in trainer
@@ -42,7 +43,7 @@ def test_no_secret_named_no_tracker_env(logging):
 
 def test_pod_template_env_from_comes_after_the_trackers():
     overlay = {"envFrom": [{"prefix": "WANDB_", "secretRef": {"name": "wandb-extra", "optional": True}}]}
-    objs = build(example(logging=LOGGING, **{"trainer.podTemplate": overlay}))
+    objs = build(JobBuilder.example(logging=LOGGING, **{"trainer.podTemplate": overlay}).doc())
     [trainer] = containers(objs, "StatefulSet", "trainer")
     assert trainer["envFrom"] == [{"secretRef": {"name": "mlflow-auth"}},
                                   {"prefix": "WANDB_", "secretRef": {"name": "wandb-extra", "optional": True}}]
@@ -50,7 +51,7 @@ def test_pod_template_env_from_comes_after_the_trackers():
 
 def test_trainer_egress_stays_open_for_tracker_servers():
     """The trainer's NetworkPolicy restricts ingress only: W&B and MLflow servers stay reachable."""
-    objs = build(example(logging=LOGGING))
+    objs = build(JobBuilder.example(logging=LOGGING).doc())
     [policy] = [o for o in objs if o["kind"] == "NetworkPolicy"
                 and o["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"]
     assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]

@@ -26,6 +26,7 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import JOBS, KINDS, OPERATOR, PERMISSIONS
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
@@ -95,17 +96,10 @@ def test_without_leader_election_there_is_no_lease_rule(helm):
 # ------------------------------------------------------------------ what a real operator calls
 
 
-def job_doc(name: str, **spec: object) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"].update(name=name, namespace=NS)
-    doc["spec"].update(spec)
-    return doc
-
-
 def admission_required() -> set[tuple[str, str, str]]:
     """`update` on <owner>/finalizers for every owner a child blocks the deletion of
     (OwnerReferencesPermissionEnforcement checks it at create/patch; the request log cannot show it)."""
-    job = parse_job(job_doc("x"))
+    job = parse_job(JobBuilder.example().named("x", NS).doc())
     ctx = B.BuildContext(owner_uid="u", namespace=NS)
     out = set()
     for obj in B.build_children(job, ctx):
@@ -117,7 +111,7 @@ def admission_required() -> set[tuple[str, str, str]]:
 
 
 async def make_ready(emu: KubeEmulator, name: str) -> None:
-    n = job_doc(name)["spec"]["rollout"].get("replicas", 1)
+    n = JobBuilder.example().named(name, NS).doc()["spec"]["rollout"].get("replicas", 1)
     await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(name), {"replicas": n, "readyReplicas": n})
     for sts in (N.trainer(name), N.redis(name)):
         await emu.patch_status("apps", "v1", "statefulsets", NS, sts,
@@ -130,9 +124,10 @@ async def edit(emu: KubeEmulator, url: str, patch: dict) -> None:
 
 
 async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc("main")) as resp:
+    doc = JobBuilder.example().named("main", NS).doc()
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201
-    job, ctx = parse_job(job_doc("main")), B.BuildContext(owner_uid="u", namespace=NS)
+    job, ctx = parse_job(doc), B.BuildContext(owner_uid="u", namespace=NS)
     await poll(lambda: all(emu.get(KINDS[o["kind"]][2], NS, o["metadata"]["name"])
                                for o in B.build_children(job, ctx)), what="every child", log=op.log)
     await make_ready(emu, "main")
@@ -159,7 +154,7 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
         await poll(lambda p=plural, n=name: (emu.get(p, NS, n) or {}).get("metadata", {})
                        .get("labels", {}).get(N.LABEL_JOB) == "main", what=f"{plural} put back", log=op.log)
     # A job past its deadline fails, and its TTL deletes it (delete on asyncrljobs).
-    short = job_doc("short", activeDeadlineSeconds=1, ttlSecondsAfterFinished=0)
+    short = JobBuilder.example(activeDeadlineSeconds=1, ttlSecondsAfterFinished=0).named("short", NS).doc()
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=short) as resp:
         assert resp.status == 201
     await poll(lambda: emu.get("deployments", NS, N.rollout("short")), what="short's children", log=op.log)

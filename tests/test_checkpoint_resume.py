@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.transport.streams import trained_ids
+from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import (
     ASYNCRL,
     make_groups,
@@ -23,7 +24,6 @@ from tests.support.trainer_support import (
     stop_trainer,
     trainer_env,
     wait_for_outcome,
-    write_job,
 )
 
 JOB = "t-resume"
@@ -115,8 +115,8 @@ def _redis_state(url: str) -> tuple[set[str], int, int]:
 @pytest.mark.slow
 def test_sigkill_at_random_moments_trains_each_group_at_most_once(tmp_path: Path) -> None:
     steps, batch = 4, 2
-    job = write_job(tmp_path / "job.yaml", name=JOB, batch_size=batch, max_steps=steps, checkpoint_interval=2,
-                    eta=10, lr=1e-5)
+    job = JobBuilder.small(name=JOB, batch_size=batch, max_steps=steps, checkpoint_interval=2,
+                           eta=10, lr=1e-5).write(tmp_path / "job.yaml")
     groups = make_groups(JOB, steps * batch, version=0)
     all_ids = {g.group_id for g in groups}
     seed = random.randrange(1_000_000)

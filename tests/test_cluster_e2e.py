@@ -43,6 +43,7 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 from tests.support.emulated_jobs import assert_rbac_covers
+from tests.support.jobs import JobBuilder
 from tests.support.kube_cluster import KubeCluster, Launch, meta
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
@@ -57,28 +58,16 @@ JOB_TIMEOUT = 420.0  # seconds for a job to finish on a busy 2-core machine (a w
 pytestmark = pytest.mark.slow
 
 
-def job_doc(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
-            **trainer: Any) -> dict[str, Any]:
+def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
+             **trainer: Any) -> dict[str, Any]:
     """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step."""
-    spec: dict[str, Any] = {
-        "model": {"path": MODEL, "dtype": "float32"},
-        "dataset": {"source": "builtin:arithmetic", "difficulty": 1, "seed": 0},
-        "reward": {"function": "exact-number"},
-        "algorithm": {"groupSize": 2, "batchSize": 2, "minibatches": 1, "maxNewTokens": 8,
-                      "microBatchTokens": 4096, "optimizer": {"lr": 1.0e-5}},
-        "staleness": {"maxHeadOffpolicyness": 1},
-        "rollout": {"replicas": 1, "engine": "hf", "gpusPerReplica": 0, "maxConcurrentRequests": 8},
-        "trainer": {"replicas": 1, "gpusPerReplica": 0, "device": "cpu", "maxSteps": max_steps,
-                    "checkpointInterval": checkpoint_interval, **trainer},
-        "redis": {"mode": "managed", "managed": {"storage": "1Gi"}},
-        "storage": {"size": "10Gi"},
-        "startupDeadlineSeconds": 900,
-        "seed": 0,
-    }
+    job = JobBuilder.small(name, group_size=2, eta=1, max_steps=max_steps, checkpoint_interval=checkpoint_interval,
+                           micro_batch_tokens=4096, trainer=trainer).named(name, NS)
+    job.merge(rollout={"maxConcurrentRequests": 8}).set(redis={"mode": "managed", "managed": {"storage": "1Gi"}},
+                                                         storage={"size": "10Gi"})
     if ttl is not None:
-        spec["ttlSecondsAfterFinished"] = ttl
-    return {"apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob",
-            "metadata": {"name": name, "namespace": NS}, "spec": spec}
+        job.set(ttlSecondsAfterFinished=ttl)
+    return job.doc()
 
 
 # ----------------------------------------------------------------------------------- the cluster
@@ -370,7 +359,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     await e2e.start_operator(job)
     with PhaseLog(e2e, job) as phases:
         async with e2e.transcript() as transcript:
-            out = await e2e.apply(job_doc(job, max_steps=steps, ttl=10))
+            out = await e2e.apply(tiny_job(job, max_steps=steps, ttl=10))
             assert out.strip() == f"asyncrljob.asyncrl.dev/{job} created"
             await e2e.wait_phase(job, "Running", timeout=300)
             running = pids(e2e, job)
@@ -428,7 +417,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
 async def test_sigkilled_trainer_is_restarted_and_trains_each_group_once(e2e: E2E) -> None:
     job, steps, batch = "e2e-kill", 4, 2
     await e2e.start_operator(job)
-    await e2e.apply(job_doc(job, max_steps=steps, checkpoint_interval=2))
+    await e2e.apply(tiny_job(job, max_steps=steps, checkpoint_interval=2))
     pod = f"{N.trainer(job)}-0"
     # Killed after step 3: the checkpoint of step 2 is on the volume, step 3 is lost and trained again.
     await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 3, "3 steps trained", timeout=300)
@@ -458,7 +447,7 @@ async def test_sigkilled_trainer_is_restarted_and_trains_each_group_once(e2e: E2
 async def test_trainer_started_after_succeeded_serves_the_outcome_and_trains_nothing(e2e: E2E) -> None:
     job, steps = "e2e-after", 2
     await e2e.start_operator(job)
-    await e2e.apply(job_doc(job, max_steps=steps))
+    await e2e.apply(tiny_job(job, max_steps=steps))
     await e2e.wait_phase(job, "Succeeded")
     await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")
     shared = e2e.shared(job)
@@ -533,7 +522,7 @@ async def test_trainer_crashing_past_backoff_limit_fails_the_job(e2e: E2E) -> No
 
     e2e.hooks.append(crashing_trainer)
     await e2e.start_operator(job)
-    await e2e.apply(job_doc(job, backoffLimit=1))
+    await e2e.apply(tiny_job(job, backoffLimit=1))
     status = await e2e.wait_phase(job, "Failed", timeout=180)
     assert status["reason"] == "BackoffLimitExceeded", status
     restarts = re.search(r"restarted (\d+) times \(backoffLimit 1\)", status["message"])
@@ -561,7 +550,7 @@ def auth_hash(e2e: E2E, plural: str, name: str) -> str | None:
 async def test_drift_is_corrected_and_a_new_redis_secret_rolls_every_pod(e2e: E2E) -> None:
     job, steps, batch = "e2e-drift", 4, 2
     await e2e.start_operator(job)
-    await e2e.apply(job_doc(job, max_steps=steps, checkpoint_interval=2))
+    await e2e.apply(tiny_job(job, max_steps=steps, checkpoint_interval=2))
     await e2e.wait_phase(job, "Running", timeout=300)
     deploy = N.rollout(job)
 

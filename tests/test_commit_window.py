@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from asyncrl.transport.streams import trained_ids
-from tests.support.trainer_support import chat_groups, make_job, model_and_tokenizer, publish, redis_query, tiny_model
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import chat_groups, model_and_tokenizer, publish, redis_query, tiny_model
 
 JOB = "t-window"
 BATCH, INTERVAL, STEPS = 2, 2, 4
@@ -106,7 +107,7 @@ def test_killed_anywhere_in_the_commit_window_trains_each_group_exactly_once(
     from asyncrl.trainer.main import connect_io
 
     monkeypatch.setattr(loop, "save_checkpoint", loop.save_checkpoint)  # _arm replaces it
-    job = make_job(name=JOB, batch_size=BATCH, max_steps=STEPS, checkpoint_interval=INTERVAL, eta=10)
+    job = JobBuilder.small(name=JOB, batch_size=BATCH, max_steps=STEPS, checkpoint_interval=INTERVAL, eta=10).job()
     groups = chat_groups(JOB, BATCH * STEPS)
     all_ids = {g.group_id for g in groups}
     publish(redis_url, JOB, groups)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from asyncrl import spec as S
 from asyncrl.crd import structural_default
 from tests.support.control_plane import ControlPlane, control_plane_fixture, find_tool, k8s_version, namespace_fixture  # noqa: F401
+from tests.support.jobs import MODEL, JobBuilder
 from tests.support.polling import poll_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -49,9 +50,6 @@ def crd_schema() -> dict[str, Any]:
     return dict(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
 
 
-def job(name: str, namespace: str, spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "metadata": {"name": name, "namespace": namespace},
-            "spec": spec}
 
 
 def example_job(path: Path, namespace: str) -> dict[str, Any]:
@@ -219,7 +217,7 @@ def test_each_example_is_accepted_and_defaulted(control_plane: ControlPlane, crd
 
 
 def test_a_minimal_job_gets_the_defaults_from_the_apiserver(control_plane: ControlPlane, crd, namespace: str):
-    res = create(control_plane, job("minimal", namespace, {"model": {"path": "embedded:SmolLM2-135M-Instruct"}}))
+    res = create(control_plane, JobBuilder.spec({"model": {"path": MODEL}}, "minimal", namespace).doc())
     assert res.returncode == 0, res.stderr
 
     def field(jsonpath: str) -> str:
@@ -244,16 +242,16 @@ BAD_ALGORITHMS = {
 def test_a_bad_job_is_rejected_by_the_apiserver_with_our_message(control_plane: ControlPlane, crd,
                                                                   namespace: str, name: str):
     algorithm, rule = BAD_ALGORITHMS[name]
-    spec = {"model": {"path": "embedded:SmolLM2-135M-Instruct"}, "algorithm": algorithm}
-    res = create(control_plane, job(name, namespace, spec))
+    spec = {"model": {"path": MODEL}, "algorithm": algorithm}
+    res = create(control_plane, JobBuilder.spec(spec, name, namespace).doc())
     assert res.returncode != 0
     assert f'The {S.KIND} "{name}" is invalid' in res.stderr, res.stderr
     assert cel_message(rule) in res.stderr, res.stderr
     assert control_plane.kubectl("get", S.SINGULAR, name, "-n", namespace).returncode != 0
     # Offline (pydantic) refuses the same job and accepts it without the bad settings: the two agree.
-    S.AsyncRLJob.model_validate(job(name, namespace, {"model": spec["model"]}))
+    S.AsyncRLJob.model_validate(JobBuilder.spec({"model": spec["model"]}, name, namespace).doc())
     with pytest.raises(ValidationError):
-        S.AsyncRLJob.model_validate(job(name, namespace, spec))
+        S.AsyncRLJob.model_validate(JobBuilder.spec(spec, name, namespace).doc())
 
 
 IMMUTABLE_CHANGES: dict[str, dict[str, Any]] = {
@@ -305,7 +303,7 @@ def test_a_change_of_a_mutable_field_is_accepted(control_plane: ControlPlane, cl
 
 
 def test_the_audit_log_records_job_requests_at_metadata_level(control_plane: ControlPlane, crd, namespace: str):
-    res = create(control_plane, job("audited", namespace, {"model": {"path": "embedded:SmolLM2-135M-Instruct"}}))
+    res = create(control_plane, JobBuilder.spec({"model": {"path": MODEL}}, "audited", namespace).doc())
     assert res.returncode == 0, res.stderr
 
     def create_event() -> dict[str, Any] | None:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.transport.streams import trained_ids
-from tests.support.trainer_support import chat_groups, make_job, read_jsonl, redis_query, run_trainer_on_groups
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import chat_groups, read_jsonl, redis_query, run_trainer_on_groups
 
 JOB = "t-dynamic"
 
@@ -35,8 +36,8 @@ def run_trainer(tmp_path: Path, redis_url: str, groups: list[Any], *, max_steps:
                 algorithm: dict[str, Any]) -> tuple[Any, list[list[str]]]:
     """Publish `groups`, run a trainer for `max_steps`; returns it and the group ids of each batch
     that entered a training step."""
-    job = make_job(name=JOB, batch_size=2, eta=8, max_steps=max_steps, checkpoint_interval=1,
-                   algorithm=algorithm)
+    job = JobBuilder.small(name=JOB, batch_size=2, eta=8, max_steps=max_steps, checkpoint_interval=1,
+                           algorithm=algorithm).job()
     trainer, steps = run_trainer_on_groups(tmp_path, redis_url, job, groups)
     return trainer, [fresh for fresh, _ in steps]
 
@@ -137,7 +138,7 @@ def test_without_dynamic_sampling_zero_signal_groups_are_trained_at_advantage_ze
 
     assert batches == [["z0", "i0"], ["z1", "i1"]]  # today's behaviour: the B oldest, whatever the rewards
     for estimator in ("grpo", "dr_grpo", "rloo"):
-        algo = make_job(algorithm={"advantageEstimator": estimator}).spec.algorithm
+        algo = JobBuilder.small(algorithm={"advantageEstimator": estimator}).job().spec.algorithm
         advantages = [s.advantage for s in sequences_with_advantages(groups[:2], algo)]
         assert advantages[:4] == [0.0] * 4 and any(advantages[4:])  # z0 contributes nothing
     lines = read_jsonl(tmp_path / "metrics.jsonl")

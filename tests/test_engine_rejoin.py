@@ -25,6 +25,7 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
+from tests.support.jobs import JobBuilder
 from tests.support.polling import poll
 from tests.support.sglang_fake import FakeSGLang, fake_logprob
 
@@ -198,12 +199,12 @@ async def test_a_failing_engine_is_fenced_and_training_goes_on(tmp_path: Path, r
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
-    from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
+    from tests.support.trainer_support import model_and_tokenizer, tiny_model
 
     _, _, fakes = env
     fake = FakeSGLang(update_delay=2.0).start()  # no load finishes within the sync timeout
     fakes.append(fake)
-    job = make_job(name="fenced", batch_size=2, eta=1)
+    job = JobBuilder.small(name="fenced", batch_size=2, eta=1).job()
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",
                       run_dir=tmp_path, pod_name="trainer-0")
     io = await connect_io(job, runtime)

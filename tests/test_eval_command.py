@@ -16,6 +16,7 @@ import yaml
 from asyncrl.cli import build_parser, main
 from asyncrl.loader import load_job
 from asyncrl.rollout.eval_command import plan_from_args
+from tests.support.jobs import JobBuilder
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def run_eval(*argv: str) -> tuple[int, str, str]:
 
 def local_job(tmp_path: Path, *, evaluation: dict, dataset: dict | None = None) -> Path:
     """examples/local.yaml with this evaluation section (and dataset fields) set."""
-    doc = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+    doc = JobBuilder.example("local").doc()
     doc["spec"]["evaluation"] = evaluation
     doc["spec"]["dataset"].update(dataset or {})
     path = tmp_path / "job.yaml"

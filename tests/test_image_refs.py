@@ -10,13 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from asyncrl.crd import openapi_schema
 from asyncrl.loader import JobFileError, parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator.config import image_arg
 from asyncrl.spec_base import IMAGE_PATTERN
+from tests.support.jobs import JobBuilder
 
 REPO = Path(__file__).resolve().parent.parent
 DIGEST = "sha256:" + "0123456789abcdef" * 4
@@ -27,15 +27,12 @@ PINNED = {
 }
 
 
-def job_doc(**images: str) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    for (section, field), value in PINNED.items():
-        doc["spec"].setdefault(section, {})[field] = value
-    doc["spec"]["redis"] = {"mode": "managed", "managed": {"image": f"redis:7.4-alpine@{DIGEST}"}}
-    for dotted, value in images.items():
-        section, field = dotted.split("__")
-        doc["spec"][section][field] = value
-    return doc
+def pinned_job(**images: str) -> dict:
+    """examples/job.yaml with every image pinned by digest; `images` ("section__field") change some."""
+    pinned = {f"{section}.{field}": value for (section, field), value in PINNED.items()}
+    redis = {"redis": {"mode": "managed", "managed": {"image": f"redis:7.4-alpine@{DIGEST}"}}}
+    changed = {key.replace("__", "."): value for key, value in images.items()}
+    return JobBuilder.example(**{**pinned, **redis, **changed}).doc()
 
 
 def errors(doc: dict) -> list[tuple[str, str]]:
@@ -45,7 +42,7 @@ def errors(doc: dict) -> list[tuple[str, str]]:
 
 
 def test_digests_reach_every_pod_unchanged():
-    objs = B.build_children(parse_job(job_doc()), B.BuildContext(owner_uid="u", namespace="ns"))
+    objs = B.build_children(parse_job(pinned_job()), B.BuildContext(owner_uid="u", namespace="ns"))
     images = {(o["metadata"]["name"], c["name"]): c["image"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")
               for c in o["spec"]["template"]["spec"]["containers"]}
     assert images == {
@@ -58,7 +55,7 @@ def test_digests_reach_every_pod_unchanged():
 
 def test_operator_default_images_keep_their_digest():
     ctx = B.BuildContext(owner_uid="u", namespace="ns", trainer_image=image_arg(f"ghcr.io/a/trainer@{DIGEST}"))
-    doc = copy.deepcopy(job_doc())
+    doc = copy.deepcopy(pinned_job())
     del doc["spec"]["trainer"]["image"]
     sts = B.trainer_statefulset(parse_job(doc), ctx)
     assert sts["spec"]["template"]["spec"]["containers"][0]["image"] == f"ghcr.io/a/trainer@{DIGEST}"
@@ -74,7 +71,7 @@ def test_operator_default_images_keep_their_digest():
 ])
 def test_malformed_images_are_refused_with_path_and_form(field, value, says):
     section, name = field.split("__")
-    [(path, message)] = errors(job_doc(**{field: value}))
+    [(path, message)] = errors(pinned_job(**{field: value}))
     assert path == f"spec.{section}.{name}"
     assert says in message and "[registry/]name[:tag][@sha256:<64 lowercase hex digits>]" in message
 

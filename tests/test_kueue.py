@@ -17,7 +17,8 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.status import parse_time
 from asyncrl.spec import PLURAL
-from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc
+from tests.support.emulated_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
@@ -27,7 +28,7 @@ QUEUE = "gpu-team"
 
 
 def build(**spec) -> list[dict]:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     doc["spec"].update(spec)
     return B.build_children(parse_job(doc), B.BuildContext(owner_uid="u", namespace=NS))
 
@@ -47,7 +48,7 @@ def test_queue_label_on_the_gpu_workloads_and_their_pods_only():
 
 @pytest.mark.parametrize("bad", ["GPU", "-a", "a" * 64, "team/queue"])
 def test_bad_queue_names_are_refused_with_the_field_path(bad):
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     doc["spec"]["queueName"] = bad
     with pytest.raises(JobFileError) as err:
         parse_job(doc)
@@ -70,7 +71,7 @@ async def test_operator_keeps_a_held_job_queued_past_its_startup_deadline(tmp_pa
         emu.kubeconfig(tmp_path / "kubeconfig")
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log").start()
         try:
-            await create_job(emu, job_doc(queueName=QUEUE, startupDeadlineSeconds=1))
+            await create_job(emu, JobBuilder.example(queueName=QUEUE, startupDeadlineSeconds=1).named(JOB, NS).doc())
             await poll(lambda: children_exist(emu), what="children", log=op.log)
             for plural, name in (("statefulsets", N.trainer("qwen")), ("deployments", N.rollout("qwen"))):
                 assert emu.get(plural, NS, name)["metadata"]["labels"][N.LABEL_KUEUE_QUEUE] == QUEUE

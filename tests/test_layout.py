@@ -100,3 +100,25 @@ def test_test_support_lives_in_one_package_imported_one_way():
             if any(m.split(".")[0] in helpers | {"support"} for m in modules):
                 bare.append(f"{path.relative_to(tests)}:{node.lineno}")
     assert bare == []
+
+
+def test_jobs_are_built_one_way():
+    """Every tier builds its jobs with tests/support/jobs.py `JobBuilder`: no test defines a job
+    document of its own (an `apiVersion: asyncrl.dev/...` dict) or a `job_doc`-style builder."""
+    import ast
+
+    offenders = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        if path == REPO / "tests" / "support" / "jobs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and node.name in ("job_doc", "job_dict", "make_job", "write_job",
+                                                                   "example"):
+                offenders.append(f"{path.name}:{node.lineno} def {node.name}")
+            if isinstance(node, ast.Dict):
+                pairs = zip(node.keys, node.values, strict=True)
+                fields = {k.value: v for k, v in pairs if isinstance(k, ast.Constant)}
+                kind = ast.unparse(fields["kind"]) if "kind" in fields else ""
+                if "spec" in fields and (kind == "'AsyncRLJob'" or kind.endswith("KIND")):
+                    offenders.append(f"{path.name}:{node.lineno} a job dict")
+    assert offenders == []

@@ -18,15 +18,12 @@ import yaml
 from asyncrl.loader import JobFileError, parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import multinode as MN
+from tests.support.jobs import JobBuilder
 
 REPO = Path(__file__).resolve().parent.parent
 NS = "rl"
 
 
-def job_doc(**trainer) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["spec"]["trainer"].update(trainer)
-    return doc
 
 
 def trainer_sts(doc: dict) -> dict:
@@ -55,7 +52,7 @@ def test_global_rank_0_runs_in_pod_0(tmp_path: Path):
     Kubernetes expands $(ASYNCRL_NODE_RANK)); pod 1 starts first. Pod 0 gets global rank 0 (the one
     that serves /status, where the status Service points) whatever the start order. With the c10d
     rendezvous this was not so: it ignores --node-rank and numbers nodes as they join."""
-    cmd = container(job_doc(replicas=2, gpusPerReplica=0))["command"]
+    cmd = container(JobBuilder.example().merge(trainer=dict(replicas=2, gpusPerReplica=0)).doc())["command"]
     assert cmd[:1] == ["torchrun"] and "--rdzv-backend=static" in cmd
     probe = tmp_path / "probe.py"
     probe.write_text(RANK_PROBE)
@@ -77,14 +74,14 @@ def test_global_rank_0_runs_in_pod_0(tmp_path: Path):
 
 
 def test_single_node_trainer_is_unchanged():
-    c = container(job_doc())
+    c = container(JobBuilder.example().doc())
     assert "--standalone" in c["command"] and MN.ENV_NODE_RANK not in {e["name"] for e in c["env"]}
 
 
 def test_nccl_settings_become_env_and_the_overlay_wins():
-    doc = job_doc(replicas=2, nccl={"socketIfname": "^lo,docker", "ibHca": "=mlx5_0:1", "ibDisable": False,
-                                    "debug": "WARN"},
-                  podTemplate={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
+    nccl = {"socketIfname": "^lo,docker", "ibHca": "=mlx5_0:1", "ibDisable": False, "debug": "WARN"}
+    doc = JobBuilder.example().merge(trainer=dict(
+        replicas=2, nccl=nccl, podTemplate={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})).doc()
     env = [(e["name"], e.get("value")) for e in container(doc)["env"]]
     assert [e for e in env if e[0].startswith(("NCCL_", "GLOO_"))] == [
         ("NCCL_SOCKET_IFNAME", "^lo,docker"), ("GLOO_SOCKET_IFNAME", "^lo,docker"), ("NCCL_IB_HCA", "=mlx5_0:1"),
@@ -102,7 +99,7 @@ def test_collective_engines_get_the_trainers_nccl_settings_and_their_overlay_win
     the engine container gets the same variables of spec.trainer.nccl as the trainer (a rollout
     podTemplate variable of the same name wins); the worker does not; disk gives the engine none."""
     nccl = {"socketIfname": "^lo,docker", "ibHca": "=mlx5_0:1", "ibDisable": True, "debug": "WARN"}
-    doc = job_doc(replicas=2, nccl=nccl, weightTransport="collective")
+    doc = JobBuilder.example().merge(trainer=dict(replicas=2, nccl=nccl, weightTransport="collective")).doc()
     doc["spec"]["rollout"].update(engine=engine, podTemplate={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]})
     ours = [(e["name"], e.get("value")) for e in container(doc)["env"] if e["name"].startswith(("NCCL_", "GLOO_"))]
     assert ours == [("NCCL_SOCKET_IFNAME", "^lo,docker"), ("GLOO_SOCKET_IFNAME", "^lo,docker"),
@@ -112,28 +109,29 @@ def test_collective_engines_get_the_trainers_nccl_settings_and_their_overlay_win
     assert engine_env == [*ours[:-1], ("NCCL_DEBUG", "INFO")], "the trainer's, NCCL_DEBUG from the rollout overlay"
     assert [e for e in pod["worker"]["env"] if e["name"].startswith(("NCCL_", "GLOO_"))] == [
         {"name": "NCCL_DEBUG", "value": "INFO"}], "the worker only has the overlay's"
-    disk = job_doc(replicas=2, nccl=nccl)
+    disk = JobBuilder.example().merge(trainer=dict(replicas=2, nccl=nccl)).doc()
     disk["spec"]["rollout"]["engine"] = engine
     assert not any(e["name"].startswith(("NCCL_", "GLOO_")) for e in rollout_containers(disk)["engine"]["env"])
 
 
 def test_rdma_requests_the_device_and_ipc_lock_only():
-    c = container(job_doc(replicas=2, gpusPerReplica=8,
-                          rdma={"resourceName": "rdma/rdma_shared_device_a", "count": 2}))
+    c = container(JobBuilder.example().merge(trainer=dict(replicas=2, gpusPerReplica=8,
+                          rdma={"resourceName": "rdma/rdma_shared_device_a", "count": 2})).doc())
     limits = c["resources"]["limits"]
     assert (limits["nvidia.com/gpu"], limits["rdma/rdma_shared_device_a"]) == ("8", "2")
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    plain = container(job_doc(replicas=2))
+    plain = container(JobBuilder.example().merge(trainer=dict(replicas=2)).doc())
     assert "add" not in plain["securityContext"]["capabilities"]
-    no_lock = container(job_doc(rdma={"ipcLock": False}))
+    no_lock = container(JobBuilder.example().merge(trainer=dict(rdma={"ipcLock": False})).doc())
     assert "add" not in no_lock["securityContext"]["capabilities"] and "rdma" not in json.dumps(no_lock["resources"])
 
 
 @pytest.mark.parametrize("version", ["1.30.0", kubernetes_validate.latest_version()])
 def test_multinode_trainer_validates_strictly(version):
-    doc = job_doc(replicas=4, gpusPerReplica=8, nccl={"socketIfname": "eth0", "debug": "INFO"},
-                  rdma={"resourceName": "nvidia.com/hostdev"}, terminationGracePeriodSeconds=900)
+    doc = JobBuilder.example().merge(trainer=dict(
+        replicas=4, gpusPerReplica=8, nccl={"socketIfname": "eth0", "debug": "INFO"},
+        rdma={"resourceName": "nvidia.com/hostdev"}, terminationGracePeriodSeconds=900)).doc()
     kubernetes_validate.validate(trainer_sts(doc), version, strict=True)
 
 
@@ -146,7 +144,7 @@ def test_multinode_trainer_validates_strictly(version):
     ("meta-llama/Llama-3.1-70B-Instruct", "bfloat16", 600, 600),  # overridden
 ])
 def test_termination_grace_follows_the_checkpoint_size(path, dtype, explicit, grace):
-    doc = job_doc(**({"terminationGracePeriodSeconds": explicit} if explicit else {}))
+    doc = JobBuilder.example().merge(trainer={"terminationGracePeriodSeconds": explicit} if explicit else {}).doc()
     doc["spec"]["model"].update(path=path, dtype=dtype)
     assert trainer_sts(doc)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
 
@@ -166,7 +164,7 @@ def errors(doc: dict) -> list[tuple[str, str]]:
     ({"terminationGracePeriodSeconds": 5}, "spec.trainer.terminationGracePeriodSeconds", "greater than or equal"),
 ])
 def test_bad_settings_name_the_field_and_what_is_allowed(trainer, path, says):
-    [(where, message)] = errors(job_doc(**copy.deepcopy(trainer)))
+    [(where, message)] = errors(JobBuilder.example().merge(trainer=dict(**copy.deepcopy(trainer))).doc())
     assert where == path and says in message, message
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import attrs
 import kmock
 import pytest
-import yaml
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
@@ -27,6 +26,7 @@ from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed, differences, patch_body, stamp
 from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.merge_patch import merge_patch
 from tests.support.operator_process import OperatorProcess
@@ -149,14 +149,6 @@ class DefaultingEmulator(KubeEmulator):
 # ----------------------------------------------------------------------------------- helpers
 
 
-def job_doc(name: str = JOB, **spec_changes: Any) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"]["name"] = name
-    doc["metadata"]["namespace"] = NS
-    doc["spec"].update(spec_changes)
-    return doc
-
-
 def build(doc: dict, uid: str = "uid-1") -> list[dict]:
     return B.build_children(parse_job(doc), B.BuildContext(owner_uid=uid, namespace=NS, redis_password="pw"))
 
@@ -174,7 +166,8 @@ def assert_rbac_covers(emu: KubeEmulator) -> None:
 
 
 def children_exist(emu: KubeEmulator, name: str = JOB) -> bool:
-    return all(emu.get(plural_of(o), NS, o["metadata"]["name"]) for o in build(job_doc(name)))
+    children = build(JobBuilder.example().named(name, NS).doc())
+    return all(emu.get(plural_of(o), NS, o["metadata"]["name"]) for o in children)
 
 
 async def create_job(emu: KubeEmulator, doc: dict) -> dict:
@@ -254,7 +247,7 @@ async def operator(emu: KubeEmulator, tmp_path: Path):
 
 def test_server_defaults_are_not_drift():
     """Every child, stored with a real API server's defaults, needs no patch."""
-    doc = job_doc()
+    doc = JobBuilder.example().named(JOB, NS).doc()
     doc["spec"]["redis"]["managed"]["resources"]["cpu"] = "0.5"  # stored as "500m"
     for obj in build(doc):
         desired = stamp(obj)
@@ -270,7 +263,7 @@ def plural_of(obj: dict) -> str:
 
 
 def test_differences_name_what_was_edited():
-    deploy = next(o for o in build(job_doc()) if o["kind"] == "Deployment")
+    deploy = next(o for o in build(JobBuilder.example().named(JOB, NS).doc()) if o["kind"] == "Deployment")
     body = patch_body(stamp(deploy))
     assert body is not None
     live = server_defaults("deployments", copy.deepcopy(stamp(deploy)))
@@ -296,7 +289,7 @@ slow = pytest.mark.slow
 @slow
 async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_operator):
     op = watch_only_operator
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=op.log)
     await settled(emu, op)
     name = N.rollout(JOB)
@@ -323,7 +316,7 @@ async def test_hand_edited_rollout_is_corrected_within_seconds(emu, watch_only_o
 @slow
 async def test_deleted_children_are_recreated(emu, watch_only_operator):
     op = watch_only_operator
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=op.log)
     await settled(emu, op)
     old = emu.get("deployments", NS, N.rollout(JOB))
@@ -343,7 +336,7 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
     hand) Redis (requirepass) and every client (URL) are rolled onto the same Secret. Secrets are
     not watched (that needs cluster-wide list/watch on Secrets): the interval's pass corrects them."""
     op = operator
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=op.log)
 
     def secret() -> dict | None:
@@ -399,7 +392,7 @@ async def test_a_new_engine_key_rolls_the_rollout_and_the_trainer_not_redis(emu,
     whose engine requires it, and the trainer, which sends it) carry its hash: a re-created Secret
     rolls both onto the new key, so engine and clients never disagree; Redis does not read it."""
     op = operator
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=op.log)
     users = SECRET_USERS[1:]
 
@@ -425,7 +418,7 @@ async def test_a_new_engine_key_rolls_the_rollout_and_the_trainer_not_redis(emu,
 async def test_no_patch_when_nothing_drifted(emu, operator):
     """Many status passes and watch events (status updates included) over objects carrying the API
     server's defaults: not one PATCH of a child."""
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await poll(lambda: (emu.get(PLURAL, NS, JOB) or {}).get("status", {}).get("phase") == "Initializing",
                    what="Initializing", log=operator.log)
@@ -448,7 +441,8 @@ async def test_no_patch_when_nothing_drifted(emu, operator):
 
 @slow
 async def test_weights_survive_the_job_unless_asked(emu, operator):
-    job = await create_job(emu, job_doc(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0))
+    short_lived = JobBuilder.example(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0).named(JOB, NS).doc()
+    job = await create_job(emu, short_lived)
     await poll(lambda: emu.get(PLURAL, NS, JOB) is None, what="job deleted by its TTL", log=operator.log)
     pvc = emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB))
     assert pvc is not None, "the weights volume outlives the job and its TTL"
@@ -458,7 +452,7 @@ async def test_weights_survive_the_job_unless_asked(emu, operator):
 
     # A volume that an older operator made the job's (it owned every child) is let go of.
     await request(emu, "DELETE", path("persistentvolumeclaims", N.shared_pvc(JOB)))
-    job = await create_job(emu, job_doc())
+    job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     owner = lambda: (emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)) or {}).get(  # noqa: E731
         "metadata", {}).get("ownerReferences")
     await poll(lambda: emu.get("persistentvolumeclaims", NS, N.shared_pvc(JOB)), what="PVC", log=operator.log)
@@ -472,7 +466,7 @@ async def test_weights_survive_the_job_unless_asked(emu, operator):
     await request(emu, "DELETE", path("persistentvolumeclaims", N.shared_pvc(JOB)))
 
     # Asked for (at creation: spec.storage is immutable): owned, and deleted with the job.
-    job = await create_job(emu, job_doc(storage={"size": "1Gi", "deleteWithJob": True}))
+    job = await create_job(emu, JobBuilder.example(storage={"size": "1Gi", "deleteWithJob": True}).named(JOB, NS).doc())
     await poll(owner, what="PVC owned by the job", log=operator.log)
     assert owner() == [{**ref, "uid": job["metadata"]["uid"]}]
     await request(emu, "DELETE", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/{JOB}")
@@ -481,7 +475,7 @@ async def test_weights_survive_the_job_unless_asked(emu, operator):
 
 @slow
 async def test_redis_data_goes_with_the_job_and_pods_know_the_uid(emu, operator):
-    job = await create_job(emu, job_doc())
+    job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     redis = emu.get("statefulsets", NS, N.redis(JOB))
     assert redis["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import kmock
 import pytest
-import yaml
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
@@ -36,14 +36,8 @@ LONG_LEASE = ("--leader-elect", "--leader-election-namespace", LEASE_NS,
 pytestmark = pytest.mark.slow
 
 
-def job_doc(name: str) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"].update(name=name, namespace=NS)
-    return doc
-
-
 def children(name: str) -> list[tuple[str, str]]:
-    job = parse_job(job_doc(name))
+    job = parse_job(JobBuilder.example().named(name, NS).doc())
     ctx = B.BuildContext(owner_uid="x", namespace=NS)
     return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in B.build_children(job, ctx)]
 
@@ -67,7 +61,8 @@ def holder(emu: KubeEmulator) -> str | None:
 
 
 async def create_job(emu: KubeEmulator, name: str) -> None:
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc(name)) as resp:
+    doc = JobBuilder.example().named(name, NS).doc()
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201, await resp.text()
 
 

@@ -13,16 +13,17 @@ from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS
 from asyncrl.spec import GROUP, PLURAL, VERSION
 from tests.support.emulated_jobs import (
+    JOB,
     NS,
     assert_rbac_covers,
     children_exist,
     create_job,
     expected_children,
-    job_doc,
     make_ready,
     patch_job,
     phase,
 )
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
@@ -46,7 +47,7 @@ async def operator(emu: KubeEmulator, tmp_path: Path):
 
 
 async def test_create_makes_owned_children_and_initializing(emu, operator, tmp_path):
-    job = await create_job(emu, job_doc())
+    job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="all children", log=operator.log)
     for plural, name in expected_children():
         child = emu.get(plural, NS, name)
@@ -71,7 +72,7 @@ async def test_create_makes_owned_children_and_initializing(emu, operator, tmp_p
 
 
 async def test_readiness_makes_running(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await make_ready(emu)
     await poll(lambda: phase(emu) == "Running", what="Running", log=operator.log)
@@ -82,7 +83,7 @@ async def test_readiness_makes_running(emu, operator):
 
 
 async def test_replicas_update_and_scale_subresource(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     deploy = lambda: emu.get("deployments", NS, N.rollout("qwen"))  # noqa: E731
     template_hash = deploy()["spec"]["template"]["metadata"]["annotations"][N.ANNOTATION_CONFIG_HASH]
@@ -98,7 +99,7 @@ async def test_replicas_update_and_scale_subresource(emu, operator):
 
 
 async def test_suspend_and_resume(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await make_ready(emu)
     await poll(lambda: phase(emu) == "Running", what="Running", log=operator.log)
@@ -117,7 +118,7 @@ async def test_suspend_and_resume(emu, operator):
 
 
 async def test_invalid_object_fails_with_message(emu, operator):
-    doc = job_doc()
+    doc = JobBuilder.example().named(JOB, NS).doc()
     doc["spec"]["algorithm"]["minibatches"] = 5  # batchSize 32 is not divisible by 5
     await create_job(emu, doc)
     await poll(lambda: phase(emu) == "Failed", what="Failed", log=operator.log)
@@ -130,7 +131,7 @@ async def test_invalid_object_fails_with_message(emu, operator):
 
 
 async def test_startup_deadline_reports_pod_reason_and_is_sticky(emu, operator):
-    await create_job(emu, job_doc(startupDeadlineSeconds=1))
+    await create_job(emu, JobBuilder.example(startupDeadlineSeconds=1).named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     pod = {"apiVersion": "v1", "kind": "Pod",
            "metadata": {"name": "qwen-rollout-abc", "namespace": NS,
@@ -158,7 +159,7 @@ async def test_restart_mid_reconcile_creates_no_duplicates(emu, tmp_path):
     log = tmp_path / "operator.log"
     first = await OperatorProcess(tmp_path / "kubeconfig", log).start()
     try:
-        await create_job(emu, job_doc())
+        await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
         await poll(lambda: any(r.verb == "create" and r.resource == "statefulsets" for r in emu.log),
                        what="the operator blocked creating a StatefulSet", log=log)
         await first.stop(kill=True)  # killed mid-reconcile, with a create in flight
@@ -180,7 +181,7 @@ async def test_restart_mid_reconcile_creates_no_duplicates(emu, tmp_path):
 
 
 async def test_delete_relies_on_owner_references(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     async with emu.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/qwen") as resp:
         assert resp.status == 200
@@ -194,7 +195,7 @@ async def test_delete_relies_on_owner_references(emu, operator):
 
 
 async def test_ttl_after_finished_deletes_the_job(emu, operator):
-    await create_job(emu, job_doc(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0))
+    await create_job(emu, JobBuilder.example(startupDeadlineSeconds=1, ttlSecondsAfterFinished=0).named(JOB, NS).doc())
     await poll(lambda: emu.get(PLURAL, NS, "qwen") is None, what="job deleted after TTL", log=operator.log)
     assert any(r.verb == "delete" and r.resource == PLURAL for r in emu.log)
     assert emu.get("deployments", NS, N.rollout("qwen")) is None, "children follow through ownerReferences"

@@ -13,7 +13,8 @@ from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
-from tests.support.emulated_jobs import NS, assert_rbac_covers, children_exist, create_job, job_doc, make_ready
+from tests.support.emulated_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job, make_ready
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
@@ -34,7 +35,7 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
-            await create_job(emu, job_doc())
+            await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
             await poll(lambda: children_exist(emu), what="children", log=op.log)
             await make_ready(emu)
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
@@ -101,7 +102,7 @@ async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
-            job = await create_job(emu, job_doc())
+            job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
             await poll(lambda: children_exist(emu), what="children", log=op.log)
             secret = emu.get("secrets", NS, N.status_secret("qwen"))
             token = secret_value(secret, "token")

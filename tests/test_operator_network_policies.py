@@ -14,12 +14,12 @@ from pathlib import Path
 
 import kmock
 import pytest
-import yaml
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.jobs import JobBuilder
 from tests.support.kube_cluster import register_kubectl_tables
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
@@ -33,12 +33,7 @@ STATUS_PORT = 8123  # not the default: the trainer policy must follow the spec
 pytestmark = pytest.mark.slow
 
 
-def job_doc() -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"].update(name=JOB, namespace=NS)
-    doc["spec"]["trainer"]["statusPort"] = STATUS_PORT
-    doc["spec"]["trainer"]["replicas"] = 2
-    return doc
+TWO_TRAINERS = JobBuilder.example(**{"trainer.statusPort": STATUS_PORT, "trainer.replicas": 2}).named(JOB, NS)
 
 
 @pytest.fixture
@@ -98,7 +93,7 @@ def admits_operator(policy: dict, port: int) -> bool:
 
 
 async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_redis(emu, operator, tmp_path):
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=job_doc()) as resp:
+    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=TWO_TRAINERS.doc()) as resp:
         assert resp.status == 201, await resp.text()
     names = {N.redis_network_policy(JOB), N.trainer(JOB), N.rollout(JOB)}
     await poll(lambda: set(policies(emu)) == names and emu.get("deployments", NS, N.rollout(JOB)),
@@ -171,7 +166,7 @@ async def test_collective_weight_sync_opens_trainer_and_rollout_to_each_other_on
     (29600) and NCCL/Gloo then connect on ephemeral ports both ways, trainer to engine and engine to
     engine; so the stored policies admit every port between the job's trainer and rollout pods, and
     still nothing from another job or the operator. With disk nothing of that is open."""
-    doc = job_doc()
+    doc = TWO_TRAINERS.doc()
     doc["spec"]["trainer"]["weightTransport"] = transport
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201, await resp.text()

@@ -20,16 +20,17 @@ from asyncrl.spec import GROUP, PLURAL, VERSION
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from tests.support.emulated_jobs import (
+    JOB,
     NS,
     assert_rbac_covers,
     children_exist,
     create_job,
-    job_doc,
     make_ready,
     operator_requests,
     patch_job,
     phase,
 )
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
@@ -78,7 +79,7 @@ def released(emu: KubeEmulator, name: str = "qwen") -> bool:
 
 
 def trainer_doc(**trainer) -> dict:
-    doc = job_doc()
+    doc = JobBuilder.example().named(JOB, NS).doc()
     doc["spec"]["trainer"].update(trainer)
     return doc
 
@@ -93,7 +94,7 @@ async def put_pod(emu: KubeEmulator, name: str, component: str, container: str, 
 
 
 async def running_job(emu: KubeEmulator, op: OperatorProcess, doc: dict | None = None) -> dict:
-    job = await create_job(emu, doc or job_doc())
+    job = await create_job(emu, doc or JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=op.log)
     await make_ready(emu)
     await poll(lambda: phase(emu) == "Running", what="Running", log=op.log)
@@ -108,7 +109,7 @@ async def test_outcome_record_in_managed_redis_succeeds_the_job_without_status_e
     op = await start_operator(tmp_path, redis_url_template=f"redis://:{{password}}@127.0.0.1:{port}/0")
     redis: LocalRedis | None = None
     try:
-        job = await create_job(emu, job_doc())
+        job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
         await poll(lambda: children_exist(emu), what="children", log=op.log)
         # The job's Redis runs with the password the operator generated into the job's Secret.
         password = emu.get("secrets", NS, N.redis_secret("qwen"))["stringData"]["password"]
@@ -145,8 +146,8 @@ async def test_outcome_record_in_external_redis_fails_the_job(emu, tmp_path, red
     try:
         await emu.put_object("", "v1", "secrets", {"apiVersion": "v1", "kind": "Secret", "metadata": {
             "name": "shared-redis", "namespace": NS}, "stringData": {"url": redis_server.url}})
-        job = await create_job(emu, job_doc(redis={"mode": "external", "external": {"urlSecret": {
-            "name": "shared-redis", "key": "url"}}}))
+        job = await create_job(emu, JobBuilder.example(redis={"mode": "external", "external": {"urlSecret": {
+                                                       "name": "shared-redis", "key": "url"}}}).named(JOB, NS).doc())
         await poll(lambda: emu.get("statefulsets", NS, N.trainer("qwen")), what="trainer", log=op.log)
         assert emu.get("statefulsets", NS, N.redis("qwen")) is None
         uid = job["metadata"]["uid"]
@@ -187,7 +188,7 @@ async def test_trainer_restarts_over_backoff_limit_fail_the_job(emu, operator):
 
 
 async def test_configuration_error_exit_code_fails_at_once(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await put_pod(emu, "qwen-trainer-0", "trainer", "trainer", restartCount=1,
                   state={"waiting": {"reason": "CrashLoopBackOff"}},
@@ -200,7 +201,7 @@ async def test_configuration_error_exit_code_fails_at_once(emu, operator):
 
 
 async def test_active_deadline_fails_the_job(emu, operator):
-    await create_job(emu, job_doc(activeDeadlineSeconds=2))
+    await create_job(emu, JobBuilder.example(activeDeadlineSeconds=2).named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await make_ready(emu)
     await poll(lambda: phase(emu) == "Failed", what="Failed by activeDeadlineSeconds", log=operator.log)
@@ -232,7 +233,7 @@ async def test_crash_looping_rollout_pod_sets_degraded_without_failing(emu, oper
 
 
 async def test_status_write_with_stale_resource_version_gets_409(emu):
-    job = await create_job(emu, job_doc())
+    job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     rv = job["metadata"]["resourceVersion"]
     merge = {"Content-Type": "application/merge-patch+json"}
 
@@ -251,7 +252,7 @@ async def test_status_write_with_stale_resource_version_gets_409(emu):
 
 
 async def test_terminal_phase_survives_a_racing_status_write(emu, operator):
-    await create_job(emu, job_doc())
+    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
     await poll(lambda: children_exist(emu), what="children", log=operator.log)
     await poll(lambda: phase(emu) == "Initializing", what="Initializing", log=operator.log)
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from asyncrl.operator import names as N
 from asyncrl.operator import status as S
@@ -25,6 +24,7 @@ from asyncrl.operator.kube import foreign_holder
 from asyncrl.operator.status import JobRef, Observed
 from asyncrl.spec import AsyncRLJobSpec
 from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture, start_process  # noqa: F401
+from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parent.parent
@@ -124,7 +124,7 @@ def test_a_job_named_onto_another_teams_service_leaves_it_alone(control_plane: C
     cp.kubectl("apply", "-f", "-", stdin=json.dumps(service), check=True)
     before = get(cp, "service", "victim-redis", "-n", namespace)
 
-    job = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    job = JobBuilder.example().doc()
     job["metadata"] = {"name": "victim", "namespace": namespace}
     cp.kubectl("apply", "-f", "-", stdin=json.dumps(job), check=True)
 

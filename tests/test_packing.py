@@ -13,7 +13,8 @@ import torch
 from asyncrl.trainer.batch import build_batch, model_rows, pack_rows
 from asyncrl.trainer.logprobs import packing_layout, token_logprobs
 from asyncrl.trainer.plan import plan_microbatches, plan_step, sequences_with_advantages
-from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import make_groups, model_and_tokenizer
 
 JOB = "t-packing"
 LAYOUTS = ("padded", "rows", "one-row")
@@ -108,7 +109,7 @@ def _group(prompt: int, responses: list[int]) -> Any:
 
 
 def test_every_rank_runs_the_forwards_of_the_busiest_rank() -> None:
-    algo = make_job(name=JOB, batch_size=2, micro_batch_tokens=90).spec.algorithm
+    algo = JobBuilder.small(name=JOB, batch_size=2, micro_batch_tokens=90).job().spec.algorithm
     groups = [_group(30, [5, 45, 25, 5]), _group(10, [60, 5, 5, 20])]
     seqs = sequences_with_advantages(groups, algo)
     for layout in LAYOUTS:
@@ -172,8 +173,8 @@ def test_a_packed_train_step_equals_the_padded_one(algorithm: dict[str, Any]) ->
     groups = make_groups(JOB, 2, group_size=4, version=0, seed=2, max_len=150)  # (rows share: 64 + 48 < 119)
     records, layouts = {}, {}
     for pack, layout in ((False, "padded"), (True, "rows"), (True, "one-row")):
-        job = make_job(name=JOB, batch_size=2, micro_batch_tokens=600, grad_clip=1e9,
-                       algorithm={**algorithm, "packSequences": pack})
+        job = JobBuilder.small(name=JOB, batch_size=2, micro_batch_tokens=600, grad_clip=1e9,
+                               algorithm={**algorithm, "packSequences": pack}).job()
         trainer = _trainer(job)
         layouts[layout] = trainer.layout
         trainer.layout = layout  # (SmolLM2 on sdpa packs in "rows"; "one-row" is flash attention's)
@@ -206,7 +207,7 @@ def test_the_padding_fraction_is_padding_over_positions_fed() -> None:
 
 def test_a_model_that_cannot_pack_is_trained_padded(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
-    trainer = _trainer(make_job(name=JOB, algorithm={"packSequences": True}))
+    trainer = _trainer(JobBuilder.small(name=JOB, algorithm={"packSequences": True}).job())
     assert trainer.layout == "rows" and not caplog.text
     monkeypatch.setattr(trainer.model.config, "_attn_implementation", "my_kernel")  # (a kernel it cannot tell)
     assert trainer._layout() == "padded"

@@ -31,6 +31,7 @@ from asyncrl.pod_template import (
     Volume,
     VolumeMount,
 )
+from tests.support.jobs import JobBuilder
 
 REPO = Path(__file__).resolve().parent.parent
 PLATFORM = REPO / "examples" / "job-platform.yaml"
@@ -170,7 +171,7 @@ def test_no_overlay_returns_the_template_itself():
 
 def test_an_unset_overlay_stays_off_the_wire_and_off_the_hash():
     """Absent, not {}: existing jobs keep their config hash (no pod restarts on an operator upgrade)."""
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     job = parse_job(doc)
     wire = job.spec.to_wire()
     assert "podTemplate" not in wire["rollout"] and "podTemplate" not in wire["trainer"]
@@ -187,7 +188,7 @@ def test_an_unset_overlay_stays_off_the_wire_and_off_the_hash():
 
 
 def test_empty_overlay_changes_nothing_but_the_spec_hash():
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     empty = copy.deepcopy(doc)
     empty["spec"]["rollout"]["podTemplate"] = {}
     empty["spec"]["trainer"]["podTemplate"] = {}
@@ -206,7 +207,7 @@ def test_operator_entries_win_over_an_unvalidated_overlay():
         env=[EnvVar(name="HOME", value="/evil"), EnvVar(name="PLAIN", value="1")],
         volumes=[Volume(name="shared", emptyDir={}), Volume(name="extra", emptyDir={})],
         volume_mounts=[VolumeMount(name="x", mountPath="/tmp"), VolumeMount(name="extra", mountPath="/extra")])
-    template = workload(build(yaml.safe_load((REPO / "examples" / "job.yaml").read_text())), "trainer")
+    template = workload(build(JobBuilder.example().doc()), "trainer")
     template = template["spec"]["template"]
     before = copy.deepcopy(template)
     out = B.apply_pod_template(template, bad)
@@ -229,7 +230,7 @@ def test_operator_entries_win_over_an_unvalidated_overlay():
 def test_reserved_names_cover_everything_the_builders_set(engine):
     """The spec rejects exactly the names the builders use: a new operator variable, volume, mount or
     label must be added to the spec's reserved sets (or the ASYNCRL_ / asyncrl.dev/ prefixes)."""
-    objs = build(yaml.safe_load((REPO / "examples" / "job.yaml").read_text()), engine)
+    objs = build(JobBuilder.example().doc(), engine)
     assert set(N.job_labels("j")) | {N.LABEL_COMPONENT} <= OPERATOR_POD_LABELS | {N.LABEL_JOB}
     assert N.LABEL_JOB.startswith(OPERATOR_PREFIX)
     for role, cls in OVERLAY_CLASSES.items():
@@ -255,7 +256,7 @@ def test_reserved_names_cover_everything_the_builders_set(engine):
 
 
 def errors_for(role: str, overlay: dict[str, Any]) -> list[tuple[str, str]]:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     node = doc["spec"]
     for key in ROLES[role][0]:
         node = node.setdefault(key, {})
@@ -392,7 +393,7 @@ def test_wire_form_of_the_example_round_trips():
 def test_fields_at_their_defaults_do_not_change_the_config_hash():
     """An operator upgrade that adds spec fields (at defaults that keep the old behaviour) must not roll
     every running job's pods; setting one away from its default does."""
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+    doc = JobBuilder.example().doc()
     base = B.config_hash(parse_job(doc))
     spelled = copy.deepcopy(doc)
     spelled["spec"]["algorithm"].update(vcpo={"essScaling": False}, objective="ppo-clip", sapo={"tauPos": 1.0})

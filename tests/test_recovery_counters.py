@@ -11,7 +11,8 @@ import torch
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.recovery import RecoveryCounters, RecoveryCounts
 from asyncrl.transport.versions import EngineInfo
-from tests.support.trainer_support import make_job, model_and_tokenizer, tiny_model
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import model_and_tokenizer, tiny_model
 
 NAMES = StreamNames.for_job("job")
 
@@ -31,7 +32,7 @@ async def test_the_trainer_counts_its_restarts_and_engines_coming_back(tmp_path,
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
 
-    job = make_job(name="counted", batch_size=2)
+    job = JobBuilder.small(name="counted", batch_size=2).job()
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",
                       run_dir=tmp_path, pod_name="trainer-0")
     _, tok = model_and_tokenizer()

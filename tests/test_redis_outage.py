@@ -32,6 +32,7 @@ from asyncrl.transport.connection import connect, make_client
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 from asyncrl.transport.wire import decode_group
+from tests.support.jobs import JobBuilder
 from tests.support.polling import poll
 from tests.support.sglang_fake import FakeSGLang, ServerThread, create_app
 
@@ -248,12 +249,11 @@ def test_the_trainer_rides_out_a_redis_outage_without_losing_a_step(tmp_path: Pa
         stop_trainer,
         trainer_env,
         wait_for_outcome,
-        write_job,
     )
 
     job, uid, url = "t-outage", "7d1f3c2a-0000-4000-8000-000000000015", redis_server.url
-    job_file = write_job(tmp_path / "job.yaml", name=job, batch_size=2, group_size=2, max_steps=2,
-                         checkpoint_interval=10)
+    job_file = JobBuilder.small(name=job, batch_size=2, group_size=2, max_steps=2,
+                                checkpoint_interval=10).write(tmp_path / "job.yaml")
     groups = make_groups(job, 4, group_size=2)
     publish(url, job, groups[:2], uid=uid)
     port, log = free_port(), tmp_path / "trainer.log"

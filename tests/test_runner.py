@@ -18,7 +18,8 @@ import pytest
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
 from asyncrl.transport.streams import trained_ids
-from tests.support.trainer_support import ASYNCRL, read_jsonl, redis_query, write_job
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import ASYNCRL, read_jsonl, redis_query
 
 ETA = 1
 
@@ -31,8 +32,8 @@ def _env() -> dict[str, str]:
 def test_run_end_to_end_moves_and_leaves_a_run_directory(tmp_path: Path) -> None:
     # (collective weight sync: the trainer broadcasts each version to the engine over gloo; the
     # other runs here keep the default, disk)
-    job = write_job(tmp_path / "job.yaml", name="t-run", batch_size=2, group_size=4, eta=ETA, max_steps=3,
-                    checkpoint_interval=2, max_new_tokens=8, trainer={"weightTransport": "collective"})
+    job = JobBuilder.small(name="t-run", batch_size=2, group_size=4, eta=ETA, max_steps=3, checkpoint_interval=2,
+                           max_new_tokens=8, trainer={"weightTransport": "collective"}).write(tmp_path / "job.yaml")
     run_dir = tmp_path / "run"
     port = free_port()
     proc = subprocess.Popen(ASYNCRL + ["run", str(job), "--max-steps", "3", "--run-dir", str(run_dir),
@@ -136,8 +137,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_a_dying_child_stops_the_run_with_its_log_tail(tmp_path: Path) -> None:
-    job = write_job(tmp_path / "job.yaml", name="t-die", batch_size=2, group_size=2, max_steps=100,
-                    max_new_tokens=8)
+    job = JobBuilder.small(name="t-die", batch_size=2, group_size=2, max_steps=100,
+                           max_new_tokens=8).write(tmp_path / "job.yaml")
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(ASYNCRL + ["run", str(job), "--run-dir", str(run_dir), "--no-progress"],
                             env=_env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -10,6 +10,7 @@ from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
+from tests.support.jobs import JobBuilder
 
 NAMES = StreamNames.for_job("job")
 
@@ -175,10 +176,10 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
     from asyncrl.trainer.main import build_trainer, connect_io
     from asyncrl.trainer.metrics import TrainerMetrics
     from asyncrl.trainer.status_api import status_document
-    from tests.support.trainer_support import job_dict, make_groups, publish, redis_query
+    from tests.support.trainer_support import make_groups, publish, redis_query
 
     name = "t-alpha"
-    doc = job_dict(name, batch_size=2, max_steps=4, checkpoint_interval=10)
+    doc = JobBuilder.small(name, batch_size=2, max_steps=4, checkpoint_interval=10).doc()
     doc["spec"]["staleness"] = {"policy": "per-sample", "asyncRatio": 0.5}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     job = load_job(tmp_path / "job.yaml")

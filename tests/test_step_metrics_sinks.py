@@ -20,7 +20,7 @@ from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus, RecoveryStatus
 from asyncrl.status_report import RecoveryReport, ReplayReport, StepMetrics, TrainerReport
 from asyncrl.trainer.status_api import create_app
 from asyncrl.trainer.step_metrics import metrics_line
-from tests.support.job_builds import example
+from tests.support.jobs import JobBuilder
 
 FIELDS = list(figures(StepMetrics))
 
@@ -111,7 +111,7 @@ def test_trackers_and_the_job_status_get_every_number(record: StepMetrics) -> No
     assert set(numbers) == want
     assert all(isinstance(v, float) and math.isfinite(v) for v in numbers.values())
 
-    job = AsyncRLJob.model_validate(example())
+    job = AsyncRLJob.model_validate(JobBuilder.example().doc())
     status = AsyncRLJobStatus()
     mirror_report(status, TrainerReport(step=record.step, last_step=record), job.spec)
     assert status.last_step == numbers
@@ -141,6 +141,6 @@ def test_every_recovery_total_reaches_status_prometheus_and_the_job_status(recor
         sample = f"asyncrl_trainer_{e.name}" + ("_total" if e.kind == "counter" else "")
         assert samples[(sample, tuple(sorted(e.labels)))] == f.value, f.name
     status = AsyncRLJobStatus()
-    mirror_report(status, TrainerReport(recovery=totals), AsyncRLJob.model_validate(example()).spec)
+    mirror_report(status, TrainerReport(recovery=totals), AsyncRLJob.model_validate(JobBuilder.example().doc()).spec)
     assert status.recovery is not None and status.recovery.model_dump() == totals.model_dump()
     assert set(status.to_wire()["recovery"]) == {f.alias for f in RecoveryStatus.model_fields.values()}

@@ -17,7 +17,8 @@ import pytest
 
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
-from tests.support.trainer_support import ASYNCRL, REPO, make_groups, publish, read_jsonl, trainer_env, write_job
+from tests.support.jobs import REPO, JobBuilder
+from tests.support.trainer_support import ASYNCRL, make_groups, publish, read_jsonl, trainer_env
 
 JOB = "t-dist"
 
@@ -36,8 +37,8 @@ def _run(tmp: Path, groups: list, *lives: tuple[int, int], trainer: dict[str, An
     """One job on `groups`, trained by one trainer life per (world size, max steps), each resuming
     from the last one's checkpoint; its metrics.jsonl."""
     tmp.mkdir()
-    job = write_job(tmp / "job.yaml", name=JOB, batch_size=2, max_steps=2, minibatches=2,
-                    micro_batch_tokens=60, lr=1e-5, checkpoint_interval=5, trainer=trainer, model=model)
+    job = JobBuilder.small(name=JOB, batch_size=2, max_steps=2, minibatches=2, micro_batch_tokens=60, lr=1e-5,
+                           checkpoint_interval=5, trainer=trainer, model=model).write(tmp / "job.yaml")
     with LocalRedis(tmp / "redis") as redis:
         publish(redis.url, JOB, groups)
         for world, steps in lives:
@@ -173,13 +174,13 @@ def _wrapper_worker(out: Path) -> None:
     from asyncrl.trainer.batch import build_batch
     from asyncrl.trainer.logprobs import token_logprobs
     from asyncrl.trainer.plan import sequences_with_advantages
-    from tests.support.trainer_support import make_job, model_and_tokenizer
+    from tests.support.trainer_support import model_and_tokenizer
 
     torch.set_num_threads(1)
     ctx = D.init_distributed("cpu")
     model, _ = model_and_tokenizer()
     groups = make_groups(JOB, ctx.world_size, version=0, max_len=8)
-    algo = make_job(name=JOB).spec.algorithm
+    algo = JobBuilder.small(name=JOB).job().spec.algorithm
     batches = []
     for g in groups:
         seqs = sequences_with_advantages([g], algo)

@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import EvalRecord
+from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import (
     chat_groups,
-    job_dict,
     model_and_tokenizer,
     publish,
     read_jsonl,
@@ -46,7 +46,7 @@ STOP_WARNING = "stop requested: not waiting any longer"
 
 def _job(*, max_steps: int = 5, every: int = 3, final_timeout: int = 300, interval: int = 2,
          evaluation: bool = True) -> AsyncRLJob:
-    doc = job_dict(name=JOB, batch_size=BATCH, max_steps=max_steps, checkpoint_interval=interval, eta=100)
+    doc = JobBuilder.small(name=JOB, batch_size=BATCH, max_steps=max_steps, checkpoint_interval=interval, eta=100).doc()
     if evaluation:
         doc["spec"]["evaluation"] = {"everySteps": every, "prompts": 4, "samplesPerPrompt": 2, "temperature": 1.0,
                                      "finalTimeoutSeconds": final_timeout}

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import make_groups, model_and_tokenizer
 
 JOB = "t-numerics"
 
@@ -96,8 +97,8 @@ def test_a_non_finite_gradient_skips_its_update_and_training_continues(tmp_path:
     """Steps: NaN, fine, NaN, with maxNonFiniteSteps=2: the NaN steps leave weights and AdamW state
     exactly as they were, the finite step trains, the skips are counted, and two skips that are
     not consecutive do not end the run."""
-    job = make_job(name=JOB, batch_size=1, group_size=2, max_steps=3, checkpoint_interval=10,
-                   trainer={"maxNonFiniteSteps": 2})
+    job = JobBuilder.small(name=JOB, batch_size=1, group_size=2, max_steps=3, checkpoint_interval=10,
+                           trainer={"maxNonFiniteSteps": 2}).job()
     groups = make_groups(JOB, 3, group_size=2, version=0)
     trainer = _trainer(tmp_path, job)
     _feed(trainer, [[g] for g in groups])
@@ -134,8 +135,8 @@ def test_consecutive_skipped_steps_fail_the_job_naming_the_setting(tmp_path: Pat
     from asyncrl.errors import TrainerError
     from asyncrl.trainer.publishing import failure_reason
 
-    job = make_job(name=JOB, batch_size=1, group_size=2, max_steps=5, checkpoint_interval=10,
-                   trainer={"maxNonFiniteSteps": 2})
+    job = JobBuilder.small(name=JOB, batch_size=1, group_size=2, max_steps=5, checkpoint_interval=10,
+                           trainer={"maxNonFiniteSteps": 2}).job()
     groups = make_groups(JOB, 3, group_size=2, version=0)
     trainer = _trainer(tmp_path, job)
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
@@ -154,9 +155,9 @@ def test_consecutive_skipped_steps_fail_the_job_naming_the_setting(tmp_path: Pat
 def test_max_non_finite_steps_is_validated() -> None:
     from pydantic import ValidationError
 
-    assert make_job(name=JOB).spec.trainer.max_non_finite_steps == 3
+    assert JobBuilder.small(name=JOB).job().spec.trainer.max_non_finite_steps == 3
     with pytest.raises(ValidationError, match="maxNonFiniteSteps"):
-        make_job(name=JOB, trainer={"maxNonFiniteSteps": 0})
+        JobBuilder.small(name=JOB, trainer={"maxNonFiniteSteps": 0}).job()
 
 
 def _logprobs_and_grads(model: Any, batch: Any, *, checkpoint_head: bool) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -177,7 +178,7 @@ def test_checkpointed_head_gives_the_same_logprobs_and_gradients() -> None:
     from asyncrl.trainer.plan import sequences_with_advantages
 
     groups = make_groups(JOB, 1, version=0)
-    seqs = sequences_with_advantages(groups, make_job(name=JOB).spec.algorithm)
+    seqs = sequences_with_advantages(groups, JobBuilder.small(name=JOB).job().spec.algorithm)
     batch = build_batch(seqs, 0, advantages=[s.advantage for s in seqs])
     model, _ = model_and_tokenizer()
     lp_plain, g_plain = _logprobs_and_grads(model, batch, checkpoint_head=False)
@@ -203,7 +204,7 @@ def test_trainer_checkpoints_the_head_with_gradient_checkpointing(tmp_path: Path
         return real(*args, **kwargs)
 
     monkeypatch.setattr(logprobs, "checkpoint", spy)
-    job = make_job(name=JOB, batch_size=1, model={"gradientCheckpointing": gradient_checkpointing})
+    job = JobBuilder.small(name=JOB, batch_size=1, model={"gradientCheckpointing": gradient_checkpointing}).job()
     trainer = _trainer(tmp_path, job)
     record = trainer.train_step(make_groups(JOB, 1, version=0))
     assert record.tokens > 0
@@ -216,7 +217,7 @@ def test_a_non_finite_loss_is_shown_as_zero_in_the_strict_json_report() -> None:
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
 
-    trainer = Trainer(make_job(name=JOB), RunConfig(engine_kind="hf"), DistContext(), None, None, None)
+    trainer = Trainer(JobBuilder.small(name=JOB).job(), RunConfig(engine_kind="hf"), DistContext(), None, None, None)
     nan = float("nan")
     record = StepMetrics(step=1, policy_version=0, tokens=4, reward_mean=0.5, staleness_mean=0.0, staleness_max=0,
                          staleness_histogram={"0": 4}, loss=nan, importance_weight_max=float("inf"),
@@ -244,13 +245,13 @@ def test_with_one_minibatch_recompute_and_loglinear_take_the_same_step_on_stale_
     stale = make_groups(JOB, 2, version=0, seed=3, prefix="s-")
     # a clip band too wide to bind: the test is of everything but the clip (whose effect is by design)
     wide = {"clipEps": 0.99, "clipEpsHigh": 100.0}
-    loglinear = _trainer(tmp_path / "a", make_job(name=JOB, proximal="loglinear", algorithm=wide))
+    loglinear = _trainer(tmp_path / "a", JobBuilder.small(name=JOB, proximal="loglinear", algorithm=wide).job())
     for group in loglinear.optimizer.param_groups:  # examples/local.yaml's rate: realistic staleness
         group["lr"] = 5e-6
     for version, groups in enumerate(warmup):  # two updates: the policy is now version 2
         loglinear.state.version = version
         loglinear.train_step(groups)
-    recompute = _trainer(tmp_path / "b", make_job(name=JOB, proximal="recompute", algorithm=wide))
+    recompute = _trainer(tmp_path / "b", JobBuilder.small(name=JOB, proximal="recompute", algorithm=wide).job())
     recompute.model.load_state_dict(loglinear.model.state_dict())
     # (a deep copy: load_state_dict keeps the very tensors it is given, and AdamW updates them in place)
     recompute.optimizer.load_state_dict(copy.deepcopy(loglinear.optimizer.state_dict()))

@@ -17,17 +17,16 @@ import yaml
 from asyncrl.net import free_port
 from asyncrl.outcome import EXIT_CONFIG_ERROR, new_outcome, read_outcome_file, read_outcome_redis
 from asyncrl.transport.names import StreamNames
+from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import (
     ASYNCRL,
     make_groups,
-    make_job,
     publish,
     read_jsonl,
     redis_query,
     stop_trainer,
     trainer_env,
     wait_for_outcome,
-    write_job,
 )
 
 JOB = "t-outcome"
@@ -84,8 +83,8 @@ def _snapshot(tmp: Path, redis_url: str, names: StreamNames) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_max_steps_records_succeeded_and_a_restart_serves_it_without_training(tmp_path: Path, redis_url: str):
-    job_file = write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, group_size=2, max_steps=1,
-                         checkpoint_interval=1)
+    job_file = JobBuilder.small(name=JOB, batch_size=2, group_size=2, max_steps=1,
+                                checkpoint_interval=1).write(tmp_path / "job.yaml")
     publish(redis_url, JOB, make_groups(JOB, 2, group_size=2), uid=UID)
     names = StreamNames.for_job(JOB, UID)
 
@@ -152,7 +151,7 @@ def test_a_new_job_uid_does_not_see_the_old_outcome(tmp_path: Path, redis_url: s
     from asyncrl.trainer.main import OutcomeRecord
     from asyncrl.transport.connection import RedisUnavailableError
 
-    job = make_job(name=JOB)
+    job = JobBuilder.small(name=JOB).job()
 
     def record(uid: str, url: str = redis_url) -> OutcomeRecord:
         rt = Runtime(redis_url=url, weights_dir=tmp_path / "weights", job_uid=uid)
@@ -190,7 +189,7 @@ def test_a_new_job_uid_does_not_see_the_old_outcome(tmp_path: Path, redis_url: s
 
 def test_an_invalid_job_file_exits_78_with_a_termination_message(tmp_path: Path, redis_url: str):
     bad = tmp_path / "job.yaml"
-    doc = yaml.safe_load(write_job(bad, name=JOB).read_text())
+    doc = yaml.safe_load(JobBuilder.small(name=JOB).write(bad).read_text())
     doc["spec"]["algorithm"]["groupSize"] = "many"
     bad.write_text(yaml.safe_dump(doc))
     proc = subprocess.run(ASYNCRL + ["trainer", "--config", str(bad), "--no-status"], cwd=tmp_path,
@@ -204,7 +203,7 @@ def test_an_invalid_job_file_exits_78_with_a_termination_message(tmp_path: Path,
 
 @pytest.mark.slow
 def test_a_model_that_cannot_be_found_exits_78_and_records_failed(tmp_path: Path, redis_url: str):
-    doc = yaml.safe_load(write_job(tmp_path / "job.yaml", name=JOB).read_text())
+    doc = yaml.safe_load(JobBuilder.small(name=JOB).write(tmp_path / "job.yaml").read_text())
     doc["spec"]["model"]["path"] = str(tmp_path / "no-such-model")
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     proc = subprocess.run(ASYNCRL + ["trainer", "--config", str(tmp_path / "job.yaml"), "--no-status"],
@@ -222,8 +221,9 @@ def test_a_model_that_cannot_be_found_exits_78_and_records_failed(tmp_path: Path
 @pytest.mark.slow
 def test_non_finite_weights_record_failed_and_are_never_published(tmp_path: Path, redis_url: str):
     # AdamW's decoupled weight decay multiplies every weight by (1 - lr * wd) = -1e295: Inf in float32.
-    job_file = write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, group_size=2, max_steps=2,
-                         algorithm={"optimizer": {"lr": 1e-5, "weightDecay": 1e300}})
+    decaying = {"optimizer": {"lr": 1e-5, "weightDecay": 1e300}}
+    job_file = JobBuilder.small(name=JOB, batch_size=2, group_size=2, max_steps=2,
+                                algorithm=decaying).write(tmp_path / "job.yaml")
     publish(redis_url, JOB, make_groups(JOB, 2, group_size=2), uid=UID)
     port = free_port()
     proc = _start(tmp_path, job_file, redis_url, port, "trainer.log")

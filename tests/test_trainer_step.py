@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from asyncrl.transport.streams import trained_ids
-from tests.support.trainer_support import make_groups, make_job, model_and_tokenizer, publish, redis_query, write_job
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import make_groups, model_and_tokenizer, publish, redis_query
 
 JOB = "t-step"
 
@@ -32,8 +33,8 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
     from asyncrl.transport.names import StreamNames
     from asyncrl.transport.versions import VersionChannel
 
-    job = load_job(write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, eta=1, max_steps=2,
-                             checkpoint_interval=1))
+    job = load_job(JobBuilder.small(name=JOB, batch_size=2, eta=1, max_steps=2,
+                                    checkpoint_interval=1).write(tmp_path / "job.yaml"))
     fresh = make_groups(JOB, 4, version=0)
     publish(redis_url, JOB, fresh)
     runtime = _runtime(tmp_path, redis_url)
@@ -114,8 +115,8 @@ def test_over_stale_groups_are_dropped_counted_and_acked(tmp_path: Path, redis_u
     from asyncrl.trainer.main import build_trainer, connect_io
     from asyncrl.transport.names import StreamNames
 
-    job = load_job(write_job(tmp_path / "job.yaml", name=JOB, batch_size=2, eta=1, max_steps=4,
-                             checkpoint_interval=10))
+    job = load_job(JobBuilder.small(name=JOB, batch_size=2, eta=1, max_steps=4,
+                                    checkpoint_interval=10).write(tmp_path / "job.yaml"))
     stale = make_groups(JOB, 1, version=0, prefix="old")
     fresh = make_groups(JOB, 2, version=3, prefix="new", seed=1)
     publish(redis_url, JOB, stale + fresh)
@@ -161,8 +162,8 @@ def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
         model = type(base)(base.config)
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        job = make_job(name=JOB, batch_size=2, eta=2, micro_batch_tokens=budget, grad_clip=1e9,
-                       proximal="recompute")
+        job = JobBuilder.small(name=JOB, batch_size=2, eta=2, micro_batch_tokens=budget, grad_clip=1e9,
+                               proximal="recompute").job()
         trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok)
         algo = job.spec.algorithm
         [plan] = plan_step(groups, sequences_with_advantages(groups, algo), algo)
@@ -236,7 +237,7 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     model = tiny_model()
     groups = own_behaviour_groups(model, JOB, 2)  # behaviour: the tiny model's own, so ratios start at 1
     algorithm = {"bapo": {}} if objective == "bapo" else {"objective": objective}  # (bapo: ppo-clip's bounds)
-    job = make_job(name=JOB, batch_size=2, algorithm=algorithm)
+    job = JobBuilder.small(name=JOB, batch_size=2, algorithm=algorithm).job()
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -19,9 +19,9 @@ from asyncrl.spec import TB_UNUSED, AlgorithmSpec
 from asyncrl.trainer.replay import ReplayBuffer, softmax_priorities
 from asyncrl.trainer.trajectory_balance import group_log_z, tb_beta, trajectory_balance_loss
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
+from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import (
     chat_groups,
-    make_job,
     model_and_tokenizer,
     own_behaviour_groups,
     read_jsonl,
@@ -186,7 +186,7 @@ def test_tb_settings_need_tb_and_one_trainer_process() -> None:
     with pytest.raises(ValidationError, match=r"onPolicyProb|on_policy_prob"):
         AlgorithmSpec.model_validate({"objective": "tb", "replay": {"onPolicyProb": 1.5}})
     with pytest.raises(ValidationError, match="objective 'tb' needs one trainer process"):
-        make_job(name=JOB, algorithm={"objective": "tb"}, trainer={"replicas": 2})
+        JobBuilder.small(name=JOB, algorithm={"objective": "tb"}, trainer={"replicas": 2}).job()
 
 
 # ---------------------------------------------------------------- real trainer steps
@@ -197,7 +197,8 @@ def _trainer(model: torch.nn.Module, reference: torch.nn.Module, opt: torch.opti
     from asyncrl.trainer.loop import RunConfig, Trainer
 
     _, tok = model_and_tokenizer()
-    job = make_job(name=JOB, batch_size=2, algorithm={"objective": "tb", "tb": {"beta": 0.5}, **algorithm})
+    job = JobBuilder.small(name=JOB, batch_size=2,
+                           algorithm={"objective": "tb", "tb": {"beta": 0.5}, **algorithm}).job()
     return Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok, reference_model=reference)
 
 
@@ -287,8 +288,8 @@ def test_a_run_reads_fewer_fresh_groups_while_it_replays_and_acknowledges_only_t
     from asyncrl.transport.streams import trained_ids
 
     groups = chat_groups(JOB, 5)
-    job = make_job(name=JOB, batch_size=2, eta=8, max_steps=3, checkpoint_interval=1,
-                   algorithm={"objective": "tb", "replay": {"onPolicyProb": 0.0}})
+    job = JobBuilder.small(name=JOB, batch_size=2, eta=8, max_steps=3, checkpoint_interval=1,
+                           algorithm={"objective": "tb", "replay": {"onPolicyProb": 0.0}}).job()
     trainer, steps = run_trainer_on_groups(tmp_path, redis_url, job, groups, reference_model=tiny_model())
     assert [(len(fresh), len(replayed)) for fresh, replayed in steps] == [(2, 0), (1, 1), (1, 1)]
     assert {p for _, replayed in steps for p in replayed} <= {g.prompt_id for g in groups[:3]}

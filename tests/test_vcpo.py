@@ -23,7 +23,8 @@ from asyncrl.trainer.losses import (
     vcpo_ess_scale,
     vcpo_weight_sums,
 )
-from tests.support.trainer_support import make_job, model_and_tokenizer, own_behaviour_groups, tiny_model
+from tests.support.jobs import JobBuilder
+from tests.support.trainer_support import model_and_tokenizer, own_behaviour_groups, tiny_model
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_golden.json").read_text())
 BASELINE_GOLDEN = json.loads((Path(__file__).parent / "data" / "vcpo_baseline_golden.json").read_text())
@@ -112,7 +113,8 @@ def test_trainer_step_takes_the_scaled_step() -> None:
         model = tiny_model()
         groups = _stale_groups(model)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        job = make_job(name=JOB, batch_size=2, algorithm={"proximal": "recompute", "vcpo": {"essScaling": vcpo}})
+        job = JobBuilder.small(name=JOB, batch_size=2,
+                               algorithm={"proximal": "recompute", "vcpo": {"essScaling": vcpo}}).job()
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, opt, tok)
         records.append(trainer.train_step(groups))
@@ -138,7 +140,7 @@ def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
     _, tok = model_and_tokenizer()
     model = tiny_model()
     groups = _stale_groups(model)
-    job = make_job(name=JOB, batch_size=2, algorithm={"vcpo": {"essScaling": True, "scaling": "linear"}})
+    job = JobBuilder.small(name=JOB, batch_size=2, algorithm={"vcpo": {"essScaling": True, "scaling": "linear"}}).job()
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     records = [trainer.train_step(groups) for _ in range(2)]
@@ -195,9 +197,9 @@ def test_baseline_spec_rules(change: dict, says: str) -> None:
 
 def test_baseline_needs_one_trainer_process() -> None:
     algorithm = {"vcpo": {"baseline": True}, "aggregation": "seq-mean-token-mean"}
-    assert make_job(algorithm=algorithm).spec.algorithm.vcpo.baseline
+    assert JobBuilder.small(algorithm=algorithm).job().spec.algorithm.vcpo.baseline
     with pytest.raises(ValidationError, match="needs one trainer process"):
-        make_job(algorithm=algorithm, trainer={"gpusPerReplica": 2, "device": "cuda"})
+        JobBuilder.small(algorithm=algorithm, trainer={"gpusPerReplica": 2, "device": "cuda"}).job()
 
 
 def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
@@ -224,9 +226,9 @@ def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
         b = float((np.array(norms) * rewards).sum() / (sum(norms) + 1e-8))
         expected += list((rewards - b) / rewards.std())
     model.zero_grad(set_to_none=True)
-    job = make_job(name=JOB, batch_size=2, algorithm={"loss": "ppo", "proximal": "recompute",
-                                                       "vcpo": {"baseline": True}, "minibatches": 1,
-                                                       "aggregation": "seq-mean-token-mean"})
+    job = JobBuilder.small(name=JOB, batch_size=2, algorithm={"loss": "ppo", "proximal": "recompute",
+                           "vcpo": {"baseline": True}, "minibatches": 1,
+                           "aggregation": "seq-mean-token-mean"}).job()
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.SGD(model.parameters(), lr=1e-3), tok)
     used: list[float] = []
@@ -254,9 +256,9 @@ def test_baseline_with_the_decoupled_loss_and_stale_data(proximal: str) -> None:
     _, tok = model_and_tokenizer()
     model = tiny_model()
     groups = _stale_groups(model)
-    job = make_job(name=JOB, batch_size=2, algorithm={"proximal": proximal,
-                                                       "vcpo": {"essScaling": True, "baseline": True},
-                                                       "minibatches": 2, "aggregation": "seq-mean-token-sum-norm"})
+    job = JobBuilder.small(name=JOB, batch_size=2, algorithm={
+                           "proximal": proximal, "vcpo": {"essScaling": True, "baseline": True}, "minibatches": 2,
+                           "aggregation": "seq-mean-token-sum-norm"}).job()
     trainer = Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model,
                       torch.optim.AdamW(model.parameters(), lr=1e-3), tok)
     record = trainer.train_step(groups)

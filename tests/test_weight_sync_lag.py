@@ -17,8 +17,9 @@ from pydantic import ValidationError
 
 from asyncrl.trainer.publish import published_versions, retained_versions, served_version
 from asyncrl.transport.versions import EngineInfo, VersionChannel
+from tests.support.jobs import JobBuilder
 from tests.support.sglang_fake import FakeSGLang
-from tests.support.trainer_support import job_dict, make_groups, make_job, model_and_tokenizer, tiny_model
+from tests.support.trainer_support import make_groups, model_and_tokenizer, tiny_model
 
 STEPS = 4
 
@@ -31,7 +32,7 @@ async def _lagged_run(tmp_path: Path, redis_url: str, lag: int, fake: FakeSGLang
     from asyncrl.trainer.main import connect_io
     from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 
-    job = make_job(name=f"lag{lag}", batch_size=2, eta=2, max_steps=STEPS, trainer={"weightSyncLag": lag})
+    job = JobBuilder.small(name=f"lag{lag}", batch_size=2, eta=2, max_steps=STEPS, trainer={"weightSyncLag": lag}).job()
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",
                       run_dir=tmp_path, pod_name="trainer-0")
     io = await connect_io(job, runtime)
@@ -136,7 +137,7 @@ def test_served_and_retained_versions():
 def test_the_lag_must_be_within_the_staleness_bound(staleness, lag, ok):
     from asyncrl.spec import AsyncRLJob
 
-    doc = job_dict(trainer={"weightSyncLag": lag})
+    doc = JobBuilder.small(trainer={"weightSyncLag": lag}).doc()
     doc["spec"]["staleness"] = staleness
     if ok:
         assert AsyncRLJob.model_validate(doc).spec.trainer.weight_sync_lag == lag
@@ -147,4 +148,4 @@ def test_the_lag_must_be_within_the_staleness_bound(staleness, lag, ok):
 
 def test_a_negative_lag_is_rejected():
     with pytest.raises(ValidationError, match="weightSyncLag"):
-        make_job(trainer={"weightSyncLag": -1})
+        JobBuilder.small(trainer={"weightSyncLag": -1}).job()

@@ -5,24 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 
 REPO = Path(__file__).resolve().parent.parent.parent
 NS = "rl"
-
-
-def job_doc(name: str = "qwen", **spec_changes) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
-    doc["metadata"]["name"] = name
-    doc["metadata"]["namespace"] = NS
-    doc["spec"].update(spec_changes)
-    return doc
+JOB = "qwen"
 
 
 def assert_rbac_covers(emu: KubeEmulator) -> None:
@@ -37,20 +29,20 @@ def operator_requests(emu: KubeEmulator) -> set[tuple[str, str, str]]:
     return {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
 
 
-def phase(emu: KubeEmulator, name: str = "qwen") -> str | None:
+def phase(emu: KubeEmulator, name: str = JOB) -> str | None:
     job = emu.get(PLURAL, NS, name)
     return (job or {}).get("status", {}).get("phase")
 
 
-def expected_children(name: str = "qwen", **spec_changes) -> list[tuple[str, str]]:
+def expected_children(name: str = JOB, **spec_changes) -> list[tuple[str, str]]:
     from asyncrl.loader import parse_job
 
-    job = parse_job(job_doc(name, **spec_changes))
+    job = parse_job(JobBuilder.example(**spec_changes).named(name, NS).doc())
     objs = B.build_children(job, B.BuildContext(owner_uid="x", namespace=NS))
     return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in objs]
 
 
-def children_exist(emu: KubeEmulator, name: str = "qwen"):
+def children_exist(emu: KubeEmulator, name: str = JOB):
     return all(emu.get(p, NS, n) for p, n in expected_children(name))
 
 
@@ -67,7 +59,7 @@ async def patch_job(emu: KubeEmulator, name: str, patch: dict, sub: str = "") ->
         return await resp.json()
 
 
-async def make_ready(emu: KubeEmulator, name: str = "qwen", rollout: int = 4) -> None:
+async def make_ready(emu: KubeEmulator, name: str = JOB, rollout: int = 4) -> None:
     """Play kubelet + controllers: every workload reports its pods ready."""
     await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(name),
                            {"replicas": rollout, "readyReplicas": rollout})

@@ -5,24 +5,11 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-import yaml
-
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 
 REPO = Path(__file__).resolve().parent.parent.parent
-
-
-def example(name: str = "job", **spec) -> dict:
-    doc = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
-    for dotted, value in spec.items():
-        node = doc["spec"]
-        keys = dotted.split(".")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return doc
 
 
 OPERATOR_NS = "ops"

@@ -14,50 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-MODEL = "embedded:SmolLM2-135M-Instruct"
-REPO = Path(__file__).resolve().parent.parent.parent
+from tests.support.jobs import MODEL
+
 ASYNCRL = [str(Path(sys.executable).parent / "asyncrl")]
-
-
-def job_dict(name: str = "t-job", *, batch_size: int = 2, group_size: int = 4, eta: int = 2,
-             max_steps: int = 2, checkpoint_interval: int = 1, max_new_tokens: int = 8,
-             micro_batch_tokens: int = 8192, minibatches: int = 1, proximal: str = "loglinear",
-             lr: float = 1e-5, grad_clip: float = 1.0, seed: int = 0,
-             algorithm: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
-             trainer: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A small valid job document; `algorithm`, `model` and `trainer` add or override fields of
-    spec.algorithm, spec.model and spec.trainer (camelCase)."""
-    return {
-        "apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob", "metadata": {"name": name},
-        "spec": {
-            "model": {"path": MODEL, "dtype": "float32", **(model or {})},
-            "dataset": {"source": "builtin:arithmetic", "difficulty": 1, "seed": seed},
-            "reward": {"function": "exact-number"},
-            "algorithm": {"groupSize": group_size, "batchSize": batch_size, "minibatches": minibatches,
-                          "maxNewTokens": max_new_tokens, "microBatchTokens": micro_batch_tokens,
-                          "proximal": proximal, "optimizer": {"lr": lr, "gradClip": grad_clip},
-                          **(algorithm or {})},
-            "staleness": {"maxHeadOffpolicyness": eta},
-            "rollout": {"replicas": 1, "engine": "hf", "gpusPerReplica": 0, "maxConcurrentRequests": 16},
-            "trainer": {"gpusPerReplica": 0, "device": "cpu", "maxSteps": max_steps,
-                        "checkpointInterval": checkpoint_interval, **(trainer or {})},
-            "seed": seed,
-        },
-    }
-
-
-def write_job(path: Path, **kw: Any) -> Path:
-    path.write_text(yaml.safe_dump(job_dict(**kw), sort_keys=False))
-    return path
-
-
-def make_job(**kw: Any) -> Any:
-    """The validated AsyncRLJob of `job_dict(**kw)` (what the trainer takes)."""
-    from asyncrl.spec import AsyncRLJob
-
-    return AsyncRLJob.model_validate(job_dict(**kw))
 
 
 _cache: dict[str, Any] = {}
