@@ -27,7 +27,8 @@ if [ "$free_mb" -lt 8000 ]; then
   echo "test.sh: warning: under 8 GB free in $tmp; the trainer tests write up to ~4 GB at once" >&2
 fi
 set +e
-.venv/bin/python -m pytest -ra "$@"
+# --durations: the 30 slowest tests at the end, so where CI time goes is on record in every run.
+.venv/bin/python -m pytest -ra --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then
