@@ -8,7 +8,7 @@ The operator runs outside the cluster, as it would on a laptop against a real on
 status endpoint and Redis through the cluster's Service proxies (`--status-url-template`,
 `--redis-url-template`, what `kubectl port-forward` would give it), so one operator process serves one job.
 
-What stands in for the images (tests/support/kube_cluster.py maps paths, Service names and declared ports itself):
+What stands in for the images (tests/support/kube_cluster/ maps paths, Service names and declared ports itself):
 the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local_redis` uses (a bin dir
 on the pods' PATH); the trainer's status port, which it reads from the job file, is given as
 `--status-port <host port>` (the hook); the node's model cache (`ASYNCRL_CACHE`) plays the pre-pulled

@@ -17,15 +17,10 @@ import aiohttp
 import kmock
 import pytest
 
-from tests.support.kube_cluster import (
-    AddressRewriter,
-    KubeCluster,
-    Network,
-    PathRewriter,
-    expand_vars,
-    is_terminating,
-    meta,
-)
+from tests.support.kube_cluster import KubeCluster, meta
+from tests.support.kube_cluster.network import Network
+from tests.support.kube_cluster.objects import is_terminating
+from tests.support.kube_cluster.rewriting import AddressRewriter, PathRewriter, expand_vars
 from tests.support.kube_emulator import KubeEmulator
 
 REPO = Path(__file__).resolve().parent.parent

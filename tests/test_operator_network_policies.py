@@ -1,7 +1,7 @@
 """A reconciled job's NetworkPolicies, as the API server stores them (a real operator process against
 the test cluster's API server, `kubectl get netpol` against it too).
 
-Nothing here enforces a policy (the test cluster does not, see tests/support/kube_cluster.py): what is shown
+Nothing here enforces a policy (the test cluster does not, see tests/support/kube_cluster/): what is shown
 is that the operator creates them with selectors that match the live workloads' pods and ports that
 are the containers' own, that kubectl lists them, and that a hand-opened policy is closed again.
 """

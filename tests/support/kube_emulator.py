@@ -140,7 +140,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
 
     log: list[LoggedRequest] = attrs.field(factory=list, init=False)
     gates: dict[tuple[str, str], asyncio.Event] = attrs.field(factory=dict, init=False)
-    # plural -> (extra column definitions, obj -> their cells): `kubectl get` columns (tests/support/kube_cluster.py)
+    # plural -> (extra column definitions, obj -> their cells): `kubectl get` columns (tests/support/kube_cluster/)
     printers: dict[str, Any] = attrs.field(factory=dict, init=False)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _namespaces: set[str] = attrs.field(factory=lambda: {"default"}, init=False)

@@ -1,0 +1,86 @@
+"""The test cluster's clock (scaled durations) and its access to the emulator's API."""
+
+from __future__ import annotations
+
+import kmock
+
+from tests.support.kube_cluster.objects import KIND_PLURALS, PLURALS, Obj, meta
+from tests.support.kube_emulator import KubeEmulator
+
+
+class Clock:
+    """Kubernetes durations scaled for tests (package doc, rule 8)."""
+
+    def __init__(self, scale: float, timeout_floor: float):
+        self.scale, self.timeout_floor = scale, timeout_floor
+
+    def seconds(self, k8s_seconds: float) -> float:
+        return max(float(k8s_seconds), 0.0) * self.scale
+
+    def timeout(self, k8s_seconds: float) -> float:
+        return max(self.seconds(k8s_seconds), self.timeout_floor)
+
+
+# ----------------------------------------------------------------------------------- API access
+
+
+class Api:
+    """Reads and writes on the emulator, in-process, as controllers and the kubelet make them.
+
+    In-process rather than over HTTP so the emulator's request log (the RBAC test reads it) holds only the
+    operator's and kubectl's requests, and so a write is visible to the very next read. The emulator's
+    private `_lock`, `_update` and `_delete` are used here and nowhere else in this module.
+    """
+
+    def __init__(self, emu: KubeEmulator):
+        self.emu = emu
+
+    @staticmethod
+    def resource(plural: str) -> kmock.resource:
+        group, version, _ = PLURALS[plural]
+        return kmock.resource(group, version, plural)
+
+    def list(self, plural: str, namespace: str | None = None) -> list[Obj]:
+        return self.emu.all(plural, namespace)
+
+    def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
+        group = PLURALS[plural][0]
+        return self.emu.get(plural, namespace, name, group=group)
+
+    async def create(self, obj: Obj) -> Obj:
+        plural = KIND_PLURALS[obj["kind"]]
+        group, version, _ = PLURALS[plural]
+        return await self.emu.put_object(group, version, plural, obj)
+
+    def _live_key(self, plural: str, namespace: str | None, name: str) -> tuple | None:
+        key = (self.resource(plural), namespace, name)
+        if key not in self.emu.objects:
+            return None
+        return None if self.emu.objects[key].deleted else key
+
+    async def patch(self, plural: str, namespace: str | None, name: str, body: Obj,
+                    subresource: str | None = None) -> Obj | None:
+        """A JSON merge patch (None deletes a key); None when the object is gone."""
+        res = self.resource(plural)
+        request = kmock.Request(resource=res, namespace=namespace, name=name, subresource=subresource,
+                                    data=body, method=kmock.method.PATCH)
+        async with self.emu._lock:
+            key = self._live_key(plural, namespace, name)
+            if key is None:
+                return None
+            return await self.emu._update(request, key, replace=False)
+
+    async def replace_status(self, plural: str, obj: Obj, status: Obj) -> None:
+        """Make `.status` exactly `status` (keys it lacks are removed), writing only when it differs."""
+        old = obj.get("status") or {}
+        if old == status:
+            return
+        body = {**{k: None for k in old if k not in status}, **status}
+        await self.patch(plural, meta(obj).get("namespace"), meta(obj)["name"], {"status": body}, "status")
+
+    async def delete(self, plural: str, namespace: str | None, name: str) -> None:
+        """Delete as the API does: finalizers hold the object Terminating; owned objects are collected."""
+        async with self.emu._lock:
+            key = self._live_key(plural, namespace, name)
+            if key is not None:
+                await self.emu._delete(key)
