@@ -1,4 +1,15 @@
-"""Shared fixtures: a real Redis server process per test (function scope) or per session."""
+"""Shared fixtures (a real Redis server process per test) and the suite's three tiers.
+
+Every test is in exactly one tier, a marker set here and counted at the end of each run
+(`-m unit`, `-m integration` or `-m cluster` runs one):
+- cluster: against a Kubernetes API: the real control plane, or the emulator with the real operator,
+  kubectl or the test kubelet (tests.support.control_plane, kube_emulator, kube_cluster,
+  operator_process, emulated_jobs);
+- integration: real servers and processes without Kubernetes: a Redis server, the real model, the
+  trainer or engine processes, a browser (the `slow`, `browser`, `vllm`, `sglang` markers or a Redis
+  fixture);
+- unit: the rest, pure functions and in-process objects.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +24,68 @@ from asyncrl.local_redis import LocalRedis
 # Property tests draw the same examples on every run: a CI failure is then reproducible, never luck.
 settings.register_profile("asyncrl", derandomize=True, print_blob=True)
 settings.load_profile("asyncrl")
+
+TIERS = ("unit", "integration", "cluster")
+CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "kube_emulator", "kube_cluster",
+                                                       "operator_process", "emulated_jobs"))
+INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
+                                                           "bench_support"))
+INTEGRATION_MARKERS = ("slow", "browser", "vllm", "sglang")
+INTEGRATION_FIXTURES = {"redis_server", "redis_url", "transport_redis", "rollout_env"}
+
+
+def _modules_used(func: object) -> set[str]:
+    """The modules of the globals a function (and the functions nested in it) names."""
+    code = getattr(func, "__code__", None)
+    scope = getattr(func, "__globals__", {})
+    found: set[str] = set()
+    stack = [code] if code else []
+    while stack:
+        c = stack.pop()
+        for name in c.co_names:
+            value = scope.get(name)
+            found.add(getattr(value, "__module__", None) or getattr(value, "__name__", "") if value is not None else "")
+        stack += [k for k in c.co_consts if hasattr(k, "co_names")]
+    return found
+
+
+def tier_of(item: pytest.Item) -> str:
+    """The tier of a collected test (module docstring): from its markers, its fixtures and what the
+    test function and its fixtures call."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    used = _modules_used(getattr(item, "function", None))
+    for name in fixtures:
+        for fixture in defs.get(name, ()):
+            used |= _modules_used(fixture.func)
+    if item.get_closest_marker("cluster") or any(m.startswith(CLUSTER_SUPPORT) for m in used):
+        return "cluster"
+    if (any(item.get_closest_marker(m) for m in INTEGRATION_MARKERS) or fixtures & INTEGRATION_FIXTURES
+            or any(m.startswith(INTEGRATION_SUPPORT) for m in used)):
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item)
+        if not item.get_closest_marker(tier):
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line: how many tests of each tier passed, failed or were skipped."""
+    counts = {tier: {} for tier in TIERS}
+    for outcome in ("passed", "failed", "error", "skipped"):
+        for report in terminalreporter.stats.get(outcome, []):
+            keywords = getattr(report, "keywords", {})
+            tier = next((t for t in TIERS if t in keywords), None)
+            if tier and (report.when == "call" or outcome != "passed"):
+                counts[tier][outcome] = counts[tier].get(outcome, 0) + 1
+    line = "; ".join(f"{tier}: " + (", ".join(f"{n} {o}" for o, n in sorted(c.items())) or "none")
+                     for tier, c in counts.items())
+    terminalreporter.write_line(f"tiers: {line}")
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DIR = Path(os.environ.get("ASYNCRL_SHARED_DIR", REPO_ROOT.parent / "shared"))
