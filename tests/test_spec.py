@@ -267,6 +267,9 @@ def test_vcpo_defaults_are_the_vcpo_codes():
     ({"vcpo": {"essScaling": True, "baseEssRatio": 1.5}}, "baseEssRatio"),
     ({"vcpo": {"essScaling": True, "scaling": "cube"}}, "'sqrt' or 'linear'"),
     ({"vcpo": True}, "algorithm.vcpo is now an object: use algorithm.vcpo.essScaling"),
+    ({"behaviourCap": 3.0}, "algorithm.behaviourCap is now an object: use algorithm.behaviourCap.limit"),
+    ({"behaviourCap": None}, "algorithm.behaviourCap is now an object: use algorithm.behaviourCap.limit"),
+    ({"behaviourCapMode": "clamp"}, "algorithm.behaviourCapMode moved to algorithm.behaviourCap.mode"),
     ({"vcpoBaseline": True}, "algorithm.vcpoBaseline moved to algorithm.vcpo.baseline"),
 ])
 def test_vcpo_rules_name_the_field_and_the_allowed_values(algorithm, says):
