@@ -369,7 +369,7 @@ class AlgorithmSpec(SpecModel):
                         "objective 'sapo', or objective 'ppo-clip', 'gspo' or 'cispo'")
         if self.sapo != SapoSpec() and obj != "sapo":
             raise ValueError(f"sapo {self.sapo.to_wire()} only applies to objective 'sapo', got objective {obj!r}; "
-                             "allowed: objective 'sapo' with sapo, or sapo at its defaults (tauPos 1.0, tauNeg 1.05)")
+                             f"allowed: objective 'sapo' with sapo, or sapo at its defaults {_shown(SapoSpec())}")
         return self
 
     @model_validator(mode="after")

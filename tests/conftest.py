@@ -42,9 +42,9 @@ def _modules_used(func: object) -> set[str]:
     stack = [code] if code else []
     while stack:
         c = stack.pop()
-        for name in c.co_names:
-            value = scope.get(name)
-            found.add(getattr(value, "__module__", None) or getattr(value, "__name__", "") if value is not None else "")
+        for value in (scope.get(name) for name in c.co_names):
+            if value is not None:  # a class or function by its module, a module by its name
+                found.add(getattr(value, "__module__", None) or getattr(value, "__name__", ""))
         stack += [k for k in c.co_consts if hasattr(k, "co_names")]
     return found
 

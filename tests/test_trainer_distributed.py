@@ -235,7 +235,7 @@ def _sharded_load(model: Any, ctx: Any, out: Path) -> None:
     import torch
 
     from asyncrl.trainer import distributed as D
-    from tests.support.trainer_support import MODEL
+    from tests.support.jobs import MODEL
 
     sharded = D.load_sharded_model(MODEL, ctx, gradient_checkpointing=True)
     params = dict(model.named_parameters())

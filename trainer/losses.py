@@ -210,13 +210,14 @@ class LossConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        families = {"behaviour_cap": BehaviourCapSpec, "m2": M2Spec, "sapo": SapoSpec, "bapo": BapoSpec,
-                    "vcpo": VcpoSpec}
-        for name, family in families.items():
+        # (family, whether None means off): the optional ones are on by being present
+        families = {"behaviour_cap": (BehaviourCapSpec, False), "m2": (M2Spec, True), "sapo": (SapoSpec, False),
+                    "bapo": (BapoSpec, True), "vcpo": (VcpoSpec, False)}
+        for name, (family, optional) in families.items():
             value = getattr(self, name)
-            if not isinstance(value, family) and not (value is None and name in ("m2", "bapo")):
+            if not (isinstance(value, family) or (optional and value is None)):
                 raise ValueError(f"LossConfig.{name} must be an asyncrl.algorithm_families.{family.__name__}"
-                                 f"{' or None' if name in ('m2', 'bapo') else ''}, got {value!r}")
+                                 f"{' or None' if optional else ''}, got {value!r}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"LossConfig.clip_eps must be in (0, 1), got {self.clip_eps!r}")
         if self.clip_eps_high is not None and not self.clip_eps_high > 0:

@@ -3,8 +3,6 @@ way the tests make them (the operator under test is a real `asyncrl operator` pr
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
@@ -12,7 +10,6 @@ from asyncrl.spec import GROUP, PLURAL, VERSION
 from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 
-REPO = Path(__file__).resolve().parent.parent.parent
 NS = "rl"
 JOB = "qwen"
 

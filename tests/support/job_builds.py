@@ -1,16 +1,12 @@
-"""Example jobs, changed field by field, and the children the operator's builders make of them."""
+"""The children the operator's builders make of a job document (jobs come from tests.support.jobs)."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-
-REPO = Path(__file__).resolve().parent.parent.parent
-
 
 OPERATOR_NS = "ops"
 OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NS}},
