@@ -254,8 +254,9 @@ def test_steps_with_replay_fill_the_buffer_and_train_replayed_groups() -> None:
     first = trainer.train_step(groups)
     assert first.replayed_groups == 0 and first.replay is not None
     assert first.replay.trajectories == 8 and first.replay.bytes > 0
-    assert trainer.replay_slots() == 1  # onPolicyProb 0: every slot but the one kept for a fresh group
-    replayed = trainer.draw_replay()
+    assert trainer.replay is not None
+    assert trainer.replay.slots(trainer.state.step) == 1  # onPolicyProb 0: every slot but one kept for a fresh group
+    replayed = trainer.replay.draw(trainer.state.step)
     assert len(replayed) == 1 and replayed[0].group.prompt_id in {g.prompt_id for g in groups}
     fresh = [dataclasses.replace(groups[0], group_id="g-fresh", samples=[
         dataclasses.replace(s, response_ids=s.response_ids + 1) for s in groups[0].samples])]

@@ -43,19 +43,16 @@ What to train comes from the validated job spec; `RunConfig` holds only what the
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from asyncrl.errors import TrainerError
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, RecoveryReport, ReplayReport, StepMetrics, TrainerReport
+from asyncrl.status_report import AdmissionReport, RecoveryReport, StepMetrics, TrainerReport
 from asyncrl.trainer import distributed as D
 from asyncrl.trainer.batch import Layout
 from asyncrl.trainer.checkpoint import (
@@ -75,7 +72,7 @@ from asyncrl.trainer.publish import (
     drop_versions_after,
 )
 from asyncrl.trainer.publishing import Publisher, on_every_rank, refuse_non_finite_weights
-from asyncrl.trainer.replay import ReplayBuffer, ReplayedGroup
+from asyncrl.trainer.replay import ReplayedGroup, StepReplay
 from asyncrl.trainer.reporter import Reporter, Trackers
 from asyncrl.trainer.step import step_data, train_updates
 from asyncrl.trainer.step_metrics import append_metrics_line, summarize_step, written_evaluations
@@ -142,10 +139,7 @@ class Trainer:
         self.cfg = cfg        # what the spec does not say: paths, waits, engine protocol
         algo = self.spec.algorithm
         self.objective = build_objective(algo, reference_model=reference_model)
-        self.replay = None if algo.replay is None else ReplayBuffer(
-            job=job.metadata.name, group_size=algo.group_size, capacity_per_prompt=algo.replay.capacity_per_prompt,
-            capacity=algo.replay.capacity, reward_priority=algo.replay.reward_priority)
-        self._replayed_total = 0
+        self.replay = StepReplay.for_job(job)
         self.ctx = ctx
         self.model = model
         self.optimizer = optimizer
@@ -270,7 +264,8 @@ class Trainer:
             groups = D.broadcast_object(groups, self.ctx)
             if groups is None:  # rank 0 was asked to stop
                 break
-            replayed = self.draw_replay()  # (algorithm.replay: objective tb, one process)
+            # (algorithm.replay: objective tb, one process)
+            replayed = self.replay.draw(self.state.step) if self.replay is not None else []
             # 3-4. Train: advantages, proximal, minibatch updates (identical on every rank).
             self.reporter.set_phase("Training")
             metrics = self.train_step(groups, replayed)
@@ -338,7 +333,7 @@ class Trainer:
         with no sign but a flat step count."""
         assert self.inbox is not None
         self._draw = StepDraw()
-        fresh = self.spec.algorithm.batch_size - self.replay_slots()
+        fresh = self.spec.algorithm.batch_size - (self.replay.slots(self.state.step) if self.replay else 0)
         self.reporter.set_phase("Waiting", f"waiting for {fresh} trajectory groups")
         last_refresh = 0.0
         if self.stop_requested:
@@ -366,27 +361,6 @@ class Trainer:
                 await self.check_admission()
                 last_check = time.monotonic()
             await self.inbox.read()
-
-    def _replay_rng(self, stream: int) -> np.random.Generator:
-        """A generator for the step's replay draws (stream 0: the slots, 1: the groups): a function of
-        the seed and the step only, so a resumed run draws the slots the lost life would have."""
-        return np.random.default_rng((self.spec.seed, self.state.step, stream))
-
-    def replay_slots(self) -> int:
-        """Of the step's batchSize group slots, how many the replay buffer fills: each with probability
-        1 - onPolicyProb (TBA), none while it is empty, and at least one slot left for a fresh group."""
-        replay, b = self.spec.algorithm.replay, self.spec.algorithm.batch_size
-        if self.replay is None or replay is None or not self.replay.prompts:
-            return 0
-        return min(int(self._replay_rng(0).binomial(b, 1.0 - replay.on_policy_prob)), b - 1)
-
-    def draw_replay(self) -> list[ReplayedGroup]:
-        """The groups `next_batch` left to the replay buffer (none without one): `replay_slots` again,
-        the same draw (a function of the seed and the step, and the buffer is unchanged in between)."""
-        slots = self.replay_slots()
-        if self.replay is None or not slots:
-            return []
-        return self.replay.sample_groups(slots, self._replay_rng(1), now=time.time())
 
     async def check_admission(self) -> None:
         """Rank 0: reconcile admission's accounting (a leak would starve producers: inbox.reconcile)
@@ -464,11 +438,9 @@ class Trainer:
         for name, value in self.objective.figures().items():  # (each one a StepMetrics field)
             setattr(metrics, name, value)
         if self.replay is not None:  # keep what was trained fresh
-            seqs = step.seqs
-            for g, start in zip(groups, itertools.accumulate((len(g.samples) for g in groups), initial=0)):
-                self.replay.add(g, [seqs[i].ref_sum for i in range(start, start + len(g.samples))])
-            self._replayed_total += len(step.replayed)
-            metrics.replayed_groups, metrics.replay = len(step.replayed), self._replay_report()
+            metrics.replayed_groups = len(step.replayed)
+            metrics.replay = self.replay.keep(groups, [s.ref_sum for s in step.seqs[:step.fresh]],
+                                              replayed=len(step.replayed))
         return metrics
 
     def model_forward(self) -> ModelForward:
@@ -515,14 +487,6 @@ class Trainer:
         log.info("step %d v%d reward %.3f loss %.4f staleness %.2f/%d tokens %d %.1fs (compute %.1fs)",
                  st.step, st.version, m.reward_mean, m.loss, m.staleness_mean, m.staleness_max, m.tokens, wall,
                  m.compute_seconds)
-
-    def _replay_report(self) -> ReplayReport | None:
-        """What the replay buffer holds (algorithm.replay), for the report."""
-        if self.replay is None:
-            return None
-        held = self.replay.stats()
-        return ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
-                            capacity=held.capacity, replayed_groups=self._replayed_total)
 
     def _record_zero_signal(self, metrics: StepMetrics) -> None:
         """The step's dynamic-sampling figures, from what rank 0 drew (`next_batch`; 0 on the other

@@ -6,18 +6,22 @@ per prompt, the newest `capacity_per_prompt` trajectories by the policy version 
 seen prompt once before any again, in random order) and `group_size` of its trajectories drawn by
 softmax(`reward_priority` x reward), with replacement only when it keeps fewer. Unlike theirs the
 buffer also has an overall bound (`capacity`, oldest evicted first) so that the trainer's memory
-is bounded whatever the dataset's size. Kept by the one trainer process, in memory.
+is bounded whatever the dataset's size. Kept by the one trainer process, in memory; `StepReplay`
+is how the trainer's steps use it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl.spec import AsyncRLJob
+from asyncrl.status_report import ReplayReport
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
 REPLAY_ENGINE_ID = "replay"
@@ -157,3 +161,53 @@ class ReplayBuffer:
                                 prompt_ids=entry.prompt_ids, samples=samples, engine_id=REPLAY_ENGINE_ID,
                                 created_at=now, published_at=now)
         return ReplayedGroup(group, [it.ref_sum for it in items])
+
+
+class StepReplay:
+    """algorithm.replay as the trainer's steps use it: how many of a step's slots replayed groups
+    fill and which (a function of the seed and the step only, so a resumed run draws the slots the
+    lost life would have), what each step keeps, and the report."""
+
+    def __init__(self, buffer: ReplayBuffer, *, seed: int, batch_size: int, on_policy_prob: float) -> None:
+        self.buffer, self.seed, self.batch_size, self.on_policy_prob = buffer, seed, batch_size, on_policy_prob
+        self.replayed_total = 0
+
+    @classmethod
+    def for_job(cls, job: AsyncRLJob) -> StepReplay | None:
+        """The job's replay (None without algorithm.replay)."""
+        algo = job.spec.algorithm
+        if algo.replay is None:
+            return None
+        buffer = ReplayBuffer(job=job.metadata.name, group_size=algo.group_size,
+                              capacity_per_prompt=algo.replay.capacity_per_prompt, capacity=algo.replay.capacity,
+                              reward_priority=algo.replay.reward_priority)
+        return cls(buffer, seed=job.spec.seed, batch_size=algo.batch_size, on_policy_prob=algo.replay.on_policy_prob)
+
+    def _rng(self, step: int, stream: int) -> np.random.Generator:
+        """Stream 0 draws the slots, 1 the groups."""
+        return np.random.default_rng((self.seed, step, stream))
+
+    def slots(self, step: int) -> int:
+        """Of the batchSize group slots of the step after `step`, how many the buffer fills: each with
+        probability 1 - onPolicyProb (TBA), none while it is empty, and at least one slot left for a
+        fresh group."""
+        if not self.buffer.prompts:
+            return 0
+        b = self.batch_size
+        return min(int(self._rng(step, 0).binomial(b, 1.0 - self.on_policy_prob)), b - 1)
+
+    def draw(self, step: int) -> list[ReplayedGroup]:
+        """The groups that fill `slots(step)`: the same draw (the buffer is unchanged in between)."""
+        slots = self.slots(step)
+        return self.buffer.sample_groups(slots, self._rng(step, 1), now=time.time()) if slots else []
+
+    def keep(self, groups: Sequence[TrajectoryGroup], ref_sums: Sequence[float], *, replayed: int) -> ReplayReport:
+        """After a step: keep its fresh `groups` (`ref_sums`: their samples' log pi_ref, in order), count
+        the `replayed` groups it trained, and say what the buffer holds."""
+        starts = itertools.accumulate((len(g.samples) for g in groups), initial=0)
+        for g, start in zip(groups, starts):
+            self.buffer.add(g, ref_sums[start:start + len(g.samples)])
+        self.replayed_total += replayed
+        held = self.buffer.stats()
+        return ReplayReport(trajectories=held.trajectories, prompts=held.prompts, bytes=held.bytes,
+                            capacity=held.capacity, replayed_groups=self.replayed_total)
