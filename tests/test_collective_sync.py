@@ -74,9 +74,10 @@ async def label(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def versions(tmp_path_factory) -> Path:
+def versions(module_dir: Path) -> Path:
     """weights/v1..v3: the model with each parameter shifted by 0.01 * version."""
-    root = tmp_path_factory.mktemp("weights")
+    root = module_dir / "weights"
+    root.mkdir()
     model = load_causal_lm(MODEL, dtype="float32", device="cpu")
     tokenizer = load_tokenizer(MODEL)
     for version in (1, 2, 3):

@@ -49,8 +49,8 @@ def last_json(stdout: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def easy_jsonl(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("eval") / "easy.jsonl"
+def easy_jsonl(module_dir: Path) -> Path:
+    path = module_dir / "easy.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{q} Answer with just the final number.", "answer": a}) + "\n"
                             for q, a in EASY))
     return path

@@ -35,10 +35,10 @@ MODEL = "embedded:SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
+def vllm_server(module_dir: Path):
     model_dir = resolve_model_path(MODEL)
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    log = module_dir / "server.log"
     env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
     with log.open("wb") as out:
         proc = subprocess.Popen(
