@@ -50,6 +50,7 @@ from asyncrl.rollout.engines.base import (
 )
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.admission import Admission
+from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
 
 log = logging.getLogger("asyncrl.rollout.worker")
@@ -304,9 +305,8 @@ class EngineView:
                 if event is not None:
                     self.version = event.version
                 failures = 0
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
+                reraise_if_cancelled(exc)
                 failures += 1
                 delay = min(self.cfg.backoff_s * 2 ** failures, self.cfg.backoff_max_s)
                 log.warning("version channel unavailable (retrying in %.1fs): %s", delay, exc)
@@ -330,8 +330,7 @@ class EngineView:
                     engine_id=self.cfg.engine_id, url=self.cfg.engine_url or self.engine.url,
                     weight_version=self.engine_version, ready=ready, heartbeat=observed,
                     incarnation=self.incarnation, label=self.engine_label))
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
+                reraise_if_cancelled(exc)
                 log.warning("engine heartbeat failed: %s", exc)
             await asyncio.sleep(self.cfg.heartbeat_s)

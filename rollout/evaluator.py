@@ -27,6 +27,7 @@ from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
 from asyncrl.rollout.evaluation import EvalSettings, evaluate
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
+from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.evaluation import EvalChannel, EvalRequest
 from asyncrl.transport.names import StreamNames
 
@@ -120,6 +121,7 @@ class Evaluator:
                                                    min_idle_ms=ev.takeover_ms)
                 redis_failures = 0
             except Exception as exc:  # Redis: retried like the version channel
+                reraise_if_cancelled(exc)
                 redis_failures += 1
                 ready = False  # (the stream may have been deleted with its group)
                 delay = backoff_delay(redis_failures, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
@@ -162,6 +164,7 @@ class Evaluator:
                 entry = await self.channel.complete(request, record)
                 break
             except Exception as exc:
+                reraise_if_cancelled(exc)
                 redis_failures += 1
                 delay = backoff_delay(redis_failures, base=self.cfg.backoff_s, cap=self.cfg.backoff_max_s)
                 log.warning("could not hand in the evaluation of version %d (retrying in %.1fs): %s",
@@ -182,6 +185,7 @@ class Evaluator:
             try:
                 await self.channel.touch(self.cfg.engine_id, request)
             except Exception as exc:
+                reraise_if_cancelled(exc)
                 log.warning("could not touch evaluation request %s: %s", request.entry_id, exc)
 
     def summary(self) -> str:

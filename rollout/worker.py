@@ -49,6 +49,7 @@ from asyncrl.rollout.prompt_cursor import PromptCursor
 from asyncrl.rollout.rewards import RewardScorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.admission import Admission
+from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.versions import EngineRegistry, VersionChannel
@@ -281,6 +282,7 @@ class RolloutWorker:
             try:
                 await self.admission.renew(lease)
             except Exception as exc:
+                reraise_if_cancelled(exc)
                 log.warning("lease renewal failed: %s", exc)
 
     # ------------------------------------------------------------------ progress

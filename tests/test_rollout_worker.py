@@ -269,3 +269,36 @@ async def test_cursor_saves_never_go_back(rollout_env):
     await worker.cursor.save()  # the final save at shutdown, while the older ones are in flight
     await worker.cursor.saved()
     assert await redis.get(cursor_key(names, 0, 2)) == b"3"
+
+
+class _RenewalCancelledInsideACommand:
+    """Admission whose renew is cancelled inside its Redis command, which (as redis-py does) closes
+    the connection and raises a connection error instead of the CancelledError."""
+
+    lease_ms = 150
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def renew(self, lease: str) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        self.calls += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("connection closed while reading") from None
+
+
+async def test_a_side_task_cancelled_inside_a_redis_command_still_ends(rollout_env):
+    """Found by CI hanging at a module's event-loop shutdown: a periodic side task (lease renewal,
+    the evaluation's touch, a heartbeat) logs and retries Redis errors; a cancellation turned into
+    one was spent, and the task outlived its owner's cancel() for good."""
+    redis, fake, names = rollout_env
+    worker = make_worker(redis, fake, names, n=1)
+    worker.admission = admission = _RenewalCancelledInsideACommand()
+    task = asyncio.create_task(worker._renew("lease-1"))
+    await poll(lambda: admission.calls == 1, what="the renewal inside its command")
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5.0)
+    assert task in done and task.cancelled() and admission.calls == 1

@@ -192,7 +192,8 @@ def test_trainer_and_rollout_take_the_window_on_the_command_line():
     assert args.engine_outage_s == 30
 
 
-async def test_a_cancelled_caller_is_not_retried_through_the_outage_window() -> None:
+@pytest.mark.parametrize("retryable", [True, False], ids=["retryable", "not-retryable"])
+async def test_a_cancelled_caller_is_not_retried_through_the_outage_window(retryable: bool) -> None:
     """A cancellation that the client library turns into a connection error (it closes the socket
     and raises) must still cancel the caller at once, not be retried for the whole window: a worker
     shutting down waited on such a retry (seen in CI: its version follower outlived the 60 s test)."""
@@ -215,7 +216,8 @@ async def test_a_cancelled_caller_is_not_retried_through_the_outage_window() -> 
         return None
 
     retry = OutageRetry(window_s=60.0, target="test", health=Health())
-    task = asyncio.create_task(retry.call_with_retry(do, fail))
+    # (redis-py asks is_retryable first: an error it calls final must not escape as one either)
+    task = asyncio.create_task(retry.call_with_retry(do, fail, is_retryable=lambda error: retryable))
     await asyncio.sleep(0.05)
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=5.0)

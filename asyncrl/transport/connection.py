@@ -112,6 +112,14 @@ def _being_cancelled() -> bool:
     return bool(cancelling and cancelling())
 
 
+def reraise_if_cancelled(error: BaseException) -> None:
+    """For the `except Exception` of a task's retry loop: redis-py turns a cancellation that lands
+    inside a command into a connection error; logged and retried, it is spent, and the task (a
+    lease renewal, a heartbeat) outlives its owner's cancel() and holds the event loop's shutdown."""
+    if _being_cancelled():
+        raise asyncio.CancelledError() from error
+
+
 class OutageRetry(Retry):
     """redis-py's Retry, bounded by time (the outage window) rather than a count.
 
@@ -149,13 +157,11 @@ class OutageRetry(Retry):
                 try:
                     result = await do()
                 except self._supported_errors as error:
+                    # the caller being cancelled (e.g. a worker shutting down), turned into a connection
+                    # error by the library: waiting out an "outage" would swallow the cancellation
+                    reraise_if_cancelled(error)
                     if is_retryable and not is_retryable(error):
                         raise
-                    if _being_cancelled():
-                        # the caller is being cancelled (e.g. a worker shutting down) and the library
-                        # turned that into a connection error: waiting out an "outage" would swallow
-                        # the cancellation for up to the window
-                        raise asyncio.CancelledError() from error
                     failures += 1
                     if self.health is not None:
                         self.health.failing("redis", self.target, error, self.window_s)
