@@ -1,4 +1,4 @@
-"""Crash-safe directory writes: a reader sees the old directory or the complete new one, never half.
+"""Crash-safe writes: a reader sees the old directory (or file) or the complete new one, never half.
 
 Weights, checkpoints and the converted embedded model are all written this way: into a temporary
 sibling (a name starting with "." that readers skip), every file fsynced, renamed over the target,
@@ -27,6 +27,20 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_file_atomically(path: Path, text: str) -> None:
+    """Replace the file `path` with `text`: a temporary sibling, fsynced, renamed over it, the
+    parent fsynced (readers see the old content or the new, never part of it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def _fsync_tree(root: Path) -> None:

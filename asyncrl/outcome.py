@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from asyncrl.files import write_file_atomically
 from asyncrl.transport.names import StreamNames
 
 OutcomePhase = Literal["Succeeded", "Failed"]
@@ -107,13 +108,7 @@ def outcome_path(weights_dir: Path) -> Path:
 def write_outcome_file(weights_dir: Path, outcome: TrainerOutcome) -> Path:
     """Atomically (write temp, fsync, rename) record the outcome next to the weights."""
     path = outcome_path(weights_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{OUTCOME_FILE}.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(outcome.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_file_atomically(path, outcome.to_json())
     return path
 
 

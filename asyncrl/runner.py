@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.files import write_file_atomically
 from asyncrl.local_redis import LocalRedis
 from asyncrl.net import free_port
 from asyncrl.outcome import (
@@ -638,9 +639,7 @@ def _stop_all(trainer: Child, children: list[Child]) -> None:
 def _write_processes(run_dir: Path, children: list[Child], redis: Any) -> None:
     info = {c.name: {"pid": c.pid, "log": str(c.log_path), "argv": c.argv} for c in children if c.pid}
     info["redis"] = {"pid": redis.process.pid if redis.process else None, "url": redis.url}
-    tmp = run_dir / ".processes.json.tmp"
-    tmp.write_text(json.dumps(info, indent=2))
-    os.replace(tmp, run_dir / "processes.json")
+    write_file_atomically(run_dir / "processes.json", json.dumps(info, indent=2))
 
 
 def _final_weights(run_dir: Path) -> str | None:

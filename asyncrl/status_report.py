@@ -312,6 +312,8 @@ class RecoveryReport(_Report):
     """Rollout engines seen coming back as a new incarnation."""
     engine_resyncs: Annotated[int, counter("engine_resyncs")] = 0
     """Engines the trainer loaded with the current weights after they joined, restarted or lagged."""
+    ghost_groups_dropped: Annotated[int, counter("ghost_groups_dropped")] = 0
+    """Groups generated on weights a trainer restart threw away (a dead timeline's newest versions), dropped."""
 
 
 class TrainerReport(_Report):
@@ -337,6 +339,9 @@ class TrainerReport(_Report):
     """Optimizer steps done."""
     policy_version: Annotated[int, gauge("policy_version")] = 0
     """Version of the latest published weights."""
+    timeline: Annotated[int, gauge("timeline")] = 0
+    """The trainer timeline this life publishes in (0 for a job's first trainer life, one more for each
+    later one): the engines' weight labels say `policy_version@timeline` after the first."""
     max_steps: Annotated[int, gauge("max_steps")] = 0
     """Steps the job will run (0: unbounded)."""
     groups_trained: Annotated[int, counter("groups_trained")] = 0

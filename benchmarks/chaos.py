@@ -20,6 +20,10 @@ Afterwards, from Redis and the final checkpoint:
   lost          groups counted as produced that were neither trained nor dropped: the repairs
                 admission's reconciliation had to make downward (drift_lost) plus any drift left
   twice         group ids that occur more than once in the final lineage (trained-groups.jsonl)
+  foreign       groups of the final lineage trained with a token whose weight label is not the
+                lineage's (a dead timeline's version past where the lineage resumed: the labels the
+                lineage log records against the lineage of the final checkpoint)
+  ghosts        groups the trainers dropped as generated on such weights (ghost_groups_dropped)
   longest_stall_s  the longest stretch without a new policy version, after the first one
   finished      the trainer recorded Succeeded at maxSteps
 and, against an undisturbed run of the same job in the same invocation, the wall-time overhead.
@@ -73,6 +77,8 @@ class ChaosResult:
     steps: int
     lost: int
     twice: int
+    foreign: int
+    ghosts: int
     trained: int
     dropped: int
     drift_lost: int
@@ -350,14 +356,20 @@ def summarize(job: ChaosJob, cfg: ChaosConfig, outcome: Any, stall: float, wall:
     """What Redis (restarted alone, on the same AOF) and the final checkpoint say about the run."""
     import asyncio
 
-    from asyncrl.trainer.checkpoint import latest_checkpoint, lineage_group_ids, read_state
+    from asyncrl.trainer.checkpoint import latest_checkpoint, lineage_group_ids, lineage_labels, read_state
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
+    from asyncrl.weight_labels import parse_label
 
     latest = latest_checkpoint(job.runtime.checkpoint_dir)
     state = read_state(latest) if latest is not None else None
     lineage = lineage_group_ids(job.runtime.checkpoint_dir)
     trained_acked = state.groups_trained if state is not None else 0
+    labels = lineage_labels(job.runtime.checkpoint_dir, state.step) if state is not None else {}
+    final = state.lineage() if state is not None else None
+    foreign = sum(n for label, n in labels.items()
+                  if final is None or (parsed := parse_label(label)) is None or not final.contains(parsed))
+    ghosts = int(((state.report if state is not None else {}).get("recovery") or {}).get("ghost_groups_dropped", 0))
 
     async def admission() -> tuple[Any, Any]:
         redis = await connect(job.redis.url, timeout=10, outage_s=5, health=None)
@@ -378,6 +390,7 @@ def summarize(job: ChaosJob, cfg: ChaosConfig, outcome: Any, stall: float, wall:
         finished=outcome is not None and getattr(outcome, "phase", "") == "Succeeded",
         steps=state.step if state is not None else 0,
         lost=snap.drift_lost + max(0, -drift.drift), twice=len(lineage) - len(set(lineage)),
+        foreign=foreign, ghosts=ghosts,
         trained=len(lineage), dropped=snap.dropped, drift_lost=snap.drift_lost, drift_found=snap.drift_found,
         final_drift=drift.drift, leases_returned=snap.leases_returned, longest_stall_s=round(stall, 1),
         wall_s=round(wall, 1), log=job.log)
@@ -408,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds, "max_steps": args.max_steps, "kills_per_run": args.kills,
         "kills_by_kind": dict(kills), "finished": sum(r.finished for r in runs), "runs": len(runs),
         "lost": sum(r.lost for r in runs), "twice": sum(r.twice for r in runs),
+        "foreign": sum(r.foreign for r in runs), "ghosts_dropped": sum(r.ghosts for r in runs),
         "dropped": sum(r.dropped for r in runs), "drift_found": sum(r.drift_found for r in runs),
         "leases_returned": sum(r.leases_returned for r in runs),
         "longest_stall_s": max(r.longest_stall_s for r in runs),

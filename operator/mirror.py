@@ -178,6 +178,8 @@ RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
     ("engineRestarts", "Warning", "EngineRestarted",
      "rollout engine restart(s): the engine serves no rollout until it has the current weights"),
     ("engineResyncs", "Normal", "EngineResynced", "rollout engine(s) loaded with the current weights by the trainer"),
+    ("ghostGroupsDropped", "Warning", "GhostGroupsDropped",
+     "trajectory group(s) dropped: generated on weights a trainer restart threw away, never trained"),
 )
 
 

@@ -14,10 +14,11 @@ that carry their label, and for an engine without labels is ruled out by the rec
                     both go through it. Engine errors are retried on a per-request budget
                     (RequestBudget); an unreachable engine (restarting, rescheduled) is waited for,
                     with capped exponential backoff and jitter, for `engine_outage_s`.
-  segment_version() where that version comes from: the label the engine puts on its answer
-                    (SGLang, vLLM 0.32, our hf server; "default" is the base model, version 0, see
-                    engines.base.label_version), or, for an engine without one, the trainer's
-                    record for this engine in the EngineRegistry, read before and after the request,
+  segment_label()   where that version comes from: the label the engine puts on its answer
+                    (SGLang, vLLM 0.32, our hf server; "default" is the base model, version 0, and
+                    "N@T" version N of trainer timeline T, see asyncrl.weight_labels), or, for an
+                    engine without one, the trainer's record for this engine in the EngineRegistry,
+                    read before and after the request,
                     if that record describes the engine's current incarnation. Never a guess: an
                     answer whose version cannot be named is discarded and generated again.
   wait_for_weights() the gate before every lease and request: the worker generates only on an
@@ -41,17 +42,16 @@ import httpx
 
 from asyncrl.health import Health, backoff_delay
 from asyncrl.rollout.engines.base import (
-    LAUNCH_LABEL,
     Engine,
     EngineError,
     GenerateResult,
     SamplingParams,
-    label_version,
 )
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
+from asyncrl.weight_labels import LAUNCH_LABEL, WeightLabel, parse_label
 
 log = logging.getLogger("asyncrl.rollout.worker")
 
@@ -111,8 +111,8 @@ class EngineView:
         self.health = health
         self.version = 0
         """The newest policy version on the version channel (observed; the worker updates nothing)."""
-        self.engine_version: int | None = None
-        """The engine's weight version as last observed (its label, or the trainer's record); None: unknown."""
+        self.engine_weights: WeightLabel | None = None
+        """The engine's weights as last observed (its label, or the trainer's record); None: unknown."""
         self.engine_label: str | None = None
         """The engine's weight label exactly as the server last reported it (None: it reports none)."""
         self.incarnation = uuid.uuid4().hex
@@ -137,15 +137,15 @@ class EngineView:
                 async with slots if slots is not None else contextlib.nullcontext():
                     self.stats.requests += 1
                     result = await self.engine.generate(input_ids, params)
-                version = await self.segment_version(result, before)
+                label = await self.segment_label(result, before)
             except (EngineError, RegistryUnavailable) as exc:
                 await self.after_error(exc, budget)
                 continue
             self.reached(budget)
-            if self.usable(version):
-                return replace(result, weight_version=version)
+            if label is not None and self.usable(label):
+                return replace(result, weight_version=label.version, weight_timeline=label.timeline)
             self.stats.discarded += 1  # weights unknown, or too old (a restarted engine): again
-            self.engine_version = version  # (and stop generating until they are replaced)
+            self.engine_weights = label  # (and stop generating until they are replaced)
 
     async def after_error(self, exc: EngineError | RegistryUnavailable, budget: RequestBudget) -> None:
         """Wait before a failed request is sent again, or raise Dropped past its budget: an
@@ -176,8 +176,13 @@ class EngineView:
 
     # ------------------------------------------------------------------ which weights
 
-    async def segment_version(self, result: GenerateResult, before: EngineWeights | None) -> int | None:
-        """The weight version that produced an answer's tokens (None: unknown, generate it again).
+    @property
+    def engine_version(self) -> int | None:
+        """The version of `engine_weights` (None: unknown)."""
+        return None if self.engine_weights is None else self.engine_weights.version
+
+    async def segment_label(self, result: GenerateResult, before: EngineWeights | None) -> WeightLabel | None:
+        """The weights that produced an answer's tokens (None: unknown, generate it again).
 
         Labelled engines (SGLang, vLLM 0.32, hf) say it in the answer; "default" is the initial
         weights, version 0. Engines without labels: the trainer's record, read before the request
@@ -185,8 +190,9 @@ class EngineView:
         abort, so if no update began meanwhile, or exactly one began and cut this answer short, it
         ran on `before`'s weights. Otherwise it may have waited in the paused server and run on the
         new weights: unknown. So is a record of another incarnation."""
-        if before is None:
-            return result.weight_version  # the adapter read "default" as 0 (label_version); None: unknown
+        if before is None:  # (the adapter read "default" as version 0; None: unknown)
+            return None if result.weight_version is None else WeightLabel(result.weight_version,
+                                                                          result.weight_timeline)
         after = await self.record()
         if after.epoch == before.epoch or (after.epoch == before.epoch + 1 and result.finish_reason == "abort"):
             return before.label_for(self.incarnation)
@@ -211,7 +217,7 @@ class EngineView:
         return rec
 
     async def observe(self) -> None:
-        """Refresh `incarnation`, `engine_label` and `engine_version`: the engine's own label, or
+        """Refresh `incarnation`, `engine_label` and `engine_weights`: the engine's own label, or
         the trainer's record when it describes this incarnation (else unknown, None)."""
         lost, self._engine_lost = self._engine_lost, False
         try:
@@ -229,7 +235,7 @@ class EngineView:
             self.engine_label = label
             # What the server serves: its label; for an engine whose answers carry none, the
             # trainer's record of this incarnation (the label still shows a restart).
-            self.engine_version = (label_version(label) if self.labelled
+            self.engine_weights = (parse_label(label) if self.labelled
                                    else (await self.record()).label_for(self.incarnation))
         except BaseException:
             self._engine_lost = self._engine_lost or lost
@@ -241,27 +247,27 @@ class EngineView:
         log.warning("engine %s may have restarted (%s): its weights are unknown until the trainer's catch-up "
                     "loads the current version (new incarnation %s)", self.engine.url, why, incarnation[:8])
 
-    def usable(self, version: int | None) -> bool:
-        """Whether tokens of weights `version` may be generated: known, and within the admission
-        bound of the current policy version (older ones would only be dropped by the trainer)."""
-        return version is not None and self.version - version <= self.admission.version_bound
+    def usable(self, weights: WeightLabel | None) -> bool:
+        """Whether tokens of `weights` may be generated: known, and within the admission bound of
+        the current policy version (older ones would only be dropped by the trainer)."""
+        return weights is not None and self.version - weights.version <= self.admission.version_bound
 
     async def wait_for_weights(self) -> bool:
         """Return once the engine serves usable weights (`usable`); until then the worker is
         Degraded and looks again every WEIGHTS_POLL_S (one waiter polls, the others wait on it).
         An engine that cannot be asked raises (EngineError: the caller's outage handling applies)."""
-        if self.usable(self.engine_version) and not self._engine_lost:
+        if self.usable(self.engine_weights) and not self._engine_lost:
             return True
         async with self._weights_lock:
             counted = False
             while True:
                 await self.observe()
-                if self.usable(self.engine_version):
+                if self.usable(self.engine_weights):
                     break
                 if not counted:
                     counted = True
                     self.stats.weight_waits += 1
-                serves = "unknown weights" if self.engine_version is None else f"v{self.engine_version}"
+                serves = "unknown weights" if self.engine_weights is None else f"v{self.engine_weights}"
                 self.health.failing("engine-weights", self.engine.url,
                                     f"engine serves {serves} (label {self.engine_label!r}), policy v{self.version}, "
                                     f"version bound {self.admission.version_bound}: waiting for the trainer's catch-up",
@@ -329,7 +335,8 @@ class EngineView:
                 await self.registry.register(EngineInfo(
                     engine_id=self.cfg.engine_id, url=self.cfg.engine_url or self.engine.url,
                     weight_version=self.engine_version, ready=ready, heartbeat=observed,
-                    incarnation=self.incarnation, label=self.engine_label))
+                    incarnation=self.incarnation, label=self.engine_label,
+                    weight_timeline=self.engine_weights.timeline if self.engine_weights else 0))
             except Exception as exc:
                 reraise_if_cancelled(exc)
                 log.warning("engine heartbeat failed: %s", exc)

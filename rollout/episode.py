@@ -2,9 +2,9 @@
 
   sample()  one completion as a sequence of segments: when the engine answers "abort" (the trainer
             paused it to load new weights) the episode re-sends prompt + partial output with
-            max_new_tokens reduced; each segment's tokens carry the version of the weights that
-            produced them (EngineView.generate), so a response may span several versions. An answer
-            longer than `max_tokens_per_request` is continued the same way.
+            max_new_tokens reduced; each segment's tokens carry the label of the weights that
+            produced them (version and trainer timeline; EngineView.generate), so a response may
+            span several versions. An answer longer than `max_tokens_per_request` is continued the same way.
   group()   groupSize samples concurrently (the first failure cancels the others), scored, and
             checked trainable (asyncrl.transport.content.check_group: finite logprobs, one per
             token, ...). What happens to the group (published, its lease released, its prompt
@@ -35,6 +35,7 @@ class Sample:
     ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    timelines: list[int]
     finish: str
 
 
@@ -80,7 +81,8 @@ class Episode:
             samples=[TrajectorySample(
                 sample_index=i, response_ids=np.asarray(s.ids, dtype=np.int32),
                 behav_logprobs=np.asarray(s.logprobs, dtype=np.float32),
-                versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish)
+                versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish,
+                timelines=np.asarray(s.timelines, dtype=np.int32) if any(s.timelines) else None)
                 for i, (s, r) in enumerate(zip(samples, rewards))],
             engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
         problem = check_group(group, self.limits)
@@ -94,12 +96,13 @@ class Episode:
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []
+        tls: list[int] = []
         errors = RequestBudget()
         stalled = 0
         while True:
             remaining = budget - len(ids)
             if remaining <= 0:
-                return Sample(ids, lps, vers, "length")
+                return Sample(ids, lps, vers, tls, "length")
             asked = min(remaining, self.cfg.max_tokens_per_request or remaining)
             result = await self.view.generate(prompt_ids + ids, replace(self.cfg.sampling, max_new_tokens=asked),
                                               errors, slots=self._slots)
@@ -107,11 +110,12 @@ class Episode:
             ids += result.output_ids
             lps += result.logprobs
             vers += [result.weight_version] * len(result.output_ids)
+            tls += [result.weight_timeline] * len(result.output_ids)
             if result.finish_reason == "length" and asked < remaining and len(result.output_ids) == asked:
                 self.stats.segments += 1  # the segment cap, not the answer's budget: continue it
                 continue
             if result.finish_reason != "abort":
-                return Sample(ids, lps, vers, result.finish_reason)
+                return Sample(ids, lps, vers, tls, result.finish_reason)
             self.stats.interrupted += 1
             if self.stopping.is_set():
                 raise asyncio.CancelledError

@@ -33,6 +33,7 @@ import torch
 from asyncrl.errors import RolloutError
 from asyncrl.models import load_causal_lm, resolve_model_path
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
+from asyncrl.weight_labels import WeightLabel
 
 
 class WeightUpdateError(RolloutError, RuntimeError):
@@ -82,7 +83,8 @@ class HFEngine:
             eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
         pad = getattr(cfg, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else (self.eos_token_ids[0] if self.eos_token_ids else 0)
-        self.weight_version = weight_version
+        self.weight_label = WeightLabel(weight_version)
+        """The label of the weights served (set by each update that names one)."""
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -144,10 +146,15 @@ class HFEngine:
             self._cond.notify_all()
 
     @property
+    def weight_version(self) -> int:
+        """The version of `weight_label`."""
+        return self.weight_label.version
+
+    @property
     def paused(self) -> bool:
         return self._pause_mode is not None
 
-    def update_weights(self, path: str, version: int | None = None) -> None:
+    def update_weights(self, path: str, version: WeightLabel | int | None = None) -> None:
         """Load a safetensors directory atomically; raises WeightUpdateError and changes nothing on failure."""
         state = self._read_weights(path)
         with self._model_lock:
@@ -156,7 +163,7 @@ class HFEngine:
                 for name, tensor in state.items():
                     params[name].copy_(tensor)
             if version is not None:
-                self.weight_version = version
+                self.weight_label = WeightLabel.of(version)
             self.model_path = str(path)
 
     # ------------------------------------------------------------------ collective weight sync
@@ -186,7 +193,8 @@ class HFEngine:
         self._group_backends.pop(group_name, None)
         close_group(group)
 
-    def update_weights_from_group(self, specs: list[Any], group_name: str, version: int | None = None) -> None:
+    def update_weights_from_group(self, specs: list[Any], group_name: str,
+                                  version: WeightLabel | int | None = None) -> None:
         """Receive one bucket of tensors from the group's rank 0 and load it between decoding steps.
 
         Every tensor is received before anything is checked (the sender's broadcast must complete);
@@ -216,7 +224,7 @@ class HFEngine:
                     raise WeightUpdateError(
                         f"version {version} is incomplete: {len(missing)} parameter(s) never received "
                         f"({', '.join(missing[:5])}{'...' if len(missing) > 5 else ''}); label not changed")
-                self.weight_version = version
+                self.weight_label = WeightLabel.of(version)
 
     def parameter_head(self, name: str, size: int) -> list[float] | None:
         """The first `size` values of parameter `name` (flattened, as floats); None if there is none."""
@@ -237,7 +245,7 @@ class HFEngine:
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"waiting": len(self._waiting), "running": len(self._running), "paused": self.paused,
-                    "tokens_generated": self.tokens_generated, "weight_version": self.weight_version}
+                    "tokens_generated": self.tokens_generated, "weight_version": str(self.weight_label)}
 
     # ------------------------------------------------------------------ weights
 
@@ -292,8 +300,9 @@ class HFEngine:
         else:
             meta["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue" if not req.output_ids
                                      else "Abort by pause_generation"}
+        label = self.weight_label
         req.future.set_result(GenerateResult(list(req.output_ids), list(req.logprobs), reason,  # type: ignore[arg-type]
-                                             self.weight_version, meta))
+                                             label.version, meta, weight_timeline=label.timeline))
 
     def _take_batch(self) -> list[_Request]:
         with self._cond:

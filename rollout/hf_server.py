@@ -39,8 +39,8 @@ from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout.engines.auth import require_api_key
 from asyncrl.rollout.engines.base import SamplingParams as EngineSamplingParams
-from asyncrl.rollout.engines.base import parse_version
 from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
+from asyncrl.weight_labels import WeightLabel, parse_label
 
 # Lazy imports (inside functions): fastapi and uvicorn (no core dependency: the operator image lacks
 # them) and torch with what imports it (hf_engine, weight_group), because the CLI imports this module
@@ -200,18 +200,18 @@ def _succeeded(message: str) -> dict[str, Any]:
     return {"success": True, "message": message}
 
 
-def _weight_version(label: str | None, refuse: Callable[[str], _Refusal]) -> int | None:
-    """The version a request's weight_version label names (None: no label), read with parse_version
-    as everywhere else; a label that is no version number is refused."""
+def _weight_version(label: str | None, refuse: Callable[[str], _Refusal]) -> WeightLabel | None:
+    """The weights a request's weight_version label names (None: no label), read with parse_label
+    as everywhere else; a label that names no version is refused."""
     if label is None:
         return None
-    version = parse_version(label)
+    version = parse_label(label)
     if version is None:
-        raise refuse(f"weight_version {label!r} is not an integer")
+        raise refuse(f"weight_version {label!r} is not a version label (N or N@timeline)")
     return version
 
 
-def _bucket(body: UpdateWeightsFromDistributedReqInput) -> tuple[list[TensorSpec], int | None]:
+def _bucket(body: UpdateWeightsFromDistributedReqInput) -> tuple[list[TensorSpec], WeightLabel | None]:
     """A broadcast bucket's tensors and version label, checked before the engine joins the broadcast."""
     from asyncrl.weight_group import TensorSpec, parse_dtype  # lazy: imports torch (see the imports)
 
@@ -287,7 +287,7 @@ class EngineRoutes:
         meta.update({
             "completion_tokens": len(result.output_ids),
             "cached_tokens": 0,
-            "weight_version": str(result.weight_version),
+            "weight_version": str(WeightLabel(result.weight_version or 0, result.weight_timeline)),
         })
         if body.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
@@ -369,11 +369,11 @@ class EngineRoutes:
         """/model_info (readiness) and /get_model_info: the model, its weight version, this server's life."""
         engine = self.engine
         return {"model_path": engine.model_path, "tokenizer_path": self.model_name or engine.model_path,
-                "is_generation": True, "weight_version": str(engine.weight_version),
+                "is_generation": True, "weight_version": str(engine.weight_label),
                 "preferred_sampling_params": None, "engine": "asyncrl-hf", "incarnation": self.incarnation}
 
     async def get_weight_version(self) -> Any:
-        return {"weight_version": str(self.engine.weight_version)}
+        return {"weight_version": str(self.engine.weight_label)}
 
     async def ready(self) -> Any:
         return {"status": "ready"}

@@ -44,5 +44,6 @@ def test_every_component_killed_the_job_loses_nothing_trains_nothing_twice_and_f
     assert result.restarts.get("redis") == 1 and result.restarts.get("trainer", 0) >= 3, log
     assert result.finished and result.steps == 30, log
     assert (result.lost, result.twice, result.final_drift) == (0, 0, 0), log
+    assert result.foreign == 0, log  # no group trained on weights outside the final lineage
     assert result.trained == 30 * cfg.batch_size, log  # the final lineage: every step's batch, once
     assert result.longest_stall_s < STALL_BOUND_S, log

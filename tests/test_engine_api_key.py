@@ -17,6 +17,7 @@ from asyncrl.rollout.engines.base import EngineError, GenerateResult
 from asyncrl.rollout.hf_server import create_app
 from asyncrl.runtime import ENV_ENGINE_API_KEY, Runtime
 from asyncrl.trainer.weight_sync import WeightSyncError, update_engines
+from asyncrl.weight_labels import WeightLabel
 from tests.support.sglang_fake import FakeSGLang, ServerThread
 
 KEY = "k3y-for-tests"
@@ -31,13 +32,13 @@ class StubEngine:
     """What hf_server.create_app calls on an HFEngine, without a model."""
 
     model_path = "stub/model"
-    weight_version = 0
+    weight_label = WeightLabel(0)
     paused = False
 
     def submit(self, ids: list[int], params: Any, rid: str | None = None) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(GenerateResult(output_ids=[5], logprobs=[-0.5], finish_reason="length",
-                                      weight_version=self.weight_version,
+                                      weight_version=self.weight_label.version,
                                       meta={"finish_reason": {"type": "length", "length": 1}}))
         return fut
 
@@ -47,8 +48,8 @@ class StubEngine:
     def resume(self) -> None:
         self.paused = False
 
-    def update_weights(self, path: str, version: int | None) -> None:
-        self.weight_version = version if version is not None else self.weight_version
+    def update_weights(self, path: str, version: WeightLabel | None) -> None:
+        self.weight_label = version if version is not None else self.weight_label
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -25,6 +25,7 @@ from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
+from asyncrl.weight_labels import WeightLabel
 from tests.support.jobs import JobBuilder
 from tests.support.polling import poll
 from tests.support.sglang_fake import FakeSGLang, fake_logprob
@@ -109,7 +110,7 @@ async def test_the_registry_never_names_the_version_of_a_restarted_engine(env):
     await registry.register(EngineInfo("e", "http://e", None, True, time.time() + 1, incarnation="b"))
     assert [e.weight_version for e in await registry.list()] == [None]
     rec = await registry.weights("e")
-    assert rec is not None and rec.label_for("a") == 4 and rec.label_for("b") is None
+    assert rec is not None and rec.label_for("a") == WeightLabel(4) and rec.label_for("b") is None
 
 
 async def test_catch_up_reloads_an_engine_whose_version_is_unknown(env, tmp_path: Path):
@@ -233,7 +234,7 @@ async def test_the_hf_server_names_its_incarnation():
 
     from asyncrl.rollout.hf_server import create_app
 
-    engine = SimpleNamespace(model_path="m", weight_version=0, paused=False)
+    engine = SimpleNamespace(model_path="m", weight_label=WeightLabel(0), paused=False)
     seen = []
     for _ in range(2):  # two server starts
         app = create_app(engine, model_name="m")

@@ -57,7 +57,8 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert conds["WeightsSynced"]["status"] == "False" and conds["WeightsSynced"]["reason"] == "Lagging"
             assert s["recovery"] == {"deadLettered": 0, "driftLost": 0, "driftFound": 0, "leasesReturned": 0,
                                      "recoveredEntries": 0, "reclaimedEntries": 0, "fencedEngines": 0,
-                                     "trainerRestarts": 0, "engineRestarts": 0, "engineResyncs": 0}
+                                     "trainerRestarts": 0, "engineRestarts": 0, "engineResyncs": 0,
+                                     "ghostGroupsDropped": 0}
 
             # Recovery figures grow: in the job's status, and one Event per figure that grew.
             engines = [e.model_copy(update={"fenced": "3 failed updates"} if i == 0 else {})
@@ -65,19 +66,22 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             trainer.report = evaluated_report().model_copy(update={
                 "dead_lettered": 1, "rollout": engines,
                 "recovery": RecoveryReport(dead_lettered=2, drift_lost=1, leases_returned=3, fenced_engines=1,
-                                           trainer_restarts=1, engine_resyncs=2)})
+                                           trainer_restarts=1, engine_resyncs=2, ghost_groups_dropped=3)})
             await poll(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
                            log=op.log)
             assert status()["recovery"] == {"deadLettered": 2, "driftLost": 1, "driftFound": 0, "leasesReturned": 3,
                                             "recoveredEntries": 0, "reclaimedEntries": 0, "fencedEngines": 1,
-                                            "trainerRestarts": 1, "engineRestarts": 0, "engineResyncs": 2}
+                                            "trainerRestarts": 1, "engineRestarts": 0, "engineResyncs": 2,
+                                            "ghostGroupsDropped": 3}
             reasons = lambda: {e.get("reason"): e.get("message") for e in emu.all("events", NS)}  # noqa: E731
             await poll(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned",
-                                    "EngineFenced", "TrainerRestarted", "EngineResynced"} <= set(reasons()),
+                                    "EngineFenced", "TrainerRestarted", "EngineResynced",
+                                    "GhostGroupsDropped"} <= set(reasons()),
                            what="recovery events", log=op.log)
             assert reasons()["GroupsDeadLettered"].startswith("2 more trajectory group(s) refused")
             assert "asyncrl dead-letters" in reasons()["GroupsDeadLettered"]
             assert reasons()["EngineFenced"].startswith("1 more rollout engine(s) fenced")
+            assert reasons()["GhostGroupsDropped"].startswith("3 more trajectory group(s) dropped")
 
             # The trainer finishes: the job succeeds, GPUs are released, Complete is True.
             trainer.report = evaluated_report().model_copy(update={"phase": "Succeeded", "step": 400})

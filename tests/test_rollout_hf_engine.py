@@ -170,7 +170,7 @@ async def test_http_server_speaks_the_sglang_surface(engine, tokenizer, tmp_path
         async with httpx.AsyncClient() as http:  # a label that is not a version number: refused, nothing loaded
             resp = await http.post(f"{server.url}/update_weights_from_disk",
                                    json={"model_path": str(tmp_path / "v9"), "weight_version": "latest"})
-        assert resp.status_code == 400 and "'latest' is not an integer" in resp.json()["message"]
+        assert resp.status_code == 400 and "'latest' is not a version label" in resp.json()["message"]
         assert (await client.model_info())["weight_version"] == "9"
     finally:
         engine.update_weights(str(_save(state, tmp_path / "v0")), 0)

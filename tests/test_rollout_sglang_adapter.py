@@ -16,6 +16,7 @@ import pytest
 from asyncrl.rollout.engines import SamplingParams, make_engine
 from asyncrl.rollout.engines.base import EngineError
 from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.weight_labels import WeightLabel
 from tests.support.sglang_fake import FakeSGLang, fake_logprob, fake_token
 
 REAL_URL = os.environ.get("ASYNCRL_SGLANG_URL")
@@ -180,7 +181,7 @@ async def test_model_info_falls_back_to_the_deprecated_name_on_404():
 
     engine = SGLangEngine("http://old-sglang:30000", client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
     assert await engine.ready()
-    assert await engine.weight_version() == 4
+    assert await engine.weight_label() == WeightLabel(4)
     assert seen == ["/model_info", "/get_model_info"] * 2
 
 

@@ -31,6 +31,7 @@ from asyncrl.rollout.engines.sglang import LEGACY_MODEL_INFO_PATH, MODEL_INFO_PA
 from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
 from asyncrl.spec import RolloutSpec
 from asyncrl.weight_group import TensorSpec
+from asyncrl.weight_labels import WeightLabel
 
 REPO = Path(__file__).resolve().parent.parent
 PIN_DIR = REPO / ".tools" / f"sglang-{PINNED_VERSION}"
@@ -342,7 +343,7 @@ async def _drive_adapter(missing: frozenset[str] = frozenset()) -> list[tuple[st
     await engine.resume()
     assert await engine.ready()
     await engine.model_info()
-    assert await engine.weight_version() == 3
+    assert await engine.weight_label() == WeightLabel(3)
     await engine.close()
     return rec.calls
 

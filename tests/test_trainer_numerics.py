@@ -223,7 +223,7 @@ def test_a_non_finite_loss_is_shown_as_zero_in_the_strict_json_report() -> None:
                          staleness_histogram={"0": 4}, loss=nan, importance_weight_max=float("inf"),
                          importance_weight_mean=nan, full_ratio_max=nan, full_ratio_mean=nan, behav_ess=nan,
                          behav_kl=float("inf"), compute_seconds=1.0, updates=1, skipped_updates=1)
-    trainer.finish_step([SimpleNamespace(group_id="g0")], record)
+    trainer.finish_step([SimpleNamespace(group_id="g0", samples=[])], record)
     report = trainer.get_report()
     json.dumps(report.model_dump(mode="json"), allow_nan=False)  # what the status endpoint sends
     last = report.last_step

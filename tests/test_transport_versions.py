@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel, VersionEvent
+from asyncrl.weight_labels import WeightLabel
 
 NAMES = StreamNames.for_job("job")
 
@@ -61,7 +62,7 @@ async def test_trainer_record_of_engine_weights(transport_redis):
     await registry.register(EngineInfo("e0", "http://e0:30000", 0, True, t0))
 
     rec = await registry.begin_update("e0", 1, timeout_s=30)
-    assert (rec.version, rec.updating, rec.epoch, rec.label) == (None, 1, 1, 0) and rec.in_progress()
+    assert (rec.version, rec.updating, rec.epoch, rec.label) == (None, 1, 1, WeightLabel(0)) and rec.in_progress()
     assert (await registry.list())[0].weight_version == 0  # not loaded yet
     rec = await registry.end_update("e0", loaded=True)
     assert (rec.version, rec.updating, rec.epoch, rec.in_progress()) == (1, None, 1, False)
@@ -80,6 +81,13 @@ async def test_trainer_record_of_engine_weights(transport_redis):
 
     # a marker past its deadline (the trainer died mid-update) does not hold anyone
     assert not EngineWeights(version=1, updating=2, until=time.time() - 1).in_progress()
+
+    # a later trainer timeline's label is recorded whole, and list() merges it whole
+    await registry.register(EngineInfo("e0", "http://e0:30000", 1, True, time.time()))
+    await registry.begin_update("e0", WeightLabel(3, 1), timeout_s=30)
+    rec = await registry.end_update("e0", loaded=True)
+    assert (rec.version, rec.timeline, rec.label) == (3, 1, WeightLabel(3, 1))
+    assert (await registry.list())[0].weights() == WeightLabel(3, 1)
 
 
 async def test_prune_forgets_engines_silent_too_long_and_their_records(transport_redis):

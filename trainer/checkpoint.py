@@ -63,6 +63,7 @@ import torch
 from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
 from asyncrl.trainer.distributed import DistContext, barrier, broadcast_object, unwrap
 from asyncrl.trainer.rng_state import load_rng_state, rng_file, save_rng_state
+from asyncrl.weight_labels import Lineage
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.json"
@@ -87,13 +88,29 @@ class TrainerState:
     window_group_ids: list[str] = field(default_factory=list)
     """Groups trained in steps (window_start_step, step], in order: what this checkpoint's commit
     acknowledges, and what a resume from it acknowledges again (see the top: enough, and bounded)."""
+    window_labels: dict[str, int] = field(default_factory=dict)
+    """Of the window's groups, how many had tokens of each weight label ("5", "5@1"; the lineage log
+    keeps them: which weights the lineage trained on, asyncrl.weight_labels)."""
     report: dict[str, Any] = field(default_factory=dict)
     """The TrainerReport at the checkpoint (history, staleness histogram)."""
+    timeline: int = 0
+    """The trainer timeline of this lineage's newest versions (asyncrl.weight_labels; 0 in a
+    checkpoint written before timelines existed)."""
+    shared_until: dict[str, int] = field(default_factory=dict)
+    """Earlier timeline (as a JSON key) -> its last version that is also this lineage's."""
+
+    def lineage(self) -> Lineage:
+        return Lineage(self.timeline, {int(t): int(v) for t, v in self.shared_until.items()})
+
+    def set_lineage(self, lineage: Lineage) -> None:
+        self.timeline = lineage.timeline
+        self.shared_until = {str(t): v for t, v in lineage.shared_until.items()}
 
     def start_window(self) -> None:
         """The window is acknowledged (committed, or settled on resume): the next one starts here."""
         self.window_start_step = self.step
         self.window_group_ids = []
+        self.window_labels = {}
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -155,12 +172,12 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
     return target
 
 
-def _read_log(root: Path, up_to_step: int | None = None) -> tuple[list[tuple[int, list[str]]], int]:
-    """The log's leading complete lines (of steps <= `up_to_step`, when given) as (step, ids), and
-    the byte offset where they end. Reading stops at a partial or unreadable line (a writer killed
-    mid-line) and at the first line past `up_to_step`: lines are in step order."""
+def _read_log(root: Path, up_to_step: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The log's leading complete lines (of steps <= `up_to_step`, when given), and the byte offset
+    where they end. Reading stops at a partial or unreadable line (a writer killed mid-line) and at
+    the first line past `up_to_step`: lines are in step order."""
     path = Path(root) / TRAINED_LOG
-    lines: list[tuple[int, list[str]]] = []
+    lines: list[dict[str, Any]] = []
     end = 0
     if not path.exists():
         return lines, end
@@ -170,12 +187,12 @@ def _read_log(root: Path, up_to_step: int | None = None) -> tuple[list[tuple[int
                 break
             try:
                 entry = json.loads(raw)
-                step, ids = int(entry["step"]), [str(g) for g in entry["group_ids"]]
+                entry["step"], entry["group_ids"] = int(entry["step"]), [str(g) for g in entry["group_ids"]]
             except (ValueError, KeyError, TypeError):
                 break
-            if up_to_step is not None and step > up_to_step:
+            if up_to_step is not None and entry["step"] > up_to_step:
                 break
-            lines.append((step, ids))
+            lines.append(entry)
             end += len(raw)
     return lines, end
 
@@ -186,8 +203,8 @@ def append_trained(root: Path, state: TrainerState) -> None:
     also after a power cut). A line whose checkpoint never landed is cut off by the next resume."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    line = {"step": state.step, "window_start_step": state.window_start_step,
-            "group_ids": list(state.window_group_ids)}
+    line = {"step": state.step, "window_start_step": state.window_start_step, "timeline": state.timeline,
+            "labels": dict(state.window_labels), "group_ids": list(state.window_group_ids)}
     path = root / TRAINED_LOG
     new = not path.exists()
     with open(path, "a") as fh:
@@ -219,7 +236,17 @@ def lineage_group_ids(root: Path, step: int | None = None) -> list[str]:
             return []
         step = read_state(latest).step
     lines, _ = _read_log(root, step)
-    return [g for _, ids in lines for g in ids]
+    return [g for entry in lines for g in entry["group_ids"]]
+
+
+def lineage_labels(root: Path, step: int) -> dict[str, int]:
+    """Of the groups trained in the lineage up to `step`, how many had tokens of each weight label
+    (lines written before labels were logged count none)."""
+    counts: dict[str, int] = {}
+    for entry in _read_log(root, step)[0]:
+        for label, n in entry.get("labels", {}).items():
+            counts[label] = counts.get(label, 0) + int(n)
+    return counts
 
 
 def read_state(path: Path) -> TrainerState:

@@ -41,6 +41,7 @@ import torch
 from asyncrl.rollout.engines.base import Engine
 from asyncrl.trainer.publish import BUCKET_BYTES, plan_buckets
 from asyncrl.weight_group import TensorSpec, close_group, open_group, send
+from asyncrl.weight_labels import WeightLabel
 
 log = logging.getLogger("asyncrl.trainer.collective_sync")
 
@@ -100,7 +101,7 @@ class CollectiveSync:
     def group_name(self) -> str | None:
         return self._group.name if self._group else None
 
-    async def sync(self, members: Sequence[GroupMember], path: Path, version: int) -> dict[str, str]:
+    async def sync(self, members: Sequence[GroupMember], path: Path, version: WeightLabel) -> dict[str, str]:
         """Load `path` (version `version`) into the paused `members`; the URLs not loaded, with why."""
         if not members:
             return {}
@@ -173,7 +174,7 @@ class CollectiveSync:
         return self._group
 
     async def _broadcast(self, group: _Group, members: Sequence[GroupMember], path: Path,
-                         version: int) -> dict[str, str]:
+                         version: WeightLabel) -> dict[str, str]:
         """Every bucket to every member; stops at the first failure (the group is then unusable)."""
         buckets = await asyncio.to_thread(plan_broadcast, Path(path), self.bucket_bytes)
         if not buckets:

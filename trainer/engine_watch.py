@@ -19,6 +19,7 @@ from asyncrl.trainer.publish import served_version, weights_path
 from asyncrl.trainer.reporter import Reporter
 from asyncrl.trainer.weight_sync import catch_up
 from asyncrl.transport.recovery import RecoveryCounters
+from asyncrl.weight_labels import Lineage
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -29,8 +30,11 @@ PRUNE_EVERY_S = 60.0
 class EngineWatch:
     """The engines as rank 0 sees them (no Redis connection: no engines, nothing counted)."""
 
-    def __init__(self, io: StreamIO | None, cfg: Any, *, weight_sync_lag: int, reporter: Reporter, main: bool):
+    def __init__(self, io: StreamIO | None, cfg: Any, *, weight_sync_lag: int, reporter: Reporter, main: bool,
+                 lineage: Lineage | None = None):
         self.io = io
+        self.lineage = lineage if lineage is not None else Lineage()
+        """The trainer's lineage: the label catch-up loads a version under."""
         self.cfg = cfg
         """The trainer's RunConfig: engine protocol, weights dir, waits, API key."""
         self.weight_sync_lag = weight_sync_lag
@@ -69,7 +73,8 @@ class EngineWatch:
         try:
             served = served_version(version, self.weight_sync_lag)
             path = weights_path(cfg.weights_dir, served).resolve()
-            resynced = await catch_up(cfg.engine_kind, self.io.registry, path, served, max_age_s=cfg.engine_max_age_s,
+            resynced = await catch_up(cfg.engine_kind, self.io.registry, path, self.lineage.label(served),
+                                      max_age_s=cfg.engine_max_age_s,
                                       timeout_s=cfg.weight_sync_timeout_s, api_key=cfg.engine_api_key)
             if resynced:
                 await self.count("engine_resyncs", len(resynced))

@@ -65,7 +65,7 @@ from asyncrl.trainer.collective_sync import CollectiveSync
 from asyncrl.trainer.engine_watch import EngineWatch
 from asyncrl.trainer.evaluation import ENGINE_REFRESH_S, Evaluations
 from asyncrl.trainer.forward import ModelForward
-from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key
+from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, labels_of
 from asyncrl.trainer.logprobs import packing_layout
 from asyncrl.trainer.objectives import build_objective
 from asyncrl.trainer.publish import (
@@ -77,6 +77,7 @@ from asyncrl.trainer.reporter import Reporter, Trackers
 from asyncrl.trainer.step import step_data, train_updates
 from asyncrl.trainer.step_metrics import append_metrics_line, summarize_step, written_evaluations
 from asyncrl.trainer.step_report import report_step
+from asyncrl.trainer.timelines import start_timeline
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -145,13 +146,16 @@ class Trainer:
         self.optimizer = optimizer
         self.tokenizer = tokenizer
         self.io = io
+        self.state = state or TrainerState()
+        self.lineage = self.state.lineage()
+        """This life's lineage (startup_sync starts its timeline): the labels the publisher and the
+        engines' catch-up put on versions, and what the inbox keeps. One object, updated in place."""
         self.inbox = None if io is None else GroupInbox(
-            io.consumer, io.admission, batch_size=self.spec.algorithm.batch_size,
+            io.consumer, io.admission, lineage=self.lineage, batch_size=self.spec.algorithm.batch_size,
             version_bound=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
             pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
             dynamic_sampling=self.spec.algorithm.dynamic_sampling is not None,
             max_draws=self.spec.algorithm.dynamic_sampling_draws, async_ratio=self.spec.staleness.async_ratio)
-        self.state = state or TrainerState()
         max_steps = self.spec.trainer.max_steps
         report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
         report.max_steps = max_steps
@@ -169,11 +173,12 @@ class Trainer:
         self._committed_step = self.state.step
         self._last_step_end = time.time()
         self.engines = EngineWatch(io, cfg, weight_sync_lag=self.spec.trainer.weight_sync_lag, reporter=self.reporter,
-                                   main=ctx.is_main)
+                                   main=ctx.is_main, lineage=self.lineage)
         self.collective = self._collective_sync() if ctx.is_main else None
         report.weight_transport = "collective" if self.collective is not None else "disk"
         self.publisher = Publisher(self.spec, cfg, ctx, model, tokenizer, io=io, collective=self.collective,
-                                   reporter=self.reporter, engines=self.engines, evaluations=self.evaluations)
+                                   reporter=self.reporter, engines=self.engines, evaluations=self.evaluations,
+                                   lineage=self.lineage)
         self.pad_id = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
         self.layout = self._layout()
 
@@ -309,8 +314,16 @@ class Trainer:
         self.state.start_window()
 
     async def startup_sync(self) -> None:
-        """After a resume, put the engines back on this lineage's weights (newer ones were lost).
-        Rank 0 decides; every rank takes part in writing them (a sharded model is gathered)."""
+        """Start this life's timeline (trainer/timelines.py); after a resume, put the engines back on
+        this lineage's weights (newer ones were lost). Rank 0 decides; every rank takes part in
+        writing them (a sharded model is gathered)."""
+        lineage = (await start_timeline(self.cfg.checkpoint_dir, self.engines.recovery, self.state)
+                   if self.ctx.is_main else None)
+        lineage = D.broadcast_object(lineage, self.ctx)
+        self.lineage.timeline, self.lineage.shared_until = lineage.timeline, lineage.shared_until
+        self.state.set_lineage(lineage)
+        with self.reporter.edit() as report:
+            report.timeline = lineage.timeline
         republish = False
         if self.ctx.is_main and self.io is not None:
             await self.io.admission.set_version(self.state.version)
@@ -342,6 +355,7 @@ class Trainer:
         await self.check_admission()   # (each step; then every pendingCheck while waiting)
         last_check = time.monotonic()
         while True:
+            self._count_ghosts(await self.inbox.drop_ghosts())
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
             self._count_zero_signal(await self.inbox.skip_zero_signal())
             starved = self.inbox.starved()
@@ -388,6 +402,14 @@ class Trainer:
         s = self.spec.staleness
         log.info("dropped %d over-stale group(s) (%s)", count, f"maxHeadOffpolicyness={s.max_head_offpolicyness}"
                  if s.async_ratio is None else f"asyncRatio={s.async_ratio}, bound {s.version_bound} version(s)")
+
+    def _count_ghosts(self, count: int) -> None:
+        if not count:
+            return
+        with self.reporter.edit() as report:
+            report.recovery.ghost_groups_dropped += count
+        log.warning("dropped %d group(s) generated on weights a trainer restart threw away (labelled with an "
+                    "earlier timeline's version past the one this lineage resumed from)", count)
 
     def _count_zero_signal(self, skipped: list[Any]) -> None:
         if not skipped:
@@ -470,6 +492,8 @@ class Trainer:
         st.groups_trained += len(groups)
         st.tokens_trained += metrics.tokens
         st.window_group_ids.extend(g.group_id for g in groups)
+        for label in (str(x) for g in groups for x in labels_of(g)):
+            st.window_labels[label] = st.window_labels.get(label, 0) + 1
         now = time.time()
         wall = max(now - self._last_step_end, 1e-9)
         self._last_step_end = now

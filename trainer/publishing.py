@@ -28,6 +28,7 @@ from asyncrl.trainer.publish import prune_weights, retained_versions, served_ver
 from asyncrl.trainer.reporter import Reporter
 from asyncrl.trainer.weight_sync import WeightSyncError, update_engines
 from asyncrl.transport.versions import VersionEvent
+from asyncrl.weight_labels import Lineage
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -97,8 +98,10 @@ class Publisher:
 
     def __init__(self, spec: AsyncRLJobSpec, cfg: Any, ctx: D.DistContext, model: Any, tokenizer: Any, *,
                  io: StreamIO | None, collective: CollectiveSync | None, reporter: Reporter, engines: EngineWatch,
-                 evaluations: Evaluations):
+                 evaluations: Evaluations, lineage: Lineage | None = None):
         self.spec, self.cfg, self.ctx = spec, cfg, ctx
+        self.lineage = lineage if lineage is not None else Lineage()
+        """The trainer's lineage: the label each version is loaded into the engines under."""
         self.model, self.tokenizer = model, tokenizer
         self.io, self.collective = io, collective
         self.reporter, self.engines, self.evaluations = reporter, engines, evaluations
@@ -144,7 +147,7 @@ class Publisher:
         engines = await self.io.registry.list(max_age_s=cfg.engine_max_age_s)
         if engines and (served == version or served_path.is_dir()):  # (lagged v0: the base model)
             try:
-                await update_engines(cfg.engine_kind, engines, served_path.resolve(), served,
+                await update_engines(cfg.engine_kind, engines, served_path.resolve(), self.lineage.label(served),
                                      registry=self.io.registry, timeout_s=cfg.weight_sync_timeout_s,
                                      api_key=cfg.engine_api_key, collective=self.collective)
             except WeightSyncError as exc:  # the failing engines are fenced: training goes on

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.errors import SpecError
+from asyncrl.files import write_file_atomically
 from asyncrl.spec import LoggingSpec, MlflowSpec, TensorBoardSpec, WandbSpec
 from asyncrl.status_report import EvalRecord
 
@@ -225,10 +226,7 @@ class RunIds:
             if data.get("job") != self.job:
                 data = {"job": self.job}
             data[tracker] = run_id
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
-            os.replace(tmp, self.path)
+            write_file_atomically(self.path, json.dumps(data, indent=1) + "\n")
 
     def _read(self) -> dict[str, Any]:
         try:

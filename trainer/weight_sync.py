@@ -51,6 +51,7 @@ from asyncrl.rollout.engines import Engine, make_engine
 from asyncrl.rollout.engines.base import EngineError
 from asyncrl.trainer.collective_sync import CollectiveSync, GroupMember
 from asyncrl.transport.versions import EngineInfo, EngineRegistry
+from asyncrl.weight_labels import WeightLabel
 
 log = logging.getLogger("asyncrl.trainer.weight_sync")
 
@@ -84,7 +85,7 @@ class SyncResult:
     """URLs of registered engines left out: not ready, or fenced (catch-up retries those)."""
 
 
-async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: int, *,
+async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: WeightLabel | int, *,
                          registry: EngineRegistry | None = None, timeout_s: float = 120.0,
                          include_fenced: bool = False, api_key: str | None = None,
                          collective: CollectiveSync | None = None) -> SyncResult:
@@ -97,6 +98,7 @@ async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: P
     an engine it did not load loads `path` from disk instead. Each step has `timeout_s`.
     """
     start = time.perf_counter()
+    version = WeightLabel.of(version)
     chosen = [e for e in engines if isinstance(e, str) or (e.ready and (include_fenced or not e.fenced))]
     skipped = tuple(e.url for e in engines if not isinstance(e, str) and e not in chosen)
     targets = [_Target(e, make_engine(kind, e if isinstance(e, str) else e.url, timeout=timeout_s,
@@ -108,7 +110,7 @@ async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: P
             missed = await collective.sync([t.member() for t in paused], path, version)
             for t in paused:
                 if t.url in missed:
-                    log.warning("%s: collective weight sync failed (%s): loading v%d from disk", t.url,
+                    log.warning("%s: collective weight sync failed (%s): loading v%s from disk", t.url,
                                 missed[t.url], version)
                 else:
                     t.loaded = True
@@ -175,7 +177,7 @@ class _Target:
                            incarnation=self.incarnation or "", client=self.client)
 
 
-async def _pause(t: _Target, registry: EngineRegistry | None, version: int, timeout_s: float) -> None:
+async def _pause(t: _Target, registry: EngineRegistry | None, version: WeightLabel, timeout_s: float) -> None:
     """Steps 1-2: mark the record "updating to `version`", then pause (running requests abort)."""
     if registry is not None and t.engine_id is not None:
         await registry.begin_update(t.engine_id, version, timeout_s)
@@ -183,7 +185,7 @@ async def _pause(t: _Target, registry: EngineRegistry | None, version: int, time
     await t.client.pause(mode="abort")
 
 
-async def _load_from_disk(t: _Target, path: Path, version: int) -> None:
+async def _load_from_disk(t: _Target, path: Path, version: WeightLabel) -> None:
     """Step 3 over the shared volume."""
     await t.client.update_weights(str(path), version)
     t.loaded = True
@@ -214,7 +216,8 @@ async def _release(t: _Target, registry: EngineRegistry | None, timeout_s: float
         log.warning("%s: cleaning up after the failed update failed too: %s", t.url, cleanup_error)
 
 
-async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int, *, max_age_s: float = 30.0,
+async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: WeightLabel | int, *,
+                   max_age_s: float = 30.0,
                    timeout_s: float = 120.0, api_key: str | None = None) -> list[str]:
     """Load `version` (at `path`) into ready engines that serve another version or one nobody can
     name (None: restarted since the trainer's record); their URLs. A fenced engine is tried again
@@ -224,6 +227,7 @@ async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int
     an engine that restarted serves it already)."""
     if not await asyncio.to_thread(Path(path).is_dir):
         return []
+    version = WeightLabel.of(version)
     records = await registry.all_weights()
     now = time.time()
 
@@ -232,10 +236,10 @@ async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: int
         return not e.fenced or rec is None or now >= rec.retry_at
 
     lagging = [e for e in await registry.list(max_age_s=max_age_s)
-               if e.ready and e.weight_version != version and due(e)]
+               if e.ready and e.weights() != version and due(e)]
     if lagging:
-        log.info("catching up engine(s) %s to version %d", ", ".join(
-            f"{e.url} (serving {'an unknown version' if e.weight_version is None else f'v{e.weight_version}'}"
+        log.info("catching up engine(s) %s to version %s", ", ".join(
+            f"{e.url} (serving {'an unknown version' if e.weights() is None else f'v{e.weights()}'}"
             f"{', fenced' if e.fenced else ''})" for e in lagging), version)
         await update_engines(kind, lagging, path, version, registry=registry, timeout_s=timeout_s,
                              include_fenced=True, api_key=api_key)

@@ -1,6 +1,7 @@
 """Job-wide recovery counters: how often the job's trainer started, its engines restarted and were
-re-synced. Kept in Redis (one hash per job) rather than in a checkpoint, so a trainer killed before
-its next checkpoint still counts; the trainer writes them, the status report and the operator read."""
+re-synced; and the trainer timeline started last. Kept in Redis (one hash per job) rather than in a
+checkpoint, so a trainer killed before its next checkpoint still counts; the trainer writes them,
+the status report and the operator read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import redis.asyncio as aioredis
 from .names import StreamNames
 
 FIELDS = ("trainer_starts", "engine_restarts", "engine_resyncs")
+TIMELINE_FIELD = "timeline"
+"""Beside the counters: the trainer timeline started last (trainer/timelines.py)."""
 
 
 @dataclass
@@ -33,6 +36,14 @@ class RecoveryCounters:
         if field not in FIELDS:
             raise ValueError(f"unknown recovery counter {field!r}; allowed: {', '.join(FIELDS)}")
         return int(await self.redis.hincrby(self.key, field, n))
+
+    async def last_timeline(self) -> int | None:
+        """The trainer timeline started last (asyncrl.weight_labels; None: none recorded)."""
+        raw = await self.redis.hget(self.key, TIMELINE_FIELD)
+        return None if raw is None else int(raw)
+
+    async def set_timeline(self, timeline: int) -> None:
+        await self.redis.hset(self.key, TIMELINE_FIELD, timeline)
 
     async def read(self) -> RecoveryCounts:
         raw = await self.redis.hmget(self.key, list(FIELDS))

@@ -29,6 +29,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from asyncrl.weight_labels import WeightLabel
+
 from .names import StreamNames
 
 VERSION_HISTORY = 1000
@@ -124,6 +126,12 @@ class EngineInfo:
     reports none (vLLM), or it could not be read)."""
     fenced: str = ""
     """From `EngineRegistry.list()`: why the trainer fenced this engine ("" = not fenced)."""
+    weight_timeline: int = 0
+    """The trainer timeline of `weight_version` (asyncrl.weight_labels)."""
+
+    def weights(self) -> WeightLabel | None:
+        """The label of the weights it serves (None: unknown)."""
+        return None if self.weight_version is None else WeightLabel(self.weight_version, self.weight_timeline)
 
 
 @dataclass
@@ -132,8 +140,12 @@ class EngineWeights:
 
     version: int | None = None
     """The version the trainer last loaded (None: never; the engine serves its initial weights, 0)."""
+    timeline: int = 0
+    """The trainer timeline of `version` (asyncrl.weight_labels)."""
     updating: int | None = None
     """The version being loaded while the trainer holds the engine paused, else None."""
+    updating_timeline: int = 0
+    """The trainer timeline of `updating`."""
     until: float = 0.0
     """Unix time after which an `updating` marker is void (a trainer that died mid-update)."""
     epoch: int = 0
@@ -155,16 +167,16 @@ class EngineWeights:
         return self.updating is not None and (time.time() if now is None else now) < self.until
 
     @property
-    def label(self) -> int:
-        """The version the engine serves as far as the trainer knows (0: its initial weights)."""
-        return self.version if self.version is not None else 0
+    def label(self) -> WeightLabel:
+        """The weights the engine serves as far as the trainer knows (version 0: its initial ones)."""
+        return WeightLabel(self.version, self.timeline) if self.version is not None else WeightLabel(0)
 
-    def label_for(self, incarnation: str) -> int | None:
-        """The version engine life `incarnation` serves as far as the trainer knows; None: unknown
+    def label_for(self, incarnation: str) -> WeightLabel | None:
+        """The weights engine life `incarnation` serves as far as the trainer knows; None: unknown
         (the trainer loaded weights into an earlier life of the server, or into another one)."""
         if self.version is None:
-            return 0  # never loaded: the server serves the weights it was launched with
-        return self.version if self.incarnation == incarnation else None
+            return WeightLabel(0)  # never loaded: the server serves the weights it was launched with
+        return self.label if self.incarnation == incarnation else None
 
 
 def _weights(raw: Any) -> EngineWeights | None:
@@ -234,7 +246,7 @@ class EngineRegistry:
             rec = records.get(info.engine_id)
             if (rec is not None and rec.version is not None and rec.incarnation == info.incarnation
                     and (info.weight_version is None or rec.time >= info.heartbeat)):
-                info.weight_version = rec.version
+                info.weight_version, info.weight_timeline = rec.version, rec.timeline
             if rec is not None:
                 info.fenced = rec.fenced
             out.append(info)
@@ -267,11 +279,13 @@ class EngineRegistry:
                 out[_s(key)] = rec
         return out
 
-    async def begin_update(self, engine_id: str, version: int, timeout_s: float) -> EngineWeights:
+    async def begin_update(self, engine_id: str, version: WeightLabel | int, timeout_s: float) -> EngineWeights:
         """Mark `engine_id` as being updated to `version` (before pausing it)."""
         rec = await self.weights(engine_id) or EngineWeights()
         now = time.time()
-        rec = replace(rec, updating=version, until=now + timeout_s, epoch=rec.epoch + 1, time=now)
+        label = WeightLabel.of(version)
+        rec = replace(rec, updating=label.version, updating_timeline=label.timeline, until=now + timeout_s,
+                      epoch=rec.epoch + 1, time=now)
         await self._write(engine_id, rec)
         return rec
 
@@ -281,8 +295,8 @@ class EngineRegistry:
         update changes nothing we can know)."""
         rec = await self.weights(engine_id) or EngineWeights()
         if loaded and rec.updating is not None:
-            rec = replace(rec, version=rec.updating, incarnation=incarnation or "", fenced="", failures=0,
-                          retry_at=0.0)
+            rec = replace(rec, version=rec.updating, timeline=rec.updating_timeline, incarnation=incarnation or "",
+                          fenced="", failures=0, retry_at=0.0)
         rec = replace(rec, updating=None, until=0.0, time=time.time())
         await self._write(engine_id, rec)
         return rec

@@ -11,7 +11,12 @@ size costs a constant number of fields (decode = a few `np.frombuffer` plus slic
      "prompt": bin(int32 LE),
      "n": bin(int32: response length per sample), "i": bin(int32: sample index per sample),
      "r": bin(float64: reward per sample), "fin": [str per sample: stop|length|abort],
-     "ids": bin(int32: all responses concatenated), "lp": bin(float32), "ver": bin(int32)}
+     "ids": bin(int32: all responses concatenated), "lp": bin(float32), "ver": bin(int32),
+     "tl": bin(int32)}   (optional: absent when every token is of timeline 0)
+
+"ver" and "tl" label each token with the weights that produced it: policy version and trainer
+timeline (asyncrl.weight_labels). "tl" came after schema version 1 was set: a payload without it
+is timeline 0 throughout, as every payload written before timelines existed.
 
 Unknown keys are ignored (additive fields do not need a new schema version); a different "v" is
 rejected. Every decoding failure raises WireFormatError and nothing else, so a consumer can route
@@ -52,6 +57,12 @@ class TrajectorySample:
     versions: np.ndarray
     reward: float
     finish_reason: str
+    timelines: np.ndarray | None = None
+    """Per token, the trainer timeline of its version (asyncrl.weight_labels); None: all 0."""
+
+    def token_timelines(self) -> np.ndarray:
+        """`timelines`, zeros when None."""
+        return np.zeros(len(self.versions), dtype=_I32) if self.timelines is None else self.timelines
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrajectorySample):
@@ -60,7 +71,8 @@ class TrajectorySample:
                 and self.finish_reason == other.finish_reason
                 and np.array_equal(self.response_ids, other.response_ids)
                 and np.array_equal(self.behav_logprobs, other.behav_logprobs, equal_nan=True)
-                and np.array_equal(self.versions, other.versions))
+                and np.array_equal(self.versions, other.versions)
+                and np.array_equal(self.token_timelines(), other.token_timelines()))
 
 
 @dataclass(eq=False)
@@ -140,25 +152,27 @@ def encode_group(g: TrajectoryGroup) -> bytes:
             raise WireFormatError(f"{name} must be a string")
     if not g.group_id:
         raise WireFormatError("group_id must not be empty (it is the dedupe key)")
-    ids, lps, vers, lengths = [], [], [], []
+    ids, lps, vers, tls, lengths = [], [], [], [], []
     for s in g.samples:
         a = _as_array("response_ids", s.response_ids, _I32)
         b = _as_array("behav_logprobs", s.behav_logprobs, _F32)
         c = _as_array("versions", s.versions, _I32)
-        if not len(a) == len(b) == len(c):
+        t = _as_array("timelines", s.token_timelines(), _I32)
+        if not len(a) == len(b) == len(c) == len(t):
             raise WireFormatError(
-                f"sample {s.sample_index}: response_ids ({len(a)}), behav_logprobs ({len(b)}) "
-                f"and versions ({len(c)}) must have the same length")
+                f"sample {s.sample_index}: response_ids ({len(a)}), behav_logprobs ({len(b)}), "
+                f"versions ({len(c)}) and timelines ({len(t)}) must have the same length")
         if s.finish_reason not in FINISH_REASONS:
             raise WireFormatError(f"sample {s.sample_index}: finish_reason {s.finish_reason!r} "
                                   f"is not one of {FINISH_REASONS}")
         ids.append(a)
         lps.append(b)
         vers.append(c)
+        tls.append(t)
         lengths.append(len(a))
-    all_versions = _concat(vers, _I32)
-    if len(all_versions) and all_versions.min() < 0:
-        raise WireFormatError("versions must be >= 0")
+    all_versions, all_timelines = _concat(vers, _I32), _concat(tls, _I32)
+    if len(all_versions) and min(all_versions.min(), all_timelines.min()) < 0:
+        raise WireFormatError("versions and timelines must be >= 0")
     doc = {"v": SCHEMA_VERSION, "job": g.job, "gid": g.group_id, "pid": g.prompt_id,
            "prompt": _bin(_as_array("prompt_ids", g.prompt_ids, _I32)), "eng": g.engine_id,
            "ct": float(g.created_at), "pt": float(g.published_at),
@@ -168,6 +182,8 @@ def encode_group(g: TrajectoryGroup) -> bytes:
            "fin": [s.finish_reason for s in g.samples],
            "ids": _bin(_concat(ids, _I32)), "lp": _bin(_concat(lps, _F32)),
            "ver": _bin(all_versions)}
+    if all_timelines.any():
+        doc["tl"] = _bin(all_timelines)
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -179,6 +195,8 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "prompt": bytes, "n": bytes, "i": bytes, "r": bytes, "fin": list, "ids": bytes, "lp": bytes,
     "ver": bytes}
 _ARRAYS: dict[str, np.dtype] = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
+_OPTIONAL: dict[str, np.dtype] = {"tl": _I32}
+"""Array fields a payload may leave out (read as all zeros)."""
 _FIN_SET = frozenset(FINISH_REASONS)
 
 
@@ -187,7 +205,7 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
     doc = _document(b)
     arrays = _arrays(doc)
     _check_samples(doc, arrays)
-    lengths, ids, lp, ver = arrays["n"], arrays["ids"], arrays["lp"], arrays["ver"]
+    lengths, ids, lp, ver, tl = arrays["n"], arrays["ids"], arrays["lp"], arrays["ver"], arrays.get("tl")
     fin = doc["fin"]
     version = doc["v"]
     samples = []
@@ -196,12 +214,12 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
                                                arrays["r"].tolist())):
         start, end = end, end + n
         samples.append(TrajectorySample(index, ids[start:end], lp[start:end], ver[start:end],
-                                        reward, fin[k]))
+                                        reward, fin[k], None if tl is None else tl[start:end]))
     return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
                            prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
                            created_at=float(doc["ct"]), published_at=float(doc["pt"]),
                            schema_version=version,
-                           extra={k: v for k, v in doc.items() if k not in _FIELDS})
+                           extra={k: v for k, v in doc.items() if k not in _FIELDS and k not in _OPTIONAL})
 
 
 
@@ -234,8 +252,10 @@ def _document(b: bytes | bytearray | memoryview) -> dict[str, Any]:
 def _arrays(doc: dict[str, Any]) -> dict[str, np.ndarray]:
     """The raw little-endian array fields as numpy views (no copy)."""
     arrays = {}
-    for key, dtype in _ARRAYS.items():
+    for key, dtype in {**_ARRAYS, **{k: d for k, d in _OPTIONAL.items() if k in doc}}.items():
         raw = doc[key]
+        if not isinstance(raw, bytes):
+            raise WireFormatError(f"field {key!r} has type {type(raw).__name__}")
         if len(raw) % dtype.itemsize:
             raise WireFormatError(f"field {key!r} has {len(raw)} bytes, not a multiple of "
                                   f"{dtype.itemsize} ({dtype.name})")
@@ -262,6 +282,11 @@ def _check_samples(doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
                               f"ids {len(ids)}, logprobs {len(lp)}, versions {len(ver)}")
     if total and ver.min() < 0:
         raise WireFormatError(f"negative policy version {int(ver.min())}")
+    tl = arrays.get("tl")
+    if tl is not None and len(tl) != total:
+        raise WireFormatError(f"timelines ({len(tl)}) disagree with the sample lengths ({total} tokens)")
+    if tl is not None and total and tl.min() < 0:
+        raise WireFormatError(f"negative timeline {int(tl.min())}")
     try:
         bad = not set(fin) <= _FIN_SET
     except TypeError:

@@ -18,6 +18,7 @@ import httpx
 
 from asyncrl.errors import RolloutError
 from asyncrl.rollout.engines.auth import auth_header
+from asyncrl.weight_labels import WeightLabel
 
 if TYPE_CHECKING:
     from asyncrl.weight_group import TensorSpec
@@ -49,8 +50,10 @@ class GenerateResult:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None
-    """The server's weight label when it answered (None if it reports none)."""
+    """The version of the server's weight label when it answered (None if it reports none)."""
     meta: dict[str, Any] = field(default_factory=dict)
+    weight_timeline: int = 0
+    """The trainer timeline of that label (asyncrl.weight_labels)."""
 
 
 class EngineError(RolloutError, RuntimeError):
@@ -84,8 +87,9 @@ class Engine(abc.ABC):
         """Stop generating; with "abort" running requests return their partial output."""
 
     @abc.abstractmethod
-    async def update_weights(self, path: str, version: int) -> None:
-        """Load weights from a directory and label them `version` (call while paused)."""
+    async def update_weights(self, path: str, version: WeightLabel | int) -> None:
+        """Load weights from a directory and label them `version` (call while paused; an int is a
+        timeline-0 version)."""
 
     async def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                 group_name: str, backend: str) -> None:
@@ -94,7 +98,7 @@ class Engine(abc.ABC):
                           retryable=False)
 
     async def update_weights_from_group(self, specs: Sequence[TensorSpec], group_name: str,
-                                        version: int | None) -> None:
+                                        version: WeightLabel | int | None) -> None:
         """Receive and load one bucket the trainer broadcasts; `version` on the last bucket labels it."""
         raise EngineError(f"{type(self).__name__} does not speak collective weight sync (disk only)", url=self.url,
                           retryable=False)
@@ -180,27 +184,3 @@ def _error_text(resp: httpx.Response) -> str:
                 return str(body[key])
     return str(body)[:500]
 
-
-LAUNCH_LABEL = "default"
-"""The label SGLang (the pin) puts on the weights it was launched with, before any update and after
-every restart. Our rollout pods launch the engine on `spec.model.path`, the base model: version 0."""
-
-
-def label_version(value: Any) -> int | None:
-    """The version a server's weight label names: LAUNCH_LABEL is the base model (0), an integer
-    label that version; anything else (or no label) is unknown (None), never a guess."""
-    if isinstance(value, str) and value.strip() == LAUNCH_LABEL:
-        return 0
-    return parse_version(value)
-
-
-def parse_version(value: Any) -> int | None:
-    """Weight labels are strings on the wire ("default" before any update); ours are integers."""
-    if value is None or isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    try:
-        return int(str(value).strip().removeprefix("v"))
-    except ValueError:
-        return None

@@ -40,8 +40,8 @@ from asyncrl.rollout.engines.base import (
     HTTPEngine,
     PauseMode,
     SamplingParams,
-    label_version,
 )
+from asyncrl.weight_labels import WeightLabel, parse_label
 
 if TYPE_CHECKING:
     from asyncrl.weight_group import TensorSpec
@@ -92,20 +92,23 @@ class SGLangEngine(HTTPEngine):
         kind = reason.get("type") if isinstance(reason, dict) else reason
         if kind not in ("stop", "length", "abort"):
             raise EngineError(f"/generate returned unknown finish_reason {reason!r}", url=self.url)
+        label = parse_label(meta.get("weight_version"))
         return GenerateResult(
             output_ids=ids,
             logprobs=logprobs,
             finish_reason=kind,
-            weight_version=label_version(meta.get("weight_version")),
+            weight_version=None if label is None else label.version,
+            weight_timeline=0 if label is None else label.timeline,
             meta={"finish_reason": reason, "id": meta.get("id"), "weight_label": meta.get("weight_version")},
         )
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", "/pause_generation", json={"mode": mode})
 
-    async def update_weights(self, path: str, version: int) -> None:
-        await self._succeed("/update_weights_from_disk",
-                            {"model_path": str(path), "weight_version": str(version), "abort_all_requests": False})
+    async def update_weights(self, path: str, version: WeightLabel | int) -> None:
+        await self._succeed("/update_weights_from_disk", {"model_path": str(path),
+                                                          "weight_version": str(WeightLabel.of(version)),
+                                                          "abort_all_requests": False})
 
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
@@ -130,12 +133,12 @@ class SGLangEngine(HTTPEngine):
             "world_size": int(world_size), "group_name": group_name, "backend": backend})
 
     async def update_weights_from_group(self, specs: Sequence[TensorSpec], group_name: str,
-                                        version: int | None) -> None:
+                                        version: WeightLabel | int | None) -> None:
         payload: dict[str, Any] = {"names": [s.name for s in specs], "dtypes": [s.dtype for s in specs],
                                    "shapes": [list(s.shape) for s in specs], "group_name": group_name,
                                    "flush_cache": version is not None, "abort_all_requests": False}
         if version is not None:
-            payload["weight_version"] = str(version)
+            payload["weight_version"] = str(WeightLabel.of(version))
         await self._succeed("/update_weights_from_distributed", payload)
 
     async def destroy_weight_group(self, group_name: str) -> None:
@@ -176,5 +179,6 @@ class SGLangEngine(HTTPEngine):
         assert resp is not None
         return resp
 
-    async def weight_version(self) -> int | None:
-        return label_version((await self.model_info()).get("weight_version"))
+    async def weight_label(self) -> WeightLabel | None:
+        """The label of the weights the server serves (None: unknown)."""
+        return parse_label((await self.model_info()).get("weight_version"))

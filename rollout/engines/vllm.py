@@ -15,7 +15,7 @@ logprobs *before* temperature, which are not the behaviour policy's when T != 1.
 
 Weight versions are the server's own, as with SGLang (`reports_weight_version = True`): each
 answer says which label produced its tokens ("default" = the launch weights = version 0, parsed
-by `label_version`), never the client's guess. An answer whose tokens span two labels (weights
+by `asyncrl.weight_labels.parse_label`), never the client's guess. An answer whose tokens span two labels (weights
 changed while it ran without an abort) keeps the first span and is returned as "abort", so the
 worker continues it on the new weights like any interrupted segment. An answer whose tokens carry
 no label has an unknown version (the worker generates it again once the weights are known).
@@ -37,8 +37,8 @@ from asyncrl.rollout.engines.base import (
     HTTPEngine,
     PauseMode,
     SamplingParams,
-    label_version,
 )
+from asyncrl.weight_labels import WeightLabel, parse_label
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
@@ -51,7 +51,7 @@ token ids and logprobs out, and the weight versions that produced them (`weight_
 def first_span(spans: Any, n_tokens: int) -> tuple[int, str | None]:
     """(how many leading tokens one weight version produced, its label) from an answer's
     `weight_versions` ([{version, start, end}], contiguous from 0). No spans for tokens: the server
-    reported no label, (n, None), and the tokens' version is unknown (label_version(None))."""
+    reported no label, (n, None), and the tokens' version is unknown (parse_label(None))."""
     if n_tokens == 0:
         return 0, None
     if not spans:
@@ -121,16 +121,19 @@ class VLLMEngine(HTTPEngine):
         keep, label = first_span(spans, len(ids))
         if keep < len(ids):  # weights changed inside the answer: keep the first span, continue the rest
             kind = "abort"
-        return GenerateResult(ids[:keep], [float(x) for x in raw_lps[:keep]], kind, label_version(label),
-                              {"finish_reason": reason, "request_id": out.get("request_id"), "weight_versions": spans})
+        weights = parse_label(label)
+        return GenerateResult(ids[:keep], [float(x) for x in raw_lps[:keep]], kind,
+                              None if weights is None else weights.version,
+                              {"finish_reason": reason, "request_id": out.get("request_id"), "weight_versions": spans},
+                              weight_timeline=0 if weights is None else weights.timeline)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", f"/pause?mode={_PAUSE_MODES.get(mode, mode)}")
 
-    async def update_weights(self, path: str, version: int) -> None:
+    async def update_weights(self, path: str, version: WeightLabel | int) -> None:
         await self._request("POST", "/collective_rpc",
                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
-        await self._request("POST", "/update_weight_version", json={"new_version": str(int(version))})
+        await self._request("POST", "/update_weight_version", json={"new_version": str(WeightLabel.of(version))})
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
