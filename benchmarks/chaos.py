@@ -404,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=1, help="engines (one rollout worker each)")
     parser.add_argument("--run-dir", type=Path, default=Path("runs/chaos"))
     args = parser.parse_args(argv)
+    args.run_dir = args.run_dir.resolve()  # (the job's processes run elsewhere: paths must not be relative)
     model = write_tiny_model(args.run_dir / "tiny-model")
     base = ChaosConfig(kills=0, max_steps=args.max_steps, replicas=args.replicas)
     undisturbed = run_chaos(args.run_dir / "undisturbed", base, model)
