@@ -2,9 +2,10 @@
 # Run the whole test suite on a fresh machine: sets up what it needs, then runs pytest.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k transport`).
 #
-# Without arguments the tiers that need no Kubernetes API (unit, integration) run first, while the
-# control plane compiles from source at the lowest CPU priority (cold: ~23 CPU-minutes, soaked up
-# by the cores those tests leave idle); the cluster tier runs once it is built. With arguments,
+# Without arguments every test that needs no control-plane binaries runs first (unit, integration
+# and the cluster tests on the emulator), on two pytest-xdist workers, while the control plane
+# compiles from source at the lowest CPU priority (cold: ~23 CPU-minutes, soaked up by whatever
+# CPU those tests leave); the tests marked `control_plane` run once it is built. With arguments,
 # pytest waits for the build and runs once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,9 +51,14 @@ fi
 
 # One pytest run; exit code 5 (nothing collected) is a failure here, never a vacuous pass.
 # --durations: the 30 slowest tests at the end, so where CI time goes is on record in every run.
+# Two pytest-xdist workers, a whole test file each at a time (--dist loadfile: a module's fixtures
+# are built once), heaviest files first (the order tests/conftest.py gives, which xdist would
+# otherwise replace by "most tests first"); ASYNCRL_TEST_WORKERS=0 runs in one process.
+workers="${ASYNCRL_TEST_WORKERS:-2}"
 run_pytest() {
   local rc=0
-  .venv/bin/python -m pytest -ra --durations=30 "$@" || rc=$?
+  .venv/bin/python -m pytest -ra --durations=30 -n "$workers" --dist loadfile --no-loadscope-reorder "$@" \
+    || rc=$?
   if [ "$rc" = 5 ]; then
     echo "test.sh: pytest collected no tests ($*): that is a failure here" >&2
     rc=1
@@ -62,9 +68,9 @@ run_pytest() {
 
 if [ "$#" = 0 ]; then
   rc=0
-  run_pytest -m "not cluster" || rc=$?
+  run_pytest -m "not control_plane" || rc=$?
   wait_for_control_plane
-  run_pytest -m cluster || rc=$?
+  run_pytest -m control_plane || rc=$?
   exit "$rc"
 fi
 wait_for_control_plane

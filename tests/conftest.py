@@ -13,8 +13,11 @@ Every test is in exactly one tier, a marker set here and counted at the end of e
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,8 @@ INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "r
                                                            "bench_support"))
 INTEGRATION_MARKERS = ("slow", "browser", "vllm", "sglang")
 INTEGRATION_FIXTURES = {"redis_server", "redis_url", "transport_redis", "rollout_env"}
+# A test this long (seconds) may have built a model: collect and trim after it (cheap beside it).
+RELEASE_AFTER_S = 1.0
 
 
 def _modules_used(func: object) -> set[str]:
@@ -68,11 +73,60 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, one torch thread per worker and per child process: two workers with two
+    threads each on two cores oversubscribe them (a packed train step took 237 s instead of 55 s)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """After a long test, hand its memory back: in-process Trainers (model, AdamW state, reference
+    cycles) otherwise pile up until the next full collection, and freed heap pages stay with the
+    process, so one pytest process grew past 11 GB and two xdist workers met the OOM killer."""
+    start = time.monotonic()
+    yield
+    if time.monotonic() - start > RELEASE_AFTER_S:
+        gc.collect()
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with its tier (and `control_plane` when it needs the built binaries), then put
+    the heaviest files first: pytest-xdist hands out whole files in this order (`--dist loadfile
+    --no-loadscope-reorder` in scripts/test.sh), so a file of a few long tests started last would
+    keep one worker busy while the other idles."""
+    weight: dict[str, int] = {}
     for item in items:
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
             item.add_marker(getattr(pytest.mark, tier))
+        if "control_plane" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.control_plane)
+        file = item.nodeid.split("::", 1)[0]
+        heaviness = _weight(item, tier)
+        weight[file] = min(weight.get(file, heaviness), heaviness)
+    items.sort(key=lambda item: weight[item.nodeid.split("::", 1)[0]])
+
+
+def _weight(item: pytest.Item, tier: str) -> int:
+    """0 runs first: cluster, then slow integration, other integration, unit."""
+    if tier == "cluster":
+        return 0
+    if tier == "integration":
+        return 1 if item.get_closest_marker("slow") else 2
+    return 3
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
