@@ -60,16 +60,43 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-if [ "$WITH_TESTS" = 1 ]; then
-  bash scripts/install-k8s-tools.sh
-  bash scripts/install-browser.sh
-  bash scripts/install-vllm.sh
-  bash scripts/fetch-sglang-source.sh   # the pinned SGLang route table, read by test_sglang_routes
-  bash scripts/install-checkov.sh       # its own venv (.tools/checkov-venv): scripts/scan.sh, test_security_scan
-  # verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
-  # tests/support/verl_oracle.py, never installed: importing verl pulls ray and its config system)
+# verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
+# tests/support/verl_oracle.py, never installed: importing verl pulls ray and its config system)
+fetch_verl() {
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then
     .venv/bin/python -m pip download -q verl==0.9.1 --no-deps -d .tools/peers
+  fi
+}
+
+# The test tools touch nothing of each other's (own venvs and directories; .venv only read), so
+# they install side by side, each into its own log: a cold setup waits for the slowest, not the sum.
+if [ "$WITH_TESTS" = 1 ]; then
+  names=() pids=() logs=()
+  start_step() {  # NAME COMMAND...
+    local log
+    log=$(mktemp)
+    "${@:2}" > "$log" 2>&1 &
+    names+=("$1") pids+=("$!") logs+=("$log")
+  }
+  start_step helm/kubectl bash scripts/install-k8s-tools.sh
+  start_step chromium bash scripts/install-browser.sh
+  start_step vllm bash scripts/install-vllm.sh
+  start_step sglang-source bash scripts/fetch-sglang-source.sh  # the pinned SGLang route table (test_sglang_routes)
+  start_step checkov bash scripts/install-checkov.sh  # its own venv (.tools/checkov-venv): scan.sh, test_security_scan
+  start_step verl fetch_verl
+  failed=()
+  for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then
+      cat "${logs[$i]}"
+    else
+      cat "${logs[$i]}" >&2
+      failed+=("${names[$i]}")
+    fi
+    rm -f "${logs[$i]}"
+  done
+  if [ "${#failed[@]}" -gt 0 ]; then
+    echo "setup: installing ${failed[*]} failed (log above)" >&2
+    exit 1
   fi
 fi
 if [ "$BUILD_CONTROL_PLANE" = 1 ]; then
