@@ -16,7 +16,11 @@ CHECKOV_VERSION="3.3.30"
 # The installed version from its metadata (`checkov --version` takes seconds to import everything).
 installed() { "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("checkov"))' 2>/dev/null; }
 
-if [[ -x "$VENV/bin/checkov" ]] && [[ "$(installed)" == "$CHECKOV_VERSION" ]]; then
+# The interpreter the `checkov` script starts: a venv made at another path (a moved or copied
+# checkout) keeps the old path there, and its command then fails although the metadata reads fine.
+interpreter_exists() { local first; read -r first < "$VENV/bin/checkov" && [[ -x "${first#\#!}" ]]; }
+
+if [[ -x "$VENV/bin/checkov" ]] && interpreter_exists && [[ "$(installed)" == "$CHECKOV_VERSION" ]]; then
   echo "checkov $CHECKOV_VERSION already installed in $VENV"
   exit 0
 fi
