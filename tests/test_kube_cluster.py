@@ -294,7 +294,10 @@ async def test_liveness_failure_kills_and_restarts(cluster: KubeCluster) -> None
 
 
 async def test_startup_probe_holds_liveness_and_kills_when_it_fails(cluster: KubeCluster) -> None:
-    started = http_server(startupProbe=http_probe("/"), livenessProbe=http_probe("/"), readinessProbe=http_probe("/"))
+    # Generous thresholds, as a real slow starter sets them: scaled 20x, the defaults give a Python server 150 ms to
+    # start, which a loaded CI machine overran (the pod was killed by its startup probe and the test flaked).
+    started = http_server(startupProbe=http_probe("/", failureThreshold=200),
+                          livenessProbe=http_probe("/", failureThreshold=10), readinessProbe=http_probe("/"))
     await cluster.create(pod("slow", [started]))
     await cluster.create(pod("never", [http_server(startupProbe=http_probe("/missing", failureThreshold=2),
                                                    livenessProbe=http_probe("/"))]))
