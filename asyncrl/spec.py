@@ -170,7 +170,14 @@ class RewardSpec(SpecModel):
     function: str = "exact-number"
     """`gsm8k`, `exact-number`, or a plug-in `package.module:function`."""
     timeout_seconds: float = Field(default=5.0, gt=0)
-    """Per-sample timeout; a reward that times out or raises scores 0 and is counted."""
+    """Per-sample timeout of one call of the function."""
+    retries: int = Field(default=1, ge=0, le=10)
+    """Calls tried again after one that raised, timed out or returned a non-finite number."""
+    on_error: Literal["drop", "zero"] = "drop"
+    """A sample whose reward still failed after `retries`: `drop` its group (never trained: its
+    admission slot goes back, it is dead-lettered with the reason and counted as `reward_failures`),
+    or score it `zero` (the old behaviour: an infrastructure failure then reads as a wrong answer
+    and biases its group's baseline)."""
 
     @field_validator("function")
     @classmethod

@@ -298,6 +298,9 @@ class RecoveryReport(_Report):
     """Groups reconciliation counted: published, but their release never landed."""
     leases_returned: Annotated[int, counter("admission_leases_returned")] = 0
     """Admission leases of killed rollout workers returned by their replacements."""
+    reward_failures: Annotated[int, counter("reward_failed_groups")] = 0
+    """Groups dropped unpublished because a reward could not be computed (spec.reward.onError drop):
+    never trained with a made-up reward; `asyncrl dead-letters` lists them with the reason."""
     recovered_entries: Annotated[int, counter("recovered_entries")] = 0
     """Stream entries the current trainer re-read after a lost read reply."""
     reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0

@@ -170,6 +170,8 @@ RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
      "admission slot(s) given back: groups counted as produced that existed nowhere"),
     ("driftFound", "Normal", "AdmissionDriftRepaired", "published group(s) counted whose release never landed"),
     ("leasesReturned", "Normal", "LeasesReturned", "admission lease(s) of killed rollout workers returned"),
+    ("rewardFailures", "Warning", "RewardsFailed",
+     "trajectory group(s) dropped, never trained: a reward could not be computed (`asyncrl dead-letters` says why)"),
     ("reclaimedEntries", "Normal", "EntriesReclaimed", "stream entries taken over from a dead trainer consumer"),
     ("fencedEngines", "Warning", "EngineFenced",
      "rollout engine(s) fenced after failed weight updates (retried in the background)"),

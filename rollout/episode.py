@@ -5,15 +5,17 @@
             max_new_tokens reduced; each segment's tokens carry the label of the weights that
             produced them (version and trainer timeline; EngineView.generate), so a response may
             span several versions. An answer longer than `max_tokens_per_request` is continued the same way.
-  group()   groupSize samples concurrently (the first failure cancels the others), scored, and
-            checked trainable (asyncrl.transport.content.check_group: finite logprobs, one per
-            token, ...). What happens to the group (published, its lease released, its prompt
-            queued again) is the executor's business (rollout/worker.py), not the episode's.
+  group()   groupSize samples concurrently (the first failure cancels the others), scored (a
+            reward that failed past its retries makes it an UnscoredGroup), and checked trainable
+            (asyncrl.transport.content.check_group: finite logprobs, one per token, ...). What
+            happens to the group (published, dropped, its lease released, its prompt queued again)
+            is the executor's business (rollout/worker.py), not the episode's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -24,7 +26,7 @@ import numpy as np
 
 from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import Dropped, EngineView, RequestBudget
-from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.rollout.rewards import RewardFailed, RewardScorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.content import check_group
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
@@ -41,6 +43,15 @@ class Sample:
 
 class InvalidGroup(Exception):
     """The group was generated but cannot be trained (check_group's reason): it is not published."""
+
+
+class UnscoredGroup(Exception):
+    """The group was generated but a sample's reward could not be computed (RewardFailed): it is not
+    published. `group` holds it as generated, the failed samples' rewards NaN (for the dead letter)."""
+
+    def __init__(self, message: str, group: TrajectoryGroup) -> None:
+        super().__init__(message)
+        self.group = group
 
 
 async def all_or_none(coros: list[Any]) -> list[Any]:
@@ -70,11 +81,17 @@ class Episode:
         self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
 
     async def group(self, item: PromptItem, prompt_ids: list[int]) -> TrajectoryGroup:
-        """The prompt's trainable group; raises Dropped (a sample failed past its budget) or
-        InvalidGroup (generated, but check_group refuses it)."""
+        """The prompt's trainable group; raises Dropped (a sample failed past its budget),
+        UnscoredGroup (a reward failed) or InvalidGroup (generated, but check_group refuses it)."""
         created = time.time()
         samples = await all_or_none([self.sample(prompt_ids) for _ in range(self.cfg.group_size)])
-        rewards = await asyncio.gather(*[self.scorer.score(self.decode(s.ids), item.answer) for s in samples])
+        scores = await asyncio.gather(*[self.scorer.score(self.decode(s.ids), item.answer) for s in samples],
+                                      return_exceptions=True)
+        failures = [s for s in scores if isinstance(s, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, RewardFailed):
+                raise failure
+        rewards = [math.nan if isinstance(s, BaseException) else s for s in scores]
         group = TrajectoryGroup(
             job=self.cfg.job, group_id=uuid.uuid4().hex, prompt_id=item.prompt_id,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
@@ -85,6 +102,8 @@ class Episode:
                 timelines=np.asarray(s.timelines, dtype=np.int32) if any(s.timelines) else None)
                 for i, (s, r) in enumerate(zip(samples, rewards))],
             engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
+        if failures:
+            raise UnscoredGroup(f"{len(failures)} of {len(samples)} rewards failed: {failures[0]}", group)
         problem = check_group(group, self.limits)
         if problem is not None:
             raise InvalidGroup(problem)

@@ -2,8 +2,10 @@
 
 A reward function is `fn(completion: str, answer: str) -> float`, where `answer` is the dataset's
 reference (a bare number, or a GSM8K solution ending in `#### n`). `RewardScorer` runs it off the
-event loop with a per-sample timeout; a function that raises, times out or returns a non-number
-yields 0.0 and is counted and logged, so a bad sample never crashes the worker.
+event loop with a per-call timeout; a call that raises, times out or returns a non-number is
+counted, logged and tried again up to `retries` times. A sample whose reward still failed raises
+`RewardFailed` (`on_error="drop"`: its group is dropped, never trained with a made-up reward) or
+scores 0.0 (`on_error="zero"`), so a bad sample never crashes the worker.
 
 Answer extraction (both built-ins), first match wins: the text after the last `####`, the last
 `\\boxed{...}`, the number after the last "answer is", else the last number in the text.
@@ -19,6 +21,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from asyncrl.errors import RolloutError
 
@@ -109,16 +112,27 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
+class RewardFailed(Exception):
+    """A sample's reward could not be computed (every call raised, timed out or returned a
+    non-finite number): an infrastructure failure, not a wrong answer."""
+
+
 @dataclass
 class RewardScorer:
-    """Runs a reward function in worker threads with a timeout; failures score 0 and are counted."""
+    """Runs a reward function in worker threads with a timeout and bounded retries."""
 
     fn: RewardFn
     timeout_s: float = 5.0
     max_workers: int = 4
     name: str = ""
+    retries: int = 0
+    on_error: Literal["drop", "zero"] = "zero"
     errors: int = 0
+    """Calls that failed (each retry counts)."""
     timeouts: int = 0
+    """Of `errors`: calls that timed out."""
+    failed: int = 0
+    """Samples whose reward failed on every try (raised RewardFailed, or scored 0 under "zero")."""
     scored: int = 0
     _pool: concurrent.futures.ThreadPoolExecutor = field(init=False, repr=False)
 
@@ -126,29 +140,37 @@ class RewardScorer:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="reward")
 
     @classmethod
-    def from_name(cls, name: str, timeout_s: float = 5.0) -> RewardScorer:
-        return cls(resolve_reward(name), timeout_s, name=name)
+    def from_name(cls, name: str, timeout_s: float = 5.0, *, retries: int = 0,
+                  on_error: Literal["drop", "zero"] = "zero") -> RewardScorer:
+        return cls(resolve_reward(name), timeout_s, name=name, retries=retries, on_error=on_error)
 
     async def score(self, completion: str, answer: str) -> float:
-        loop = asyncio.get_running_loop()
         self.scored += 1
-        try:
-            fut = loop.run_in_executor(self._pool, self.fn, completion, answer)
-            value = await asyncio.wait_for(fut, timeout=self.timeout_s)
-            value = float(value)
-            if not math.isfinite(value):
-                raise ValueError(f"reward is not finite: {value}")
-            return value
-        except asyncio.TimeoutError:
-            # The thread cannot be killed; it finishes in the background and its result is ignored.
-            self.timeouts += 1
+        problem = ""
+        for _ in range(self.retries + 1):
+            try:
+                return await self._call(completion, answer)
+            except asyncio.TimeoutError:
+                # The thread cannot be killed; it finishes in the background and its result is ignored.
+                self.timeouts += 1
+                problem = f"timed out after {self.timeout_s:g}s"
+            except Exception as exc:  # a plug-in may raise anything
+                problem = f"{type(exc).__name__}: {exc}"
             self.errors += 1
-            log.warning("reward %s timed out after %.1fs (scored 0)", self.name or self.fn, self.timeout_s)
-            return 0.0
-        except Exception as exc:  # a plug-in may raise anything
-            self.errors += 1
-            log.warning("reward %s failed (scored 0): %s: %s", self.name or self.fn, type(exc).__name__, exc)
-            return 0.0
+        self.failed += 1
+        tries = f"{self.retries + 1} tr{'y' if self.retries == 0 else 'ies'}"
+        message = f"reward {self.name or self.fn!r} failed ({tries}): {problem}"
+        if self.on_error == "drop":
+            raise RewardFailed(message)
+        log.warning("%s (scored 0: reward.onError is zero)", message)
+        return 0.0
+
+    async def _call(self, completion: str, answer: str) -> float:
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.fn, completion, answer)
+        value = float(await asyncio.wait_for(fut, timeout=self.timeout_s))
+        if not math.isfinite(value):
+            raise ValueError(f"reward is not finite: {value}")
+        return value
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,8 @@ What it owns itself:
                   group whose sample keeps failing, or that check_group refuses, is dropped (lease
                   released unaccepted, counted, logged with the reason; its prompt is not retried),
                   never published: a poison group would only be dead-lettered by the trainer. A
+                  group whose reward failed (spec.reward.onError drop) is dropped the same way, and
+                  dead-lettered and counted job-wide (`reward_failures` in the trainer's /status). A
                   group interrupted by its engine going away (unreachable past `engine_outage_s`,
                   or aborted again and again) is not the prompt's fault: its prompt is queued again
                   and generated anew (counted as `requeued`), never marked done unanswered.
@@ -43,7 +45,7 @@ from asyncrl.health import HEALTH, Health
 from asyncrl.rollout.datasets import PromptSource
 from asyncrl.rollout.engine_view import Dropped, EngineView
 from asyncrl.rollout.engines.base import Engine
-from asyncrl.rollout.episode import Episode, InvalidGroup
+from asyncrl.rollout.episode import Episode, InvalidGroup, UnscoredGroup
 from asyncrl.rollout.evaluator import Evaluator, WorkerEvaluation
 from asyncrl.rollout.prompt_cursor import PromptCursor
 from asyncrl.rollout.rewards import RewardScorer
@@ -260,6 +262,9 @@ class RolloutWorker:
                 self.stats.groups_invalid += 1
                 log.warning("dropped group for prompt %s (not published): %s", item.prompt_id, exc)
                 return
+            except UnscoredGroup as exc:
+                await self._drop_unscored(item.prompt_id, exc)
+                return
             await self.producer.publish(group)
             published = True
             self.stats.groups_published += 1
@@ -274,6 +279,19 @@ class RolloutWorker:
             self._group_slots.release()
             if published or not (self._stop.is_set() or requeued):
                 self.cursor.mark_done(local)
+
+    async def _drop_unscored(self, prompt_id: str, exc: UnscoredGroup) -> None:
+        """A group whose reward failed is never trained with a made-up one: not published (its lease
+        goes back unaccepted), dead-lettered with the reason, counted job-wide; its prompt is not retried."""
+        self.stats.groups_dropped += 1
+        self.stats.groups_unscored += 1
+        log.warning("dropped group for prompt %s (not published): %s", prompt_id, exc)
+        try:
+            await self.producer.dead_letter(exc.group, f"reward failed: {exc}", self.cfg.engine_id)
+            await self.admission.record_reward_failure()
+        except Exception as err:  # Redis gone past its outage window: the drop stands, only its record is lost
+            reraise_if_cancelled(err)
+            log.warning("could not record the dropped group for prompt %s: %s", prompt_id, err)
 
     async def _renew(self, lease: str) -> None:
         period = max(self.admission.lease_ms / 3000.0, 0.05)
@@ -290,7 +308,8 @@ class RolloutWorker:
     def summary(self) -> str:
         s, v = self.stats, self.view
         evals = "" if self.evaluator is None else self.evaluator.summary()
-        return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} tokens={s.tokens} "
+        return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} "
+                f"unscored={s.groups_unscored} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={v.version} engine_version={v.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} requeued={s.requeued} "
                 f"weight_waits={s.weight_waits} restarts={s.restarts_seen} "

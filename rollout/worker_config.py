@@ -69,6 +69,8 @@ class WorkerStats:
     """Groups not published: a sample failed past its retries, or the group failed check_group."""
     groups_invalid: int = 0
     """Of `groups_dropped`: generated but untrainable (e.g. a NaN logprob from the engine)."""
+    groups_unscored: int = 0
+    """Of `groups_dropped`: a sample's reward failed past its retries (spec.reward.onError drop)."""
     samples: int = 0
     tokens: int = 0
     requests: int = 0

@@ -101,7 +101,8 @@ async def run_worker(args: argparse.Namespace) -> int:
             settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
                            render=renderer.render, decode=renderer.decode,
-                           scorer=RewardScorer.from_name(spec.reward.function, spec.reward.timeout_seconds),
+                           scorer=RewardScorer.from_name(spec.reward.function, spec.reward.timeout_seconds,
+                                                         retries=spec.reward.retries, on_error=spec.reward.on_error),
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -92,9 +92,9 @@ def synthetic_report(steps: int = 30) -> TrainerReport:
         zero_signal_groups=7,
         dynamic_sampling_starved_steps=1,
         admission=AdmissionReport(accepted=248, running=6, capacity=2),
-        recovery=RecoveryReport(dead_lettered=1, drift_lost=1, leases_returned=3, recovered_entries=2,
-                                reclaimed_entries=5, trainer_restarts=1, engine_restarts=2, engine_resyncs=3,
-                                ghost_groups_dropped=4),
+        recovery=RecoveryReport(dead_lettered=1, drift_lost=1, leases_returned=3, reward_failures=6,
+                                recovered_entries=2, reclaimed_entries=5, trainer_restarts=1, engine_restarts=2,
+                                engine_resyncs=3, ghost_groups_dropped=4),
         last_checkpoint="/runs/local/checkpoints/step-30",
         rollout=[
             EngineReport(url="http://127.0.0.1:30001", weight_version=steps, ready=True),
@@ -243,7 +243,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                 for row in await page.locator("#recovery tr").all()]
     assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
                         ["dead_lettered", "1"], ["drift_lost", "1"], ["drift_found", "0"], ["leases_returned", "3"],
-                        ["recovered_entries", "2"], ["reclaimed_entries", "5"], ["fenced_engines", "0"],
+                        ["reward_failures", "6"], ["recovered_entries", "2"], ["reclaimed_entries", "5"],
+                        ["fenced_engines", "0"],
                         ["trainer_restarts", "1"], ["engine_restarts", "2"], ["engine_resyncs", "3"],
                         ["ghost_groups_dropped", "4"]]
 

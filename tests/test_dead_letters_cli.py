@@ -34,13 +34,19 @@ async def test_lists_each_refused_group_with_its_reason_as_json_and_saves_the_pa
     consumer = TrajectoryConsumer(transport_redis, NAMES, "trainer-0")
     assert await consumer.read(count=10, block_ms=100) == []
     assert consumer.stats.dead_lettered == 2
+    unscored = make_trajectory_group("g-unscored", job=JOB)
+    await TrajectoryProducer(transport_redis, NAMES).dead_letter(
+        unscored, "reward failed: 1 of 2 rewards failed: ConnectionError: verifier down", "rollout-0")
 
     code = await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--uid", UID, "--redis-url", redis_url, "--json",
                      "--save", str(tmp_path / "payloads")])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and (out["job"], out["total"], out["shown"]) == (JOB, 2, 2)
-    assert out["by_kind"] == {"undecodable": 1, "untrainable": 1}
-    first, second = out["dead_letters"]
+    assert code == 0 and (out["job"], out["total"], out["shown"]) == (JOB, 3, 3)
+    assert out["by_kind"] == {"undecodable": 1, "untrainable": 1, "reward failed": 1}
+    first, second, third = out["dead_letters"]
+    assert (third["kind"], third["group_id"], third["consumer"], third["source_entry"]) == \
+        ("reward failed", "g-unscored", "rollout-0", "")
+    assert third["reason"].endswith("verifier down")
     assert (first["kind"], first["group_id"], first["consumer"]) == ("undecodable", None, "trainer-0")
     assert (second["kind"], second["group_id"], second["prompt_id"]) == ("untrainable", "g-nan", "prompt-g-nan")
     assert "logprob" in second["reason"] and second["reason"].startswith("untrainable")
@@ -51,7 +57,7 @@ async def test_lists_each_refused_group_with_its_reason_as_json_and_saves_the_pa
     assert await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--uid", UID, "--redis-url", redis_url,
                                               "--count", "1"]) == 0
     table = capsys.readouterr().out
-    assert "undecodable" in table and "2 dead letter(s) in total; shown 1: 1 undecodable" in table
+    assert "undecodable" in table and "3 dead letter(s) in total; shown 1: 1 undecodable" in table
 
     # without the uid: the keys of a local run of that name, which has none
     assert await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--redis-url", redis_url]) == 0

@@ -56,8 +56,8 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             conds = {c["type"]: c for c in s["conditions"]}
             assert conds["WeightsSynced"]["status"] == "False" and conds["WeightsSynced"]["reason"] == "Lagging"
             assert s["recovery"] == {"deadLettered": 0, "driftLost": 0, "driftFound": 0, "leasesReturned": 0,
-                                     "recoveredEntries": 0, "reclaimedEntries": 0, "fencedEngines": 0,
-                                     "trainerRestarts": 0, "engineRestarts": 0, "engineResyncs": 0,
+                                     "rewardFailures": 0, "recoveredEntries": 0, "reclaimedEntries": 0,
+                                     "fencedEngines": 0, "trainerRestarts": 0, "engineRestarts": 0, "engineResyncs": 0,
                                      "ghostGroupsDropped": 0}
 
             # Recovery figures grow: in the job's status, and one Event per figure that grew.
@@ -65,16 +65,17 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
                        for i, e in enumerate(evaluated_report().rollout)]
             trainer.report = evaluated_report().model_copy(update={
                 "dead_lettered": 1, "rollout": engines,
-                "recovery": RecoveryReport(dead_lettered=2, drift_lost=1, leases_returned=3, fenced_engines=1,
-                                           trainer_restarts=1, engine_resyncs=2, ghost_groups_dropped=3)})
+                "recovery": RecoveryReport(dead_lettered=2, drift_lost=1, leases_returned=3, reward_failures=4,
+                                           fenced_engines=1, trainer_restarts=1, engine_resyncs=2,
+                                           ghost_groups_dropped=3)})
             await poll(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
                            log=op.log)
             assert status()["recovery"] == {"deadLettered": 2, "driftLost": 1, "driftFound": 0, "leasesReturned": 3,
-                                            "recoveredEntries": 0, "reclaimedEntries": 0, "fencedEngines": 1,
-                                            "trainerRestarts": 1, "engineRestarts": 0, "engineResyncs": 2,
-                                            "ghostGroupsDropped": 3}
+                                            "rewardFailures": 4, "recoveredEntries": 0, "reclaimedEntries": 0,
+                                            "fencedEngines": 1, "trainerRestarts": 1, "engineRestarts": 0,
+                                            "engineResyncs": 2, "ghostGroupsDropped": 3}
             reasons = lambda: {e.get("reason"): e.get("message") for e in emu.all("events", NS)}  # noqa: E731
-            await poll(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned",
+            await poll(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned", "RewardsFailed",
                                     "EngineFenced", "TrainerRestarted", "EngineResynced",
                                     "GhostGroupsDropped"} <= set(reasons()),
                            what="recovery events", log=op.log)
@@ -82,6 +83,7 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert "asyncrl dead-letters" in reasons()["GroupsDeadLettered"]
             assert reasons()["EngineFenced"].startswith("1 more rollout engine(s) fenced")
             assert reasons()["GhostGroupsDropped"].startswith("3 more trajectory group(s) dropped")
+            assert reasons()["RewardsFailed"].startswith("4 more trajectory group(s) dropped, never trained")
 
             # The trainer finishes: the job succeeds, GPUs are released, Complete is True.
             trainer.report = evaluated_report().model_copy(update={"phase": "Succeeded", "step": 400})

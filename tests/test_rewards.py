@@ -12,6 +12,7 @@ import pytest
 
 from asyncrl.rollout.rewards import (
     RewardError,
+    RewardFailed,
     RewardScorer,
     exact_number_reward,
     extract_answer,
@@ -72,7 +73,7 @@ def test_plugins_resolve_and_bad_names_explain(monkeypatch):
         resolve_reward("bleu")
 
 
-async def test_raising_timing_out_and_nan_rewards_score_zero_and_are_counted(caplog):
+async def test_with_on_error_zero_raising_timing_out_and_nan_rewards_score_zero_and_are_counted(caplog):
     release = threading.Event()
 
     def flaky(completion: str, answer: str) -> float:
@@ -85,13 +86,47 @@ async def test_raising_timing_out_and_nan_rewards_score_zero_and_are_counted(cap
             return float("nan")
         return 1.0
 
-    scorer = RewardScorer(flaky, timeout_s=0.2, name="flaky")
+    scorer = RewardScorer(flaky, timeout_s=0.2, name="flaky", on_error="zero")
     with caplog.at_level(logging.WARNING, logger="asyncrl.rollout.rewards"):
         assert await scorer.score("ok", "") == 1.0
         assert await scorer.score("raise", "") == 0.0
         assert await scorer.score("hang", "") == 0.0
         assert await scorer.score("nan", "") == 0.0
     release.set()
-    assert (scorer.errors, scorer.timeouts, scorer.scored) == (3, 1, 4)
-    assert "boom" in caplog.text and "timed out" in caplog.text
+    assert (scorer.errors, scorer.timeouts, scorer.failed, scorer.scored) == (3, 1, 3, 4)
+    assert "boom" in caplog.text and "timed out" in caplog.text and "not finite" in caplog.text
+    assert caplog.text.count("scored 0: reward.onError is zero") == 3
     scorer.close()
+
+
+async def test_a_failed_call_is_tried_again_and_a_reward_failing_every_try_is_raised_not_scored():
+    tries: dict[str, int] = {}
+
+    def verifier(completion: str, answer: str) -> float:
+        tries[completion] = tries.get(completion, 0) + 1
+        if completion == "down" or tries[completion] == 1:  # "down" always fails, the rest fail once
+            raise ConnectionError("verifier unreachable")
+        return 1.0
+
+    scorer = RewardScorer(verifier, timeout_s=5.0, name="verifier", retries=2, on_error="drop")
+    assert await scorer.score("flaky", "") == 1.0
+    with pytest.raises(RewardFailed, match=r"^reward 'verifier' failed \(3 tries\): "
+                                           r"ConnectionError: verifier unreachable$"):
+        await scorer.score("down", "")
+    assert tries == {"flaky": 2, "down": 3}
+    assert (scorer.errors, scorer.failed, scorer.scored) == (1 + 3, 1, 2)
+    scorer.close()
+
+
+def test_the_spec_drops_by_default_and_names_the_allowed_values() -> None:
+    from pydantic import ValidationError
+
+    from asyncrl.spec import RewardSpec
+
+    assert (RewardSpec().on_error, RewardSpec().retries) == ("drop", 1)
+    assert RewardSpec.model_validate({"onError": "zero", "retries": 0}).on_error == "zero"
+    with pytest.raises(ValidationError, match="onError") as err:
+        RewardSpec.model_validate({"onError": "ignore"})
+    assert "'drop' or 'zero'" in str(err.value)
+    with pytest.raises(ValidationError, match="retries"):
+        RewardSpec.model_validate({"retries": 11})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 
@@ -10,8 +11,11 @@ import pytest
 
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.prompt_cursor import cursor_key
+from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.trainer.weight_sync import catch_up, update_engines
+from asyncrl.transport.streams import read_dead_letters
 from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
+from asyncrl.transport.wire import decode_group
 from tests.support.polling import poll
 from tests.support.rollout_workers import JOB, make_worker, published
 from tests.support.sglang_fake import fake_logprob, fake_token
@@ -140,6 +144,43 @@ async def test_untrainable_groups_are_dropped_not_published(rollout_env, caplog)
     assert await redis.get(cursor_key(names, 0, 1)) == b"2"
     assert "not published" in caplog.text and "behav_logprobs[5] is NaN" in caplog.text
     assert "invalid=2" in worker.summary()
+
+
+async def test_a_group_whose_reward_fails_is_dead_lettered_never_published(rollout_env, caplog):
+    """An infrastructure failure is never a zero reward: with reward.onError drop, a group with a
+    sample whose reward failed past its retries is not published (lease released unaccepted, prompt
+    passed over), is dead-lettered with the reason, and is counted job-wide in admission."""
+    redis, fake, names = rollout_env
+    calls: dict[str, int] = {}
+
+    def verifier(completion: str, answer: str) -> float:  # down for even answers, on every try
+        calls[answer] = calls.get(answer, 0) + 1
+        if int(answer) % 2 == 0:
+            raise RuntimeError("verifier down")
+        return exact_number_reward(completion, answer)
+
+    scorer = RewardScorer(verifier, 5.0, name="verifier", retries=1, on_error="drop")
+    worker = make_worker(redis, fake, names, n=2, max_groups=6, scorer=scorer)
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
+        stats = await asyncio.wait_for(worker.run(), 30)
+    answers = {worker.source.item(i).prompt_id: worker.source.item(i).answer for i in range(6)}
+    failing = sorted(p for p, a in answers.items() if int(a) % 2 == 0)
+    assert 0 < len(failing) < 6, answers  # (the seed gives both kinds)
+    groups = await published(redis, names)
+    assert sorted(g.prompt_id for g in groups) == sorted(set(answers) - set(failing))
+    assert all(math.isfinite(s.reward) for g in groups for s in g.samples)
+    assert stats.groups_dropped == stats.groups_unscored == len(failing)
+    assert all(calls[answers[p]] == 2 * 2 for p in failing)  # 2 samples x (1 try + 1 retry)
+    letters = await read_dead_letters(redis, names)
+    assert sorted(decode_group(d.payload).prompt_id for d in letters) == failing
+    for letter in letters:
+        assert letter.error.startswith("reward failed: 2 of 2 rewards failed: reward 'verifier' failed (2 tries)")
+        assert letter.error.endswith("RuntimeError: verifier down") and letter.consumer == "pod-0"
+        assert all(math.isnan(s.reward) for s in decode_group(letter.payload).samples)
+    snap = await worker.admission.snapshot()
+    assert (snap.running, snap.accepted, snap.reward_failures) == (0, 6 - len(failing), len(failing))
+    assert await redis.get(cursor_key(names, 0, 1)) == b"6"
+    assert f"unscored={len(failing)}" in worker.summary() and "verifier down" in caplog.text
 
 
 async def test_stop_releases_in_flight_groups_and_unregisters(rollout_env):

@@ -1,8 +1,10 @@
-"""List a job's dead letters: the trajectory groups the trainer refused, with the reason for each.
+"""List a job's dead letters: the trajectory groups refused for training, with the reason for each.
 
 A group that does not decode, or decodes but cannot be trained (a NaN logprob, lengths that
 disagree, a reward out of range: asyncrl/transport/content.py), goes to the job's dead-letter
-stream with its raw bytes instead of crashing the trainer; its admission slot is given back.
+stream with its raw bytes instead of crashing the trainer; its admission slot is given back. So
+does a group whose reward could not be computed (spec.reward.onError drop), filed by the rollout
+worker that generated it instead of publishing it (kind "reward failed").
 This command reads that stream from the job's Redis (on a cluster: `kubectl port-forward` the
 job's Redis Service, the password is in the job's Redis Secret, and the uid is
 `kubectl get asyncrljob NAME -o jsonpath='{.metadata.uid}'`). It prints a table and a summary
@@ -88,7 +90,7 @@ def describe(letter: Any) -> dict[str, Any]:
     """One dead letter as a plain dict: what it was (if its payload still decodes) and why it was refused."""
     from asyncrl.transport.wire import WireFormatError, decode_group
 
-    kind = "untrainable" if letter.error.startswith("untrainable") else "undecodable"
+    kind = next((k for k in ("untrainable", "reward failed") if letter.error.startswith(f"{k}:")), "undecodable")
     group_id = prompt_id = engine_id = None
     try:
         group = decode_group(letter.payload)

@@ -204,6 +204,16 @@ class TrajectoryProducer:
                                          {GID_FIELD: group.group_id.encode(), DATA_FIELD: payload})
         return _s(entry_id)
 
+    async def dead_letter(self, group: TrajectoryGroup, error: str, producer: str) -> str:
+        """Put a group its producer refuses to publish (its reward failed) straight into the
+        dead-letter stream with the reason, as the trainer files the groups it refuses (no
+        `source_id`: it never was a trajectory entry). Returns the dead letter's id."""
+        entry_id = await self.redis.xadd(
+            self.names.dead_letter, {"source_id": "", "error": error, "payload": encode_group(group),
+                                     "consumer": producer, "time": repr(time.time())},
+            maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        return _s(entry_id)
+
 
 class TrajectoryConsumer:
     """A trainer's reader with a stable `consumer` name (the pod name) in the job's group.

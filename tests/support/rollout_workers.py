@@ -24,7 +24,7 @@ def decode(ids: list[int]) -> str:
 
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
-                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None):
+                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None):
     engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
@@ -33,7 +33,7 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
     admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
                           max_concurrent=max_concurrent, lease_seconds=30)
     return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
-                         render=render, decode=decode, scorer=RewardScorer(exact_number_reward, 5.0),
+                         render=render, decode=decode, scorer=scorer or RewardScorer(exact_number_reward, 5.0),
                          admission=admission, names=names)
 
 
