@@ -91,6 +91,17 @@ async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_r
     assert await adm.try_acquire("p") and await adm.try_acquire("p") is None
 
 
+async def test_a_reward_failure_is_counted_and_its_unaccepted_lease_gives_the_slot_back(transport_redis):
+    adm = Admission(transport_redis, NAMES, batch_size=1, max_head_offpolicyness=0, max_concurrent=10)
+    lease = await adm.try_acquire("p")
+    assert await adm.try_acquire("p") is None  # eta 0, B 1: one group per version
+    await adm.record_reward_failure()
+    await adm.release(lease, accepted=False)
+    snap = await adm.snapshot()
+    assert (snap.accepted, snap.running, snap.capacity, snap.reward_failures) == (0, 0, 1, 1)
+    assert await adm.try_acquire("p")
+
+
 async def test_a_group_dropped_before_its_lease_is_released_is_not_counted_twice(transport_redis):
     # A producer XADDs, then releases its lease (accepted + 1). The trainer may read and drop the
     # group in between, at job start while accepted is still 0: the give-back must not be lost.
