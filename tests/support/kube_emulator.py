@@ -14,7 +14,9 @@ what they need:
 - core discovery says `groupVersion: v1` (kmock says `/v1`);
 - PUT (replace), finalizers, and a minimal cascading garbage collector over ownerReferences;
 - `Accept: ...;as=Table` answers with a Table from the CRD's printer columns (kubectl get);
-- a request log (verb, group, resource, bearer token) for the RBAC test, and gates to hold a request mid-flight.
+- a request log (verb, group, resource, bearer token) for the RBAC test, and gates to hold a request mid-flight;
+- no unbounded request history: kmock keeps every request and scans them all per reaction (quadratic
+  in a long cluster test), so a request is dropped from it once answered (`log` is what tests read).
 
 Still missing (not needed by our tests): schema defaulting/validation, CEL, openapi, protobuf,
 server-side apply, field selectors, watch bookmarks and resourceVersion-resumed watches.
