@@ -164,11 +164,33 @@ class DatasetSpec(SpecModel):
         return self
 
 
+class RewardServiceSpec(SpecModel):
+    """A reward service: the rollout worker posts each group's completions to it (the JSON protocol
+    of docs/rollout.md, which `asyncrl reward-server` serves for any reward function)."""
+
+    url: str
+    """The service's base URL (`http://` or `https://`); the worker POSTs to `<url>/score`."""
+    timeout_seconds: float = Field(default=60.0, gt=0)
+    """One scoring request (a group's completions) as a whole."""
+    max_concurrent_requests: int = Field(default=8, ge=1, le=1024)
+    """Scoring requests one rollout worker has in flight at once."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://rewards.rl.svc:8100)")
+        return v.rstrip("/")
+
+
 class RewardSpec(SpecModel):
     """How a completion is scored."""
 
     function: str = "exact-number"
-    """`gsm8k`, `exact-number`, or a plug-in `package.module:function`."""
+    """`gsm8k`, `exact-number`, or a plug-in `package.module:function`, run inside the rollout worker
+    (unused with `service`)."""
+    service: RewardServiceSpec | None = None
+    """Score over HTTP instead of in-process (a verifier with its own environment, a reward model)."""
     timeout_seconds: float = Field(default=5.0, gt=0)
     """Per-sample timeout of one call of the function."""
     retries: int = Field(default=1, ge=0, le=10)

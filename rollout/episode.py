@@ -26,7 +26,7 @@ import numpy as np
 
 from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import Dropped, EngineView, RequestBudget
-from asyncrl.rollout.rewards import RewardFailed, RewardScorer
+from asyncrl.rollout.rewards import RewardFailed, Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.content import check_group
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
@@ -69,7 +69,7 @@ async def all_or_none(coros: list[Any]) -> list[Any]:
 class Episode:
     """Generates and scores groups on one engine; shared by every group of a worker."""
 
-    def __init__(self, cfg: WorkerConfig, *, view: EngineView, scorer: RewardScorer,
+    def __init__(self, cfg: WorkerConfig, *, view: EngineView, scorer: Scorer,
                  decode: Callable[[list[int]], str], stats: WorkerStats, stopping: asyncio.Event) -> None:
         self.cfg = cfg
         self.view = view
@@ -85,13 +85,9 @@ class Episode:
         UnscoredGroup (a reward failed) or InvalidGroup (generated, but check_group refuses it)."""
         created = time.time()
         samples = await all_or_none([self.sample(prompt_ids) for _ in range(self.cfg.group_size)])
-        scores = await asyncio.gather(*[self.scorer.score(self.decode(s.ids), item.answer) for s in samples],
-                                      return_exceptions=True)
-        failures = [s for s in scores if isinstance(s, BaseException)]
-        for failure in failures:
-            if not isinstance(failure, RewardFailed):
-                raise failure
-        rewards = [math.nan if isinstance(s, BaseException) else s for s in scores]
+        scores = await self.scorer.score_all([self.decode(s.ids) for s in samples], item.answer, item.question)
+        failures = [s for s in scores if isinstance(s, RewardFailed)]
+        rewards = [math.nan if isinstance(s, RewardFailed) else s for s in scores]
         group = TrajectoryGroup(
             job=self.cfg.job, group_id=uuid.uuid4().hex, prompt_id=item.prompt_id,
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),

@@ -235,7 +235,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     from asyncrl.rollout.evaluation import EvalSettings, EvaluationError, evaluate, load_eval_items
     from asyncrl.rollout.hf_engine import HFEngine
     from asyncrl.rollout.prompts import PromptRenderer
-    from asyncrl.rollout.rewards import RewardScorer
+    from asyncrl.rollout.scorers import scorer_for
     from asyncrl.spec import AlgorithmSpec, RewardSpec
 
     spec, reward = plan.spec, plan.spec.reward or RewardSpec()
@@ -244,7 +244,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     except (RolloutError, OSError, ValueError) as exc:  # a missing, unreadable or malformed file
         raise EvalCommandError(f"--dataset {spec.dataset.source}: {exc}") from None
     try:
-        scorer = RewardScorer.from_name(reward.function, reward.timeout_seconds)
+        scorer = scorer_for(reward, on_error="zero")
     except RolloutError as exc:
         raise FlagError(f"--reward: {exc}") from None
     device = _device(device)

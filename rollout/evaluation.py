@@ -24,7 +24,7 @@ from typing import Protocol
 
 from asyncrl.rollout.datasets import ListSource, PromptItem, PromptSource, load_source
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
-from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.rollout.rewards import Scorer
 from asyncrl.spec import AlgorithmSpec, DatasetSpec, EvaluationSpec
 from asyncrl.status_report import EvalRecord
 
@@ -119,7 +119,7 @@ async def _labelled(result: GenerateResult) -> int | None:
 
 
 async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[str], list[int]],
-                   decode: Callable[[list[int]], str], scorer: RewardScorer, settings: EvalSettings,
+                   decode: Callable[[list[int]], str], scorer: Scorer, settings: EvalSettings,
                    version: int = 0, version_of: VersionOf = _labelled, engine_id: str = "",
                    on_answer: Callable[[], None] | None = None) -> EvalRecord:
     """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass.

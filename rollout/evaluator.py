@@ -25,7 +25,7 @@ from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import EngineView, RequestBudget
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
 from asyncrl.rollout.evaluation import EvalSettings, evaluate
-from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.rollout.rewards import Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.evaluation import EvalChannel, EvalRequest
@@ -41,7 +41,7 @@ class WorkerEvaluation:
     items: list[PromptItem]
     """The held-out prompts, the same at every version (rollout.evaluation.load_eval_items)."""
     settings: EvalSettings
-    scorer: RewardScorer
+    scorer: Scorer
     """Scores eval answers (evaluation.reward, else the job's reward); closed with the worker."""
     render: Callable[[str], list[int]] | None = None
     """question -> prompt ids for eval prompts (rollout.evaluation.eval_prompt_format); None = the
@@ -195,7 +195,7 @@ class Evaluator:
         now = f" eval=v{running.version} {running.done}/{running.total}" if running else ""
         return f"evals={s.evaluations}{failed}{now} "
 
-    def close(self, training_scorer: RewardScorer) -> None:
+    def close(self, training_scorer: Scorer) -> None:
         """Close the eval scorer, unless it is the training one (closed by the worker)."""
         if self.evaluation.scorer is not training_scorer:
             self.evaluation.scorer.close()

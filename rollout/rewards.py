@@ -19,9 +19,9 @@ import importlib
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from asyncrl.errors import RolloutError
 
@@ -117,6 +117,40 @@ class RewardFailed(Exception):
     non-finite number): an infrastructure failure, not a wrong answer."""
 
 
+OnError = Literal["drop", "zero"]
+
+
+def tries(retries: int) -> str:
+    return f"{retries + 1} tr{'y' if retries == 0 else 'ies'}"
+
+
+def give_up(on_error: OnError, message: str) -> float:
+    """A reward that failed on every try: RewardFailed ("drop"), or 0.0 with a warning ("zero")."""
+    if on_error == "drop":
+        raise RewardFailed(message)
+    log.warning("%s (scored 0: reward.onError is zero)", message)
+    return 0.0
+
+
+class Scorer(Protocol):
+    """What the rollout worker and the evaluator score with: in-process (RewardScorer) or over
+    HTTP (rollout/reward_client.py's HttpRewardScorer)."""
+
+    name: str
+    errors: int
+
+    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
+        """One completion's reward (raises RewardFailed, or 0.0 under on_error "zero")."""
+        ...
+
+    async def score_all(self, completions: Sequence[str], answer: str,
+                        prompt: str = "") -> list[float | RewardFailed]:
+        """A group's rewards, in order; a completion whose reward failed gets its RewardFailed."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class RewardScorer:
     """Runs a reward function in worker threads with a timeout and bounded retries."""
@@ -126,7 +160,7 @@ class RewardScorer:
     max_workers: int = 4
     name: str = ""
     retries: int = 0
-    on_error: Literal["drop", "zero"] = "zero"
+    on_error: OnError = "zero"
     errors: int = 0
     """Calls that failed (each retry counts)."""
     timeouts: int = 0
@@ -141,10 +175,18 @@ class RewardScorer:
 
     @classmethod
     def from_name(cls, name: str, timeout_s: float = 5.0, *, retries: int = 0,
-                  on_error: Literal["drop", "zero"] = "zero") -> RewardScorer:
+                  on_error: OnError = "zero") -> RewardScorer:
         return cls(resolve_reward(name), timeout_s, name=name, retries=retries, on_error=on_error)
 
-    async def score(self, completion: str, answer: str) -> float:
+    async def score_all(self, completions: Sequence[str], answer: str,
+                        prompt: str = "") -> list[float | RewardFailed]:
+        results = await asyncio.gather(*[self.score(c, answer) for c in completions], return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, RewardFailed):
+                raise result
+        return results  # type: ignore[return-value]  # (only floats and RewardFailed are left)
+
+    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
         self.scored += 1
         problem = ""
         for _ in range(self.retries + 1):
@@ -158,12 +200,7 @@ class RewardScorer:
                 problem = f"{type(exc).__name__}: {exc}"
             self.errors += 1
         self.failed += 1
-        tries = f"{self.retries + 1} tr{'y' if self.retries == 0 else 'ies'}"
-        message = f"reward {self.name or self.fn!r} failed ({tries}): {problem}"
-        if self.on_error == "drop":
-            raise RewardFailed(message)
-        log.warning("%s (scored 0: reward.onError is zero)", message)
-        return 0.0
+        return give_up(self.on_error, f"reward {self.name or self.fn!r} failed ({tries(self.retries)}): {problem}")
 
     async def _call(self, completion: str, answer: str) -> float:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, self.fn, completion, answer)

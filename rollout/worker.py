@@ -48,7 +48,7 @@ from asyncrl.rollout.engines.base import Engine
 from asyncrl.rollout.episode import Episode, InvalidGroup, UnscoredGroup
 from asyncrl.rollout.evaluator import Evaluator, WorkerEvaluation
 from asyncrl.rollout.prompt_cursor import PromptCursor
-from asyncrl.rollout.rewards import RewardScorer
+from asyncrl.rollout.rewards import Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import reraise_if_cancelled
@@ -85,7 +85,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None =
 
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
-                 render: Callable[[str], list[int]], decode: Callable[[list[int]], str], scorer: RewardScorer,
+                 render: Callable[[str], list[int]], decode: Callable[[list[int]], str], scorer: Scorer,
                  admission: Admission, names: StreamNames | None = None, health: Health = HEALTH,
                  evaluation: WorkerEvaluation | None = None):
         self.cfg = cfg

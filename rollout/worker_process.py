@@ -17,7 +17,8 @@ from asyncrl.rollout.engines.base import Engine, SamplingParams
 from asyncrl.rollout.evaluation import EvalSettings, eval_prompt_format, load_eval_items
 from asyncrl.rollout.evaluator import WorkerEvaluation
 from asyncrl.rollout.prompts import PromptRenderer
-from asyncrl.rollout.rewards import RewardError, RewardScorer
+from asyncrl.rollout.rewards import RewardError, Scorer
+from asyncrl.rollout.scorers import scorer_for
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.runtime import Runtime
@@ -32,7 +33,7 @@ class StartupError(Exception):
     """The worker cannot start (a bad evaluation dataset or reward, an engine that never got ready)."""
 
 
-def evaluation_inputs(spec: AsyncRLJobSpec) -> tuple[list[PromptItem], RewardScorer] | None:
+def evaluation_inputs(spec: AsyncRLJobSpec) -> tuple[list[PromptItem], Scorer] | None:
     """spec.evaluation's held-out prompts and scorer, loaded before the engine is waited for: a bad
     dataset or reward fails the worker at once. None without spec.evaluation."""
     ev = spec.evaluation
@@ -44,7 +45,7 @@ def evaluation_inputs(spec: AsyncRLJobSpec) -> tuple[list[PromptItem], RewardSco
         raise StartupError(f"spec.evaluation.dataset ({ev.dataset.source}, split {ev.dataset.split}): {exc}") from exc
     reward = ev.reward or spec.reward
     try:
-        return items, RewardScorer.from_name(reward.function, reward.timeout_seconds)
+        return items, scorer_for(reward, on_error="zero")
     except RewardError as exc:
         raise StartupError(f"spec.evaluation.reward: {exc}") from exc
 
@@ -101,8 +102,7 @@ async def run_worker(args: argparse.Namespace) -> int:
             settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
                            render=renderer.render, decode=renderer.decode,
-                           scorer=RewardScorer.from_name(spec.reward.function, spec.reward.timeout_seconds,
-                                                         retries=spec.reward.retries, on_error=spec.reward.on_error),
+                           scorer=scorer_for(spec.reward),
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

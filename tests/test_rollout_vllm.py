@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -22,6 +19,7 @@ from asyncrl.models import resolve_model_path
 from asyncrl.net import free_port
 from asyncrl.rollout.engines import SamplingParams, make_engine
 from tests.conftest import REPO_ROOT
+from tests.support.served import served
 
 VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
 pytestmark = [
@@ -40,32 +38,12 @@ def vllm_server(module_dir: Path):
     port = free_port()
     log = module_dir / "server.log"
     env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            vllm_server_command(str(VLLM_PYTHON), model_dir, host="127.0.0.1", port=port, dtype="bfloat16",
-                                eager=True, extra=["--max-model-len", "1024", "--served-model-name", "smol"]),
-            cwd=str(log.parent), env=env, stdout=out, stderr=subprocess.STDOUT)  # not the repo: operator/ shadows
+    cmd = vllm_server_command(str(VLLM_PYTHON), model_dir, host="127.0.0.1", port=port, dtype="bfloat16",
+                              eager=True, extra=["--max-model-len", "1024", "--served-model-name", "smol"])
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"vLLM did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
+    # cwd: not the repo (its operator/ would shadow the standard library's `operator` in vLLM)
+    with served(cmd, url + "/v1/models", log=log, what="vLLM", timeout=300, cwd=log.parent, env=env):
         yield url, model_dir
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def test_generate_reload_generate(vllm_server, tmp_path: Path):

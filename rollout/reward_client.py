@@ -1,0 +1,122 @@
+"""Scoring over HTTP: the rollout worker's client of a reward service (spec.reward.service).
+
+One POST per group (rollout/reward_protocol.py), at most `max_concurrent_requests` in flight. A
+request that fails as a whole (unreachable, a timeout, 408/429/5xx) is sent again after a back-off
+(0.5 s doubling, at most 8 s) up to `retries` times; any other refusal (401, 422, ...) and a reply
+that breaks the protocol are not retried (the same request would fail again). An item the service
+answers with `error` failed: it is not retried either (the service already decided). What a failed
+reward becomes is `on_error` (rollout/rewards.py `give_up`): RewardFailed, or 0.0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+from pydantic import ValidationError
+
+from asyncrl.rollout.engines.auth import auth_header
+from asyncrl.rollout.reward_protocol import ENV_REWARD_API_KEY, SCORE_PATH, ScoreItem, ScoreRequest, ScoreResponse
+from asyncrl.rollout.rewards import OnError, RewardFailed, give_up, tries
+
+log = logging.getLogger("asyncrl.rollout.reward_client")
+
+RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+BACKOFF_S, BACKOFF_CAP_S = 0.5, 8.0
+
+
+class _Refused(Exception):
+    """The whole request failed; `retry`: the same request may succeed later."""
+
+    def __init__(self, message: str, *, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+@dataclass
+class HttpRewardScorer:
+    """Scores completions with a reward service (see the module doc)."""
+
+    url: str
+    timeout_s: float = 60.0
+    max_concurrent: int = 8
+    retries: int = 1
+    on_error: OnError = "drop"
+    api_key: str | None = field(default_factory=lambda: os.environ.get(ENV_REWARD_API_KEY) or None, repr=False)
+    name: str = ""
+    errors: int = 0
+    """Requests that failed as a whole (each retry counts)."""
+    failed: int = 0
+    """Completions whose reward failed (raised RewardFailed, or scored 0 under "zero")."""
+    scored: int = 0
+    _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.url
+
+    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
+        (result,) = await self.score_all([completion], answer, prompt)
+        if isinstance(result, RewardFailed):
+            raise result
+        return result
+
+    async def score_all(self, completions: Sequence[str], answer: str,
+                        prompt: str = "") -> list[float | RewardFailed]:
+        self.scored += len(completions)
+        request = ScoreRequest(items=[ScoreItem(completion=c, answer=answer, prompt=prompt) for c in completions])
+        try:
+            answers = await self._post(request)
+        except _Refused as exc:
+            return [self._give_up(f"reward service {self.url} failed ({tries(self.retries)}): {exc}")
+                    for _ in completions]
+        return [self._give_up(f"reward service {self.url}: {a.error}") if a.score is None else a.score
+                for a in answers.scores]
+
+    def _give_up(self, message: str) -> float | RewardFailed:
+        self.failed += 1
+        try:
+            return give_up(self.on_error, message)
+        except RewardFailed as exc:
+            return exc
+
+    async def _post(self, request: ScoreRequest) -> ScoreResponse:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        delay = BACKOFF_S
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._slots:
+                    return await self._post_once(request)
+            except _Refused as exc:
+                self.errors += 1
+                if not exc.retry or attempt == self.retries:
+                    raise
+                log.warning("reward service %s: %s; trying again in %.1fs", self.url, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_CAP_S)
+        raise AssertionError("unreachable")  # (the last attempt returns or raises)
+
+    async def _post_once(self, request: ScoreRequest) -> ScoreResponse:
+        body = request.model_dump(mode="json")
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s, headers=auth_header(self.api_key)) as client:
+                resp = await client.post(self.url + SCORE_PATH, json=body)
+        except httpx.TransportError as exc:  # unreachable, reset, timed out
+            raise _Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, retry=True) from exc
+        if resp.status_code != 200:
+            raise _Refused(f"HTTP {resp.status_code}: {resp.text[:200]}", retry=resp.status_code in RETRIED_STATUS)
+        try:
+            answers = ScoreResponse.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise _Refused(f"a reply outside the protocol: {exc.errors()[0]['msg']}", retry=False) from exc
+        if len(answers.scores) != len(request.items):
+            raise _Refused(f"a reply outside the protocol: {len(answers.scores)} scores for "
+                           f"{len(request.items)} items", retry=False)
+        return answers
+
+    def close(self) -> None:
+        """Nothing held between requests (one connection per request)."""

@@ -1,0 +1,18 @@
+"""The scorer a job's reward settings ask for: in-process (RewardScorer) or a reward service."""
+
+from __future__ import annotations
+
+from asyncrl.rollout.reward_client import HttpRewardScorer
+from asyncrl.rollout.rewards import OnError, RewardScorer, Scorer
+from asyncrl.spec import RewardSpec
+
+
+def scorer_for(reward: RewardSpec, *, on_error: OnError | None = None) -> Scorer:
+    """`on_error` overrides the spec's (held-out evaluation reports a failed reward as 0, it never
+    trains on it). Raises RewardError for a function that cannot be imported."""
+    policy = on_error or reward.on_error
+    if reward.service is not None:
+        svc = reward.service
+        return HttpRewardScorer(svc.url, timeout_s=svc.timeout_seconds, max_concurrent=svc.max_concurrent_requests,
+                                retries=reward.retries, on_error=policy)
+    return RewardScorer.from_name(reward.function, reward.timeout_seconds, retries=reward.retries, on_error=policy)

@@ -1,0 +1,36 @@
+"""A real `asyncrl reward-server` process for tests, and the reward plug-ins it serves."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from asyncrl.net import free_port
+from tests.support.served import served
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def digit_sum_reward(completion: str, answer: str) -> float:
+    """A reward that differs from sample to sample on the fake engine's completions (space-separated ids)."""
+    return (sum(int(t) for t in completion.split() if t.isdigit()) + int(answer)) % 7 / 6
+
+
+def down_for_even_answers(completion: str, answer: str) -> float:
+    """A verifier that is down for some prompts (even answers), on every try."""
+    if int(answer) % 2 == 0:
+        raise RuntimeError("verifier down")
+    return digit_sum_reward(completion, answer)
+
+
+@contextlib.contextmanager
+def reward_server(function: str, *, api_key: str | None = None, log: Path, timeout: float = 5.0) -> Iterator[str]:
+    """`asyncrl reward-server FUNCTION` on a free port until the block ends; yields its base URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "asyncrl.cli", "reward-server", function, "--port", str(port),
+           "--timeout", str(timeout), *(["--api-key", api_key] if api_key else [])]
+    url = f"http://127.0.0.1:{port}"
+    with served(cmd, url + "/health", log=log, what="reward-server", cwd=REPO, grace=10):
+        yield url
