@@ -28,6 +28,10 @@ ENV_JOB_UID = "ASYNCRL_JOB_UID"
 ENV_ENGINE_API_KEY = "ASYNCRL_ENGINE_API_KEY"
 ENV_WEIGHT_GROUP_ADDRESS = "ASYNCRL_WEIGHT_GROUP_ADDRESS"
 ENV_WEIGHT_GROUP_PORT = "ASYNCRL_WEIGHT_GROUP_PORT"
+ENV_REWARD_URL = "ASYNCRL_REWARD_URL"
+"""The in-cluster URL of the job's operator-run reward service (spec.reward.service.deployment)."""
+ENV_REWARD_API_KEY = "ASYNCRL_REWARD_API_KEY"
+"""The reward service's key, for the server (`asyncrl reward-server`) and its clients alike."""
 DEFAULT_WEIGHT_GROUP_PORT = 29600
 """With trainer.weightTransport collective: the address engines dial to join the trainer's weight
 group (the trainer rank 0 pod's stable DNS name) and the port of the group's store on it."""
@@ -78,6 +82,8 @@ class Runtime:
     """Where engines reach the trainer's rank 0 for collective weight sync (trainer.weightTransport)."""
     weight_group_port: int = DEFAULT_WEIGHT_GROUP_PORT
     """The weight group's store port on the trainer's rank 0."""
+    reward_url: str | None = None
+    """Where the job's operator-run reward service answers (spec.reward.service.deployment)."""
     engine_api_key: str | None = field(default=None, repr=False)
     """The engines' API key (SGLang/vLLM `--api-key`): the worker and the trainer send it as a bearer
     token on every engine request. None: the engines are open (the NetworkPolicy is the only fence)."""
@@ -99,6 +105,7 @@ class Runtime:
             status_token=env.get(ENV_STATUS_TOKEN) or None,
             job_uid=env.get(ENV_JOB_UID, ""),
             engine_api_key=env.get(ENV_ENGINE_API_KEY) or None,
+            reward_url=env.get(ENV_REWARD_URL) or None,
             weight_group_address=env.get(ENV_WEIGHT_GROUP_ADDRESS) or base.weight_group_address,
             weight_group_port=_env_int(ENV_WEIGHT_GROUP_PORT, DEFAULT_WEIGHT_GROUP_PORT),
         )
@@ -123,6 +130,8 @@ class Runtime:
             out[ENV_JOB_UID] = self.job_uid
         if self.engine_api_key:
             out[ENV_ENGINE_API_KEY] = self.engine_api_key
+        if self.reward_url:
+            out[ENV_REWARD_URL] = self.reward_url
         if self.weight_group_address != Runtime.weight_group_address:
             out[ENV_WEIGHT_GROUP_ADDRESS] = self.weight_group_address
         if self.weight_group_port != DEFAULT_WEIGHT_GROUP_PORT:

@@ -164,12 +164,33 @@ class DatasetSpec(SpecModel):
         return self
 
 
+class RewardDeploymentSpec(SpecModel):
+    """A reward service the operator runs with the job: a Deployment, its Service, and a NetworkPolicy
+    that admits only the job's rollout pods; the service is given the job's engine API key
+    (ASYNCRL_REWARD_API_KEY) and the workers send it. Scaled to zero when the job ends."""
+
+    image: str | None = None
+    """Container image; default: the rollout worker's image (it has `asyncrl reward-server`)."""
+    command: list[str] | None = None
+    """Default: `asyncrl reward-server <reward.function> --host 0.0.0.0 --port <port>`. A server of
+    your own must speak the protocol of docs/rollout.md on `port` and require the key it finds in
+    $ASYNCRL_REWARD_API_KEY."""
+    replicas: int = Field(default=1, ge=1, le=1000)
+    port: int = Field(default=8100, ge=1024, le=65535)
+    gpus: int = Field(default=0, ge=0, le=64)
+    """GPUs per replica (a reward model)."""
+    resources: Resources = Field(default_factory=Resources)
+
+
 class RewardServiceSpec(SpecModel):
     """A reward service: the rollout worker posts each group's completions to it (the JSON protocol
-    of docs/rollout.md, which `asyncrl reward-server` serves for any reward function)."""
+    of docs/rollout.md, which `asyncrl reward-server` serves for any reward function). Either an
+    existing endpoint (`url`) or one the operator runs with the job (`deployment`)."""
 
-    url: str
+    url: str | None = None
     """The service's base URL (`http://` or `https://`); the worker POSTs to `<url>/score`."""
+    deployment: RewardDeploymentSpec | None = None
+    """Run the service with the job (Kubernetes only; `asyncrl run` needs `url`)."""
     timeout_seconds: float = Field(default=60.0, gt=0)
     """One scoring request (a group's completions) as a whole."""
     max_concurrent_requests: int = Field(default=8, ge=1, le=1024)
@@ -177,10 +198,16 @@ class RewardServiceSpec(SpecModel):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, v: str) -> str:
-        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
             raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://rewards.rl.svc:8100)")
-        return v.rstrip("/")
+        return None if v is None else v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RewardServiceSpec:
+        if (self.url is None) == (self.deployment is None):
+            raise ValueError(_REWARD_SERVICE_ONE_OF[1])
+        return self
 
 
 class RewardSpec(SpecModel):
@@ -805,6 +832,8 @@ class EvaluationSpec(SpecModel):
             raise ValueError(f"samplesPerPrompt {self.samples_per_prompt} needs temperature > 0: greedy answers to "
                              "one prompt are identical; allowed: samplesPerPrompt 1 with temperature 0, or "
                              "temperature > 0")
+        if self.reward is not None and self.reward.service is not None and self.reward.service.deployment:
+            raise ValueError(_EVAL_REWARD_URL_ONLY)
         return self
 
 
@@ -1087,7 +1116,17 @@ _ONE_TRAINER_PROCESS_CEL = ("((has(self.trainer) && has(self.trainer.replicas) ?
 _VCPO_BASELINE_OFF_CEL = "(!has(self.vcpo) || !has(self.vcpo.baseline) || !self.vcpo.baseline)"
 """CEL on `spec.algorithm`: VCPO's baseline is off."""
 
+_EVAL_REWARD_URL_ONLY = ("evaluation.reward.service takes a url only (the operator runs the job's "
+                         "reward.service.deployment, which evaluation uses when it has no reward of its own)")
+_REWARD_SERVICE_ONE_OF = ("has(self.url) != has(self.deployment)",
+                          "reward.service needs exactly one of url (an existing service) and deployment "
+                          "(one the operator runs with the job)")
+
 CEL_RULES: list[tuple[str, str, str]] = [
+    ("spec.reward.service", *_REWARD_SERVICE_ONE_OF),
+    ("spec.evaluation.reward.service", *_REWARD_SERVICE_ONE_OF),
+    ("spec.evaluation", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",
+     _EVAL_REWARD_URL_ONLY),
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
      "proximal 'loglinear' requires loss 'decoupled'"),
     ("spec.algorithm", "self.batchSize % self.minibatches == 0",

@@ -26,7 +26,7 @@ from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
 from asyncrl.pod_template import PodTemplateOverlay
-from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources
+from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources, RewardDeploymentSpec
 from asyncrl.spec_base import SpecModel, parse_quantity
 
 Obj = dict[str, Any]
@@ -632,7 +632,8 @@ def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     env = [*_common_env(job, ctx), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            # the URL the trainer uses to pause/update/resume this pod's engine
-           {"name": R.ENV_ENGINE_ADVERTISE_URL, "value": f"http://$(POD_IP):{ENGINE_PORT}"}]
+           {"name": R.ENV_ENGINE_ADVERTISE_URL, "value": f"http://$(POD_IP):{ENGINE_PORT}"},
+           *_reward_env(job)]
     return {
         "name": "worker",
         "image": ro.worker_image or ctx.rollout_image,
@@ -667,6 +668,80 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             }, ro.pod_template),
         },
     })
+
+
+def _reward_deployment_spec(job: AsyncRLJob) -> RewardDeploymentSpec | None:
+    service = job.spec.reward.service
+    return None if service is None else service.deployment
+
+
+def _reward_env(job: AsyncRLJob) -> list[Obj]:
+    """For the worker: where the job's reward service answers and its key (the engine Secret's)."""
+    dep = _reward_deployment_spec(job)
+    if dep is None:
+        return []
+    return [{"name": R.ENV_REWARD_URL, "value": f"http://{N.reward(job.metadata.name)}:{dep.port}"},
+            {**_engine_api_key_env(job), "name": R.ENV_REWARD_API_KEY}]
+
+
+def reward_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The reward service the operator runs with the job: `asyncrl reward-server` on the job's reward
+    function, or the user's own image and command; readiness on /health (open without the key)."""
+    name = job.metadata.name
+    dep = _reward_deployment_spec(job)
+    assert dep is not None
+    selector = N.selector_labels(name, "reward")
+    command = dep.command or ["asyncrl", "reward-server", job.spec.reward.function, "--host", "0.0.0.0",
+                              "--port", str(dep.port)]
+    container: Obj = {
+        "name": "reward",
+        "image": dep.image or job.spec.rollout.worker_image or ctx.rollout_image,
+        "command": command,
+        "env": [{"name": "HOME", "value": "/tmp"}, {**_engine_api_key_env(job), "name": R.ENV_REWARD_API_KEY}],
+        "ports": [{"name": "reward", "containerPort": dep.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "reward"}, "periodSeconds": 5, "timeoutSeconds": 3},
+        "livenessProbe": {"tcpSocket": {"port": "reward"}, "periodSeconds": 20, "failureThreshold": 6},
+        "securityContext": _container_security(read_only_root=True),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    resources = _resources(dep.resources, dep.gpus)
+    if resources:
+        container["resources"] = resources
+    return _queued(job, {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(job, ctx, N.reward(name), "reward"),
+        "spec": {
+            "replicas": 0 if ctx.stopped else dep.replicas,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**N.job_labels(name), **selector}},
+                "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
+                         "containers": [container], "volumes": [{"name": "tmp", "emptyDir": {}}]},
+            },
+        },
+    })
+
+
+def reward_service(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    name = job.metadata.name
+    dep = _reward_deployment_spec(job)
+    assert dep is not None
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(job, ctx, N.reward(name), "reward"),
+            "spec": {"selector": N.selector_labels(name, "reward"),
+                     "ports": [{"name": "reward", "port": dep.port, "targetPort": "reward", "protocol": "TCP"}]}}
+
+
+def reward_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """Only the job's rollout pods (the workers score there) reach the reward service."""
+    name = job.metadata.name
+    dep = _reward_deployment_spec(job)
+    assert dep is not None
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": _meta(job, ctx, N.reward(name), "reward"),
+            "spec": {"podSelector": {"matchLabels": N.selector_labels(name, "reward")},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [_from_component(name, "rollout")], "ports": _tcp(dep.port)}]}}
 
 
 def trainer_command(job: AsyncRLJob, namespace: str) -> list[str]:
@@ -800,7 +875,18 @@ def build_children(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
         out.append(shared_pvc(job, ctx))
     out += [status_secret(job, ctx), engine_secret(job, ctx), trainer_headless_service(job, ctx),
             status_service(job, ctx), trainer_network_policy(job, ctx), trainer_statefulset(job, ctx),
-            trainer_pod_disruption_budget(job, ctx), rollout_network_policy(job, ctx), rollout_deployment(job, ctx)]
+            trainer_pod_disruption_budget(job, ctx)]
+    if _reward_deployment_spec(job) is not None:  # (before rollout: its workers score there from the start)
+        out += [reward_service(job, ctx), reward_network_policy(job, ctx), reward_deployment(job, ctx)]
+    out += [rollout_network_policy(job, ctx), rollout_deployment(job, ctx)]
+    return out
+
+
+def scaled_workloads(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
+    """The workloads that hold GPUs, as `ctx` sizes them (ctx.stopped: zero replicas, the job ended)."""
+    out = [trainer_statefulset(job, ctx), rollout_deployment(job, ctx)]
+    if _reward_deployment_spec(job) is not None:
+        out.append(reward_deployment(job, ctx))
     return out
 
 

@@ -440,9 +440,10 @@ async def _redis_url(memo: OperatorMemo, job: AsyncRLJob, ref: JobRef) -> str | 
 
 
 async def _stop(k: Kube, job: AsyncRLJob, ctx: B.BuildContext, logger: kopf.Logger) -> None:
-    """Scale rollout and trainer to zero (Redis and volumes stay for inspection)."""
+    """Scale rollout, trainer and an operator-run reward service to zero (Redis and volumes stay for
+    inspection)."""
     stopped = dataclasses.replace(ctx, stopped=True)
-    for obj in (B.trainer_statefulset(job, stopped), B.rollout_deployment(job, stopped)):
+    for obj in B.scaled_workloads(job, stopped):
         try:
             await apply(k, obj, owner_uid=ctx.owner_uid)
         except ChildConflict as exc:  # not ours to scale

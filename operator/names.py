@@ -91,6 +91,12 @@ def rollout(job: str) -> str:
     return child_name(job, "rollout", MAX_DEPLOYMENT)
 
 
+def reward(job: str) -> str:
+    """The operator-run reward service (spec.reward.service.deployment): its Deployment, Service and
+    NetworkPolicy share this name."""
+    return child_name(job, "reward", MAX_DEPLOYMENT)
+
+
 def trainer(job: str) -> str:
     """The trainer StatefulSet and its headless Service share this name."""
     return child_name(job, "trainer", MAX_STATEFULSET)

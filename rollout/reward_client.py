@@ -20,7 +20,14 @@ import httpx
 from pydantic import ValidationError
 
 from asyncrl.rollout.engines.auth import auth_header
-from asyncrl.rollout.reward_protocol import ENV_REWARD_API_KEY, SCORE_PATH, ScoreItem, ScoreRequest, ScoreResponse
+from asyncrl.rollout.reward_protocol import (
+    ENV_REWARD_API_KEY,
+    HEALTH_PATH,
+    SCORE_PATH,
+    ScoreItem,
+    ScoreRequest,
+    ScoreResponse,
+)
 from asyncrl.rollout.rewards import OnError, RewardFailed, give_up, tries
 
 log = logging.getLogger("asyncrl.rollout.reward_client")
@@ -117,6 +124,13 @@ class HttpRewardScorer:
             raise _Refused(f"a reply outside the protocol: {len(answers.scores)} scores for "
                            f"{len(request.items)} items", retry=False)
         return answers
+
+    async def ready(self) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=5.0) as client:
+                return (await client.get(self.url + HEALTH_PATH)).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def close(self) -> None:
         """Nothing held between requests (one connection per request)."""

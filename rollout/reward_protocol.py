@@ -17,10 +17,14 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl.runtime import ENV_REWARD_API_KEY
+
+__all__ = ["DEFAULT_PORT", "ENV_REWARD_API_KEY", "HEALTH_PATH", "SCORE_PATH", "ItemScore", "ScoreItem",
+           "ScoreRequest", "ScoreResponse"]
+
 SCORE_PATH = "/score"
 HEALTH_PATH = "/health"
-ENV_REWARD_API_KEY = "ASYNCRL_REWARD_API_KEY"
-"""The reward service's key, for the server (`asyncrl reward-server`) and the client alike."""
+DEFAULT_PORT = 8100
 
 
 class ScoreItem(BaseModel):

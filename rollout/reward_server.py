@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from asyncrl.rollout.reward_protocol import (
+    DEFAULT_PORT,
     ENV_REWARD_API_KEY,
     HEALTH_PATH,
     SCORE_PATH,
@@ -28,8 +29,6 @@ from asyncrl.rollout.reward_protocol import (
     ScoreResponse,
 )
 from asyncrl.rollout.rewards import RewardError, RewardFailed, RewardScorer, resolve_reward
-
-DEFAULT_PORT = 8100
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -148,6 +148,10 @@ class Scorer(Protocol):
         """A group's rewards, in order; a completion whose reward failed gets its RewardFailed."""
         ...
 
+    async def ready(self) -> bool:
+        """Whether scoring can start (a service answers its health check)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -201,6 +205,9 @@ class RewardScorer:
             self.errors += 1
         self.failed += 1
         return give_up(self.on_error, f"reward {self.name or self.fn!r} failed ({tries(self.retries)}): {problem}")
+
+    async def ready(self) -> bool:
+        return True
 
     async def _call(self, completion: str, answer: str) -> float:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, self.fn, completion, answer)

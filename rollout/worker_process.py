@@ -8,12 +8,13 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 
 from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer, vocab_size
 from asyncrl.rollout.datasets import DatasetError, PromptItem, load_source
 from asyncrl.rollout.engines import make_engine
-from asyncrl.rollout.engines.base import Engine, SamplingParams
+from asyncrl.rollout.engines.base import SamplingParams
 from asyncrl.rollout.evaluation import EvalSettings, eval_prompt_format, load_eval_items
 from asyncrl.rollout.evaluator import WorkerEvaluation
 from asyncrl.rollout.prompts import PromptRenderer
@@ -33,9 +34,10 @@ class StartupError(Exception):
     """The worker cannot start (a bad evaluation dataset or reward, an engine that never got ready)."""
 
 
-def evaluation_inputs(spec: AsyncRLJobSpec) -> tuple[list[PromptItem], Scorer] | None:
+def evaluation_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> tuple[list[PromptItem], Scorer] | None:
     """spec.evaluation's held-out prompts and scorer, loaded before the engine is waited for: a bad
-    dataset or reward fails the worker at once. None without spec.evaluation."""
+    dataset or reward fails the worker at once. None without spec.evaluation. `reward_url`: where the
+    job's operator-run reward service answers (evaluation without a reward of its own uses it too)."""
     ev = spec.evaluation
     if ev is None:
         return None
@@ -45,16 +47,16 @@ def evaluation_inputs(spec: AsyncRLJobSpec) -> tuple[list[PromptItem], Scorer] |
         raise StartupError(f"spec.evaluation.dataset ({ev.dataset.source}, split {ev.dataset.split}): {exc}") from exc
     reward = ev.reward or spec.reward
     try:
-        return items, scorer_for(reward, on_error="zero")
+        return items, scorer_for(reward, on_error="zero", service_url=reward_url if ev.reward is None else None)
     except RewardError as exc:
         raise StartupError(f"spec.evaluation.reward: {exc}") from exc
 
 
-async def wait_until_ready(engine: Engine, url: str, timeout: float) -> None:
+async def wait_until_ready(ready: Callable[[], Awaitable[bool]], what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not await engine.ready():
+    while not await ready():
         if time.monotonic() > deadline:
-            raise StartupError(f"engine at {url} not ready after {timeout:.0f}s")
+            raise StartupError(f"{what} not ready after {timeout:.0f}s")
         await asyncio.sleep(1.0)
 
 
@@ -82,8 +84,14 @@ async def run_worker(args: argparse.Namespace) -> int:
     kind = args.engine or spec.rollout.engine
     engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds, api_key=rt.engine_api_key)
     try:
-        eval_inputs = evaluation_inputs(spec)
-        await wait_until_ready(engine, engine_url, args.ready_timeout)
+        eval_inputs = evaluation_inputs(spec, rt.reward_url)
+        try:
+            scorer = scorer_for(spec.reward, service_url=rt.reward_url)
+        except RewardError as exc:
+            raise StartupError(f"spec.reward: {exc}") from exc
+        await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)
+        # (a reward service started with the job may come up after the engine: no group is scored before it)
+        await wait_until_ready(scorer.ready, f"reward service {scorer.name}", args.ready_timeout)
     except StartupError as exc:
         log.error("%s", exc)
         await engine.close()
@@ -102,7 +110,7 @@ async def run_worker(args: argparse.Namespace) -> int:
             settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
                            render=renderer.render, decode=renderer.decode,
-                           scorer=scorer_for(spec.reward),
+                           scorer=scorer,
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

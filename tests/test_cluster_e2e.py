@@ -59,14 +59,17 @@ pytestmark = pytest.mark.slow
 
 
 def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
-             **trainer: Any) -> dict[str, Any]:
-    """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step."""
+             reward_service: bool = False, **trainer: Any) -> dict[str, Any]:
+    """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step (`reward_service`: scored by a
+    reward service the operator runs with the job, `asyncrl reward-server` in a pod of its own)."""
     job = JobBuilder.small(name, group_size=2, eta=1, max_steps=max_steps, checkpoint_interval=checkpoint_interval,
                            micro_batch_tokens=4096, trainer=trainer).named(name, NS)
     job.merge(rollout={"maxConcurrentRequests": 8}).set(redis={"mode": "managed", "managed": {"storage": "1Gi"}},
                                                          storage={"size": "10Gi"})
     if ttl is not None:
         job.set(ttlSecondsAfterFinished=ttl)
+    if reward_service:
+        job.set(**{"reward.service": {"deployment": {}}})
     return job.doc()
 
 
@@ -318,9 +321,11 @@ def checkpointed(e2e: E2E, job: str) -> bool:
 
 
 def released(e2e: E2E, job: str) -> bool:
-    """Trainer and rollout scaled to zero and their pods (so their processes) gone."""
+    """Trainer, rollout (and a reward service the operator runs) scaled to zero and their pods (so their
+    processes) gone."""
     return (e2e.replicas("statefulsets", N.trainer(job)) == 0 and e2e.replicas("deployments", N.rollout(job)) == 0
-            and not e2e.pods(job, "trainer") and not e2e.pods(job, "rollout"))
+            and e2e.replicas("deployments", N.reward(job)) in (0, None)
+            and not e2e.pods(job, "trainer") and not e2e.pods(job, "rollout") and not e2e.pods(job, "reward"))
 
 
 async def unauthenticated_engine_calls(e2e: E2E, job: str) -> str:
@@ -337,6 +342,15 @@ async def unauthenticated_engine_calls(e2e: E2E, job: str) -> str:
             resp = await client.request(method, url + path, json=body)
             lines.append(f"{method} {path} -> {resp.status_code}")
     return "\n".join(lines)
+
+
+async def unauthenticated_reward_call(e2e: E2E, job: str) -> tuple[str, int]:
+    """The reward pod's name, and what its /score answers another pod without the job's key."""
+    (pod,) = e2e.pods(job, "reward")
+    url = f"http://127.0.0.1:{e2e.cluster.host_port(NS, pod['metadata']['name'], 8100)}/score"
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.post(url, json={"items": [{"completion": "42", "answer": "42"}]})
+    return pod["metadata"]["name"], resp.status_code
 
 
 def condensed(transcript: Transcript, job: str) -> str:
@@ -359,12 +373,14 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     await e2e.start_operator(job)
     with PhaseLog(e2e, job) as phases:
         async with e2e.transcript() as transcript:
-            out = await e2e.apply(tiny_job(job, max_steps=steps, ttl=10))
+            out = await e2e.apply(tiny_job(job, max_steps=steps, ttl=10, reward_service=True))
             assert out.strip() == f"asyncrljob.asyncrl.dev/{job} created"
             await e2e.wait_phase(job, "Running", timeout=300)
             running = pids(e2e, job)
-            assert sorted(k.split("/")[1] for k in running) == ["engine", "redis", "trainer", "worker"], running
+            assert sorted(k.split("/")[1] for k in running) == ["engine", "redis", "reward", "trainer", "worker"], \
+                running
             refused = await unauthenticated_engine_calls(e2e, job)
+            reward_pod, reward_refused = await unauthenticated_reward_call(e2e, job)
             snapshot = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
             guards = await e2e.kubectl("get", "networkpolicies,secrets", "-n", NS)
             status = await e2e.wait_phase(job, "Succeeded")
@@ -382,6 +398,10 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
         ["Initializing", "Running", "Succeeded"], phases.seen
     assert (status["reason"], status["trainer"]["step"], status["trainer"]["policyVersion"]) == \
         ("MaxStepsReached", steps, steps), status
+    # Every reward came from the job's reward service (onError drop: had it failed, no group would have
+    # been trained and the job would not have reached its steps); without the key it refuses to score.
+    assert "reward service" in e2e.cluster.log(NS, reward_pod, "reward"), reward_pod
+    assert reward_refused == 401, reward_refused
     # Without the key the engine refused a weight update (401) while training, with it, went on.
     assert [line.split()[-1] for line in refused.splitlines()] == ["401", "401", "200"], refused
     policies = [N.rollout(job), N.trainer(job), N.redis_network_policy(job)]
@@ -401,7 +421,8 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
              ("secrets", N.status_secret(job)), ("secrets", N.engine_secret(job)), ("services", N.redis(job)),
              ("services", N.trainer(job)), ("services", N.status_service(job)), ("statefulsets", N.redis(job)),
              ("statefulsets", N.trainer(job)), ("deployments", N.rollout(job)),
-             ("networkpolicies", N.redis_network_policy(job)), ("persistentvolumeclaims", f"data-{N.redis(job)}-0")]
+             ("networkpolicies", N.redis_network_policy(job)), ("persistentvolumeclaims", f"data-{N.redis(job)}-0"),
+             ("deployments", N.reward(job)), ("services", N.reward(job)), ("networkpolicies", N.reward(job))]
     assert [o for o in owned if e2e.emu.get(o[0], NS, o[1])] == []
     # ... but the weights volume (not owned by default) stays, with the final weights on it
     assert e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is not None

@@ -187,6 +187,11 @@ COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine
 TB_UNUSED_MESSAGE = next(m for _, _, m in CEL_RULES if m.startswith("objective 'tb' has no ratio"))
 
 BREAKERS = {
+    "evaluation.reward.service takes a url only (the operator runs the job's reward.service.deployment, which "
+    "evaluation uses when it has no reward of its own)":
+        {"evaluation": {"reward": {"service": {"deployment": {}}}}},
+    "reward.service needs exactly one of url (an existing service) and deployment (one the operator runs with "
+    "the job)": {"reward": {"service": {"url": "http://rewards:8100", "deployment": {}}}},
     "proximal 'loglinear' requires loss 'decoupled'": {"algorithm": {"loss": "ppo", "proximal": "loglinear"}},
     "batchSize must be divisible by minibatches": {"algorithm": {"batchSize": 30, "minibatches": 4}},
     "advantageEstimator grpo and rloo need groupSize >= 2":

@@ -28,6 +28,7 @@ async def test_the_service_scores_what_the_function_scores_in_process_behind_its
     with reward_server(f"{PLUGINS}:digit_sum_reward", api_key="s3cret", log=tmp_path / "server.log") as url:
         service = HttpRewardScorer(url, api_key="s3cret", retries=2)
         in_process = RewardScorer(digit_sum_reward, 5.0)
+        assert await service.ready() and await in_process.ready()  # (the worker waits for this at start)
         got = await service.score_all(COMPLETIONS, "12", "What is 5 + 7?")
         assert got == await in_process.score_all(COMPLETIONS, "12") == [digit_sum_reward(c, "12") for c in COMPLETIONS]
         assert len(set(got)) > 1 and await service.score("8", "12") == got[2]
@@ -60,7 +61,7 @@ async def test_items_the_service_cannot_score_fail_alone_and_are_never_a_zero_un
 async def test_an_unreachable_service_is_tried_again_after_a_back_off_then_fails() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     scorer = scorer_for(RewardSpec.model_validate({"service": {"url": url}, "retries": 2}))
-    assert isinstance(scorer, HttpRewardScorer)
+    assert isinstance(scorer, HttpRewardScorer) and not await scorer.ready()
     started = time.monotonic()
     results = await scorer.score_all(["1", "2"], "1")
     assert time.monotonic() - started >= 0.5 + 1.0  # two back-offs: 0.5 s, then 1 s
@@ -95,6 +96,16 @@ async def test_a_worker_scoring_through_the_service_publishes_what_it_publishes_
     assert (await worker.admission.snapshot()).reward_failures == 4 - len(odd)
 
 
+def test_an_operator_run_service_needs_the_operator() -> None:
+    from asyncrl.rollout.rewards import RewardError
+
+    spec = RewardSpec.model_validate({"service": {"deployment": {}}})
+    with pytest.raises(RewardError, match=r"start `asyncrl reward-server` and set reward\.service\.url"):
+        scorer_for(spec)
+    scorer = scorer_for(spec, service_url="http://job-reward:8100")  # (the operator's ASYNCRL_REWARD_URL)
+    assert isinstance(scorer, HttpRewardScorer) and scorer.url == "http://job-reward:8100"
+
+
 def test_the_service_spec_names_the_field_and_what_it_accepts() -> None:
     from pydantic import ValidationError
 
@@ -104,3 +115,5 @@ def test_the_service_spec_names_the_field_and_what_it_accepts() -> None:
         RewardSpec.model_validate({"service": {"url": "rewards:8100"}})
     with pytest.raises(ValidationError, match="maxConcurrentRequests"):
         RewardSpec.model_validate({"service": {"url": "http://x", "maxConcurrentRequests": 0}})
+    with pytest.raises(ValidationError, match=r"exactly one of url \(an existing service\) and deployment"):
+        RewardSpec.model_validate({"service": {"url": "http://x", "deployment": {}}})
