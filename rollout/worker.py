@@ -114,6 +114,9 @@ class RolloutWorker:
         self.cursor = PromptCursor(redis, self.names, cfg.rollout_index, cfg.rollout_replicas)
         self._group_slots = asyncio.Semaphore(max(1, math.ceil(cfg.max_concurrent_requests / cfg.group_size)))
         self._groups: set[asyncio.Task] = set()
+        # leases of group tasks not yet running: a task cancelled before its first step never runs its
+        # body, so its `finally` could not release the lease (a stop right after a lease was granted)
+        self._unstarted: dict[asyncio.Task, str] = {}
 
     @property
     def version(self) -> int:
@@ -184,6 +187,7 @@ class RolloutWorker:
     def _start(self, lease: str, local: int, position: int) -> None:
         task = asyncio.create_task(self._run_group(lease, local, position), name=f"group-{local}")
         self._groups.add(task)
+        self._unstarted[task] = lease
         task.add_done_callback(self._groups.discard)
 
     async def _shut_down(self, side: list[asyncio.Task]) -> None:
@@ -191,6 +195,12 @@ class RolloutWorker:
             task.cancel()
         if self._groups:
             await asyncio.gather(*list(self._groups), return_exceptions=True)
+        for lease in self._unstarted.values():  # (their prompts were not marked done: redone after a restart)
+            try:
+                await self.admission.release(lease, accepted=False)
+            except Exception as exc:  # Redis gone: admission recovers the slot by expiry
+                log.warning("could not release lease %s: %s", lease, exc)
+        self._unstarted.clear()
         # bounded: a helper stuck in a client that swallowed its cancellation must not hold the
         # shutdown (and the cursor save below) for a whole outage window
         stuck = await cancel_and_wait(side, timeout=SIDE_TASK_STOP_S)
@@ -241,6 +251,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ one group
 
     async def _run_group(self, lease: str, local: int, position: int) -> None:
+        self._unstarted.pop(asyncio.current_task(), None)  # type: ignore[arg-type]  # (always a task here)
         published = requeued = False
         renew = asyncio.create_task(self._renew(lease))
         try:

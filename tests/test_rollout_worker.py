@@ -208,6 +208,21 @@ async def test_stop_releases_in_flight_groups_and_unregisters(rollout_env):
     await stopper.close()
 
 
+async def test_a_group_stopped_before_its_task_ever_ran_gives_its_lease_back(rollout_env):
+    """The race behind a flaky stop: a lease granted just as stop() lands starts a group task that is
+    cancelled before its first step, so its own `finally` never runs; the shutdown releases it."""
+    redis, fake, names = rollout_env
+    worker = make_worker(redis, fake, names, n=2)
+    await worker.cursor.restore()
+    lease = await worker.admission.acquire("pod-0")
+    worker._start(lease, *await worker.cursor.take())  # no await between this and the cancellation below
+    worker.stop()
+    await worker._shut_down([])
+    snap = await worker.admission.snapshot()
+    assert (snap.running, snap.accepted) == (0, 0)
+    assert await redis.get(cursor_key(names, 0, 1)) == b"0"  # its prompt is redone after a restart
+
+
 async def test_shards_are_disjoint_and_the_cursor_resumes(rollout_env):
     redis, fake, names = rollout_env
     w = make_worker(redis, fake, names, n=1, max_new=2, max_groups=2, index=1, replicas=2, engine_id="pod-1")
