@@ -60,10 +60,11 @@ class HttpRewardScorer:
     failed: int = 0
     """Completions whose reward failed (raised RewardFailed, or scored 0 under "zero")."""
     scored: int = 0
-    _slots: asyncio.Semaphore | None = field(default=None, init=False, repr=False)
+    _slots: asyncio.Semaphore = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.name = self.name or self.url
+        self._slots = asyncio.Semaphore(self.max_concurrent)
 
     async def score(self, completion: str, answer: str, prompt: str = "") -> float:
         (result,) = await self.score_all([completion], answer, prompt)
@@ -91,8 +92,6 @@ class HttpRewardScorer:
             return exc
 
     async def _post(self, request: ScoreRequest) -> ScoreResponse:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_concurrent)
         delay = BACKOFF_S
         for attempt in range(self.retries + 1):
             try:

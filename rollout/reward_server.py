@@ -14,7 +14,6 @@ API key (--api-key, else $ASYNCRL_REWARD_API_KEY) /score wants `Authorization: B
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import Any
@@ -28,7 +27,7 @@ from asyncrl.rollout.reward_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from asyncrl.rollout.rewards import RewardError, RewardFailed, RewardScorer, resolve_reward
+from asyncrl.rollout.rewards import RewardError, RewardFailed, RewardScorer, resolve_reward, settled
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -59,17 +58,9 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None) -> Any:
 
     @app.post(SCORE_PATH)
     async def score(request: ScoreRequest) -> ScoreResponse:
-        results = await asyncio.gather(*[scorer.score(i.completion, i.answer) for i in request.items],
-                                       return_exceptions=True)
-        scores = []
-        for result in results:
-            if isinstance(result, RewardFailed):
-                scores.append(ItemScore(error=str(result)))
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                scores.append(ItemScore(score=result))
-        return ScoreResponse(scores=scores)
+        results = await settled([scorer.score(i.completion, i.answer) for i in request.items])
+        return ScoreResponse(scores=[ItemScore(error=str(r)) if isinstance(r, RewardFailed) else ItemScore(score=r)
+                                     for r in results])
 
     return app
 

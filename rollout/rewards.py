@@ -19,7 +19,7 @@ import importlib
 import logging
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -132,6 +132,16 @@ def give_up(on_error: OnError, message: str) -> float:
     return 0.0
 
 
+async def settled(scores: Sequence[Awaitable[float]]) -> list[float | RewardFailed]:
+    """Await every score: a failed reward becomes its RewardFailed in place, anything else raised
+    (a cancellation, a bug) is raised."""
+    results = await asyncio.gather(*scores, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, RewardFailed):
+            raise result
+    return results  # type: ignore[return-value]  # (only floats and RewardFailed are left)
+
+
 class Scorer(Protocol):
     """What the rollout worker and the evaluator score with: in-process (RewardScorer) or over
     HTTP (rollout/reward_client.py's HttpRewardScorer)."""
@@ -184,11 +194,7 @@ class RewardScorer:
 
     async def score_all(self, completions: Sequence[str], answer: str,
                         prompt: str = "") -> list[float | RewardFailed]:
-        results = await asyncio.gather(*[self.score(c, answer) for c in completions], return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, RewardFailed):
-                raise result
-        return results  # type: ignore[return-value]  # (only floats and RewardFailed are left)
+        return await settled([self.score(c, answer) for c in completions])
 
     async def score(self, completion: str, answer: str, prompt: str = "") -> float:
         self.scored += 1
