@@ -298,7 +298,7 @@ class RolloutWorker:
         self.stats.groups_unscored += 1
         log.warning("dropped group for prompt %s (not published): %s", prompt_id, exc)
         try:
-            await self.producer.dead_letter(exc.group, f"reward failed: {exc}", self.cfg.engine_id)
+            await self.producer.dead_letter_unscored(exc.group, str(exc), self.cfg.engine_id)
             await self.admission.record_reward_failure()
         except Exception as err:  # Redis gone past its outage window: the drop stands, only its record is lost
             reraise_if_cancelled(err)

@@ -35,8 +35,8 @@ async def test_lists_each_refused_group_with_its_reason_as_json_and_saves_the_pa
     assert await consumer.read(count=10, block_ms=100) == []
     assert consumer.stats.dead_lettered == 2
     unscored = make_trajectory_group("g-unscored", job=JOB)
-    await TrajectoryProducer(transport_redis, NAMES).dead_letter(
-        unscored, "reward failed: 1 of 2 rewards failed: ConnectionError: verifier down", "rollout-0")
+    await TrajectoryProducer(transport_redis, NAMES).dead_letter_unscored(
+        unscored, "1 of 2 rewards failed: ConnectionError: verifier down", "rollout-0")
 
     code = await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--uid", UID, "--redis-url", redis_url, "--json",
                      "--save", str(tmp_path / "payloads")])

@@ -73,6 +73,8 @@ TRAINED_RETENTION_MS = 3_600_000
 (the top of this module says why an hour is ample)."""
 
 DEAD_LETTER_MAXLEN = 10_000
+UNTRAINABLE, REWARD_FAILED = "untrainable", "reward failed"
+"""A dead letter's kind, as its reason's prefix (`<kind>: ...`); a reason with neither did not decode."""
 """Dead letters kept (the newest; approximate trimming): for inspection (`asyncrl dead-letters`)."""
 
 # KEYS: stream, trained. ARGV: group, retention_ms, then (entry_id, group_id) pairs; an empty
@@ -204,12 +206,13 @@ class TrajectoryProducer:
                                          {GID_FIELD: group.group_id.encode(), DATA_FIELD: payload})
         return _s(entry_id)
 
-    async def dead_letter(self, group: TrajectoryGroup, error: str, producer: str) -> str:
-        """Put a group its producer refuses to publish (its reward failed) straight into the
-        dead-letter stream with the reason, as the trainer files the groups it refuses (no
+    async def dead_letter_unscored(self, group: TrajectoryGroup, reason: str, producer: str) -> str:
+        """Put a group its producer refuses to publish because its reward failed straight into the
+        dead-letter stream (kind REWARD_FAILED), as the trainer files the groups it refuses (no
         `source_id`: it never was a trajectory entry). Returns the dead letter's id."""
         entry_id = await self.redis.xadd(
-            self.names.dead_letter, {"source_id": "", "error": error, "payload": encode_group(group),
+            self.names.dead_letter, {"source_id": "", "error": f"{REWARD_FAILED}: {reason}",
+                                     "payload": encode_group(group),
                                      "consumer": producer, "time": repr(time.time())},
             maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         return _s(entry_id)
@@ -431,7 +434,7 @@ class TrajectoryConsumer:
             problem = check_group(group, self.limits)
             if problem is not None:
                 self.stats.untrainable += 1
-                await self._dead_letter(entry_id, f"untrainable: {problem}", payload)
+                await self._dead_letter(entry_id, f"{UNTRAINABLE}: {problem}", payload)
                 continue
             decoded.append((entry_id, group))
         deliveries: list[Delivery] = []
