@@ -113,9 +113,12 @@ def structural_default(obj: Any, schema: dict[str, Any]) -> Any:
 
 
 def _at(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
+    """The schema node at `dotted` (`name[]`: the items of the list `name`)."""
     node = schema
     for part in dotted.split("."):
-        node = node["properties"][part]
+        node = node["properties"][part.removesuffix("[]")]
+        if part.endswith("[]"):
+            node = node["items"]
     return node
 
 

@@ -6,6 +6,8 @@ Prometheus exporter (trainer/metrics.py), the dashboard (its "last step" card) a
 mirror what the field is, so none of them names it. A field's `Annotated` metadata may hold one
 `Exported` saying how it is scraped; a model whose `EXPORT_EVERY_NUMBER` is true (the step's
 record) exports each number field as a gauge named after it unless its metadata says otherwise.
+A table (a `dict[str, number]` field, e.g. a figure per mixture source) is exported with
+`per_key`: one series per key, the key in the label `key_label`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class Exported:
     help: str = ""
     """The family's help text; the first field's docstring when empty."""
     reason: str = ""
+    key_label: str | None = None
+    """A table's: the label its keys go in (one series per key)."""
 
 
 def gauge(name: str, help: str = "", **labels: str) -> Exported:
@@ -43,6 +47,11 @@ def gauge(name: str, help: str = "", **labels: str) -> Exported:
 def counter(name: str, help: str = "", **labels: str) -> Exported:
     """A counter (a running total; Prometheus adds `_total`)."""
     return Exported(name, "counter", tuple(labels.items()), help)
+
+
+def per_key(name: str, key_label: str, help: str = "", kind: MetricKind = "gauge") -> Exported:
+    """A table (`dict[str, number]`): one series of `kind` per key, the key in label `key_label`."""
+    return Exported(name, kind, (), help, key_label=key_label)
 
 
 def not_exported(reason: str) -> Exported:

@@ -79,6 +79,8 @@ RETYPED_FIELDS: dict[str, str] = {
 COLLECTIVE_ENGINES = ("sglang", "hf")
 """Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
+SOURCE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$"
+"""A mixture source's name: it is a Prometheus label value and a key of the per-source figures."""
 JobPhase = Literal["Pending", "Initializing", "Running", "Suspended", "Succeeded", "Failed"]
 PHASES: tuple[JobPhase, ...] = get_args(JobPhase)
 TERMINAL_PHASES: tuple[JobPhase, ...] = ("Succeeded", "Failed")
@@ -236,6 +238,26 @@ class RewardSpec(SpecModel):
         if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
             return v
         raise ValueError(f"{v!r} is not a reward; allowed: gsm8k, exact-number, or module:function")
+
+
+class DatasetSourceSpec(DatasetSpec):
+    """One source of a mixture (spec.datasets): a dataset with a name, a weight, and optionally a
+    reward of its own."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=SOURCE_NAME_PATTERN)
+    """The source's name in the figures (`reward_by_source`, the `source` label): lowercase
+    letters, digits, '-', '_' and '.', unique in the job."""
+    weight: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    """Share of the prompts drawn from this source, relative to the other sources' weights."""
+    reward: RewardSpec | None = None
+    """How this source's answers are scored; unset = the job's reward. A service given here takes a
+    `url` (the operator runs only the job's `reward.service.deployment`)."""
+
+    @model_validator(mode="after")
+    def _reward_url_only(self) -> DatasetSourceSpec:
+        if self.reward is not None and self.reward.service is not None and self.reward.service.deployment:
+            raise ValueError(_SOURCE_REWARD_URL_ONLY)
+        return self
 
 
 class OptimizerSpec(SpecModel):
@@ -886,7 +908,13 @@ class AsyncRLJobSpec(SpecModel):
     """What to train, on what, and how."""
 
     model: ModelSpec
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    dataset: DatasetSpec | None = None
+    """The prompts, from one source (or use `datasets` for a mixture); unset = builtin:arithmetic
+    when `datasets` is unset too."""
+    datasets: list[DatasetSourceSpec] | None = Field(default=None, min_length=1, max_length=64)
+    """A mixture of sources instead of `dataset`: each prompt is drawn from a source chosen by weight,
+    deterministically from the job's seed, so a restarted worker resumes every source where it was.
+    Per-source figures: `reward_by_source` and `groups_by_source` (docs/rollout.md, "Mixtures")."""
     reward: RewardSpec = Field(default_factory=RewardSpec)
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     staleness: StalenessSpec = Field(default_factory=StalenessSpec)
@@ -914,6 +942,28 @@ class AsyncRLJobSpec(SpecModel):
     """Delete the job this long after it succeeds or fails; unset = keep."""
     seed: int = 0
     """Global seed (sampling, initialisation order, data order)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_dataset(cls, data: Any) -> Any:
+        # (not a field default: the CRD would then default `dataset` in every job, mixtures too)
+        if isinstance(data, dict) and data.get("dataset") is None and data.get("datasets") is None:
+            return {**data, "dataset": {}}
+        return data
+
+    @model_validator(mode="after")
+    def _one_dataset_field(self) -> AsyncRLJobSpec:
+        # (the same rules as CEL_RULES' entries on spec and spec.datasets)
+        if self.datasets is None:
+            return self
+        if self.dataset is not None:
+            raise ValueError(_DATASET_ONE_OF[1])
+        names = [d.name for d in self.datasets]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"datasets: name {', '.join(map(repr, repeated))} is used more than once; "
+                             f"{_UNIQUE_SOURCE_NAMES[1]}")
+        return self
 
     @model_validator(mode="after")
     def _sync_lag_within_bound(self) -> AsyncRLJobSpec:
@@ -1122,7 +1172,18 @@ _REWARD_SERVICE_ONE_OF = ("has(self.url) != has(self.deployment)",
                           "reward.service needs exactly one of url (an existing service) and deployment "
                           "(one the operator runs with the job)")
 
+_SOURCE_REWARD_URL_ONLY = ("a source's reward.service takes a url only (the operator runs the job's "
+                           "reward.service.deployment, which sources use when they have no reward of their own)")
+_DATASET_ONE_OF = ("!has(self.dataset) || !has(self.datasets)",
+                   "set dataset (one source) or datasets (a mixture), not both")
+_UNIQUE_SOURCE_NAMES = ("self.all(x, self.exists_one(y, y.name == x.name))",
+                        "each source of datasets needs a name of its own")
+
 CEL_RULES: list[tuple[str, str, str]] = [
+    ("spec", *_DATASET_ONE_OF),
+    ("spec.datasets", *_UNIQUE_SOURCE_NAMES),
+    ("spec.datasets[]", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",
+     _SOURCE_REWARD_URL_ONLY),
     ("spec.reward.service", *_REWARD_SERVICE_ONE_OF),
     ("spec.evaluation.reward.service", *_REWARD_SERVICE_ONE_OF),
     ("spec.evaluation", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.figures import counter, figures, gauge, is_number, not_exported
+from asyncrl.figures import counter, figures, gauge, is_number, not_exported, per_key
 
 TrainerPhase = Literal["Starting", "Waiting", "Training", "Publishing", "Evaluating", "Succeeded", "Failed",
                       "Stopped"]
@@ -123,6 +123,11 @@ class StepRecord(_Report):
     zero_signal_groups: Annotated[int, not_exported("the report's `zero_signal_groups` is the counter")] = 0
     """Groups skipped while drawing this step's batch because their rewards were all equal
     (spec.algorithm.dynamicSampling)."""
+    reward_by_source: Annotated[dict[str, float], per_key(
+        "reward_mean_by_source", "source", "Mean reward of the last step's groups from each mixture source.")] = \
+        Field(default_factory=dict)
+    """Mixture source (spec.datasets) -> mean reward of the step's groups drawn from it (sources
+    the step had no group of are left out); empty for a job with one dataset."""
 
 
 class StepMetrics(StepRecord):
@@ -238,6 +243,9 @@ class StepMetrics(StepRecord):
         "a table: the report's cumulative `staleness.histogram` is the Prometheus histogram")] = \
         Field(default_factory=dict)
     """Version lag (as a string key) -> tokens of the step trained at that lag."""
+    groups_by_source: Annotated[dict[str, int], per_key("groups_by_source_last_step", "source")] = \
+        Field(default_factory=dict)
+    """Mixture source -> the step's groups drawn from it (the report's `groups_by_source` counts since the start)."""
 
 
 class EvalRecord(_Report):
@@ -351,6 +359,10 @@ class TrainerReport(_Report):
     """Trajectory groups trained."""
     tokens_trained: Annotated[int, counter("tokens_trained")] = 0
     """Response tokens trained."""
+    groups_by_source: Annotated[dict[str, int], per_key(
+        "groups_trained_by_source", "source", "Trajectory groups trained from each mixture source.", "counter")] = \
+        Field(default_factory=dict)
+    """Mixture source (spec.datasets) -> groups trained from it; empty for a job with one dataset."""
     reward_history: list[float] = Field(default_factory=list)
     """Per-step mean reward, oldest first."""
     staleness: StalenessReport = Field(default_factory=StalenessReport)

@@ -92,6 +92,7 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
                      prompts: int, concurrency: int, during: Any = None) -> tuple[int, float, Any]:
     """The worker over `prompts` groups; `during(redis, names)`, if given, runs beside it (the sync pass).
     Returns (tokens, seconds, worker)."""
+    from asyncrl.rollout.mixture import Mixture
     from asyncrl.rollout.rewards import RewardScorer
     from asyncrl.rollout.worker import RolloutWorker
     from asyncrl.rollout.worker_config import WorkerConfig
@@ -104,8 +105,9 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
     cfg = WorkerConfig(job=job, engine_id="bench", group_size=n, sampling=params, engine_url=url,
                        max_concurrent_requests=concurrency, max_groups=prompts, log_every_s=3600)
     admission = Admission(redis, names, batch_size=prompts, max_head_offpolicyness=0, max_concurrent=prompts)
-    worker = RolloutWorker(cfg, engine=engine, redis=redis, source=source, render=render, decode=decode,
-                           scorer=RewardScorer.from_name("exact-number"), admission=admission, names=names)
+    prompts = Mixture.single(source, render, RewardScorer.from_name("exact-number"))
+    worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
+                           names=names)
     t0 = time.perf_counter()
     beside = asyncio.create_task(during(redis, names, worker)) if during is not None else None
     try:

@@ -69,23 +69,23 @@ async def all_or_none(coros: list[Any]) -> list[Any]:
 class Episode:
     """Generates and scores groups on one engine; shared by every group of a worker."""
 
-    def __init__(self, cfg: WorkerConfig, *, view: EngineView, scorer: Scorer,
-                 decode: Callable[[list[int]], str], stats: WorkerStats, stopping: asyncio.Event) -> None:
+    def __init__(self, cfg: WorkerConfig, *, view: EngineView, decode: Callable[[list[int]], str],
+                 stats: WorkerStats, stopping: asyncio.Event) -> None:
         self.cfg = cfg
         self.view = view
-        self.scorer = scorer
         self.decode = decode
         self.stats = stats
         self.stopping = stopping
         self.limits = cfg.group_limits()
         self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
 
-    async def group(self, item: PromptItem, prompt_ids: list[int]) -> TrajectoryGroup:
-        """The prompt's trainable group; raises Dropped (a sample failed past its budget),
-        UnscoredGroup (a reward failed) or InvalidGroup (generated, but check_group refuses it)."""
+    async def group(self, item: PromptItem, prompt_ids: list[int], scorer: Scorer, source: str = "") -> TrajectoryGroup:
+        """The prompt's trainable group, scored by `scorer` and tagged with its `source` (a mixture's);
+        raises Dropped (a sample failed past its budget), UnscoredGroup (a reward failed) or
+        InvalidGroup (generated, but check_group refuses it)."""
         created = time.time()
         samples = await all_or_none([self.sample(prompt_ids) for _ in range(self.cfg.group_size)])
-        scores = await self.scorer.score_all([self.decode(s.ids) for s in samples], item.answer, item.question)
+        scores = await scorer.score_all([self.decode(s.ids) for s in samples], item.answer, item.question)
         failures = [s for s in scores if isinstance(s, RewardFailed)]
         rewards = [math.nan if isinstance(s, RewardFailed) else s for s in scores]
         group = TrajectoryGroup(
@@ -97,7 +97,7 @@ class Episode:
                 versions=np.asarray(s.versions, dtype=np.int32), reward=float(r), finish_reason=s.finish,
                 timelines=np.asarray(s.timelines, dtype=np.int32) if any(s.timelines) else None)
                 for i, (s, r) in enumerate(zip(samples, rewards))],
-            engine_id=self.cfg.engine_id, created_at=created, published_at=time.time())
+            engine_id=self.cfg.engine_id, created_at=created, published_at=time.time(), source=source)
         if failures:
             raise UnscoredGroup(f"{len(failures)} of {len(samples)} rewards failed: {failures[0]}", group)
         problem = check_group(group, self.limits)

@@ -129,7 +129,7 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
     from pydantic import ValidationError
 
     from asyncrl.rollout.evaluation import eval_prompt_format
-    from asyncrl.spec import EvalDatasetSpec, EvaluationSpec, RewardSpec
+    from asyncrl.spec import DatasetSpec, EvalDatasetSpec, EvaluationSpec, RewardSpec
 
     if args.threads < 0:
         raise FlagError(f"--threads: must be >= 0 (0 = torch's default), got {args.threads}")
@@ -140,15 +140,18 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
         from asyncrl.loader import load_job
 
         spec = load_job(args.config).spec  # a JobFileError is reported by asyncrl.cli
+        # (a mixture's first source stands for its training data: its format, its held-out split)
+        train = spec.dataset or (spec.datasets or [])[0]
         base = spec.evaluation or EvaluationSpec(
-            dataset=EvalDatasetSpec.model_validate({**spec.dataset.model_dump(), "split": "test"}),
+            dataset=EvalDatasetSpec.model_validate({**train.model_dump(include=set(DatasetSpec.model_fields)),
+                                                    "split": "test"}),
             reward=spec.reward, max_new_tokens=spec.algorithm.max_new_tokens)
-        if spec.evaluation is None and not spec.dataset.source.startswith(("builtin:", "hf:")) and not args.dataset:
+        if spec.evaluation is None and not train.source.startswith(("builtin:", "hf:")) and not args.dataset:
             note = (f"note: {args.config} has no spec.evaluation: evaluating on its training file "
-                    f"{spec.dataset.source} (give --dataset for held-out prompts)")
+                    f"{train.source} (give --dataset for held-out prompts)")
         base = base.model_copy(update={"reward": base.reward or spec.reward,
                                        "max_new_tokens": base.max_new_tokens or spec.algorithm.max_new_tokens})
-        template, system = eval_prompt_format(base, spec.dataset)
+        template, system = eval_prompt_format(base, train)
         tokenizers = tokenizers or ([spec.model.tokenizer] if spec.model.tokenizer else [args.model, spec.model.path])
         job_dtype = spec.model.dtype
     else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,7 +195,7 @@ class Evaluator:
         now = f" eval=v{running.version} {running.done}/{running.total}" if running else ""
         return f"evals={s.evaluations}{failed}{now} "
 
-    def close(self, training_scorer: Scorer) -> None:
-        """Close the eval scorer, unless it is the training one (closed by the worker)."""
-        if self.evaluation.scorer is not training_scorer:
+    def close(self, training_scorers: Sequence[Scorer]) -> None:
+        """Close the eval scorer, unless it is a training one (closed by the worker)."""
+        if all(self.evaluation.scorer is not s for s in training_scorers):
             self.evaluation.scorer.close()

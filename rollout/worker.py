@@ -42,13 +42,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from asyncrl.health import HEALTH, Health
-from asyncrl.rollout.datasets import PromptSource
 from asyncrl.rollout.engine_view import Dropped, EngineView
 from asyncrl.rollout.engines.base import Engine
 from asyncrl.rollout.episode import Episode, InvalidGroup, UnscoredGroup
 from asyncrl.rollout.evaluator import Evaluator, WorkerEvaluation
+from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.prompt_cursor import PromptCursor
-from asyncrl.rollout.rewards import Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import reraise_if_cancelled
@@ -84,18 +83,16 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None =
 
 
 class RolloutWorker:
-    def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
-                 render: Callable[[str], list[int]], decode: Callable[[list[int]], str], scorer: Scorer,
-                 admission: Admission, names: StreamNames | None = None, health: Health = HEALTH,
-                 evaluation: WorkerEvaluation | None = None):
+    def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, prompts: Mixture,
+                 decode: Callable[[list[int]], str], admission: Admission, names: StreamNames | None = None,
+                 health: Health = HEALTH, evaluation: WorkerEvaluation | None = None):
         self.cfg = cfg
         self.health = health
         """Where outages are recorded (the process's board: the Redis client reports to it too)."""
         self.engine = engine
         self.redis = redis
-        self.source = source
-        self.render = render
-        self.scorer = scorer
+        self.prompts = prompts
+        """Which prompt each position is, with its source's rendering and reward (rollout/mixture.py)."""
         self.admission = admission
         self.evaluation = evaluation
         """Held-out evaluation to serve (read when run() starts); None: none."""
@@ -106,8 +103,7 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self.view = EngineView(cfg, engine=engine, registry=self.registry, versions=VersionChannel(redis, self.names),
                                admission=admission, stats=self.stats, health=health)
-        self.episode = Episode(cfg, view=self.view, scorer=scorer, decode=decode, stats=self.stats,
-                               stopping=self._stop)
+        self.episode = Episode(cfg, view=self.view, decode=decode, stats=self.stats, stopping=self._stop)
         self.decode = decode
         self.evaluator: Evaluator | None = None
         """Serves `evaluation` once run() has started (None: it serves none)."""
@@ -144,7 +140,7 @@ class RolloutWorker:
     def _side_tasks(self) -> list[asyncio.Task]:
         if self.evaluation is not None:
             self.evaluator = Evaluator(self.evaluation, self.cfg, redis=self.redis, names=self.names, view=self.view,
-                                       render=self.render, decode=self.decode, stats=self.stats)
+                                       render=self.prompts.lanes[0].render, decode=self.decode, stats=self.stats)
         side = [asyncio.create_task(self.view.heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._log_progress(), name="progress"),
                 asyncio.create_task(self.view.follow_versions(self._stop), name="versions")]
@@ -212,9 +208,11 @@ class RolloutWorker:
             await self.registry.remove(self.cfg.engine_id)
         except Exception as exc:  # Redis gone during shutdown: nothing left to clean
             log.warning("could not remove engine %s from the registry: %s", self.cfg.engine_id, exc)
-        self.scorer.close()
+        scorers = self.prompts.scorers()
+        for scorer in scorers:
+            scorer.close()
         if self.evaluator is not None:
-            self.evaluator.close(self.scorer)
+            self.evaluator.close(scorers)
         log.info("rollout worker stopped: %s", self.summary())
 
     async def _run_requeued(self) -> None:
@@ -255,9 +253,9 @@ class RolloutWorker:
         published = requeued = False
         renew = asyncio.create_task(self._renew(lease))
         try:
-            item = self.source.item(position)
+            lane, item = self.prompts.pick(position)
             try:
-                group = await self.episode.group(item, self.render(item.question))
+                group = await self.episode.group(item, lane.render(item.question), lane.scorer, lane.name)
             except Dropped as exc:
                 if exc.retry:
                     requeued = True
@@ -318,13 +316,14 @@ class RolloutWorker:
 
     def summary(self) -> str:
         s, v = self.stats, self.view
+        reward_errors = sum(scorer.errors for scorer in self.prompts.scorers())
         evals = "" if self.evaluator is None else self.evaluator.summary()
         return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} "
                 f"unscored={s.groups_unscored} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={v.version} engine_version={v.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} requeued={s.requeued} "
                 f"weight_waits={s.weight_waits} restarts={s.restarts_seen} "
-                f"errors={s.request_errors} reward_errors={self.scorer.errors} in_flight={len(self._groups)} "
+                f"errors={s.request_errors} reward_errors={reward_errors} in_flight={len(self._groups)} "
                 f"{evals}degraded={self.health.summary()}")
 
     async def _log_progress(self) -> None:

@@ -9,21 +9,23 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer, vocab_size
-from asyncrl.rollout.datasets import DatasetError, PromptItem, load_source
+from asyncrl.rollout.datasets import DatasetError, PromptItem, PromptSource, load_source
 from asyncrl.rollout.engines import make_engine
 from asyncrl.rollout.engines.base import SamplingParams
 from asyncrl.rollout.evaluation import EvalSettings, eval_prompt_format, load_eval_items
 from asyncrl.rollout.evaluator import WorkerEvaluation
+from asyncrl.rollout.mixture import Lane, Mixture
 from asyncrl.rollout.prompts import PromptRenderer
 from asyncrl.rollout.rewards import RewardError, Scorer
 from asyncrl.rollout.scorers import scorer_for
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.runtime import Runtime
-from asyncrl.spec import AsyncRLJobSpec
+from asyncrl.spec import AsyncRLJobSpec, DatasetSpec
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect, set_outage_window
 
@@ -50,6 +52,51 @@ def evaluation_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> tu
         return items, scorer_for(reward, on_error="zero", service_url=reward_url if ev.reward is None else None)
     except RewardError as exc:
         raise StartupError(f"spec.evaluation.reward: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class SourceInputs:
+    """One training source, loaded and with its scorer, before the engine is waited for."""
+
+    name: str
+    weight: float
+    dataset: DatasetSpec
+    source: PromptSource
+    scorer: Scorer
+
+
+def training_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> list[SourceInputs]:
+    """spec.dataset (one source named "") or spec.datasets, each loaded, with its scorer (its own
+    reward, else the job's, one scorer shared); a bad dataset or reward fails the worker at once."""
+    try:
+        job_scorer = scorer_for(spec.reward, service_url=reward_url)
+    except RewardError as exc:
+        raise StartupError(f"spec.reward: {exc}") from exc
+    if spec.datasets is None:
+        assert spec.dataset is not None  # (AsyncRLJobSpec: one of dataset and datasets)
+        return [SourceInputs("", 1.0, spec.dataset, _load(spec.dataset, "spec.dataset"), job_scorer)]
+    inputs = []
+    for i, d in enumerate(spec.datasets):
+        try:
+            scorer = job_scorer if d.reward is None else scorer_for(d.reward)
+        except RewardError as exc:
+            raise StartupError(f"spec.datasets[{i}].reward ({d.name}): {exc}") from exc
+        inputs.append(SourceInputs(d.name, d.weight, d, _load(d, f"spec.datasets[{i}] ({d.name})"), scorer))
+    return inputs
+
+
+def _load(dataset: DatasetSpec, where: str) -> PromptSource:
+    try:
+        return load_source(dataset)
+    except DatasetError as exc:
+        raise StartupError(f"{where}: {dataset.source}: {exc}") from exc
+
+
+def training_prompts(inputs: list[SourceInputs], tokenizer: object, seed: int) -> Mixture:
+    """The worker's prompts: each source rendered in its own format (template, system prompt)."""
+    lanes = [Lane(i.name, i.source, PromptRenderer(tokenizer, i.dataset.prompt_template,
+                                                   i.dataset.system_prompt).render, i.scorer) for i in inputs]
+    return Mixture(lanes, [i.weight for i in inputs], seed=seed)
 
 
 async def wait_until_ready(ready: Callable[[], Awaitable[bool]], what: str, timeout: float) -> None:
@@ -85,32 +132,29 @@ async def run_worker(args: argparse.Namespace) -> int:
     engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds, api_key=rt.engine_api_key)
     try:
         eval_inputs = evaluation_inputs(spec, rt.reward_url)
-        try:
-            scorer = scorer_for(spec.reward, service_url=rt.reward_url)
-        except RewardError as exc:
-            raise StartupError(f"spec.reward: {exc}") from exc
+        sources = training_inputs(spec, rt.reward_url)
         await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)
         # (a reward service started with the job may come up after the engine: no group is scored before it)
-        await wait_until_ready(scorer.ready, f"reward service {scorer.name}", args.ready_timeout)
+        for scorer in {id(i.scorer): i.scorer for i in sources}.values():
+            await wait_until_ready(scorer.ready, f"reward service {scorer.name}", args.ready_timeout)
     except StartupError as exc:
         log.error("%s", exc)
         await engine.close()
         return 1
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
-    renderer = PromptRenderer(tokenizer, spec.dataset.prompt_template, spec.dataset.system_prompt)
+    renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
     redis = await connect(args.redis_url or rt.redis_url)
     names = rt.stream_names(job.metadata.name)
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
     evaluation = None
     if spec.evaluation is not None and eval_inputs is not None:
-        eval_template, eval_system = eval_prompt_format(spec.evaluation, spec.dataset)
+        eval_template, eval_system = eval_prompt_format(spec.evaluation, sources[0].dataset)
         evaluation = WorkerEvaluation(
             items=eval_inputs[0], scorer=eval_inputs[1],
             render=PromptRenderer(tokenizer, eval_template, eval_system).render,
             settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
-    worker = RolloutWorker(cfg, engine=engine, redis=redis, source=load_source(spec.dataset),
-                           render=renderer.render, decode=renderer.decode,
-                           scorer=scorer,
+    prompts = training_prompts(sources, tokenizer, spec.seed)
+    worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=renderer.decode,
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

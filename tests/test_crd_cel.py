@@ -31,13 +31,19 @@ def at(obj: dict, dotted: str) -> Any:
     return obj
 
 
+def nodes(obj: Any, dotted: str) -> list[Any]:
+    """Every value a rule at `dotted` is evaluated on (`name[]`: each item of the list `name`); none
+    when the object is absent (the API server skips rules of absent ones)."""
+    found = [obj]
+    for key in dotted.split(".") if dotted else []:
+        name = key.removesuffix("[]")
+        values = [o[name] for o in found if isinstance(o, dict) and name in o]
+        found = [item for v in values for item in v] if key.endswith("[]") else values
+    return found
+
+
 def present(obj: dict, dotted: str) -> bool:
-    """Whether the object a rule is attached to exists (the API server skips rules of absent ones)."""
-    try:
-        at(obj, dotted)
-    except KeyError:
-        return False
-    return True
+    return bool(nodes(obj, dotted))
 
 
 def schema_at(dotted: str) -> dict:
@@ -57,6 +63,8 @@ def cel_rules(root: dict = SCHEMA) -> list[tuple[str, str, str]]:
             found.append((path, v["rule"], v["message"]))
         for name, prop in (node.get("properties") or {}).items():
             walk(prop, f"{path}.{name}" if path else name)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
 
     walk(root, "")
     return found
@@ -83,9 +91,11 @@ def violations(obj: dict, old: dict | None = None) -> list[str]:
     old = defaulted(SCHEMA, old) if old is not None else None
     out = []
     for path, rule, message in cel_rules():
-        if ("oldSelf" in rule and old is None) or not present(obj, path):
+        if "oldSelf" in rule and old is None:
             continue
-        if not evaluate(rule, at(obj, path), at(old, path) if old is not None else None):
+        news = nodes(obj, path)
+        olds = nodes(old, path) if old is not None else [None] * len(news)
+        if any(not evaluate(rule, n, o) for n, o in zip(news, olds, strict=True)):
             out.append(message)
     return out
 
@@ -114,19 +124,24 @@ def default_errors(prop: dict) -> list[str]:
     value = prop["default"]
     errors = [f"schema: {e.message}" for e in jsonschema.Draft4Validator(prop).iter_errors(value)]
     for path, rule, message in cel_rules(prop):
-        if path and not present(value, path):
+        for self_value in nodes(value, path):
+            errors += _rule_errors(rule, message, path, self_value)
+    return errors
+
+
+def _rule_errors(rule: str, message: str, path: str, self_value: Any) -> list[str]:
+    """One rule on one value, once with oldSelf = the value and once without an old object."""
+    errors = []
+    for old in (self_value, None):
+        if "oldSelf" in rule and old is None:
             continue
-        self_value = at(value, path) if path else value
-        for old in (self_value, None):
-            if "oldSelf" in rule and old is None:
-                continue
-            try:
-                passed = evaluate(rule, self_value, old)
-            except celpy.CELEvalError as e:
-                errors.append(f"{path or '.'}: {e.args[0] if e.args else e} evaluating rule: {message}")
-                continue
-            if not passed:
-                errors.append(f"{path or '.'}: {message}")
+        try:
+            passed = evaluate(rule, self_value, old)
+        except celpy.CELEvalError as e:
+            errors.append(f"{path or '.'}: {e.args[0] if e.args else e} evaluating rule: {message}")
+            continue
+        if not passed:
+            errors.append(f"{path or '.'}: {message}")
     return errors
 
 
@@ -187,6 +202,13 @@ COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine
 TB_UNUSED_MESSAGE = next(m for _, _, m in CEL_RULES if m.startswith("objective 'tb' has no ratio"))
 
 BREAKERS = {
+    "set dataset (one source) or datasets (a mixture), not both":
+        {"dataset": {"source": "builtin:arithmetic"}, "datasets": [{"name": "a", "weight": 1}]},
+    "each source of datasets needs a name of its own":
+        {"dataset": None, "datasets": [{"name": "a", "weight": 1}, {"name": "a", "weight": 2}]},
+    "a source's reward.service takes a url only (the operator runs the job's reward.service.deployment, which "
+    "sources use when they have no reward of their own)":
+        {"dataset": None, "datasets": [{"name": "a", "weight": 1, "reward": {"service": {"deployment": {}}}}]},
     "evaluation.reward.service takes a url only (the operator runs the job's reward.service.deployment, which "
     "evaluation uses when it has no reward of its own)":
         {"evaluation": {"reward": {"service": {"deployment": {}}}}},

@@ -345,6 +345,38 @@ async def test_dashboard_draws_pass_at_k_and_one_point_per_version(live: str, pa
     assert abs((ys[0] - ys[1]) - (ys[1] - ys[2])) < 0.5  # 0.10 -> 0.20 -> 0.30: equal steps, not 0.15
 
 
+def mixture_report(steps: int = 30) -> TrainerReport:
+    """The synthetic run trained on two sources: 'easy' improving, 'hard' regressing."""
+    base = synthetic_report(steps)
+    history = [h.model_copy(update={"reward_by_source": {"easy": 0.3 + 0.02 * h.step, "hard": 0.5 - 0.01 * h.step}})
+               for h in base.history]
+    last = base.last_step.model_copy(update={"reward_by_source": history[-1].reward_by_source,  # type: ignore[union-attr]
+                                             "groups_by_source": {"easy": 6, "hard": 2}})
+    return base.model_copy(update={"history": history, "last_step": last,
+                                   "groups_by_source": {"easy": 180, "hard": 60}})
+
+
+async def test_dashboard_shows_each_mixture_source(live: str, page, box: Box) -> None:
+    """A mixture (spec.datasets): a reward series per source, and groups trained per source with
+    their share; a job with one dataset has no per-source row at all."""
+    await sign_in(page, live)
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+    assert await page.locator("#sources").is_hidden()
+    box.report = mixture_report()
+    await page.wait_for_selector("#sources:not([hidden])", timeout=20_000)
+    assert await page.locator("#source-chart circle.source-easy").count() == 30
+    assert await page.locator("#source-chart circle.source-hard").count() == 30
+    easy = [float(await c.get_attribute("cy")) for c in await page.locator("#source-chart circle.source-easy").all()]
+    hard = [float(await c.get_attribute("cy")) for c in await page.locator("#source-chart circle.source-hard").all()]
+    assert easy == sorted(easy, reverse=True) and hard == sorted(hard)  # (SVG y grows downwards)
+    rows = {await r.get_attribute("data-source"): await r.inner_text()
+            for r in await page.locator("#source-table tr").all()}
+    assert set(rows) == {"easy", "hard"}
+    assert "180" in rows["easy"] and "75.0%" in rows["easy"] and "0.900" in rows["easy"]
+    assert "60" in rows["hard"] and "25.0%" in rows["hard"] and "0.200" in rows["hard"]
+    assert "easy" in (await page.text_content("#source-legend"))
+
+
 async def test_dashboard_without_evaluations_says_so(live: str, page, box: Box) -> None:
     """A job without spec.evaluation (or before its first result): no empty chart frame, a sentence."""
     box.report = synthetic_report().model_copy(update={"evaluations": []})

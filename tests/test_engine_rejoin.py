@@ -15,6 +15,7 @@ import pytest
 from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -50,10 +51,10 @@ def make_worker(redis, names, fake, *, eta: int, max_groups=None, outage_s=180.0
                        max_groups=max_groups)
     admission = Admission(redis, names, batch_size=100, max_head_offpolicyness=eta, max_concurrent=8,
                           lease_seconds=30)
-    return RolloutWorker(cfg, engine=SGLangEngine(fake.url), redis=redis,
-                         source=ArithmeticSource(seed=0, difficulty=1), render=lambda q: [ord(c) % 200 + 3 for c in q],
-                         decode=lambda ids: " ".join(map(str, ids)), scorer=RewardScorer(exact_number_reward, 5.0),
-                         admission=admission, names=names)
+    prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), lambda q: [ord(c) % 200 + 3 for c in q],
+                             RewardScorer(exact_number_reward, 5.0))
+    return RolloutWorker(cfg, engine=SGLangEngine(fake.url), redis=redis, prompts=prompts,
+                         decode=lambda ids: " ".join(map(str, ids)), admission=admission, names=names)
 
 
 async def publish(redis, names, registry, fake_url_or_info, path: Path, version: int) -> None:

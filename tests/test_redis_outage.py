@@ -24,6 +24,7 @@ from asyncrl.local_redis import LocalRedis
 from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -129,9 +130,9 @@ def make_worker(redis: Any, engine_url: str, *, max_groups: int, engine_outage_s
     admission = Admission(redis, NAMES, batch_size=4, max_head_offpolicyness=100, max_concurrent=4,
                           lease_seconds=60)
     extra = {} if health is None else {"health": health}
-    return RolloutWorker(cfg, engine=SGLangEngine(engine_url), redis=redis,
-                         source=ArithmeticSource(seed=0, difficulty=1), render=render, decode=decode,
-                         scorer=RewardScorer(exact_number_reward, 5.0), admission=admission, names=NAMES, **extra)
+    prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))
+    return RolloutWorker(cfg, engine=SGLangEngine(engine_url), redis=redis, prompts=prompts, decode=decode,
+                         admission=admission, names=NAMES, **extra)
 
 
 async def test_a_rollout_worker_rides_out_a_redis_outage(redis_server: LocalRedis) -> None:

@@ -90,7 +90,7 @@ async def test_a_worker_scoring_through_the_service_publishes_what_it_publishes_
         worker = make_worker(redis, fake, names, n=3, max_new=5, max_groups=4, scorer=HttpRewardScorer(url))
         stats = await asyncio.wait_for(worker.run(), 60)
         groups = await published(redis, names)
-    odd = {p for (p, _) in in_process if int(worker.source.item(int(p.rsplit("-", 1)[1])).answer) % 2}
+    odd = {p for (p, _) in in_process if int(worker.prompts.pick(int(p.rsplit("-", 1)[1]))[1].answer) % 2}
     assert {g.prompt_id for g in groups} == odd and stats.groups_unscored == 4 - len(odd) > 0
     assert all(math.isfinite(s.reward) for g in groups for s in g.samples)
     assert (await worker.admission.snapshot()).reward_failures == 4 - len(odd)

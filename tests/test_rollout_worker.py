@@ -163,7 +163,8 @@ async def test_a_group_whose_reward_fails_is_dead_lettered_never_published(rollo
     worker = make_worker(redis, fake, names, n=2, max_groups=6, scorer=scorer)
     with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
         stats = await asyncio.wait_for(worker.run(), 30)
-    answers = {worker.source.item(i).prompt_id: worker.source.item(i).answer for i in range(6)}
+    items = [worker.prompts.pick(i)[1] for i in range(6)]
+    answers = {item.prompt_id: item.answer for item in items}
     failing = sorted(p for p, a in answers.items() if int(a) % 2 == 0)
     assert 0 < len(failing) < 6, answers  # (the seed gives both kinds)
     groups = await published(redis, names)

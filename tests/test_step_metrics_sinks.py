@@ -10,6 +10,7 @@ import math
 import re
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,8 +19,11 @@ from asyncrl.health import Health
 from asyncrl.operator.mirror import mirror_report
 from asyncrl.spec import AsyncRLJob, AsyncRLJobStatus, RecoveryStatus
 from asyncrl.status_report import RecoveryReport, ReplayReport, StepMetrics, TrainerReport
+from asyncrl.trainer.checkpoint import TrainerState
 from asyncrl.trainer.status_api import create_app
-from asyncrl.trainer.step_metrics import metrics_line
+from asyncrl.trainer.step_metrics import metrics_line, source_figures
+from asyncrl.trainer.step_report import report_step
+from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 from tests.support.jobs import JobBuilder
 
 FIELDS = list(figures(StepMetrics))
@@ -32,6 +36,8 @@ def every_figure_set() -> StepMetrics:
         annotation = StepMetrics.model_fields[name].annotation
         values[name] = (i if int in (annotation, *getattr(annotation, "__args__", ())) else i + 0.25)
     values["staleness_histogram"] = {"0": 5, "2": 7}
+    values["reward_by_source"] = {"easy": 0.75, "hard": 0.125}
+    values["groups_by_source"] = {"easy": 3, "hard": 1}
     values["replay"] = ReplayReport(trajectories=301, prompts=21, bytes=4096, capacity=512, replayed_groups=3)
     return StepMetrics.model_validate(values)
 
@@ -90,8 +96,14 @@ def test_prometheus_exports_every_figure_or_says_which_series_does(record: StepM
     report_level = {f.name: f.exported for f in figures(TrainerReport) if not f.name.startswith("last_step.")}
     for f in figures(record):
         e = f.exported
+        if not is_number(f.field.annotation) and e is not None and e.key_label:  # a table: a series per key
+            assert f.value, f.name
+            for key, value in f.value.items():
+                sample = f"asyncrl_trainer_{e.name}" + ("_total" if e.kind == "counter" else "")
+                assert samples[(sample, ((e.key_label, key),))] == pytest.approx(value), f.name
+            continue
         if not is_number(f.field.annotation):
-            assert e is not None and e.name is None and e.reason, f"{f.name}: a table needs a reason"
+            assert e is not None and e.name is None and e.reason, f"{f.name}: a table needs a reason or a key label"
             continue
         assert isinstance(e, Exported), f.name
         if e.name is None:  # the reason names the report's own figure that is exported instead
@@ -144,3 +156,32 @@ def test_every_recovery_total_reaches_status_prometheus_and_the_job_status(recor
     mirror_report(status, TrainerReport(recovery=totals), AsyncRLJob.model_validate(JobBuilder.example().doc()).spec)
     assert status.recovery is not None and status.recovery.model_dump() == totals.model_dump()
     assert set(status.to_wire()["recovery"]) == {f.alias for f in RecoveryStatus.model_fields.values()}
+
+
+def test_per_source_figures_come_from_the_groups_and_add_up_in_the_report() -> None:
+    def group(source: str, rewards: list[float]) -> TrajectoryGroup:
+        samples = [TrajectorySample(i, np.zeros(1, np.int32), np.zeros(1, np.float32), np.zeros(1, np.int32), r,
+                                    "stop") for i, r in enumerate(rewards)]
+        return TrajectoryGroup("j", f"g{source}{rewards}", "p", np.zeros(1, np.int32), samples, "e", 0.0, 0.0,
+                               source=source)
+
+    rewards, counts = source_figures([group("easy", [1.0, 0.0]), group("hard", [0.0, 0.0]), group("easy", [1.0, 1.0])])
+    assert rewards == {"easy": 0.75, "hard": 0.0} and counts == {"easy": 2, "hard": 1}
+    assert source_figures([group("", [1.0])]) == ({}, {})  # (a job with one dataset)
+
+    report, state = TrainerReport(), TrainerState()
+    for step, by_source in enumerate(({"easy": 2, "hard": 1}, {"easy": 3}), 1):
+        state.step = step
+        report_step(report, state, every_figure_set().model_copy(update={"groups_by_source": by_source}),
+                    dead_lettered=0)
+    assert report.groups_by_source == {"easy": 5, "hard": 1}
+    app = create_app(lambda: report, health=Health())
+
+    async def get() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get("/metrics")
+
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(asyncio.run(get()).text) for s in family.samples}
+    assert samples[("asyncrl_trainer_groups_trained_by_source_total", (("source", "easy"),))] == 5
+    assert samples[("asyncrl_trainer_groups_trained_by_source_total", (("source", "hard"),))] == 1

@@ -13,6 +13,7 @@ import pytest
 
 from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import SamplingParams
+from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -56,9 +57,9 @@ def make_worker(redis, names, fake, index: int, *, labelled: bool) -> RolloutWor
                        sampling=SamplingParams(max_new_tokens=30), max_concurrent_requests=4, backoff_s=0.01,
                        heartbeat_s=0.1, log_every_s=60, rollout_index=index, rollout_replicas=2)
     admission = Admission(redis, names, batch_size=4, max_head_offpolicyness=1000, max_concurrent=8, lease_seconds=30)
-    return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
-                         render=render, decode=lambda ids: " ".join(map(str, ids)),
-                         scorer=RewardScorer(exact_number_reward, 5.0), admission=admission, names=names)
+    prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))
+    return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=lambda ids: " ".join(map(str, ids)),
+                         admission=admission, names=names)
 
 
 def fake_version(logprob: float) -> int:

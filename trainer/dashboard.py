@@ -14,6 +14,11 @@ policy version, not step: an evaluation is of a version, and lands a few steps a
 published. Training reward is measured on sampled answers to training prompts; pass@1 on held-out
 prompts is the figure that says whether the model got better, so it is not folded into the reward
 chart. Until the first evaluation the card says so instead of drawing an empty frame.
+
+A job that trains on a mixture (spec.datasets) gets a "per source" row: each source's reward per
+step (the history's `reward_by_source`) and the groups trained from it so far against its share of
+the weights, which is how one task regressing while another improves shows. A job with one
+dataset has no such row.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ DASHBOARD_HTML = r"""<!doctype html>
   #message:empty { display: none; }
   .degraded { display: flex; gap: 10px; align-items: baseline; margin: 0 0 12px; padding: 10px 14px;
               background: #fef3c7; border: 1px solid #f59e0b; border-left: 6px solid #d97706; border-radius: 10px; color: #78350f; }
-  .degraded[hidden] { display: none; }
+  .degraded[hidden], .charts[hidden] { display: none; }
   .degraded strong { font-size: 15px; white-space: nowrap; }
   .degraded .why { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; white-space: nowrap; }
   .degraded .what { flex: 1; word-break: break-word; }
@@ -128,6 +133,18 @@ DASHBOARD_HTML = r"""<!doctype html>
       <h2>Staleness per step (policy versions behind)</h2>
       <div class="legend"><span><i style="background:var(--stale)"></i>mean</span><span><i style="background:var(--stalemax)"></i>max</span><span><i style="background:var(--limit)"></i>limit η</span></div>
       <svg class="chart" id="staleness-chart" data-testid="staleness-chart" role="img" aria-label="staleness over steps"></svg>
+    </div>
+  </section>
+  <section class="charts" id="sources" data-testid="sources" hidden>
+    <div class="card">
+      <h2>Reward per source</h2>
+      <div class="legend" id="source-legend"></div>
+      <svg class="chart" id="source-chart" data-testid="source-chart" role="img" aria-label="reward per mixture source over steps"></svg>
+    </div>
+    <div class="card">
+      <h2>Groups trained per source</h2>
+      <table><thead><tr><th>source</th><th>groups</th><th>share</th><th>reward (last step)</th></tr></thead>
+      <tbody id="source-table" data-testid="source-table"></tbody></table>
     </div>
   </section>
   <section class="evals">
@@ -352,7 +369,35 @@ function render(r) {
     const s = tr.insertCell(); s.textContent = e.ready ? "ready" : "not ready"; s.className = e.ready ? "ready" : "notready";
   }
   renderEvaluations(r.evaluations || []);
+  renderSources(hist, r.groups_by_source || {}, ls ? ls.reward_by_source || {} : {});
   document.body.dataset.step = String(r.step);
+}
+
+const SOURCE_COLORS = ["#2563eb", "#ea580c", "#059669", "#7c3aed", "#db2777", "#0891b2", "#ca8a04", "#4b5563"];
+
+// A mixture's sources (spec.datasets): reward per step per source, groups trained per source.
+function renderSources(hist, groups, lastRewards) {
+  const names = [...new Set([...Object.keys(groups), ...hist.flatMap((h) => Object.keys(h.reward_by_source || {}))])].sort();
+  $("sources").hidden = names.length === 0;
+  if (!names.length) return;
+  const legend = $("source-legend"); legend.textContent = "";
+  const series = names.map((name, i) => {
+    const color = SOURCE_COLORS[i % SOURCE_COLORS.length];
+    const item = document.createElement("span"); const mark = document.createElement("i");
+    mark.style.background = color; item.appendChild(mark); item.appendChild(document.createTextNode(name)); legend.appendChild(item);
+    const points = hist.filter((h) => h.reward_by_source && name in h.reward_by_source).map((h) => [h.step, h.reward_by_source[name]]);
+    return { points, color, width: 2, dots: true, cls: "source source-" + name };
+  });
+  lineChart($("source-chart"), series, {});
+  const total = names.reduce((n, name) => n + (groups[name] || 0), 0);
+  const tb = $("source-table"); tb.textContent = "";
+  for (const name of names) {
+    const tr = tb.insertRow(); tr.dataset.source = name;
+    tr.insertCell().textContent = name;
+    const g = tr.insertCell(); g.textContent = big(groups[name] || 0); g.className = "num";
+    const share = tr.insertCell(); share.textContent = total ? (100 * (groups[name] || 0) / total).toFixed(1) + "%" : "–"; share.className = "num";
+    const rw = tr.insertCell(); rw.textContent = name in lastRewards ? fmt(lastRewards[name], 3) : "–"; rw.className = "num";
+  }
 }
 
 // Every figure of the last step, as declared (hover a name for what it is); absent ones (an

@@ -454,8 +454,8 @@ class Trainer:
         step = step_data(groups, replayed or [], algo, self.model_forward(), version=version,
                          step=self.state.step + 1)
         updates = train_updates(step, self.objective, self.optimizer, grad_clip=algo.optimizer.grad_clip)
-        metrics = summarize_step(step.stats, step.seqs[:step.fresh], step=self.state.step + 1, version=version,
-                                 ctx=self.ctx)
+        metrics = summarize_step(step.stats, step.seqs[:step.fresh], groups, step=self.state.step + 1,
+                                 version=version, ctx=self.ctx)
         metrics.updates, metrics.skipped_updates = updates.updates, updates.skipped
         for name, value in self.objective.figures().items():  # (each one a StepMetrics field)
             setattr(metrics, name, value)

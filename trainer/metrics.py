@@ -114,9 +114,14 @@ class _ReportFigures(Collector):
             family = made.get(e.name)
             if family is None:
                 cls = CounterMetricFamily if e.kind == "counter" else GaugeMetricFamily
+                keys = [e.key_label] if e.key_label else []
                 family = made[e.name] = cls(f"{PREFIX}_{e.name}", e.help or f.description or e.name,
-                                            labels=[k for k, _ in e.labels])
+                                            labels=[k for k, _ in e.labels] + keys)
             value = values.get(f.path)
+            if e.key_label:  # a table: a series per key
+                for key, number in (value or {}).items():
+                    family.add_metric([*(v for _, v in e.labels), str(key)], float(number))
+                continue
             family.add_metric([v for _, v in e.labels], math.nan if value is None else float(value))
         yield from made.values()
 

@@ -119,11 +119,12 @@ class StepStats:
         return values
 
 
-def summarize_step(stats: StepStats, seqs: list[TrainSequence], *, step: int, version: int,
+def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any], *, step: int, version: int,
                    ctx: D.DistContext) -> StepMetrics:
-    """The step's figures from its micro-batches and its fresh sequences (collective); the loop
-    adds the updates', the objective's, the draw's and the clock's (`Trainer.finish_step`)."""
+    """The step's figures from its micro-batches, its fresh sequences and their groups (collective);
+    the loop adds the updates', the objective's, the draw's and the clock's (`Trainer.finish_step`)."""
     values = stats.reduce(ctx)
+    reward_by_source, groups_by_source = source_figures(groups)
     lags = staleness_counts(seqs, version)
     n_tokens = sum(lags.values())
     rewards = [s.reward for s in seqs]
@@ -136,8 +137,21 @@ def summarize_step(stats: StepStats, seqs: list[TrainSequence], *, step: int, ve
         "staleness_mean": (sum(k * v for k, v in lags.items()) / n_tokens) if n_tokens else 0.0,
         "staleness_max": max(lags) if lags else 0,
         "staleness_histogram": {str(lag): n for lag, n in sorted(lags.items())},
+        "reward_by_source": reward_by_source, "groups_by_source": groups_by_source,
         "proximal_seconds": values["proximal_seconds"], "padding_fraction": values["padding_fraction"],
         "compute_seconds": time.perf_counter() - stats.started})
+
+
+def source_figures(groups: list[Any]) -> tuple[dict[str, float], dict[str, int]]:
+    """(mean reward over the samples, groups) per mixture source of `groups` (TrajectoryGroups);
+    both empty when no group names a source (a job with one dataset)."""
+    rewards: defaultdict[str, list[float]] = defaultdict(list)
+    for g in groups:
+        if g.source:
+            rewards[g.source].extend(float(s.reward) for s in g.samples)
+    counts = Counter(g.source for g in groups if g.source)
+    return ({k: float(np.mean(v)) if v else 0.0 for k, v in sorted(rewards.items())},
+            {k: counts[k] for k in sorted(counts)})
 
 
 def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:

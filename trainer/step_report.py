@@ -33,6 +33,8 @@ def report_step(r: TrainerReport, state: TrainerState, metrics: StepMetrics, *, 
     r.staleness.dropped = state.dropped
     for lag, n in metrics.staleness_histogram.items():
         r.staleness.histogram[lag] = r.staleness.histogram.get(lag, 0) + n
+    for source, n in metrics.groups_by_source.items():
+        r.groups_by_source[source] = r.groups_by_source.get(source, 0) + n
     r.skipped_updates = state.skipped_updates
     r.dead_lettered = dead_lettered
     r.last_step = shown(metrics)

@@ -12,11 +12,13 @@ size costs a constant number of fields (decode = a few `np.frombuffer` plus slic
      "n": bin(int32: response length per sample), "i": bin(int32: sample index per sample),
      "r": bin(float64: reward per sample), "fin": [str per sample: stop|length|abort],
      "ids": bin(int32: all responses concatenated), "lp": bin(float32), "ver": bin(int32),
-     "tl": bin(int32)}   (optional: absent when every token is of timeline 0)
+     "tl": bin(int32),   (optional: absent when every token is of timeline 0)
+     "src": str}         (optional: absent for a job's only dataset)
 
 "ver" and "tl" label each token with the weights that produced it: policy version and trainer
 timeline (asyncrl.weight_labels). "tl" came after schema version 1 was set: a payload without it
-is timeline 0 throughout, as every payload written before timelines existed.
+is timeline 0 throughout, as every payload written before timelines existed. So did "src" (str),
+the mixture source the prompt was drawn from (spec.datasets): absent for a job's only dataset.
 
 Unknown keys are ignored (additive fields do not need a new schema version); a different "v" is
 rejected. Every decoding failure raises WireFormatError and nothing else, so a consumer can route
@@ -88,6 +90,8 @@ class TrajectoryGroup:
     created_at: float
     published_at: float
     schema_version: int = SCHEMA_VERSION
+    source: str = ""
+    """The mixture source of the prompt (spec.datasets); "" for a job's only dataset."""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
     """Unknown top-level keys found when decoding (kept for forward compatibility; not encoded)."""
 
@@ -106,7 +110,7 @@ class TrajectoryGroup:
         return (self.job == other.job and self.group_id == other.group_id
                 and self.prompt_id == other.prompt_id and self.engine_id == other.engine_id
                 and self.created_at == other.created_at and self.published_at == other.published_at
-                and self.schema_version == other.schema_version
+                and self.schema_version == other.schema_version and self.source == other.source
                 and np.array_equal(self.prompt_ids, other.prompt_ids)
                 and self.samples == other.samples)
 
@@ -147,7 +151,7 @@ def encode_group(g: TrajectoryGroup) -> bytes:
     if g.schema_version != SCHEMA_VERSION:
         raise WireFormatError(f"cannot encode schema version {g.schema_version}; "
                               f"this code writes version {SCHEMA_VERSION}")
-    for name in ("job", "group_id", "prompt_id", "engine_id"):
+    for name in ("job", "group_id", "prompt_id", "engine_id", "source"):
         if not isinstance(getattr(g, name), str):
             raise WireFormatError(f"{name} must be a string")
     if not g.group_id:
@@ -184,6 +188,8 @@ def encode_group(g: TrajectoryGroup) -> bytes:
            "ver": _bin(all_versions)}
     if all_timelines.any():
         doc["tl"] = _bin(all_timelines)
+    if g.source:
+        doc["src"] = g.source
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -197,6 +203,8 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
 _ARRAYS: dict[str, np.dtype] = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
 _OPTIONAL: dict[str, np.dtype] = {"tl": _I32}
 """Array fields a payload may leave out (read as all zeros)."""
+_OPTIONAL_TEXT = ("src",)
+"""String fields a payload may leave out (read as "")."""
 _FIN_SET = frozenset(FINISH_REASONS)
 
 
@@ -218,8 +226,9 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
     return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
                            prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
                            created_at=float(doc["ct"]), published_at=float(doc["pt"]),
-                           schema_version=version,
-                           extra={k: v for k, v in doc.items() if k not in _FIELDS and k not in _OPTIONAL})
+                           schema_version=version, source=doc.get("src", ""),
+                           extra={k: v for k, v in doc.items()
+                                  if k not in _FIELDS and k not in _OPTIONAL and k not in _OPTIONAL_TEXT})
 
 
 
@@ -246,6 +255,9 @@ def _document(b: bytes | bytearray | memoryview) -> dict[str, Any]:
             raise WireFormatError(f"missing field {key!r}")
         if not isinstance(value, types) or type(value) is bool:
             raise WireFormatError(f"field {key!r} has type {type(value).__name__}")
+    for key in _OPTIONAL_TEXT:
+        if key in doc and not isinstance(doc[key], str):
+            raise WireFormatError(f"field {key!r} has type {type(doc[key]).__name__}")
     return doc
 
 

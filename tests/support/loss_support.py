@@ -32,7 +32,7 @@ def step_over_micro_batches(path: Path, lp: torch.Tensor, lp_b: torch.Tensor, ad
     stats.grad_norms.append(1.0)
     width = lp.shape[1]
     seqs = [TrainSequence(np.arange(2), np.arange(width), np.zeros(width), np.zeros(width, dtype=int), 1.0)]
-    record = summarize_step(stats, seqs, step=1, version=0, ctx=DistContext())
+    record = summarize_step(stats, seqs, [], step=1, version=0, ctx=DistContext())
     append_metrics_line(path, record)
     line = json.loads(path.read_text())
     assert line == metrics_line(record)

@@ -18,6 +18,11 @@ def digit_sum_reward(completion: str, answer: str) -> float:
     return (sum(int(t) for t in completion.split() if t.isdigit()) + int(answer)) % 7 / 6
 
 
+def half_reward(completion: str, answer: str) -> float:
+    """A source's own reward, told apart from exact-number's 0 and 1 at a glance."""
+    return 0.5
+
+
 def down_for_even_answers(completion: str, answer: str) -> float:
     """A verifier that is down for some prompts (even answers), on every try."""
     if int(answer) % 2 == 0:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
+from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
@@ -24,7 +25,7 @@ def decode(ids: list[int]) -> str:
 
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
-                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None):
+                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None, prompts=None):
     engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
@@ -32,9 +33,10 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
                        max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
     admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
                           max_concurrent=max_concurrent, lease_seconds=30)
-    return RolloutWorker(cfg, engine=engine, redis=redis, source=ArithmeticSource(seed=0, difficulty=1),
-                         render=render, decode=decode, scorer=scorer or RewardScorer(exact_number_reward, 5.0),
-                         admission=admission, names=names)
+    prompts = prompts or Mixture.single(ArithmeticSource(seed=0, difficulty=1), render,
+                                        scorer or RewardScorer(exact_number_reward, 5.0))
+    return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
+                         names=names)
 
 
 async def published(redis, names):
