@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--status-port", type=int, default=0, help="status endpoint port (default: any free port)")
     parser.add_argument("--run-dir", type=Path, default=None, help="run directory (default: runs/<job>-<time>)")
     parser.add_argument("--engine", choices=["hf", "vllm"], default=None, help="override spec.rollout.engine")
-    parser.add_argument("--seed", type=int, default=None, help="override spec.seed (and the dataset seed)")
+    parser.add_argument("--seed", type=int, default=None, help="override spec.seed (and the datasets' seeds)")
     parser.add_argument("--eta", type=int, default=None,
                         help="override spec.staleness.maxHeadOffpolicyness (0 = synchronous)")
     parser.add_argument("--engine-threads", type=int, default=None,
@@ -194,7 +194,8 @@ def prepare_job(args: argparse.Namespace) -> tuple[AsyncRLJob, dict[str, Any]]:
         spec["rollout"]["engine"] = args.engine
     if args.seed is not None:
         spec["seed"] = args.seed
-        spec["dataset"]["seed"] = args.seed
+        for dataset in spec.get("datasets") or [spec["dataset"]]:
+            dataset["seed"] = args.seed
     if args.eta is not None:
         spec["staleness"]["maxHeadOffpolicyness"] = args.eta
     if getattr(args, "no_evaluation", False):

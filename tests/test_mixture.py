@@ -3,6 +3,7 @@ drawing from two sources with a reward each, resuming every source where it was 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -19,6 +20,7 @@ from asyncrl.rollout.datasets import ArithmeticSource
 from asyncrl.rollout.mixture import BLOCK, Lane, Mixture, MixtureDraw
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker_process import StartupError, training_inputs
+from asyncrl.runner import configure, prepare_job
 from asyncrl.spec import AsyncRLJob
 from tests.support.jobs import JobBuilder
 from tests.support.reward_services import half_reward
@@ -208,3 +210,14 @@ def test_a_bad_source_fails_the_worker_at_start_naming_it(tmp_path: Path) -> Non
     inputs = training_inputs(AsyncRLJob.model_validate(mixture_job()).spec)
     assert [(i.name, i.weight) for i in inputs] == [("easy", 3.0), ("hard", 1.0)]
     assert inputs[0].scorer is not inputs[1].scorer  # ("hard" scores its own way)
+
+
+def test_run_seed_flag_reseeds_every_source(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(mixture_job()))
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    args = parser.parse_args([str(path), "--seed", "5"])
+    job, data = prepare_job(args)
+    assert job.spec.seed == 5 and [d.seed for d in job.spec.datasets or []] == [5, 5]
+    assert "dataset" not in data["spec"]
