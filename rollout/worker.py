@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from asyncrl.health import HEALTH, Health
-from asyncrl.rollout.datasets import PromptSource
+from asyncrl.rollout.datasets import PromptItem, PromptSource
 from asyncrl.rollout.engine_view import Dropped, EngineView
 from asyncrl.rollout.engines.base import Engine
 from asyncrl.rollout.episode import Episode, InvalidGroup, UnscoredGroup
@@ -85,7 +85,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None =
 
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, source: PromptSource,
-                 render: Callable[[str], list[int]], decode: Callable[[list[int]], str], scorer: Scorer,
+                 render: Callable[[PromptItem], list[int]], decode: Callable[[list[int]], str], scorer: Scorer,
                  admission: Admission, names: StreamNames | None = None, health: Health = HEALTH,
                  evaluation: WorkerEvaluation | None = None):
         self.cfg = cfg
@@ -257,7 +257,7 @@ class RolloutWorker:
         try:
             item = self.source.item(position)
             try:
-                group = await self.episode.group(item, self.render(item.question))
+                group = await self.episode.group(item, self.render(item))
             except Dropped as exc:
                 if exc.retry:
                     requeued = True

@@ -51,7 +51,8 @@ def make_worker(redis, names, fake, *, eta: int, max_groups=None, outage_s=180.0
     admission = Admission(redis, names, batch_size=100, max_head_offpolicyness=eta, max_concurrent=8,
                           lease_seconds=30)
     return RolloutWorker(cfg, engine=SGLangEngine(fake.url), redis=redis,
-                         source=ArithmeticSource(seed=0, difficulty=1), render=lambda q: [ord(c) % 200 + 3 for c in q],
+                         source=ArithmeticSource(seed=0, difficulty=1),
+                         render=lambda item: [ord(c) % 200 + 3 for c in item.question],
                          decode=lambda ids: " ".join(map(str, ids)), scorer=RewardScorer(exact_number_reward, 5.0),
                          admission=admission, names=names)
 
