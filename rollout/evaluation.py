@@ -143,7 +143,7 @@ async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callab
             produced_by = await version_of(result)
             on.append(produced_by is None or produced_by == version)
             lengths.append(len(result.output_ids))
-            reward = await scorer.score(decode(result.output_ids), item.answer)
+            reward = await scorer.score(decode(result.output_ids), item.answer, item.question, metadata=item.metadata)
             if on_answer is not None:
                 on_answer()
             return reward

@@ -1,11 +1,12 @@
-"""Dataset files (JSONL, Parquet, a Hugging Face dataset saved to disk), the column mapping, and chats
-rendered with the model's template.
+"""Dataset files (JSONL, Parquet, a Hugging Face dataset saved to disk), the column mapping, chats
+rendered with the model's template, and metadata columns reaching the reward, in process and over HTTP.
 
 Every file is written by the real library (json, pyarrow, `datasets.save_to_disk`) and read back by
 the loaders the rollout worker uses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -15,9 +16,15 @@ import pytest
 from pydantic import ValidationError
 
 from asyncrl.rollout.datasets import DatasetError, ListSource, PromptItem, load_source
+from asyncrl.rollout.prompt_cursor import cursor_key
 from asyncrl.rollout.prompts import PromptRenderer
+from asyncrl.rollout.reward_client import HttpRewardScorer
+from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.spec import DatasetSpec
+from tests.support.reward_services import bonus_reward, reward_server
+from tests.support.rollout_workers import make_worker, published
 
+PLUGINS = "tests.support.reward_services"
 RECORDS = [
     {"id": "p0", "problem": "What is 2 + 2?", "solution": "4", "level": 1, "tests": ["4", "4.0"], "bonus": 0.25},
     {"id": "p1", "problem": "What is 3 * 5?", "solution": "15", "level": 2, "tests": ["15"], "bonus": 0.5},
@@ -229,3 +236,57 @@ def test_the_mapping_is_camel_case_on_the_wire():
                                        "metadataFields": ["tests"]})
     assert (spec.messages_field, spec.answer_field, spec.metadata_fields) == ("chat", "sol", ["tests"])
     assert {"messagesField", "answerField", "metadataFields"} <= set(spec.to_wire())
+
+
+# ------------------------------------------------------------------ metadata to the reward
+
+
+async def test_a_plugin_is_given_metadata_only_when_it_asks_for_it():
+    seen: list[tuple] = []
+
+    def with_metadata(completion: str, answer: str, metadata: dict | None = None) -> float:
+        seen.append((completion, answer, metadata))
+        return 1.0 if completion in (metadata or {}).get("tests", []) else 0.0
+
+    asking, plain = RewardScorer(with_metadata), RewardScorer(exact_number_reward)
+    assert await asking.score_all(["4.0", "5"], "4", "What is 2 + 2?", metadata={"tests": ["4.0"]}) == [1.0, 0.0]
+    assert await asking.score("4", "4") == 0.0
+    assert await plain.score_all(["4", "5"], "4", metadata={"tests": ["5"]}) == [1.0, 0.0]  # (not given it)
+    asking.close()
+    plain.close()
+    assert sorted(seen, key=str) == sorted([("4.0", "4", {"tests": ["4.0"]}), ("5", "4", {"tests": ["4.0"]}),
+                                            ("4", "4", None)], key=str)
+
+
+async def test_metadata_reaches_the_reward_server_and_is_left_out_when_there_is_none(tmp_path: Path):
+    with reward_server(f"{PLUGINS}:bonus_reward", log=tmp_path / "bonus.log") as url:
+        service = HttpRewardScorer(url, retries=0)
+        assert await service.score_all(["1", "2"], "3", "q", metadata={"bonus": 0.25}) == [0.25, 0.25]
+        [failed] = await service.score_all(["1"], "3")  # the plug-in wants metadata: it raises without
+        assert "ValueError: no metadata" in str(failed)
+    with reward_server(f"{PLUGINS}:digit_sum_reward", log=tmp_path / "plain.log") as url:
+        service = HttpRewardScorer(url, retries=0)  # a plug-in without the parameter ignores it
+        assert await service.score_all(["1"], "3", metadata={"bonus": 0.25}) == await service.score_all(["1"], "3")
+
+
+async def test_a_worker_scores_a_files_rows_with_their_metadata_in_process_and_over_http(rollout_env, tmp_path: Path):
+    """Parquet file -> items -> the worker's groups -> the reward's metadata: each published reward
+    is the `bonus` column of its prompt's row, whether scored in process or by the service."""
+    redis, fake, names = rollout_env
+    path = write_parquet(tmp_path / "d.parquet", [dict(r, prompt=r["problem"], answer=r["solution"]) for r in RECORDS])
+    source = load_source(DatasetSpec(source=str(path), metadata_fields=["bonus"]))
+    bonus = {r["id"]: r["bonus"] for r in RECORDS}
+
+    async def run(scorer) -> dict[str, set[float]]:
+        await redis.delete(*names.all_keys(), cursor_key(names, 0, 1))
+        worker = make_worker(redis, fake, names, n=2, max_new=3, max_groups=3, scorer=scorer, source=source)
+        await asyncio.wait_for(worker.run(), 60)
+        rewards: dict[str, set[float]] = {}
+        for group in await published(redis, names):
+            rewards.setdefault(group.prompt_id, set()).update(s.reward for s in group.samples)
+        return rewards
+
+    in_process = await run(RewardScorer(bonus_reward, 5.0, on_error="drop"))
+    assert in_process and all(got == {bonus[p]} for p, got in in_process.items())
+    with reward_server(f"{PLUGINS}:bonus_reward", log=tmp_path / "server.log") as url:
+        assert await run(HttpRewardScorer(url)) == in_process
