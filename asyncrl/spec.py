@@ -838,8 +838,8 @@ class EvaluationSpec(SpecModel):
     admission; results go to /status, /metrics, metrics.jsonl, the dashboard and the job status."""
 
     dataset: EvalDatasetSpec = Field(default_factory=EvalDatasetSpec)
-    """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a JSONL path
-    (e.g. GSM8K test.jsonl) or hf:<dataset id> with its split."""
+    """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a file (e.g.
+    GSM8K test.jsonl, or .parquet), a save_to_disk directory, or hf:<dataset id> with its split."""
     reward: RewardSpec | None = None
     """How an eval answer is scored; unset = the job's reward."""
     every_steps: int = Field(default=10, ge=1)
