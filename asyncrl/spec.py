@@ -11,7 +11,7 @@ test suite evaluates both on the same objects so the two cannot drift apart.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -137,15 +137,31 @@ class DatasetSpec(SpecModel):
     """Where prompts come from."""
 
     source: str = Field(default="builtin:arithmetic", min_length=1)
-    """`builtin:arithmetic`, a JSONL path, or `hf:<dataset id>`."""
+    """`builtin:arithmetic`, a local `.jsonl` or `.parquet` file, a directory written by a Hugging
+    Face dataset's `save_to_disk`, or `hf:<dataset id>` (docs/rollout.md, Datasets)."""
     format: Literal["auto", "gsm8k", "prompt-answer"] = "auto"
-    """Record layout for JSONL: gsm8k (`question`/`answer` with `#### n`) or `prompt`/`answer`."""
+    """Record layout: gsm8k (`question`/`answer` with `#### n`: the answer is n) or `prompt`/`answer`
+    (the answer as is); auto: gsm8k when no column is mapped and records have `question`."""
     split: str = "train"
-    """Split name for HF datasets; for builtin:arithmetic, train or test (disjoint problem sets)."""
+    """Split of a HF dataset id or of a saved DatasetDict; for builtin:arithmetic, train or test
+    (disjoint problem sets)."""
     prompt_template: str | None = None
-    """Python format string with `{prompt}`; rendered inside the model's chat template."""
+    """Python format string with `{prompt}`; rendered inside the model's chat template (with
+    messagesField: applied to the last user message)."""
     system_prompt: str | None = None
-    """Optional system message for the chat template."""
+    """Optional system message for the chat template (with messagesField: added to the chats that
+    have no system message of their own)."""
+    prompt_field: str | None = Field(default=None, min_length=1)
+    """Column holding the prompt text; unset: `question` (format gsm8k) or `prompt` (prompt-answer)."""
+    answer_field: str | None = Field(default=None, min_length=1)
+    """Column holding the reference answer the reward compares with; unset: `answer`."""
+    messages_field: str | None = Field(default=None, min_length=1)
+    """Column holding a chat, a list of `{role, content}` messages ending with the user's, rendered
+    with the model's chat template instead of one user message; replaces promptField."""
+    metadata_fields: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list, json_schema_extra={"x-kubernetes-list-type": "set"})
+    """Columns given to the reward with each completion (`metadata`: column -> value), e.g. test
+    cases; a plug-in reward gets them if it has a `metadata` parameter."""
     seed: int = 0
     """Shuffle seed (and generator seed for builtin datasets)."""
     difficulty: int = Field(default=1, ge=1, le=5)
@@ -163,6 +179,22 @@ class DatasetSpec(SpecModel):
         if self.source.startswith("builtin:") and self.split not in BUILTIN_SPLITS:
             raise ValueError(f"split {self.split!r} of {self.source}: allowed {', '.join(BUILTIN_SPLITS)} "
                              "(disjoint problem sets)")
+        return self
+
+    @model_validator(mode="after")
+    def _columns(self) -> DatasetSpec:
+        # (the same rules as CEL_RULES' dataset entries)
+        if self.messages_field is not None and self.prompt_field is not None:
+            raise ValueError(f"{_ONE_PROMPT_COLUMN}, got promptField {self.prompt_field!r} and messagesField "
+                             f"{self.messages_field!r}; allowed: one of them, or neither (the format's column)")
+        mapped = [camel for camel, name in _COLUMN_FIELDS if getattr(self, name)]
+        if self.source.startswith("builtin:") and mapped:
+            raise ValueError(f"{', '.join(mapped)} of {self.source}: {_BUILTIN_UNMAPPED}; allowed: a file or "
+                             "hf: dataset with them, or builtin:arithmetic without them")
+        twice = sorted({f for f in self.metadata_fields if self.metadata_fields.count(f) > 1})
+        if twice:
+            raise ValueError(f"metadataFields lists {', '.join(map(repr, twice))} more than once; allowed: "
+                             "distinct column names")
         return self
 
 
@@ -828,8 +860,8 @@ class EvaluationSpec(SpecModel):
     admission; results go to /status, /metrics, metrics.jsonl, the dashboard and the job status."""
 
     dataset: EvalDatasetSpec = Field(default_factory=EvalDatasetSpec)
-    """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a JSONL path
-    (e.g. GSM8K test.jsonl) or hf:<dataset id> with its split."""
+    """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a file (e.g.
+    GSM8K test.jsonl, or .parquet), a save_to_disk directory, or hf:<dataset id> with its split."""
     reward: RewardSpec | None = None
     """How an eval answer is scored; unset = the job's reward."""
     every_steps: int = Field(default=10, ge=1)
@@ -1166,6 +1198,20 @@ _ONE_TRAINER_PROCESS_CEL = ("((has(self.trainer) && has(self.trainer.replicas) ?
 _VCPO_BASELINE_OFF_CEL = "(!has(self.vcpo) || !has(self.vcpo.baseline) || !self.vcpo.baseline)"
 """CEL on `spec.algorithm`: VCPO's baseline is off."""
 
+_ONE_PROMPT_COLUMN = "dataset.messagesField replaces promptField: set one of them"
+_BUILTIN_UNMAPPED = ("builtin datasets have no columns to map (promptField, answerField, messagesField, "
+                     "metadataFields)")
+_COLUMN_FIELDS = (("promptField", "prompt_field"), ("answerField", "answer_field"),
+                  ("messagesField", "messages_field"), ("metadataFields", "metadata_fields"))
+"""(camelCase, field) of DatasetSpec's column mapping."""
+_DATASET_CEL = [
+    ("!has(self.promptField) || !has(self.messagesField)", _ONE_PROMPT_COLUMN),
+    ("(has(self.source) && !self.source.startsWith('builtin:')) || (!has(self.promptField)"
+     " && !has(self.answerField) && !has(self.messagesField)"
+     " && (!has(self.metadataFields) || size(self.metadataFields) == 0))", _BUILTIN_UNMAPPED),
+]
+"""CEL on spec.dataset and spec.evaluation.dataset: DatasetSpec._columns."""
+
 _EVAL_REWARD_URL_ONLY = ("evaluation.reward.service takes a url only (the operator runs the job's "
                          "reward.service.deployment, which evaluation uses when it has no reward of its own)")
 _REWARD_SERVICE_ONE_OF = ("has(self.url) != has(self.deployment)",
@@ -1186,6 +1232,8 @@ CEL_RULES: list[tuple[str, str, str]] = [
      _SOURCE_REWARD_URL_ONLY),
     ("spec.reward.service", *_REWARD_SERVICE_ONE_OF),
     ("spec.evaluation.reward.service", *_REWARD_SERVICE_ONE_OF),
+    *[(path, rule, message) for path in ("spec.dataset", "spec.datasets[]", "spec.evaluation.dataset")
+      for rule, message in _DATASET_CEL],
     ("spec.evaluation", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",
      _EVAL_REWARD_URL_ONLY),
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",

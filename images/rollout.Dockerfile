@@ -13,7 +13,7 @@ COPY rollout ./rollout
 # --no-deps for torch-bearing extras: keep SGLang's pinned torch/transformers; add only what is missing.
 RUN pip install --no-deps . \
  && pip install "pydantic>=2.7,<3" "pyyaml>=6" "kubernetes>=30" "redis>=5.0" "msgpack>=1.0" "rich>=13" \
-        "httpx>=0.27" "math-verify>=0.7" \
+        "httpx>=0.27" "math-verify>=0.7" "pyarrow>=15" \
  && rm -rf /src
 
 RUN useradd --uid 1000 --user-group --no-create-home --shell /usr/sbin/nologin asyncrl || true

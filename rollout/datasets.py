@@ -1,37 +1,43 @@
-"""Prompt sources: JSONL files, Hugging Face datasets, and the seeded `builtin:arithmetic` generator.
+"""Prompt sources: local files (JSONL, Parquet, a saved Hugging Face dataset), Hugging Face dataset
+ids, and the seeded `builtin:arithmetic` generator.
 
 Every source is indexable by a global position (`item(g)`), which makes sharding and resuming
 trivial and deterministic: replica r of R takes positions r, r + R, r + 2R, ... (`ShardCursor`),
 and a finite dataset is walked in epochs, each a fresh seeded permutation. The position of the
 next prompt is all the state a worker needs to resume (persisted in Redis by the worker).
+
+A record becomes a PromptItem through the spec's format and column mapping (`Columns`); a record
+that does not fit is an error naming the file, the row and the column, with the columns it has.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-from asyncrl.errors import RolloutError
+from asyncrl.rollout.dataset_files import DatasetError, Row, read_rows
 from asyncrl.spec import DatasetSpec
 
 DEFAULT_ARITHMETIC_INSTRUCTION = "Answer with just the final number."
 
 
-class DatasetError(RolloutError, ValueError):
-    """A dataset that cannot be read; the message says which file/line or what to install."""
-
-
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt: a stable id, the question text (before the chat template) and the reference answer."""
+    """One prompt: a stable id, the question text (before the chat template) and the reference answer.
+
+    `messages`: the chat to render instead of the question (dataset.messagesField; the question is
+    then its last user message, what logs and the reward's `prompt` show). `metadata`: the columns
+    the reward is given (dataset.metadataFields)."""
 
     prompt_id: str
     question: str
     answer: str
+    messages: list[dict[str, str]] | None = None
+    metadata: dict[str, Any] | None = None
 
 
 class PromptSource(Protocol):
@@ -65,7 +71,7 @@ class ListSource:
         return self.items[self._order(epoch)[offset]]
 
 
-# ----------------------------------------------------------------------------- JSONL
+# ----------------------------------------------------------------------------- records -> items
 
 
 def gsm8k_final_answer(solution: str) -> str:
@@ -75,59 +81,123 @@ def gsm8k_final_answer(solution: str) -> str:
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
 
 
-def parse_record(record: dict, fmt: str, where: str) -> tuple[str, str]:
-    """(question, answer) of one JSONL record in format gsm8k | prompt-answer | auto."""
-    if fmt == "auto":
-        fmt = "gsm8k" if "question" in record else "prompt-answer"
-    if fmt == "gsm8k":
-        if not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
-            raise DatasetError(f"{where}: gsm8k records need string fields 'question' and 'answer'")
-        try:
-            return record["question"], gsm8k_final_answer(record["answer"])
-        except ValueError as exc:
-            raise DatasetError(f"{where}: {exc}") from None
-    if "prompt" not in record or "answer" not in record:
-        raise DatasetError(f"{where}: prompt-answer records need fields 'prompt' and 'answer' (got {sorted(record)})")
-    return str(record["prompt"]), str(record["answer"])
+@dataclass(frozen=True)
+class Columns:
+    """Which columns of a record make a PromptItem: DatasetSpec's format and column mapping."""
+
+    format: str = "auto"
+    prompt: str | None = None
+    answer: str | None = None
+    messages: str | None = None
+    metadata: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, spec: DatasetSpec) -> Columns:
+        return cls(spec.format, spec.prompt_field, spec.answer_field, spec.messages_field,
+                   tuple(spec.metadata_fields))
+
+    def wanted(self) -> set[str]:
+        """Every column a record may be read from (whichever the format turns out to be)."""
+        if self.messages:
+            prompts = {self.messages}
+        else:
+            prompts = {self.prompt} if self.prompt else {"question", "prompt"}
+        return prompts | {self.answer or "answer", "id", *self.metadata}
+
+    def layout(self, columns: Iterable[str]) -> tuple[str, str | None]:
+        """(format, prompt column) of a record with these columns: auto is gsm8k when no column is
+        mapped and the record has `question`; with messages there is no prompt column."""
+        fmt = self.format
+        if fmt == "auto":
+            mapped = self.prompt or self.answer or self.messages
+            fmt = "gsm8k" if not mapped and "question" in columns else "prompt-answer"
+        if self.messages:
+            return fmt, None
+        return fmt, self.prompt or ("question" if fmt == "gsm8k" else "prompt")
+
+    def item(self, row: Row) -> PromptItem:
+        """The PromptItem of a row, or DatasetError naming the row and the column."""
+        fmt, prompt_column = self.layout(row.columns)
+        messages = None
+        if self.messages:
+            messages = chat_messages(row, self.messages)
+            question = messages[-1]["content"]
+        else:
+            assert prompt_column is not None  # (layout: a prompt column unless messages)
+            question = _value(row, prompt_column, "promptField")
+            question = _text(row, prompt_column, question) if fmt == "gsm8k" else str(question)
+        answer_column = self.answer or "answer"
+        answer = _value(row, answer_column, "answerField")
+        if fmt == "gsm8k":
+            try:
+                answer = gsm8k_final_answer(_text(row, answer_column, answer))
+            except ValueError as exc:
+                raise DatasetError(f"{row.where}: column {answer_column!r} (format gsm8k): {exc}") from None
+        metadata = {c: _value(row, c, "metadataFields", null=True) for c in self.metadata} or None
+        record_id = row.record.get("id")
+        return PromptItem(row.default_id if record_id is None else str(record_id), question, str(answer),
+                          messages, metadata)
+
+
+def _value(row: Row, column: str, field: str, *, null: bool = False) -> Any:
+    if column not in row.record:
+        raise DatasetError(f"{row.where}: no column {column!r} (dataset.{field}); the columns: "
+                           f"{', '.join(row.columns) or '(none)'}")
+    value = row.record[column]
+    if value is None and not null:
+        raise DatasetError(f"{row.where}: column {column!r} is null")
+    return value
+
+
+def _text(row: Row, column: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise DatasetError(f"{row.where}: column {column!r} must be text, got {type(value).__name__}")
+    return value
+
+
+def chat_messages(row: Row, column: str) -> list[dict[str, str]]:
+    """The chat in `column`: a non-empty list of {role, content} (other keys dropped) ending with
+    the user's message, which the model answers."""
+    value = _value(row, column, "messagesField")
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{row.where}: column {column!r} must be a non-empty list of {{role, content}} "
+                           f"messages, got {type(value).__name__} {str(value)[:80]!r}")
+    for n, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DatasetError(f"{row.where}: column {column!r} message {n} needs text 'role' and 'content', "
+                               f"got {str(message)[:80]!r}")
+    if value[-1]["role"] != "user":
+        raise DatasetError(f"{row.where}: column {column!r} must end with a 'user' message (the model answers "
+                           f"it), got role {value[-1]['role']!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def load_file(path: str | Path, columns: Columns | None = None, split: str = "train") -> list[PromptItem]:
+    """Every record of a local dataset (dataset_files.read_rows: JSONL, Parquet, save_to_disk)."""
+    columns = columns or Columns()
+    return [columns.item(row) for row in read_rows(path, split=split, wanted=columns.wanted())]
 
 
 def load_jsonl(path: str | Path, fmt: str = "auto") -> list[PromptItem]:
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"dataset file {path} does not exist")
-    items = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{n}: not JSON: {exc}") from None
-            if not isinstance(record, dict):
-                raise DatasetError(f"{path}:{n}: each line must be a JSON object")
-            question, answer = parse_record(record, fmt, f"{path}:{n}")
-            items.append(PromptItem(str(record.get("id", f"{path.stem}-{n}")), question, answer))
-    return items
+    return load_file(path, Columns(fmt))
 
 
-def load_hf(dataset_id: str, split: str, fmt: str) -> list[PromptItem]:
+def load_hf(dataset_id: str, split: str, columns: Columns) -> list[PromptItem]:
     try:
         import datasets
     except ImportError:
         raise DatasetError(
             f"dataset 'hf:{dataset_id}' needs the Hugging Face `datasets` library (pip install datasets) "
-            "and network access to the hub; or give a local JSONL path") from None
+            "and network access to the hub; or give a local file") from None
     name, _, config = dataset_id.partition(":")
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as exc:
         raise DatasetError(f"cannot load Hugging Face dataset {dataset_id!r} split {split!r}: {exc}") from exc
-    items = []
-    for n, record in enumerate(ds):
-        question, answer = parse_record(dict(record), fmt, f"hf:{dataset_id}[{n}]")
-        items.append(PromptItem(f"{name}-{split}-{n}", question, answer))
-    return items
+    names = tuple(ds.column_names)
+    return [columns.item(Row(f"hf:{dataset_id}[{n}]", f"{name}-{split}-{n}", dict(record), names))
+            for n, record in enumerate(ds)]
 
 
 # ----------------------------------------------------------------------------- builtin:arithmetic
@@ -213,8 +283,8 @@ def load_source(spec: DatasetSpec) -> PromptSource:
     if src.startswith("builtin:"):
         raise DatasetError(f"unknown builtin dataset {src!r}; allowed: builtin:arithmetic")
     if src.startswith("hf:"):
-        return ListSource(load_hf(src.removeprefix("hf:"), spec.split, spec.format), seed=spec.seed)
-    return ListSource(load_jsonl(src, spec.format), seed=spec.seed)
+        return ListSource(load_hf(src.removeprefix("hf:"), spec.split, Columns.of(spec)), seed=spec.seed)
+    return ListSource(load_file(src, Columns.of(spec), spec.split), seed=spec.seed)
 
 
 @dataclass

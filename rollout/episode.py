@@ -85,7 +85,8 @@ class Episode:
         InvalidGroup (generated, but check_group refuses it)."""
         created = time.time()
         samples = await all_or_none([self.sample(prompt_ids) for _ in range(self.cfg.group_size)])
-        scores = await scorer.score_all([self.decode(s.ids) for s in samples], item.answer, item.question)
+        scores = await scorer.score_all([self.decode(s.ids) for s in samples], item.answer, item.question,
+                                        metadata=item.metadata)
         failures = [s for s in scores if isinstance(s, RewardFailed)]
         rewards = [math.nan if isinstance(s, RewardFailed) else s for s in scores]
         group = TrajectoryGroup(

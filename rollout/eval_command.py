@@ -60,8 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="job file whose spec.evaluation (else its dataset with split test, reward and "
                              "maxNewTokens), prompt template and system prompt are the defaults")
     parser.add_argument("--dataset", metavar="SOURCE",
-                        help="builtin:arithmetic, a JSONL file or hf:<dataset id> (default: builtin:arithmetic)")
-    parser.add_argument("--format", choices=FORMATS, help="JSONL/HF record layout (default: auto)")
+                        help="builtin:arithmetic, a .jsonl or .parquet file, a save_to_disk directory or "
+                             "hf:<dataset id> (default: builtin:arithmetic)")
+    parser.add_argument("--format", choices=FORMATS, help="record layout (default: auto)")
     parser.add_argument("--split", help="dataset split; builtin:arithmetic: train or test (default: test)")
     parser.add_argument("--difficulty", type=int, metavar="N", help="builtin:arithmetic difficulty 1..5 (default: 1)")
     parser.add_argument("--reward", metavar="NAME",

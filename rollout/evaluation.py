@@ -70,13 +70,13 @@ def eval_prompt_format(evaluation: EvaluationSpec, dataset: DatasetSpec) -> tupl
 
 
 def eval_items(source: PromptSource, prompts: int) -> list[PromptItem]:
-    """The first `prompts` distinct questions of the source (all of a smaller finite one): the
-    same prompts at every version, so the figures compare."""
-    items: dict[str, PromptItem] = {}
+    """The first `prompts` distinct questions (chats) of the source (all of a smaller finite one):
+    the same prompts at every version, so the figures compare."""
+    items: dict[tuple[str, str], PromptItem] = {}
     position, limit = 0, len(source)
     while len(items) < prompts and position < min(limit, prompts * 100):
         item = source.item(position)
-        items.setdefault(item.question, item)
+        items.setdefault((item.question, repr(item.messages)), item)  # (chats ending alike differ)
         position += 1
     return list(items.values())
 
@@ -118,7 +118,7 @@ async def _labelled(result: GenerateResult) -> int | None:
     return result.weight_version
 
 
-async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[str], list[int]],
+async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[PromptItem], list[int]],
                    decode: Callable[[list[int]], str], scorer: Scorer, settings: EvalSettings,
                    version: int = 0, version_of: VersionOf = _labelled, engine_id: str = "",
                    on_answer: Callable[[], None] | None = None) -> EvalRecord:
@@ -143,7 +143,7 @@ async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callab
             produced_by = await version_of(result)
             on.append(produced_by is None or produced_by == version)
             lengths.append(len(result.output_ids))
-            reward = await scorer.score(decode(result.output_ids), item.answer)
+            reward = await scorer.score(decode(result.output_ids), item.answer, item.question, metadata=item.metadata)
             if on_answer is not None:
                 on_answer()
             return reward
@@ -151,7 +151,7 @@ async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callab
 
     # One flat set of tasks: when an answer fails, every other one is cancelled, not left generating.
     k = settings.samples_per_prompt
-    rendered = [(render(item.question), item) for item in items]
+    rendered = [(render(item), item) for item in items]
     answers = [asyncio.ensure_future(answer(ids, item)) for ids, item in rendered for _ in range(k)]
     try:
         flat = await asyncio.gather(*answers)

@@ -43,8 +43,8 @@ class WorkerEvaluation:
     settings: EvalSettings
     scorer: Scorer
     """Scores eval answers (evaluation.reward, else the job's reward); closed with the worker."""
-    render: Callable[[str], list[int]] | None = None
-    """question -> prompt ids for eval prompts (rollout.evaluation.eval_prompt_format); None = the
+    render: Callable[[PromptItem], list[int]] | None = None
+    """item -> prompt ids for eval prompts (rollout.evaluation.eval_prompt_format); None = the
     worker's own (the training format)."""
     block_ms: int = 2000
     """How long one claim waits for a new request (below the Redis client's socket timeout)."""
@@ -96,7 +96,7 @@ class Evaluator:
     """Serves evaluation requests one at a time, for as long as the worker runs."""
 
     def __init__(self, evaluation: WorkerEvaluation, cfg: WorkerConfig, *, redis: Any, names: StreamNames,
-                 view: EngineView, render: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 view: EngineView, render: Callable[[PromptItem], list[int]], decode: Callable[[list[int]], str],
                  stats: WorkerStats) -> None:
         self.evaluation = evaluation
         self.cfg = cfg

@@ -85,8 +85,8 @@ class Lane:
     name: str
     """The source's name in the figures; "" for a job's only dataset (its groups carry no source)."""
     source: PromptSource
-    render: Callable[[str], list[int]]
-    """question -> prompt token ids (the source's template and system prompt, the chat template)."""
+    render: Callable[[PromptItem], list[int]]
+    """prompt -> token ids (the source's template and system prompt, the chat template)."""
     scorer: Scorer
 
 
@@ -105,7 +105,7 @@ class Mixture:
         self.draw = MixtureDraw(self.weights, self.seed)
 
     @classmethod
-    def single(cls, source: PromptSource, render: Callable[[str], list[int]], scorer: Scorer) -> Mixture:
+    def single(cls, source: PromptSource, render: Callable[[PromptItem], list[int]], scorer: Scorer) -> Mixture:
         """The job's one dataset."""
         return cls([Lane("", source, render, scorer)], [1.0])
 

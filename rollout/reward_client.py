@@ -28,7 +28,7 @@ from asyncrl.rollout.reward_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
-from asyncrl.rollout.rewards import OnError, RewardFailed, give_up, tries
+from asyncrl.rollout.rewards import Metadata, OnError, RewardFailed, give_up, tries
 
 log = logging.getLogger("asyncrl.rollout.reward_client")
 
@@ -66,16 +66,17 @@ class HttpRewardScorer:
         self.name = self.name or self.url
         self._slots = asyncio.Semaphore(self.max_concurrent)
 
-    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
-        (result,) = await self.score_all([completion], answer, prompt)
+    async def score(self, completion: str, answer: str, prompt: str = "", *, metadata: Metadata | None = None) -> float:
+        (result,) = await self.score_all([completion], answer, prompt, metadata=metadata)
         if isinstance(result, RewardFailed):
             raise result
         return result
 
-    async def score_all(self, completions: Sequence[str], answer: str,
-                        prompt: str = "") -> list[float | RewardFailed]:
+    async def score_all(self, completions: Sequence[str], answer: str, prompt: str = "", *,
+                        metadata: Metadata | None = None) -> list[float | RewardFailed]:
         self.scored += len(completions)
-        request = ScoreRequest(items=[ScoreItem(completion=c, answer=answer, prompt=prompt) for c in completions])
+        request = ScoreRequest(items=[ScoreItem(completion=c, answer=answer, prompt=prompt, metadata=metadata)
+                                      for c in completions])
         try:
             answers = await self._post(request)
         except _Refused as exc:
@@ -107,7 +108,7 @@ class HttpRewardScorer:
         raise AssertionError("unreachable")  # (the last attempt returns or raises)
 
     async def _post_once(self, request: ScoreRequest) -> ScoreResponse:
-        body = request.model_dump(mode="json")
+        body = request.model_dump(mode="json", exclude_none=True)  # (no `metadata` key when there is none)
         try:
             async with httpx.AsyncClient(timeout=self.timeout_s, headers=auth_header(self.api_key)) as client:
                 resp = await client.post(self.url + SCORE_PATH, json=body)

@@ -1,7 +1,11 @@
 """The reward service's JSON protocol: one POST scores a group's completions.
 
-    POST <url>/score   {"items": [{"completion": "...", "answer": "42", "prompt": "What is 40 + 2?"}, ...]}
+    POST <url>/score   {"items": [{"completion": "...", "answer": "42", "prompt": "What is 40 + 2?",
+                                   "metadata": {"level": 1}}, ...]}
     200                {"scores": [{"score": 1.0}, {"error": "verifier crashed: ..."}, ...]}
+
+`metadata` (optional, absent when the dataset has no metadataFields) holds the prompt's
+dataset.metadataFields columns, column name -> the record's value (any JSON value).
 
 One answer per item, in order: `score` (a finite number) or `error` (this item could not be scored:
 an infrastructure failure, never a wrong answer). `GET <url>/health` answers 200 when the service
@@ -14,6 +18,7 @@ request. `asyncrl reward-server` serves any reward function with it (rollout/rew
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -28,12 +33,13 @@ DEFAULT_PORT = 8100
 
 
 class ScoreItem(BaseModel):
-    """One completion to score, with its dataset record's reference answer and prompt."""
+    """One completion to score, with its dataset record's reference answer, prompt and metadata."""
 
     model_config = ConfigDict(extra="forbid")
     completion: str
     answer: str
     prompt: str = ""
+    metadata: dict[str, Any] | None = None
 
 
 class ScoreRequest(BaseModel):

@@ -4,11 +4,12 @@
     asyncrl reward-server gsm8k --host 0.0.0.0 --workers 16
 
 The same `fn(completion, answer) -> float` a job can run in-process (spec.reward.function) then
-scales on its own pods or machine, and jobs score with it through `spec.reward.service.url`. Each
-item runs in a worker thread with `--timeout` seconds; one that raises, times out or returns a
-non-finite number is answered with `error` (the job drops its group: never a made-up 0). With an
-API key (--api-key, else $ASYNCRL_REWARD_API_KEY) /score wants `Authorization: Bearer <key>`;
-/health stays open for probes.
+scales on its own pods or machine, and jobs score with it through `spec.reward.service.url` (a
+function with a `metadata` parameter gets each item's `metadata`, as in-process). Each item runs
+in a worker thread with `--timeout` seconds; one that raises, times out or returns a non-finite
+number is answered with `error` (the job drops its group: never a made-up 0). With an API key
+(--api-key, else $ASYNCRL_REWARD_API_KEY) /score wants `Authorization: Bearer <key>`; /health
+stays open for probes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def create_app(scorer: RewardScorer, *, api_key: str | None = None) -> Any:
 
     @app.post(SCORE_PATH)
     async def score(request: ScoreRequest) -> ScoreResponse:
-        results = await settled([scorer.score(i.completion, i.answer) for i in request.items])
+        results = await settled([scorer.score(i.completion, i.answer, i.prompt, metadata=i.metadata)
+                                 for i in request.items])
         return ScoreResponse(scores=[ItemScore(error=str(r)) if isinstance(r, RewardFailed) else ItemScore(score=r)
                                      for r in results])
 

@@ -1,7 +1,9 @@
 """Reward functions: `gsm8k` (math-verify), `exact-number`, and `module:function` plug-ins.
 
 A reward function is `fn(completion: str, answer: str) -> float`, where `answer` is the dataset's
-reference (a bare number, or a GSM8K solution ending in `#### n`). `RewardScorer` runs it off the
+reference (a bare number, or a GSM8K solution ending in `#### n`); a plug-in that also has a `metadata`
+parameter is given the prompt's dataset.metadataFields columns (a dict, or None when the dataset has
+none), so a verifier can use e.g. a record's test cases. `RewardScorer` runs it off the
 event loop with a per-call timeout; a call that raises, times out or returns a non-number is
 counted, logged and tried again up to `retries` times. A sample whose reward still failed raises
 `RewardFailed` (`on_error="drop"`: its group is dropped, never trained with a made-up reward) or
@@ -16,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib
+import inspect
 import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from functools import partial
+from typing import Any, Literal, Protocol
 
 from asyncrl.errors import RolloutError
 
 log = logging.getLogger("asyncrl.rollout.rewards")
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]
+"""fn(completion, answer) -> float, optionally with a `metadata` keyword parameter."""
+Metadata = dict[str, Any]
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
@@ -112,6 +118,16 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
+def takes_metadata(fn: RewardFn) -> bool:
+    """Whether a reward function has a `metadata` parameter (or **kwargs), so it is given the
+    prompt's metadata; one without keeps the plain (completion, answer) call."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    return "metadata" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 class RewardFailed(Exception):
     """A sample's reward could not be computed (every call raised, timed out or returned a
     non-finite number): an infrastructure failure, not a wrong answer."""
@@ -149,12 +165,13 @@ class Scorer(Protocol):
     name: str
     errors: int
 
-    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
-        """One completion's reward (raises RewardFailed, or 0.0 under on_error "zero")."""
+    async def score(self, completion: str, answer: str, prompt: str = "", *, metadata: Metadata | None = None) -> float:
+        """One completion's reward (raises RewardFailed, or 0.0 under on_error "zero"); `metadata`:
+        the prompt's dataset.metadataFields columns."""
         ...
 
-    async def score_all(self, completions: Sequence[str], answer: str,
-                        prompt: str = "") -> list[float | RewardFailed]:
+    async def score_all(self, completions: Sequence[str], answer: str, prompt: str = "", *,
+                        metadata: Metadata | None = None) -> list[float | RewardFailed]:
         """A group's rewards, in order; a completion whose reward failed gets its RewardFailed."""
         ...
 
@@ -183,25 +200,28 @@ class RewardScorer:
     """Samples whose reward failed on every try (raised RewardFailed, or scored 0 under "zero")."""
     scored: int = 0
     _pool: concurrent.futures.ThreadPoolExecutor = field(init=False, repr=False)
+    _takes_metadata: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="reward")
+        self._takes_metadata = takes_metadata(self.fn)
 
     @classmethod
     def from_name(cls, name: str, timeout_s: float = 5.0, *, retries: int = 0,
                   on_error: OnError = "zero") -> RewardScorer:
         return cls(resolve_reward(name), timeout_s, name=name, retries=retries, on_error=on_error)
 
-    async def score_all(self, completions: Sequence[str], answer: str,
-                        prompt: str = "") -> list[float | RewardFailed]:
-        return await settled([self.score(c, answer) for c in completions])
+    async def score_all(self, completions: Sequence[str], answer: str, prompt: str = "", *,
+                        metadata: Metadata | None = None) -> list[float | RewardFailed]:
+        return await settled([self.score(c, answer, metadata=metadata) for c in completions])
 
-    async def score(self, completion: str, answer: str, prompt: str = "") -> float:
+    async def score(self, completion: str, answer: str, prompt: str = "", *, metadata: Metadata | None = None) -> float:
         self.scored += 1
         problem = ""
+        call = partial(self.fn, completion, answer, **({"metadata": metadata} if self._takes_metadata else {}))
         for _ in range(self.retries + 1):
             try:
-                return await self._call(completion, answer)
+                return await self._call(call)
             except asyncio.TimeoutError:
                 # The thread cannot be killed; it finishes in the background and its result is ignored.
                 self.timeouts += 1
@@ -215,8 +235,8 @@ class RewardScorer:
     async def ready(self) -> bool:
         return True
 
-    async def _call(self, completion: str, answer: str) -> float:
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.fn, completion, answer)
+    async def _call(self, call: Callable[[], float]) -> float:
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, call)
         value = float(await asyncio.wait_for(fut, timeout=self.timeout_s))
         if not math.isfinite(value):
             raise ValueError(f"reward is not finite: {value}")

@@ -255,7 +255,7 @@ class RolloutWorker:
         try:
             lane, item = self.prompts.pick(position)
             try:
-                group = await self.episode.group(item, lane.render(item.question), lane.scorer, lane.name)
+                group = await self.episode.group(item, lane.render(item), lane.scorer, lane.name)
             except Dropped as exc:
                 if exc.retry:
                     requeued = True

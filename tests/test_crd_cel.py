@@ -268,6 +268,10 @@ BREAKERS = {
          "trainer": {"gpusPerReplica": 1}},
     "objective 'tb' needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)":
         {"algorithm": {"objective": "tb", "clipEpsHigh": None}},
+    "dataset.messagesField replaces promptField: set one of them":
+        {"dataset": {"source": "/data/chats.parquet", "promptField": "text", "messagesField": "chat"}},
+    "builtin datasets have no columns to map (promptField, answerField, messagesField, metadataFields)":
+        {"dataset": {"source": "builtin:arithmetic", "metadataFields": ["level"]}},
 }
 
 

@@ -51,7 +51,8 @@ def make_worker(redis, names, fake, *, eta: int, max_groups=None, outage_s=180.0
                        max_groups=max_groups)
     admission = Admission(redis, names, batch_size=100, max_head_offpolicyness=eta, max_concurrent=8,
                           lease_seconds=30)
-    prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), lambda q: [ord(c) % 200 + 3 for c in q],
+    prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1),
+                             lambda item: [ord(c) % 200 + 3 for c in item.question],
                              RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=SGLangEngine(fake.url), redis=redis, prompts=prompts,
                          decode=lambda ids: " ".join(map(str, ids)), admission=admission, names=names)

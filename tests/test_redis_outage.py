@@ -21,7 +21,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from asyncrl.local_redis import LocalRedis
-from asyncrl.rollout.datasets import ArithmeticSource
+from asyncrl.rollout.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.mixture import Mixture
@@ -113,8 +113,8 @@ async def test_publish_read_and_ack_started_during_an_outage_complete_after_it(
     await client.aclose()
 
 
-def render(question: str) -> list[int]:
-    return [ord(c) % 200 + 3 for c in question][:12]
+def render(item: PromptItem) -> list[int]:
+    return [ord(c) % 200 + 3 for c in item.question][:12]
 
 
 def decode(ids: list[int]) -> str:

@@ -79,6 +79,10 @@ def chars(question: str) -> list[int]:
     return [ord(c) for c in question]
 
 
+def chars_of(item: PromptItem) -> list[int]:
+    return chars(item.question)
+
+
 def text(ids: list[int]) -> str:
     return "".join(map(chr, ids))
 
@@ -127,7 +131,7 @@ async def test_an_aborted_answer_is_generated_again_from_the_start():
     engine = ScriptedEngine(answers, abort_once={cut})
     scorer = RewardScorer(exact_number_reward, 5.0)
     answered = []
-    rec = await evaluate(engine, items, render=chars, decode=text, scorer=scorer, settings=settings(),
+    rec = await evaluate(engine, items, render=chars_of, decode=text, scorer=scorer, settings=settings(),
                          version=0, engine_id="local", on_answer=lambda: answered.append(1))
     scorer.close()
     assert engine.calls.count(list(cut)) == 2  # the same prompt again, not prompt + partial output
@@ -146,7 +150,7 @@ async def test_a_pass_that_keeps_being_aborted_fails_and_leaves_no_answer_runnin
     scorer = RewardScorer(exact_number_reward, 5.0)
     engine = ScriptedEngine(answers, abort_always=True)
     with pytest.raises(EvaluationError, match=f"aborted {MAX_ABORTS + 1} times"):
-        await evaluate(engine, items[:1], render=chars, decode=text, scorer=scorer, settings=settings())
+        await evaluate(engine, items[:1], render=chars_of, decode=text, scorer=scorer, settings=settings())
 
     class OneFails(ScriptedEngine):
         """One prompt is refused at once; the others wait on the engine until cancelled."""
@@ -171,7 +175,7 @@ async def test_a_pass_that_keeps_being_aborted_fails_and_leaves_no_answer_runnin
 
     failing = OneFails()
     with pytest.raises(EngineError, match="refused"):
-        await evaluate(failing, items, render=chars, decode=text, scorer=scorer, settings=settings(concurrency=3))
+        await evaluate(failing, items, render=chars_of, decode=text, scorer=scorer, settings=settings(concurrency=3))
     assert failing.cancelled == 2  # the other answers were stopped, not left generating
     scorer.close()
 
@@ -252,7 +256,7 @@ async def test_the_worker_serves_an_evaluation_beside_training(rollout_env, capl
     [(_, rec)] = await channel.results()
     assert (rec.policy_version, rec.prompts, rec.samples, rec.k, rec.engine_id) == (0, 3, 3, 1, "pod-0")
     assert rec.on_version == 1.0 and rec.response_length == EVAL_TOKENS  # the fake's initial weights: version 0
-    expected = [exact_number_reward(decode([fake_token(render(i.question), t) for t in range(EVAL_TOKENS)]), i.answer)
+    expected = [exact_number_reward(decode([fake_token(render(i), t) for t in range(EVAL_TOKENS)]), i.answer)
                 for i in items]
     assert rec.reward_mean == pytest.approx(sum(expected) / 3)
     assert await channel.outstanding() == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.rollout.datasets import ArithmeticSource
+from asyncrl.rollout.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
@@ -35,8 +35,8 @@ SLOW_TOKEN_S = 0.5
 UPDATE_CYCLE = ["pause:abort", "update:{v}", "continue"]
 
 
-def render(question: str) -> list[int]:
-    return [ord(c) % 200 + 3 for c in question][:12]
+def render(item: PromptItem) -> list[int]:
+    return [ord(c) % 200 + 3 for c in item.question][:12]
 
 
 @pytest.fixture

@@ -30,6 +30,14 @@ def down_for_even_answers(completion: str, answer: str) -> float:
     return digit_sum_reward(completion, answer)
 
 
+def bonus_reward(completion: str, answer: str, metadata: dict | None = None) -> float:
+    """The prompt's `bonus` column (dataset.metadataFields) whatever the completion: shows which
+    row's metadata reached the reward."""
+    if metadata is None:
+        raise ValueError("no metadata")
+    return float(metadata["bonus"])
+
+
 @contextlib.contextmanager
 def reward_server(function: str, *, api_key: str | None = None, log: Path, timeout: float = 5.0) -> Iterator[str]:
     """`asyncrl reward-server FUNCTION` on a free port until the block ends; yields its base URL."""

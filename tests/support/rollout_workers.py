@@ -3,7 +3,7 @@ the way the rollout tests need it, and the worker-side engine adapter that recor
 
 from __future__ import annotations
 
-from asyncrl.rollout.datasets import ArithmeticSource
+from asyncrl.rollout.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.mixture import Mixture
@@ -16,8 +16,8 @@ from asyncrl.transport.wire import decode_group
 JOB = "wtest"
 
 
-def render(question: str) -> list[int]:
-    return [ord(c) % 200 + 3 for c in question][:12]
+def render(item: PromptItem) -> list[int]:
+    return [ord(c) % 200 + 3 for c in item.question][:12]
 
 
 def decode(ids: list[int]) -> str:
@@ -25,7 +25,8 @@ def decode(ids: list[int]) -> str:
 
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
-                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None, prompts=None):
+                index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None, source=None,
+                prompts=None):
     engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
@@ -33,7 +34,7 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
                        max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
     admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
                           max_concurrent=max_concurrent, lease_seconds=30)
-    prompts = prompts or Mixture.single(ArithmeticSource(seed=0, difficulty=1), render,
+    prompts = prompts or Mixture.single(source or ArithmeticSource(seed=0, difficulty=1), render,
                                         scorer or RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
                          names=names)
