@@ -11,7 +11,7 @@ test suite evaluates both on the same objects so the two cannot drift apart.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -272,24 +272,34 @@ class RewardSpec(SpecModel):
         raise ValueError(f"{v!r} is not a reward; allowed: gsm8k, exact-number, or module:function")
 
 
-class DatasetSourceSpec(DatasetSpec):
-    """One source of a mixture (spec.datasets): a dataset with a name, a weight, and optionally a
-    reward of its own."""
+class NamedSource(SpecModel):
+    """What a named source of prompts adds to its dataset: a name for its figures and, optionally,
+    a reward of its own."""
 
     name: str = Field(min_length=1, max_length=63, pattern=SOURCE_NAME_PATTERN)
     """The source's name in the figures (`reward_by_source`, the `source` label): lowercase
-    letters, digits, '-', '_' and '.', unique in the job."""
-    weight: float = Field(gt=0, le=1e6, allow_inf_nan=False)
-    """Share of the prompts drawn from this source, relative to the other sources' weights."""
+    letters, digits, '-', '_' and '.', unique in its list."""
     reward: RewardSpec | None = None
-    """How this source's answers are scored; unset = the job's reward. A service given here takes a
-    `url` (the operator runs only the job's `reward.service.deployment`)."""
+    """How this source's answers are scored (a service here takes a `url`: the operator runs only
+    the job's `reward.service.deployment`); unset = the default its list names."""
+    URL_ONLY: ClassVar[str] = ""
+    """The error of a reward service given as a deployment (the rule's message in CEL_RULES)."""
 
     @model_validator(mode="after")
-    def _reward_url_only(self) -> DatasetSourceSpec:
+    def _reward_url_only(self) -> NamedSource:
         if self.reward is not None and self.reward.service is not None and self.reward.service.deployment:
-            raise ValueError(_SOURCE_REWARD_URL_ONLY)
+            raise ValueError(self.URL_ONLY)
         return self
+
+
+class DatasetSourceSpec(DatasetSpec, NamedSource):
+    """One source of a mixture (spec.datasets): a dataset with a name, a weight, and optionally a
+    reward of its own (unset: the job's)."""
+
+    weight: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    """Share of the prompts drawn from this source, relative to the other sources' weights."""
+    URL_ONLY: ClassVar[str] = "a source's reward.service takes a url only (the operator runs the job's " \
+                              "reward.service.deployment, which sources use when they have no reward of their own)"
 
 
 class OptimizerSpec(SpecModel):
@@ -854,14 +864,28 @@ class EvalDatasetSpec(DatasetSpec):
     """Split name for HF datasets; for builtin:arithmetic, test (default) or train."""
 
 
+class EvalSourceSpec(EvalDatasetSpec, NamedSource):
+    """One source of held-out prompts (spec.evaluation.datasets): evaluated on its own, reported per
+    source; its reward, when unset, is the one of the training source of the same name (spec.datasets),
+    else evaluation.reward, else the job's."""
+
+    URL_ONLY: ClassVar[str] = "an evaluation source's reward.service takes a url only (the operator runs " \
+                              "the job's reward.service.deployment)"
+
+
 class EvaluationSpec(SpecModel):
     """Held-out evaluation while training: the rollout engines answer held-out prompts on named
     policy versions between training groups. Eval samples are never trained and never counted by
     admission; results go to /status, /metrics, metrics.jsonl, the dashboard and the job status."""
 
-    dataset: EvalDatasetSpec = Field(default_factory=EvalDatasetSpec)
+    dataset: EvalDatasetSpec | None = None
     """Held-out prompts: builtin:arithmetic split test (disjoint from split train), a file (e.g.
-    GSM8K test.jsonl, or .parquet), a save_to_disk directory, or hf:<dataset id> with its split."""
+    GSM8K test.jsonl, or .parquet), a save_to_disk directory, or hf:<dataset id> with its split;
+    unset = builtin:arithmetic split test when `datasets` is unset too."""
+    datasets: list[EvalSourceSpec] | None = Field(default=None, min_length=1, max_length=64)
+    """Several sources of held-out prompts instead of `dataset` (e.g. one per source of a mixture):
+    `prompts` from each, every one evaluated at each version, the record's figures over all of them
+    plus `pass_at_1_by_source` and `reward_by_source`."""
     reward: RewardSpec | None = None
     """How an eval answer is scored; unset = the job's reward."""
     every_steps: int = Field(default=10, ge=1)
@@ -879,6 +903,17 @@ class EvaluationSpec(SpecModel):
     final_timeout_seconds: int = Field(default=600, ge=0)
     """How long the trainer waits at the end for the final version's evaluation before the job
     ends (0 = do not wait: the final version may stay unevaluated)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_dataset(cls, data: Any) -> Any:
+        return _with_default_dataset(data)
+
+    @model_validator(mode="after")
+    def _one_dataset_field(self) -> EvaluationSpec:
+        # (the same rules as CEL_RULES' entries on spec.evaluation and spec.evaluation.datasets)
+        _check_sources(self.dataset, self.datasets, _EVAL_DATASET_ONE_OF[1], _UNIQUE_EVAL_SOURCE_NAMES[1])
+        return self
 
     @model_validator(mode="after")
     def _sampled(self) -> EvaluationSpec:
@@ -978,23 +1013,12 @@ class AsyncRLJobSpec(SpecModel):
     @model_validator(mode="before")
     @classmethod
     def _default_dataset(cls, data: Any) -> Any:
-        # (not a field default: the CRD would then default `dataset` in every job, mixtures too)
-        if isinstance(data, dict) and data.get("dataset") is None and data.get("datasets") is None:
-            return {**data, "dataset": {}}
-        return data
+        return _with_default_dataset(data)
 
     @model_validator(mode="after")
     def _one_dataset_field(self) -> AsyncRLJobSpec:
         # (the same rules as CEL_RULES' entries on spec and spec.datasets)
-        if self.datasets is None:
-            return self
-        if self.dataset is not None:
-            raise ValueError(_DATASET_ONE_OF[1])
-        names = [d.name for d in self.datasets]
-        repeated = sorted({n for n in names if names.count(n) > 1})
-        if repeated:
-            raise ValueError(f"datasets: name {', '.join(map(repr, repeated))} is used more than once; "
-                             f"{_UNIQUE_SOURCE_NAMES[1]}")
+        _check_sources(self.dataset, self.datasets, _DATASET_ONE_OF[1], _UNIQUE_SOURCE_NAMES[1])
         return self
 
     @model_validator(mode="after")
@@ -1218,24 +1242,48 @@ _REWARD_SERVICE_ONE_OF = ("has(self.url) != has(self.deployment)",
                           "reward.service needs exactly one of url (an existing service) and deployment "
                           "(one the operator runs with the job)")
 
-_SOURCE_REWARD_URL_ONLY = ("a source's reward.service takes a url only (the operator runs the job's "
-                           "reward.service.deployment, which sources use when they have no reward of their own)")
 _DATASET_ONE_OF = ("!has(self.dataset) || !has(self.datasets)",
                    "set dataset (one source) or datasets (a mixture), not both")
 _UNIQUE_SOURCE_NAMES = ("self.all(x, self.exists_one(y, y.name == x.name))",
                         "each source of datasets needs a name of its own")
+_EVAL_DATASET_ONE_OF = ("!has(self.dataset) || !has(self.datasets)",
+                        "set evaluation.dataset (one source) or evaluation.datasets, not both")
+_UNIQUE_EVAL_SOURCE_NAMES = (_UNIQUE_SOURCE_NAMES[0], "each source of evaluation.datasets needs a name of its own")
+_REWARD_URL_ONLY_CEL = "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)"
+
+
+def _with_default_dataset(data: Any) -> Any:
+    """`data` with an empty `dataset` when it has neither `dataset` nor `datasets`: the default
+    dataset is filled in here, not as a field default, which the CRD would apply to mixtures too."""
+    if isinstance(data, dict) and data.get("dataset") is None and data.get("datasets") is None:
+        return {**data, "dataset": {}}
+    return data
+
+
+def _check_sources(dataset: object, sources: list[DatasetSourceSpec] | list[EvalSourceSpec] | None,
+                   one_of: str, unique: str) -> None:
+    """One of `dataset` and `sources`; the sources' names unique."""
+    if sources is None:
+        return
+    if dataset is not None:
+        raise ValueError(one_of)
+    names = [d.name for d in sources]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"name {', '.join(map(repr, repeated))} is used more than once; {unique}")
 
 CEL_RULES: list[tuple[str, str, str]] = [
     ("spec", *_DATASET_ONE_OF),
     ("spec.datasets", *_UNIQUE_SOURCE_NAMES),
-    ("spec.datasets[]", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",
-     _SOURCE_REWARD_URL_ONLY),
+    ("spec.datasets[]", _REWARD_URL_ONLY_CEL, DatasetSourceSpec.URL_ONLY),
+    ("spec.evaluation", *_EVAL_DATASET_ONE_OF),
+    ("spec.evaluation.datasets", *_UNIQUE_EVAL_SOURCE_NAMES),
+    ("spec.evaluation.datasets[]", _REWARD_URL_ONLY_CEL, EvalSourceSpec.URL_ONLY),
     ("spec.reward.service", *_REWARD_SERVICE_ONE_OF),
     ("spec.evaluation.reward.service", *_REWARD_SERVICE_ONE_OF),
-    *[(path, rule, message) for path in ("spec.dataset", "spec.datasets[]", "spec.evaluation.dataset")
-      for rule, message in _DATASET_CEL],
-    ("spec.evaluation", "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)",
-     _EVAL_REWARD_URL_ONLY),
+    *[(path, rule, message) for path in ("spec.dataset", "spec.datasets[]", "spec.evaluation.dataset",
+                                         "spec.evaluation.datasets[]") for rule, message in _DATASET_CEL],
+    ("spec.evaluation", _REWARD_URL_ONLY_CEL, _EVAL_REWARD_URL_ONLY),
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
      "proximal 'loglinear' requires loss 'decoupled'"),
     ("spec.algorithm", "self.batchSize % self.minibatches == 0",

@@ -275,6 +275,10 @@ class EvalRecord(_Report):
     """The rollout engine that answered."""
     time: float = 0.0
     """Unix time the evaluation finished."""
+    pass_at_1_by_source: dict[str, float] = Field(default_factory=dict)
+    """Source of held-out prompts (spec.evaluation.datasets) -> its pass@1; empty with one dataset."""
+    reward_by_source: dict[str, float] = Field(default_factory=dict)
+    """Source of held-out prompts -> the mean reward of its answers; empty with one dataset."""
 
 
 class AdmissionReport(_Report):

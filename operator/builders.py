@@ -333,8 +333,9 @@ def config_hash(job: AsyncRLJob) -> str:
     an upgrade that changes a default restarts nothing either (running pods keep the old value
     until they restart), so a changed default is called out in the release notes."""
     spec = job.spec.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True, mode="json")
-    if spec.get("dataset") == {}:  # (the default dataset is filled in by validation, not a field default)
-        del spec["dataset"]
+    for node in (spec, spec.get("evaluation", {})):  # (a default dataset is filled in by validation,
+        if node.get("dataset") == {}:                # not a field default: left out as one would be)
+            del node["dataset"]
     for path in _LIVE_FIELDS:
         node = spec
         for key in path[:-1]:

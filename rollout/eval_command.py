@@ -21,11 +21,12 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from asyncrl.rollout.evaluation import EvalPart
     from asyncrl.spec import EvaluationSpec
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -119,6 +120,16 @@ def _flag_error(exc: Any) -> FlagError:
     return FlagError("; ".join(lines))
 
 
+def _with_training_rewards(evaluation: EvaluationSpec, training: list[Any]) -> Any:
+    """evaluation.datasets with each source that has no reward given its training namesake's (as the
+    rollout worker scores them); None when the evaluation has one dataset."""
+    if evaluation.datasets is None:
+        return None
+    rewards = {d.name: d.reward for d in training}
+    return [d if d.reward is not None else d.model_copy(update={"reward": rewards.get(d.name)})
+            for d in evaluation.datasets]
+
+
 def _version_of(model: str) -> int:
     path = Path(model)
     m = re.fullmatch(r"v(\d+)", path.name)
@@ -129,7 +140,6 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
     """Resolve the settings (job, then flags) and validate them as an EvaluationSpec."""
     from pydantic import ValidationError
 
-    from asyncrl.rollout.evaluation import eval_prompt_format
     from asyncrl.spec import DatasetSpec, EvalDatasetSpec, EvaluationSpec, RewardSpec
 
     if args.threads < 0:
@@ -151,8 +161,9 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
             note = (f"note: {args.config} has no spec.evaluation: evaluating on its training file "
                     f"{train.source} (give --dataset for held-out prompts)")
         base = base.model_copy(update={"reward": base.reward or spec.reward,
-                                       "max_new_tokens": base.max_new_tokens or spec.algorithm.max_new_tokens})
-        template, system = eval_prompt_format(base, train)
+                                       "max_new_tokens": base.max_new_tokens or spec.algorithm.max_new_tokens,
+                                       "datasets": _with_training_rewards(base, spec.datasets or [])})
+        template, system = train.prompt_template, train.system_prompt  # (of eval prompts without their own)
         tokenizers = tokenizers or ([spec.model.tokenizer] if spec.model.tokenizer else [args.model, spec.model.path])
         job_dtype = spec.model.dtype
     else:
@@ -160,10 +171,11 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
         tokenizers = tokenizers or [args.model]
     data = base.model_dump(exclude_none=True)
     reward = data.pop("reward")
-    for key, value in (("source", args.dataset), ("format", args.format), ("split", args.split),
-                       ("difficulty", args.difficulty)):
-        if value is not None:
-            data["dataset"][key] = value
+    flags = {key: value for key, value in (("source", args.dataset), ("format", args.format), ("split", args.split),
+                                            ("difficulty", args.difficulty)) if value is not None}
+    if flags and "datasets" in data:  # (the flags name the one dataset to evaluate)
+        del data["datasets"]
+    data["dataset"] = {**data.get("dataset", {}), **flags} if flags or "dataset" in data else None
     if args.reward is not None:
         reward["function"] = args.reward
     for key in ("prompts", "samples_per_prompt", "temperature", "max_new_tokens"):
@@ -235,27 +247,27 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from asyncrl.errors import RolloutError
-    from asyncrl.rollout.evaluation import EvalSettings, EvaluationError, evaluate, load_eval_items
+    from asyncrl.rollout.evaluation import (
+        EvalSettings,
+        EvaluationError,
+        eval_prompt_format,
+        eval_sources,
+        evaluate_parts,
+    )
     from asyncrl.rollout.hf_engine import HFEngine
     from asyncrl.rollout.prompts import PromptRenderer
-    from asyncrl.rollout.scorers import scorer_for
-    from asyncrl.spec import AlgorithmSpec, RewardSpec
+    from asyncrl.spec import AlgorithmSpec, DatasetSpec
 
-    spec, reward = plan.spec, plan.spec.reward or RewardSpec()
-    try:
-        items = load_eval_items(spec)
-    except (RolloutError, OSError, ValueError) as exc:  # a missing, unreadable or malformed file
-        raise EvalCommandError(f"--dataset {spec.dataset.source}: {exc}") from None
-    try:
-        scorer = scorer_for(reward, on_error="zero")
-    except RolloutError as exc:
-        raise FlagError(f"--reward: {exc}") from None
+    spec = plan.spec
+    parts = _load_parts(plan)
     device = _device(device)
     model_dir = check_model_dir(plan.model)
     tokenizer = _load_tokenizer(plan)
+    training = DatasetSpec(prompt_template=plan.prompt_template, system_prompt=plan.system_prompt)
     try:
-        renderer = PromptRenderer(tokenizer, plan.prompt_template, plan.system_prompt)
+        renderer = PromptRenderer(tokenizer)
+        parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training)).render)
+                 for part, (_, dataset) in zip(parts, eval_sources(spec), strict=True)]
     except ValueError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
     if threads:
@@ -265,8 +277,9 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     hf_logging.disable_progress_bar()  # ours is the only bar on stderr
     dtype = dtype or ("float32" if device == "cpu" else plan.job_dtype or "bfloat16")
     err = Console(stderr=True)
-    err.print(f"asyncrl eval: {plan.model} ({dtype} on {device}), {len(items)} prompts x {spec.samples_per_prompt} "
-              f"from {spec.dataset.source} ({spec.dataset.split})", highlight=False, soft_wrap=True)
+    prompts, data = sum(len(part.items) for part in parts), _datasets_named(spec)
+    err.print(f"asyncrl eval: {plan.model} ({dtype} on {device}), {prompts} prompts x {spec.samples_per_prompt} "
+              f"from {data}", highlight=False, soft_wrap=True)
     try:
         engine = HFEngine(model_dir, dtype=dtype, device=device, max_batch_size=ENGINE_BATCH, seed=seed)
     except Exception as exc:  # transformers: OSError, ValueError (unknown architecture), safetensors errors
@@ -276,17 +289,51 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     columns = (TextColumn("answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=err) as progress:
-            task = progress.add_task("answers", total=len(items) * spec.samples_per_prompt)
-            record = asyncio.run(evaluate(
-                engine, items, render=renderer.render, decode=renderer.decode, scorer=scorer, settings=settings,
+            task = progress.add_task("answers", total=prompts * spec.samples_per_prompt)
+            record = asyncio.run(evaluate_parts(
+                engine, parts, render=renderer.render, decode=renderer.decode, settings=settings,
                 version=plan.version, engine_id=f"asyncrl-eval/{device}",
                 on_answer=lambda: progress.advance(task)))
     except EvaluationError as exc:
         raise EvalCommandError(str(exc)) from None
     finally:
         engine.close()
-        scorer.close()
-    return {**record.model_dump(), "model": plan.model, "dataset": spec.dataset.source, "split": spec.dataset.split}
+        for scorer in {id(part.scorer): part.scorer for part in parts}.values():
+            scorer.close()
+    first = eval_sources(spec)[0][1]
+    return {**record.model_dump(), "model": plan.model, "dataset": first.source if len(parts) == 1 else data,
+            "split": first.split}
+
+
+def _datasets_named(spec: EvaluationSpec) -> str:
+    """`source (split)` of each source of held-out prompts, for the user."""
+    from asyncrl.rollout.evaluation import eval_sources
+
+    return ", ".join(f"{name + ': ' if name else ''}{d.source} ({d.split})" for name, d in eval_sources(spec))
+
+
+def _load_parts(plan: EvalPlan) -> list[EvalPart]:
+    """Each source's held-out prompts and scorer (its own reward, else the plan's), loaded first: a
+    missing file or a bad reward fails before the model is loaded."""
+    from asyncrl.errors import RolloutError
+    from asyncrl.rollout.evaluation import EvalPart, eval_sources, load_eval_items
+    from asyncrl.rollout.scorers import scorer_for
+    from asyncrl.spec import NamedSource, RewardSpec
+
+    spec, parts = plan.spec, []
+    for name, dataset in eval_sources(spec):
+        flag = f"--config evaluation.datasets ({name})" if name else "--dataset"
+        try:
+            items = load_eval_items(dataset, spec.prompts)
+        except (RolloutError, OSError, ValueError) as exc:  # a missing, unreadable or malformed file
+            raise EvalCommandError(f"{flag} {dataset.source}: {exc}") from None
+        own = dataset.reward if isinstance(dataset, NamedSource) else None
+        try:
+            scorer = scorer_for(own or spec.reward or RewardSpec(), on_error="zero")
+        except RolloutError as exc:
+            raise FlagError(f"{flag + ' reward' if own else '--reward'}: {exc}") from None
+        parts.append(EvalPart(name, items, scorer))
+    return parts
 
 
 def print_result(result: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import Protocol
 from asyncrl.rollout.datasets import ListSource, PromptItem, PromptSource, load_source
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
 from asyncrl.rollout.rewards import Scorer
-from asyncrl.spec import AlgorithmSpec, DatasetSpec, EvaluationSpec
+from asyncrl.spec import AlgorithmSpec, DatasetSpec, EvalDatasetSpec, EvaluationSpec
 from asyncrl.status_report import EvalRecord
 
 CORRECT_REWARD = 1.0
@@ -62,11 +62,31 @@ class EvalSettings:
         return cls(spec.samples_per_prompt, sampling, spec.max_concurrent_requests)
 
 
-def eval_prompt_format(evaluation: EvaluationSpec, dataset: DatasetSpec) -> tuple[str | None, str | None]:
-    """(prompt template, system prompt) of eval prompts: the evaluation dataset's own, else the
-    training dataset's (the format the model is being trained to answer in)."""
-    return (evaluation.dataset.prompt_template or dataset.prompt_template,
-            evaluation.dataset.system_prompt or dataset.system_prompt)
+def eval_prompt_format(dataset: EvalDatasetSpec, training: DatasetSpec) -> tuple[str | None, str | None]:
+    """(prompt template, system prompt) of an eval source's prompts: its own, else its training
+    dataset's (the format the model is being trained to answer in)."""
+    return (dataset.prompt_template or training.prompt_template, dataset.system_prompt or training.system_prompt)
+
+
+def eval_sources(spec: EvaluationSpec) -> list[tuple[str, EvalDatasetSpec]]:
+    """(name, dataset) of each source of held-out prompts: ("", dataset) for evaluation.dataset."""
+    if spec.datasets is not None:
+        return [(d.name, d) for d in spec.datasets]
+    assert spec.dataset is not None  # (EvaluationSpec: one of dataset and datasets)
+    return [("", spec.dataset)]
+
+
+@dataclass(frozen=True)
+class EvalPart:
+    """One source of held-out prompts, rendered and scored its own way; a pass answers every part
+    and reports the figures over all of them, and each part's (`merge_records`)."""
+
+    name: str
+    """The source's name in `pass_at_1_by_source`; "" for the evaluation's one dataset."""
+    items: list[PromptItem]
+    scorer: Scorer
+    render: Callable[[PromptItem], list[int]] | None = None
+    """None: the caller's (the training format)."""
 
 
 def eval_items(source: PromptSource, prompts: int) -> list[PromptItem]:
@@ -81,11 +101,11 @@ def eval_items(source: PromptSource, prompts: int) -> list[PromptItem]:
     return list(items.values())
 
 
-def load_eval_items(spec: EvaluationSpec) -> list[PromptItem]:
-    source = load_source(spec.dataset)
+def load_eval_items(dataset: EvalDatasetSpec, prompts: int) -> list[PromptItem]:
+    source = load_source(dataset)
     if isinstance(source, ListSource):  # a seeded shuffle of a finite file: a fair sample of it
-        source = ListSource(source.items, seed=spec.dataset.seed)
-    return eval_items(source, spec.prompts)
+        source = ListSource(source.items, seed=dataset.seed)
+    return eval_items(source, prompts)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -112,6 +132,46 @@ def summarize(version: int, rewards: list[list[float]], *, lengths: list[int], o
         k=k, prompts=len(rewards), samples=len(flat), on_version=on_version,
         response_length=sum(lengths) / len(lengths) if lengths else 0.0, seconds=seconds,
         engine_id=engine_id, time=time.time())
+
+
+def merge_records(records: dict[str, EvalRecord]) -> EvalRecord:
+    """One pass's record from its parts' (`EvalPart`): the figures over every prompt and answer of
+    every part, and each named part's pass@1 and reward in `*_by_source`. One unnamed part: its own."""
+    if list(records) == [""]:
+        return records[""]
+    parts = list(records.values())
+    prompts, samples = sum(r.prompts for r in parts), sum(r.samples for r in parts)
+
+    def per_prompt(figure: Callable[[EvalRecord], float]) -> float:
+        return sum(figure(r) * r.prompts for r in parts) / prompts
+
+    def per_answer(figure: Callable[[EvalRecord], float]) -> float:
+        return sum(figure(r) * r.samples for r in parts) / samples
+
+    first = parts[0]
+    return first.model_copy(update={
+        "reward_mean": per_answer(lambda r: r.reward_mean), "pass_at_1": per_prompt(lambda r: r.pass_at_1),
+        "pass_at_k": None if first.pass_at_k is None else per_prompt(lambda r: r.pass_at_k or 0.0),
+        "prompts": prompts, "samples": samples, "on_version": per_answer(lambda r: r.on_version),
+        "response_length": per_answer(lambda r: r.response_length), "seconds": sum(r.seconds for r in parts),
+        "time": max(r.time for r in parts),
+        "reward_by_source": {name: r.reward_mean for name, r in records.items()},
+        "pass_at_1_by_source": {name: r.pass_at_1 for name, r in records.items()}})
+
+
+async def evaluate_parts(engine: Generator, parts: list[EvalPart], *, render: Callable[[PromptItem], list[int]],
+                         decode: Callable[[list[int]], str], settings: EvalSettings, version: int = 0,
+                         version_of: VersionOf | None = None, engine_id: str = "",
+                         on_answer: Callable[[], None] | None = None) -> EvalRecord:
+    """`evaluate` each part in turn (each within the settings' request bound) and merge the records;
+    `render` is the default of a part without its own."""
+    records = {}
+    for part in parts:
+        records[part.name] = await evaluate(engine, part.items, render=part.render or render, decode=decode,
+                                            scorer=part.scorer, settings=settings, version=version,
+                                            version_of=version_of or _labelled, engine_id=engine_id,
+                                            on_answer=on_answer)
+    return merge_records(records)
 
 
 async def _labelled(result: GenerateResult) -> int | None:

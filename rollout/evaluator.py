@@ -24,7 +24,7 @@ from asyncrl.health import backoff_delay
 from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import EngineView, RequestBudget
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
-from asyncrl.rollout.evaluation import EvalSettings, evaluate
+from asyncrl.rollout.evaluation import EvalPart, EvalSettings, evaluate_parts
 from asyncrl.rollout.rewards import Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.connection import reraise_if_cancelled
@@ -38,14 +38,10 @@ log = logging.getLogger("asyncrl.rollout.worker")
 class WorkerEvaluation:
     """Held-out evaluation served by a worker (from spec.evaluation; no record = the worker serves none)."""
 
-    items: list[PromptItem]
-    """The held-out prompts, the same at every version (rollout.evaluation.load_eval_items)."""
+    parts: list[EvalPart]
+    """The held-out prompts of each source, the same at every version (rollout.evaluation.load_eval_items),
+    with the scorer of each (closed with the worker) and its prompt format (None: the worker's own)."""
     settings: EvalSettings
-    scorer: Scorer
-    """Scores eval answers (evaluation.reward, else the job's reward); closed with the worker."""
-    render: Callable[[PromptItem], list[int]] | None = None
-    """item -> prompt ids for eval prompts (rollout.evaluation.eval_prompt_format); None = the
-    worker's own (the training format)."""
     block_ms: int = 2000
     """How long one claim waits for a new request (below the Redis client's socket timeout)."""
     takeover_ms: int = 60_000
@@ -57,8 +53,8 @@ class WorkerEvaluation:
     """Base and cap of the backoff after a failed evaluation, before the request is tried again."""
 
     def __post_init__(self) -> None:
-        if not self.items:
-            raise ValueError("evaluation needs held-out prompts; items is empty")
+        if not self.parts or not all(part.items for part in self.parts):
+            raise ValueError("evaluation needs held-out prompts; a part has no items")
         if not 0 < self.touch_s * 1000 < self.takeover_ms:
             raise ValueError(f"evaluation touch_s ({self.touch_s}) must be > 0 and below takeover_ms "
                              f"({self.takeover_ms}) / 1000, or a running evaluation is taken over")
@@ -102,7 +98,8 @@ class Evaluator:
         self.cfg = cfg
         self.channel = EvalChannel(redis, names)
         self.engine = _LabelledEngine(view)
-        self.render = evaluation.render or render
+        self.render = render
+        """The worker's prompt format: of parts without their own."""
         self.decode = decode
         self.stats = stats
         self.progress: EvalProgress | None = None
@@ -140,16 +137,17 @@ class Evaluator:
         """Evaluate `request.version` and complete the request; False: the pass failed, the request
         stays pending (tried again by this worker, or by another after `takeover_ms`)."""
         ev = self.evaluation
-        progress = EvalProgress(request.version, len(ev.items) * ev.settings.samples_per_prompt)
+        prompts = sum(len(part.items) for part in ev.parts)
+        progress = EvalProgress(request.version, prompts * ev.settings.samples_per_prompt)
         self.progress = progress
         fresh = asyncio.create_task(self._keep_fresh(request), name="evaluation-touch")
-        log.info("evaluating version %d: %d prompts x %d answers", request.version, len(ev.items),
+        log.info("evaluating version %d: %d prompts x %d answers", request.version, prompts,
                  ev.settings.samples_per_prompt)
         try:
-            record = await evaluate(self.engine, ev.items, render=self.render, decode=self.decode,
-                                    scorer=ev.scorer, settings=ev.settings, version=request.version,
-                                    version_of=_tagged_version, engine_id=self.cfg.engine_id,
-                                    on_answer=progress.answered)
+            record = await evaluate_parts(self.engine, ev.parts, render=self.render, decode=self.decode,
+                                          settings=ev.settings, version=request.version,
+                                          version_of=_tagged_version, engine_id=self.cfg.engine_id,
+                                          on_answer=progress.answered)
         except Exception as exc:  # EvaluationError, Dropped (engine failing past its budget), ...
             self.stats.evaluations_failed += 1
             log.warning("evaluation of version %d failed after %d/%d answers (left pending, tried again): "
@@ -196,6 +194,8 @@ class Evaluator:
         return f"evals={s.evaluations}{failed}{now} "
 
     def close(self, training_scorers: Sequence[Scorer]) -> None:
-        """Close the eval scorer, unless it is a training one (closed by the worker)."""
-        if all(self.evaluation.scorer is not s for s in training_scorers):
-            self.evaluation.scorer.close()
+        """Close the eval scorers, but the training ones (closed by the worker)."""
+        own = {id(part.scorer): part.scorer for part in self.evaluation.parts}
+        for scorer in own.values():
+            if all(scorer is not s for s in training_scorers):
+                scorer.close()

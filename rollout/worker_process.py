@@ -9,14 +9,14 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer, vocab_size
-from asyncrl.rollout.datasets import DatasetError, PromptItem, PromptSource, load_source
+from asyncrl.rollout.datasets import DatasetError, PromptSource, load_source
 from asyncrl.rollout.engines import make_engine
 from asyncrl.rollout.engines.base import SamplingParams
-from asyncrl.rollout.evaluation import EvalSettings, eval_prompt_format, load_eval_items
+from asyncrl.rollout.evaluation import EvalPart, EvalSettings, eval_prompt_format, eval_sources, load_eval_items
 from asyncrl.rollout.evaluator import WorkerEvaluation
 from asyncrl.rollout.mixture import Lane, Mixture
 from asyncrl.rollout.prompts import PromptRenderer
@@ -25,7 +25,7 @@ from asyncrl.rollout.scorers import scorer_for
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.runtime import Runtime
-from asyncrl.spec import AsyncRLJobSpec, DatasetSpec
+from asyncrl.spec import AsyncRLJobSpec, DatasetSpec, EvalDatasetSpec, NamedSource
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect, set_outage_window
 
@@ -36,22 +36,48 @@ class StartupError(Exception):
     """The worker cannot start (a bad evaluation dataset or reward, an engine that never got ready)."""
 
 
-def evaluation_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> tuple[list[PromptItem], Scorer] | None:
-    """spec.evaluation's held-out prompts and scorer, loaded before the engine is waited for: a bad
-    dataset or reward fails the worker at once. None without spec.evaluation. `reward_url`: where the
-    job's operator-run reward service answers (evaluation without a reward of its own uses it too)."""
+def evaluation_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> list[EvalInputs] | None:
+    """spec.evaluation's held-out prompts and scorer of each source, loaded before the engine is
+    waited for: a bad dataset or reward fails the worker at once. None without spec.evaluation.
+    `reward_url`: where the job's operator-run reward service answers (an eval source scored with
+    the job's reward uses it too)."""
     ev = spec.evaluation
     if ev is None:
         return None
-    try:
-        items = load_eval_items(ev)
-    except DatasetError as exc:
-        raise StartupError(f"spec.evaluation.dataset ({ev.dataset.source}, split {ev.dataset.split}): {exc}") from exc
-    reward = ev.reward or spec.reward
-    try:
-        return items, scorer_for(reward, on_error="zero", service_url=reward_url if ev.reward is None else None)
-    except RewardError as exc:
-        raise StartupError(f"spec.evaluation.reward: {exc}") from exc
+    training = {d.name: d for d in spec.datasets or []}
+    inputs = []
+    for name, dataset in eval_sources(ev):
+        where = f"spec.evaluation.datasets ({name})" if name else "spec.evaluation.dataset"
+        try:
+            items = load_eval_items(dataset, ev.prompts)
+        except DatasetError as exc:
+            raise StartupError(f"{where} ({dataset.source}, split {dataset.split}): {exc}") from exc
+        own = dataset.reward if isinstance(dataset, NamedSource) else None
+        reward = own or (training[name].reward if name in training else None) or ev.reward or spec.reward
+        try:
+            scorer = scorer_for(reward, on_error="zero", service_url=reward_url if reward is spec.reward else None)
+        except RewardError as exc:
+            raise StartupError(f"{where}: reward: {exc}") from exc
+        format_of = training[name] if name in training else _training_datasets(spec)[0]
+        inputs.append(EvalInputs(EvalPart(name, items, scorer), dataset, format_of))
+    return inputs
+
+
+@dataclass(frozen=True)
+class EvalInputs:
+    """One source of held-out prompts, loaded, with the training dataset whose prompt format it
+    falls back on."""
+
+    part: EvalPart
+    dataset: EvalDatasetSpec
+    training: DatasetSpec
+
+
+def _training_datasets(spec: AsyncRLJobSpec) -> list[DatasetSpec]:
+    if spec.datasets is not None:
+        return list(spec.datasets)
+    assert spec.dataset is not None  # (AsyncRLJobSpec: one of dataset and datasets)
+    return [spec.dataset]
 
 
 @dataclass(frozen=True)
@@ -73,8 +99,8 @@ def training_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> list
     except RewardError as exc:
         raise StartupError(f"spec.reward: {exc}") from exc
     if spec.datasets is None:
-        assert spec.dataset is not None  # (AsyncRLJobSpec: one of dataset and datasets)
-        return [SourceInputs("", 1.0, spec.dataset, _load(spec.dataset, "spec.dataset"), job_scorer)]
+        dataset = _training_datasets(spec)[0]
+        return [SourceInputs("", 1.0, dataset, _load(dataset, "spec.dataset"), job_scorer)]
     inputs = []
     for i, d in enumerate(spec.datasets):
         try:
@@ -148,11 +174,10 @@ async def run_worker(args: argparse.Namespace) -> int:
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
     evaluation = None
     if spec.evaluation is not None and eval_inputs is not None:
-        eval_template, eval_system = eval_prompt_format(spec.evaluation, sources[0].dataset)
+        parts = [replace(i.part, render=PromptRenderer(tokenizer, *eval_prompt_format(i.dataset, i.training)).render)
+                 for i in eval_inputs]
         evaluation = WorkerEvaluation(
-            items=eval_inputs[0], scorer=eval_inputs[1],
-            render=PromptRenderer(tokenizer, eval_template, eval_system).render,
-            settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
+            parts=parts, settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
     prompts = training_prompts(sources, tokenizer, spec.seed)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=renderer.decode,
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
@@ -161,7 +186,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, worker.stop)
     log.info("rollout worker %s: job %s, engine %s (%s), shard %d/%d, evaluation %s", cfg.engine_id, cfg.job,
              engine_url, kind, cfg.rollout_index, cfg.rollout_replicas,
-             f"of {len(evaluation.items)} held-out prompts" if evaluation else "off")
+             f"of {sum(len(p.items) for p in evaluation.parts)} held-out prompts" if evaluation else "off")
     try:
         await worker.run()
     finally:

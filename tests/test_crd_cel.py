@@ -202,6 +202,13 @@ COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine
 TB_UNUSED_MESSAGE = next(m for _, _, m in CEL_RULES if m.startswith("objective 'tb' has no ratio"))
 
 BREAKERS = {
+    "set evaluation.dataset (one source) or evaluation.datasets, not both":
+        {"evaluation": {"dataset": {"source": "builtin:arithmetic"}, "datasets": [{"name": "a"}]}},
+    "each source of evaluation.datasets needs a name of its own":
+        {"evaluation": {"dataset": None, "datasets": [{"name": "a"}, {"name": "a"}]}},
+    "an evaluation source's reward.service takes a url only (the operator runs the job's "
+    "reward.service.deployment)":
+        {"evaluation": {"dataset": None, "datasets": [{"name": "a", "reward": {"service": {"deployment": {}}}}]}},
     "set dataset (one source) or datasets (a mixture), not both":
         {"dataset": {"source": "builtin:arithmetic"}, "datasets": [{"name": "a", "weight": 1}]},
     "each source of datasets needs a name of its own":

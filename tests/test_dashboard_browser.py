@@ -352,8 +352,10 @@ def mixture_report(steps: int = 30) -> TrainerReport:
                for h in base.history]
     last = base.last_step.model_copy(update={"reward_by_source": history[-1].reward_by_source,  # type: ignore[union-attr]
                                              "groups_by_source": {"easy": 6, "hard": 2}})
-    return base.model_copy(update={"history": history, "last_step": last,
-                                   "groups_by_source": {"easy": 180, "hard": 60}})
+    newest = base.evaluations[-1].model_copy(update={"pass_at_1_by_source": {"easy": 0.625, "hard": 0.125},
+                                                     "reward_by_source": {"easy": 0.7, "hard": 0.2}})
+    return base.model_copy(update={"history": history, "last_step": last, "groups_by_source": {"easy": 180, "hard": 60},
+                                   "evaluations": [*base.evaluations[:-1], newest]})
 
 
 async def test_dashboard_shows_each_mixture_source(live: str, page, box: Box) -> None:
@@ -375,6 +377,8 @@ async def test_dashboard_shows_each_mixture_source(live: str, page, box: Box) ->
     assert "180" in rows["easy"] and "75.0%" in rows["easy"] and "0.900" in rows["easy"]
     assert "60" in rows["hard"] and "25.0%" in rows["hard"] and "0.200" in rows["hard"]
     assert "easy" in (await page.text_content("#source-legend"))
+    latest = await page.text_content("#eval-latest")  # (spec.evaluation.datasets: each source's pass@1)
+    assert "pass@1 · easy0.625 (reward 0.700)" in latest and "pass@1 · hard0.125 (reward 0.200)" in latest
 
 
 async def test_dashboard_without_evaluations_says_so(live: str, page, box: Box) -> None:

@@ -11,17 +11,25 @@ import os
 import subprocess
 from collections import Counter
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
+from asyncrl.cli import build_parser
 from asyncrl.rollout.datasets import ArithmeticSource
+from asyncrl.rollout.eval_command import plan_from_args
 from asyncrl.rollout.mixture import BLOCK, Lane, Mixture, MixtureDraw
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker_process import StartupError, training_inputs
+from asyncrl.rollout.worker_process import StartupError, evaluation_inputs, training_inputs
 from asyncrl.runner import configure, prepare_job
 from asyncrl.spec import AsyncRLJob
+from asyncrl.status_report import EvalRecord, TrainerReport
+from asyncrl.trainer.metrics import TrainerMetrics
+from asyncrl.trainer.trackers import Trackers
 from tests.support.jobs import JobBuilder
 from tests.support.reward_services import half_reward
 from tests.support.rollout_workers import make_worker, published, render
@@ -221,3 +229,83 @@ def test_run_seed_flag_reseeds_every_source(tmp_path: Path) -> None:
     job, data = prepare_job(args)
     assert job.spec.seed == 5 and [d.seed for d in job.spec.datasets or []] == [5, 5]
     assert "dataset" not in data["spec"]
+
+
+# ------------------------------------------------------------------------------- held-out, per source
+
+EVAL_SOURCES = [{"name": "easy", "source": "builtin:arithmetic", "difficulty": 1},
+                {"name": "hard", "source": "builtin:arithmetic", "difficulty": 3},
+                {"name": "other", "source": "builtin:arithmetic", "difficulty": 2,
+                 "reward": {"function": "tests.support.reward_services:digit_sum_reward"}}]
+
+
+def test_evaluation_datasets_follow_the_rules_of_a_list_of_sources() -> None:
+    both = mixture_job(evaluation={"dataset": {"source": "builtin:arithmetic"}, "datasets": EVAL_SOURCES})
+    assert "set evaluation.dataset (one source) or evaluation.datasets, not both" in spec_error(both)
+    twice = mixture_job(evaluation={"datasets": [EVAL_SOURCES[0], EVAL_SOURCES[0]]})
+    assert "name 'easy' is used more than once" in spec_error(twice)
+    deployed = mixture_job(evaluation={"datasets": [{**EVAL_SOURCES[0], "reward": {"service": {"deployment": {}}}}]})
+    assert "an evaluation source's reward.service takes a url only" in spec_error(deployed)
+    job = AsyncRLJob.model_validate(mixture_job(evaluation={"datasets": EVAL_SOURCES}))
+    assert job.spec.evaluation is not None and job.spec.evaluation.dataset is None
+    assert [d.split for d in job.spec.evaluation.datasets or []] == ["test"] * 3  # (held out by default)
+    assert AsyncRLJob.model_validate(yaml.safe_load(yaml.safe_dump(job.to_wire()))).spec == job.spec
+
+
+def test_each_eval_source_is_scored_by_its_own_reward_else_its_training_namesakes_else_the_jobs() -> None:
+    spec = AsyncRLJob.model_validate(mixture_job(evaluation={"datasets": EVAL_SOURCES, "prompts": 3},
+                                                 reward={"function": "exact-number"})).spec
+    inputs = evaluation_inputs(spec)
+    assert inputs is not None and [i.part.name for i in inputs] == ["easy", "hard", "other"]
+    assert all(len(i.part.items) == 3 for i in inputs)
+    scorers = {i.part.name: i.part.scorer for i in inputs}
+    assert scorers["hard"].name == "gsm8k"  # (the training source "hard"'s reward)
+    assert scorers["easy"].name == "exact-number"  # (no reward of its namesake: the job's)
+    assert scorers["other"].name.endswith(":digit_sum_reward")  # (its own)
+    # the prompt format falls back on the training namesake's, else on the first source's
+    assert inputs[1].training.name == "hard" and inputs[2].training.name == "easy"
+    bad = mixture_job(evaluation={"datasets": [{**EVAL_SOURCES[1], "source": "/nowhere/x.jsonl"}]})
+    with pytest.raises(StartupError, match=r"spec.evaluation.datasets \(hard\) \(/nowhere/x.jsonl, split test\)"):
+        evaluation_inputs(AsyncRLJob.model_validate(bad).spec)
+
+
+def test_asyncrl_eval_of_a_job_with_eval_sources_keeps_each_sources_reward(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(mixture_job(evaluation={"datasets": EVAL_SOURCES})))
+    plan = plan_from_args(build_parser().parse_args(["eval", "embedded:SmolLM2-135M-Instruct", "--config", str(path)]))
+    rewards = {d.name: d.reward.function if d.reward else None for d in plan.spec.datasets or []}
+    assert rewards == {"easy": None, "hard": "gsm8k", "other": "tests.support.reward_services:digit_sum_reward"}
+    one = plan_from_args(build_parser().parse_args(["eval", "embedded:SmolLM2-135M-Instruct", "--config", str(path),
+                                                    "--dataset", "builtin:arithmetic", "--difficulty", "4"]))
+    assert one.spec.datasets is None and one.spec.dataset is not None and one.spec.dataset.difficulty == 4
+
+
+def test_each_eval_sources_figures_reach_prometheus_and_the_trackers() -> None:
+    newest = EvalRecord(policy_version=4, reward_mean=0.5, pass_at_1=0.5, prompts=4, samples=4,
+                        pass_at_1_by_source={"easy": 0.75, "hard": 0.25}, reward_by_source={"easy": 0.75, "hard": 0.3})
+    metrics = TrainerMetrics()
+    metrics.update(TrainerReport(evaluations=[newest]))
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    assert samples[("asyncrl_eval_pass_at_1_by_source", (("source", "easy"),))] == 0.75
+    assert samples[("asyncrl_eval_reward_by_source", (("source", "hard"),))] == 0.3
+    metrics.update(TrainerReport(evaluations=[newest.model_copy(update={"pass_at_1_by_source": {},
+                                                                        "reward_by_source": {}})]))
+    assert "asyncrl_eval_pass_at_1_by_source{" not in generate_latest(metrics.registry).decode()
+
+    class Recorder:
+        name = "recorder"
+        logged: ClassVar[list[dict[str, float]]] = []
+
+        def begin(self, step: int) -> None: ...
+
+        def log(self, step: int, values: dict[str, float]) -> None:
+            self.logged.append(values)
+
+        def close(self) -> None: ...
+
+    recorder = Recorder()
+    Trackers([recorder]).log_eval(7, newest)
+    [values] = recorder.logged
+    assert values["eval/pass_at_1/easy"] == 0.75 and values["eval/reward_mean/hard"] == 0.3

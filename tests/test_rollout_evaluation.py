@@ -21,10 +21,13 @@ from asyncrl.rollout.engines.base import EngineError
 from asyncrl.rollout.engines.sglang import SGLangEngine
 from asyncrl.rollout.evaluation import (
     MAX_ABORTS,
+    EvalPart,
     EvalSettings,
     EvaluationError,
     eval_items,
     evaluate,
+    evaluate_parts,
+    merge_records,
     pass_at_k,
     summarize,
 )
@@ -38,6 +41,7 @@ from asyncrl.transport.evaluation import EVALUATORS_GROUP, EvalChannel
 from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry
 from tests.support.polling import poll
+from tests.support.reward_services import half_reward
 from tests.support.rollout_workers import WorkerEngine, decode, make_worker, published, render
 from tests.support.sglang_fake import FakeSGLang, fake_token
 
@@ -206,8 +210,8 @@ class GatedEngine(SGLangEngine):
 
 def evaluation(items: list[PromptItem], *, concurrency: int = 2, max_new: int = EVAL_TOKENS,
                takeover_ms: int = 60_000) -> WorkerEvaluation:
-    return WorkerEvaluation(items=items, settings=settings(concurrency, max_new=max_new),
-                            scorer=RewardScorer(exact_number_reward, 5.0), block_ms=50, takeover_ms=takeover_ms,
+    return WorkerEvaluation(parts=[EvalPart("", items, RewardScorer(exact_number_reward, 5.0))],
+                            settings=settings(concurrency, max_new=max_new), block_ms=50, takeover_ms=takeover_ms,
                             touch_s=0.05, retry_s=0.05, retry_max_s=0.2)
 
 
@@ -388,9 +392,11 @@ def test_evaluation_settings_must_keep_a_running_evaluation_fresh():
     items = held_out(1)
     scorer = RewardScorer(exact_number_reward, 5.0)
     with pytest.raises(ValueError, match="touch_s"):
-        WorkerEvaluation(items=items, settings=settings(), scorer=scorer, touch_s=60, takeover_ms=60_000)
-    with pytest.raises(ValueError, match="items is empty"):
-        WorkerEvaluation(items=[], settings=settings(), scorer=scorer)
+        WorkerEvaluation(parts=[EvalPart("", items, scorer)], settings=settings(), touch_s=60, takeover_ms=60_000)
+    with pytest.raises(ValueError, match="a part has no items"):
+        WorkerEvaluation(parts=[EvalPart("", [], scorer)], settings=settings())
+    with pytest.raises(ValueError, match="a part has no items"):
+        WorkerEvaluation(parts=[], settings=settings())
     scorer.close()
 
 
@@ -456,3 +462,36 @@ async def test_the_rollout_command_serves_evaluations_from_the_job_file(redis_ur
     assert len(evals) == 4
     text = log.read_text()
     assert "evaluation of 4 held-out prompts" in text and "evaluated version 0: reward=" in text
+
+
+# ------------------------------------------------------------------------- several sources of held-out prompts
+
+
+async def test_a_pass_over_several_sources_reports_each_and_all_of_them():
+    """spec.evaluation.datasets: each source answered and scored its own way, the record's figures
+    over every prompt, and each source's pass@1 and reward beside them."""
+    easy, hard = held_out(3), eval_items(ArithmeticSource(seed=0, difficulty=3, split="test"), 1)
+    answers = {tuple(chars(i.question)): i.answer for i in easy} | {tuple(chars(hard[0].question)): "-1"}
+    engine = ScriptedEngine(answers)
+    exact, half = RewardScorer(exact_number_reward, 5.0), RewardScorer(half_reward, 5.0)
+    rec = await evaluate_parts(engine, [EvalPart("easy", easy, exact), EvalPart("hard", hard, half)],
+                               render=chars_of, decode=text, settings=settings(), version=3, engine_id="e")
+    exact.close()
+    half.close()
+    assert rec.pass_at_1_by_source == {"easy": 1.0, "hard": 0.0}
+    assert rec.reward_by_source == {"easy": 1.0, "hard": 0.5}  # ("hard" scored by its own reward)
+    assert (rec.prompts, rec.samples, rec.policy_version, rec.engine_id) == (4, 4, 3, "e")
+    assert rec.pass_at_1 == pytest.approx(3 / 4) and rec.reward_mean == pytest.approx(3.5 / 4)
+
+
+def test_merging_weighs_each_source_by_its_prompts_and_answers():
+    a = summarize(2, [[1.0, 0.0], [1.0, 1.0]], lengths=[4, 4, 4, 4], on_version=1.0, seconds=2.0)
+    b = summarize(2, [[0.0, 0.0]], lengths=[10, 10], on_version=0.5, seconds=1.0)
+    merged = merge_records({"a": a, "b": b})
+    assert (merged.prompts, merged.samples, merged.k, merged.seconds) == (3, 6, 2, 3.0)
+    assert merged.pass_at_1 == pytest.approx((0.75 * 2 + 0.0) / 3)
+    assert merged.pass_at_k == pytest.approx((1.0 * 2 + 0.0) / 3)
+    assert merged.reward_mean == pytest.approx(3 / 6) and merged.on_version == pytest.approx(5 / 6)
+    assert merged.response_length == pytest.approx(36 / 6)
+    assert merged.pass_at_1_by_source == {"a": 0.75, "b": 0.0} and merged.reward_by_source == {"a": 0.75, "b": 0.0}
+    assert merge_records({"": a}) == a  # (one dataset: its record as it was, no per-source figures)

@@ -120,11 +120,11 @@ def test_an_evaluation_dataset_without_a_split_is_the_held_out_one():
 
 def test_the_eval_prompt_format_falls_back_to_the_training_one():
     from asyncrl.rollout.evaluation import eval_prompt_format
-    from asyncrl.spec import DatasetSpec, EvaluationSpec
+    from asyncrl.spec import DatasetSpec, EvalDatasetSpec
 
     train = DatasetSpec(prompt_template="Q: {prompt}", system_prompt="Be terse.")
-    assert eval_prompt_format(EvaluationSpec(), train) == ("Q: {prompt}", "Be terse.")
-    own = EvaluationSpec.model_validate({"dataset": {"promptTemplate": "Solve {prompt}"}})
+    assert eval_prompt_format(EvalDatasetSpec(), train) == ("Q: {prompt}", "Be terse.")
+    own = EvalDatasetSpec.model_validate({"promptTemplate": "Solve {prompt}"})
     assert eval_prompt_format(own, train) == ("Solve {prompt}", "Be terse.")
 
 

@@ -449,6 +449,8 @@ function renderEvaluations(evals) {
     ["pass@1", fmt(n.pass_at_1, 3)],
     ...(n.k > 1 && n.pass_at_k !== null && n.pass_at_k !== undefined ? [[`pass@${n.k}`, fmt(n.pass_at_k, 3)]] : []),
     ["reward mean", fmt(n.reward_mean, 3)],
+    ...Object.keys(n.pass_at_1_by_source || {}).sort().map((src) =>
+      [`pass@1 · ${src}`, `${fmt(n.pass_at_1_by_source[src], 3)} (reward ${fmt((n.reward_by_source || {})[src], 3)})`]),
     ["prompts × answers", `${n.prompts} × ${n.k}`],
     ["answered on that version", fmt(100 * n.on_version, 0) + "%"],
     ["mean answer length", fmt(n.response_length, 1) + " tokens"],

@@ -12,7 +12,9 @@ outage's length then needs no `absent()` and never mistakes "no series" for "no 
 
 The newest held-out evaluation (spec.evaluation; the report's `evaluations`, newest version last) is
 exported as `asyncrl_eval_reward`, `asyncrl_eval_pass_at_1`, `asyncrl_eval_policy_version` (NaN
-before the first result) and `asyncrl_eval_pass_at_k{k}` (only when k = samplesPerPrompt > 1).
+before the first result) and `asyncrl_eval_pass_at_k{k}` (only when k = samplesPerPrompt > 1); with
+several sources of held-out prompts (spec.evaluation.datasets), each one's as
+`asyncrl_eval_pass_at_1_by_source{source}` and `asyncrl_eval_reward_by_source{source}`.
 """
 
 from __future__ import annotations
@@ -162,6 +164,11 @@ class TrainerMetrics:
                                     "(k = evaluation.samplesPerPrompt, only when > 1).", ["k"], registry=r)
         self.eval_policy_version = Gauge(f"{EVAL_PREFIX}_policy_version",
                                          "Policy version of the newest held-out evaluation.", registry=r)
+        self.eval_pass_at_1_by_source = Gauge(f"{EVAL_PREFIX}_pass_at_1_by_source", "pass@1 of each source of the "
+                                              "newest held-out evaluation (spec.evaluation.datasets).", ["source"],
+                                              registry=r)
+        self.eval_reward_by_source = Gauge(f"{EVAL_PREFIX}_reward_by_source", "Mean reward of each source of the "
+                                           "newest held-out evaluation.", ["source"], registry=r)
 
     def _gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
         return Gauge(f"{PREFIX}_{name}", doc, labels, registry=self.registry)
@@ -214,6 +221,11 @@ class TrainerMetrics:
         self.eval_pass_at_k.clear()
         if newest is not None and newest.pass_at_k is not None:
             self.eval_pass_at_k.labels(k=str(newest.k)).set(newest.pass_at_k)
+        for gauge, table in ((self.eval_pass_at_1_by_source, newest.pass_at_1_by_source if newest else {}),
+                             (self.eval_reward_by_source, newest.reward_by_source if newest else {})):
+            gauge.clear()
+            for source, value in table.items():
+                gauge.labels(source=source).set(value)
 
     def _set_degraded(self, degraded: DegradedReport | None) -> None:
         # Several targets of one dependency (two engines): down if any is, for as long as the oldest.

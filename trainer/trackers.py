@@ -48,7 +48,8 @@ IDS_FILE = "trackers.json"
 """In the run directory: the W&B and MLflow run ids a restarted trainer continues."""
 EVAL_FIGURES = ("reward_mean", "pass_at_1", "pass_at_k", "k", "prompts", "samples", "on_version",
                 "response_length", "seconds")
-"""The EvalRecord fields logged under `eval/` (besides `eval/policy_version`)."""
+"""The EvalRecord fields logged under `eval/` (besides `eval/policy_version`, and each source's
+`eval/pass_at_1/<source>` and `eval/reward_mean/<source>` with spec.evaluation.datasets)."""
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}
 """spec.logging field -> (module to import, the PyPI package the extra of that name installs)."""
@@ -157,6 +158,10 @@ class Trackers:
         """One evaluation result, at the trainer step it arrived at."""
         raw: dict[str, Any] = {name: getattr(record, name) for name in EVAL_FIGURES}
         raw["policy_version"] = record.policy_version
+        for source, value in record.pass_at_1_by_source.items():  # (spec.evaluation.datasets)
+            raw[f"pass_at_1/{source}"] = value
+        for source, value in record.reward_by_source.items():
+            raw[f"reward_mean/{source}"] = value
         values = {f"eval/{k}": float(v) for k, v in raw.items() if _finite(v)}
         self._emit(step, values, resume=step + 1)  # step `step` was trained before: new ones follow
 
