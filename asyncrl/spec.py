@@ -11,6 +11,7 @@ test suite evaluates both on the same objects so the two cannot drift apart.
 from __future__ import annotations
 
 import re
+import string
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -244,6 +245,65 @@ class RewardServiceSpec(SpecModel):
         return self
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "You grade an answer to a question. Question:\n{prompt}\n\nReference answer: {answer}\n\n"
+    "Answer to grade:\n{completion}\n\nScore the answer from 0 (wrong) to {max_score} (correct and "
+    "complete). Reply with the score only.")
+JUDGE_FIELDS = ("prompt", "completion", "answer", "max_score")
+"""The placeholders a judge's promptTemplate may use."""
+
+
+class JudgeSpec(SpecModel):
+    """A judge model behind an OpenAI-compatible chat completions endpoint (vLLM, SGLang, a hosted
+    API): each answer is sent to it with the question and the reference answer, and the score it
+    replies, out of `maxScore`, is the reward scaled to 0..1."""
+
+    url: str
+    """The API's base URL, up to and including `/v1` (e.g. http://judge.rl.svc:8000/v1); the worker
+    POSTs to `<url>/chat/completions` and checks `<url>/models` before it scores."""
+    model: str = Field(min_length=1)
+    """The model name the endpoint serves."""
+    prompt_template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's user message: a Python format string with {completion} and optionally {prompt},
+    {answer} and {max_score}."""
+    system_prompt: str | None = None
+    max_score: int = Field(default=10, ge=1, le=1000)
+    """The judge scores 0..maxScore; the reward is score / maxScore."""
+    structured_output: bool = True
+    """Ask for `{"score": <integer 0..maxScore>}` (response_format json_schema: vLLM, SGLang and
+    OpenAI constrain the reply to it); false: the last integer of a free-text reply."""
+    temperature: float = Field(default=0.0, ge=0)
+    max_tokens: int = Field(default=32, ge=1, le=4096)
+    """Reply length limit (a score, or a short verdict ending in one)."""
+    timeout_seconds: float = Field(default=60.0, gt=0)
+    """One judge request."""
+    max_concurrent_requests: int = Field(default=8, ge=1, le=1024)
+    """Judge requests one rollout worker has in flight at once."""
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the API key, sent as `Authorization: Bearer`; on a cluster,
+    set it on the rollout pods from a Secret (rollout.podTemplate.env)."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL (e.g. http://judge:8000/v1)")
+        return v.rstrip("/")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        try:
+            names = {field for _, field, _, _ in string.Formatter().parse(v) if field is not None}
+        except ValueError as exc:
+            raise ValueError(f"not a format string: {exc}") from None
+        unknown = sorted(names - set(JUDGE_FIELDS))
+        if unknown or "completion" not in names:
+            raise ValueError(f"needs {{completion}} and may use {', '.join('{' + f + '}' for f in JUDGE_FIELDS)}"
+                             f"{'; unknown: ' + ', '.join(unknown) if unknown else ''}")
+        return v
+
+
 class RewardSpec(SpecModel):
     """How a completion is scored."""
 
@@ -252,6 +312,8 @@ class RewardSpec(SpecModel):
     (unused with `service`)."""
     service: RewardServiceSpec | None = None
     """Score over HTTP instead of in-process (a verifier with its own environment, a reward model)."""
+    judge: JudgeSpec | None = None
+    """Score with a judge model behind an OpenAI-compatible endpoint instead (not with `service`)."""
     timeout_seconds: float = Field(default=5.0, gt=0)
     """Per-sample timeout of one call of the function."""
     retries: int = Field(default=1, ge=0, le=10)
@@ -261,6 +323,12 @@ class RewardSpec(SpecModel):
     admission slot goes back, it is dead-lettered with the reason and counted as `reward_failures`),
     or score it `zero` (the old behaviour: an infrastructure failure then reads as a wrong answer
     and biases its group's baseline)."""
+
+    @model_validator(mode="after")
+    def _service_or_judge(self) -> RewardSpec:
+        if self.service is not None and self.judge is not None:
+            raise ValueError(_SERVICE_OR_JUDGE[1])
+        return self
 
     @field_validator("function")
     @classmethod
@@ -1249,6 +1317,9 @@ _UNIQUE_SOURCE_NAMES = ("self.all(x, self.exists_one(y, y.name == x.name))",
 _EVAL_DATASET_ONE_OF = ("!has(self.dataset) || !has(self.datasets)",
                         "set evaluation.dataset (one source) or evaluation.datasets, not both")
 _UNIQUE_EVAL_SOURCE_NAMES = (_UNIQUE_SOURCE_NAMES[0], "each source of evaluation.datasets needs a name of its own")
+_SERVICE_OR_JUDGE = ("!has(self.service) || !has(self.judge)",
+                     "a reward is scored by one of service and judge, not both")
+_REWARDS = ("spec.reward", "spec.evaluation.reward", "spec.datasets[].reward", "spec.evaluation.datasets[].reward")
 _REWARD_URL_ONLY_CEL = "!has(self.reward) || !has(self.reward.service) || !has(self.reward.service.deployment)"
 
 
@@ -1279,6 +1350,7 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec.evaluation", *_EVAL_DATASET_ONE_OF),
     ("spec.evaluation.datasets", *_UNIQUE_EVAL_SOURCE_NAMES),
     ("spec.evaluation.datasets[]", _REWARD_URL_ONLY_CEL, EvalSourceSpec.URL_ONLY),
+    *[(path, *_SERVICE_OR_JUDGE) for path in _REWARDS],
     ("spec.reward.service", *_REWARD_SERVICE_ONE_OF),
     ("spec.evaluation.reward.service", *_REWARD_SERVICE_ONE_OF),
     *[(path, rule, message) for path in ("spec.dataset", "spec.datasets[]", "spec.evaluation.dataset",

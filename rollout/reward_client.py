@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -32,16 +33,57 @@ from asyncrl.rollout.rewards import Metadata, OnError, RewardFailed, give_up, tr
 
 log = logging.getLogger("asyncrl.rollout.reward_client")
 
+T = TypeVar("T")
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 BACKOFF_S, BACKOFF_CAP_S = 0.5, 8.0
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """The whole request failed; `retry`: the same request may succeed later."""
 
     def __init__(self, message: str, *, retry: bool) -> None:
         super().__init__(message)
         self.retry = retry
+
+
+async def with_retries(send: Callable[[], Awaitable[T]], *, retries: int, slots: asyncio.Semaphore, what: str,
+                       failed: Callable[[], None]) -> T:
+    """`send()` within `slots`, again after a back-off (0.5 s doubling, at most 8 s) while it raises
+    a retryable Refused, at most `retries` more times; `failed` is called for each Refused."""
+    delay = BACKOFF_S
+    for attempt in range(retries + 1):
+        try:
+            async with slots:
+                return await send()
+        except Refused as exc:
+            failed()
+            if not exc.retry or attempt == retries:
+                raise
+            log.warning("%s: %s; trying again in %.1fs", what, exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, BACKOFF_CAP_S)
+    raise AssertionError("unreachable")  # (the last attempt returns or raises)
+
+
+async def post_json(url: str, body: Any, *, timeout_s: float, api_key: str | None) -> httpx.Response:
+    """One POST; a transport failure or a 408/429/5xx is a retryable Refused, another non-200 a final one."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=auth_header(api_key)) as client:
+            resp = await client.post(url, json=body)
+    except httpx.TransportError as exc:  # unreachable, reset, timed out
+        raise Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, retry=True) from exc
+    if resp.status_code != 200:
+        raise Refused(f"HTTP {resp.status_code}: {resp.text[:200]}", retry=resp.status_code in RETRIED_STATUS)
+    return resp
+
+
+async def answers_ok(url: str, api_key: str | None = None) -> bool:
+    """Whether GET `url` answers 200 (a readiness check)."""
+    try:
+        async with httpx.AsyncClient(timeout=5.0, headers=auth_header(api_key)) as client:
+            return (await client.get(url)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @dataclass
@@ -79,7 +121,7 @@ class HttpRewardScorer:
                                       for c in completions])
         try:
             answers = await self._post(request)
-        except _Refused as exc:
+        except Refused as exc:
             return [self._give_up(f"reward service {self.url} failed ({tries(self.retries)}): {exc}")
                     for _ in completions]
         return [self._give_up(f"reward service {self.url}: {a.error}") if a.score is None else a.score
@@ -93,44 +135,26 @@ class HttpRewardScorer:
             return exc
 
     async def _post(self, request: ScoreRequest) -> ScoreResponse:
-        delay = BACKOFF_S
-        for attempt in range(self.retries + 1):
-            try:
-                async with self._slots:
-                    return await self._post_once(request)
-            except _Refused as exc:
-                self.errors += 1
-                if not exc.retry or attempt == self.retries:
-                    raise
-                log.warning("reward service %s: %s; trying again in %.1fs", self.url, exc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_CAP_S)
-        raise AssertionError("unreachable")  # (the last attempt returns or raises)
+        return await with_retries(lambda: self._post_once(request), retries=self.retries, slots=self._slots,
+                                  what=f"reward service {self.url}", failed=self._count_error)
+
+    def _count_error(self) -> None:
+        self.errors += 1
 
     async def _post_once(self, request: ScoreRequest) -> ScoreResponse:
         body = request.model_dump(mode="json", exclude_none=True)  # (no `metadata` key when there is none)
-        try:
-            async with httpx.AsyncClient(timeout=self.timeout_s, headers=auth_header(self.api_key)) as client:
-                resp = await client.post(self.url + SCORE_PATH, json=body)
-        except httpx.TransportError as exc:  # unreachable, reset, timed out
-            raise _Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, retry=True) from exc
-        if resp.status_code != 200:
-            raise _Refused(f"HTTP {resp.status_code}: {resp.text[:200]}", retry=resp.status_code in RETRIED_STATUS)
+        resp = await post_json(self.url + SCORE_PATH, body, timeout_s=self.timeout_s, api_key=self.api_key)
         try:
             answers = ScoreResponse.model_validate_json(resp.content)
         except ValidationError as exc:
-            raise _Refused(f"a reply outside the protocol: {exc.errors()[0]['msg']}", retry=False) from exc
+            raise Refused(f"a reply outside the protocol: {exc.errors()[0]['msg']}", retry=False) from exc
         if len(answers.scores) != len(request.items):
-            raise _Refused(f"a reply outside the protocol: {len(answers.scores)} scores for "
-                           f"{len(request.items)} items", retry=False)
+            raise Refused(f"a reply outside the protocol: {len(answers.scores)} scores for "
+                          f"{len(request.items)} items", retry=False)
         return answers
 
     async def ready(self) -> bool:
-        try:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                return (await client.get(self.url + HEALTH_PATH)).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return await answers_ok(self.url + HEALTH_PATH)
 
     def close(self) -> None:
         """Nothing held between requests (one connection per request)."""

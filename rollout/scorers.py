@@ -1,7 +1,8 @@
-"""The scorer a job's reward settings ask for: in-process (RewardScorer) or a reward service."""
+"""The scorer a job's reward settings ask for: in-process (RewardScorer), a reward service or a judge model."""
 
 from __future__ import annotations
 
+from asyncrl.rollout.judge import JudgeScorer
 from asyncrl.rollout.reward_client import HttpRewardScorer
 from asyncrl.rollout.rewards import OnError, RewardError, RewardScorer, Scorer
 from asyncrl.spec import RewardSpec
@@ -12,6 +13,8 @@ def scorer_for(reward: RewardSpec, *, on_error: OnError | None = None, service_u
     trains on it); `service_url` is where an operator-run service answers (Runtime.reward_url).
     Raises RewardError for a function that cannot be imported or a service that cannot be reached."""
     policy = on_error or reward.on_error
+    if reward.judge is not None:
+        return JudgeScorer(reward.judge, retries=reward.retries, on_error=policy)
     if reward.service is not None:
         svc = reward.service
         url = svc.url or service_url

@@ -202,6 +202,8 @@ COLLECTIVE_MESSAGE = ("trainer.weightTransport 'collective' needs rollout.engine
 TB_UNUSED_MESSAGE = next(m for _, _, m in CEL_RULES if m.startswith("objective 'tb' has no ratio"))
 
 BREAKERS = {
+    "a reward is scored by one of service and judge, not both":
+        {"reward": {"service": {"url": "http://rewards:8100"}, "judge": {"url": "http://judge/v1", "model": "m"}}},
     "set evaluation.dataset (one source) or evaluation.datasets, not both":
         {"evaluation": {"dataset": {"source": "builtin:arithmetic"}, "datasets": [{"name": "a"}]}},
     "each source of evaluation.datasets needs a name of its own":

