@@ -4,7 +4,9 @@ rollout worker (fake SGLang, real Redis) scoring through it exactly as it scores
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import subprocess
 import time
 from pathlib import Path
 
@@ -17,8 +19,10 @@ from asyncrl.rollout.reward_client import HttpRewardScorer
 from asyncrl.rollout.rewards import RewardFailed, RewardScorer
 from asyncrl.rollout.scorers import scorer_for
 from asyncrl.spec import RewardSpec
-from tests.support.reward_services import digit_sum_reward, reward_server
+from tests.support.jobs import JobBuilder
+from tests.support.reward_services import RECORD_ENV, digit_sum_reward, length_reward, reward_server
 from tests.support.rollout_workers import make_worker, published
+from tests.support.trainer_support import ASYNCRL, read_jsonl
 
 PLUGINS = "tests.support.reward_services"
 COMPLETIONS = ["3 14 15 92", "65 35", "8", "97 93 23 84 62 64"]
@@ -117,3 +121,27 @@ def test_the_service_spec_names_the_field_and_what_it_accepts() -> None:
         RewardSpec.model_validate({"service": {"url": "http://x", "maxConcurrentRequests": 0}})
     with pytest.raises(ValidationError, match=r"exactly one of url \(an existing service\) and deployment"):
         RewardSpec.model_validate({"service": {"url": "http://x", "deployment": {}}})
+
+
+@pytest.mark.slow
+def test_a_local_run_trains_on_what_the_service_scores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncrl run` with reward.service.url: the job trains to the end on the service's rewards, and
+    every reward the service gave is the one the function gives in-process on the same completion."""
+    record = tmp_path / "scored.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record))  # (the reward server's environment)
+    job = JobBuilder.small(name="t-reward-svc", batch_size=2, group_size=4, eta=1, max_steps=3, max_new_tokens=8)
+    with reward_server(f"{PLUGINS}:recorded_length_reward", log=tmp_path / "server.log") as url:
+        path = job.merge(reward={"function": "exact-number", "service": {"url": url}}).write(tmp_path / "job.yaml")
+        run_dir = tmp_path / "run"
+        proc = subprocess.run(ASYNCRL + ["run", str(path), "--max-steps", "3", "--run-dir", str(run_dir),
+                                         "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    scored = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(scored) >= 3 * 2 * 4  # (every trained sample, and those generated but not trained)
+    assert all(s["score"] == length_reward(s["completion"], s["answer"]) for s in scored)
+    given = {s["score"] for s in scored}
+    assert len(given) > 1  # (varied rewards, not the exact-number function's 0s)
+    # each step's mean reward is a mean of 8 of the service's rewards (multiples of 1/4)
+    assert all(abs(m["reward_mean"] * 32 - round(m["reward_mean"] * 32)) < 1e-6 for m in lines)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,23 @@ def digit_sum_reward(completion: str, answer: str) -> float:
 def half_reward(completion: str, answer: str) -> float:
     """A source's own reward, told apart from exact-number's 0 and 1 at a glance."""
     return 0.5
+
+
+RECORD_ENV = "ASYNCRL_TEST_REWARD_RECORD"
+"""A file `recorded_length_reward` appends each call to (the reward server's environment)."""
+
+
+def length_reward(completion: str, answer: str) -> float:
+    """A reward that varies with the answer's words, whatever the model says."""
+    return len(completion.split()) % 5 / 4
+
+
+def recorded_length_reward(completion: str, answer: str) -> float:
+    """`length_reward`, each call appended to the JSON lines file $ASYNCRL_TEST_REWARD_RECORD."""
+    score = length_reward(completion, answer)
+    with open(os.environ[RECORD_ENV], "a") as fh:
+        fh.write(json.dumps({"completion": completion, "answer": answer, "score": score}) + "\n")
+    return score
 
 
 def down_for_even_answers(completion: str, answer: str) -> float:
