@@ -110,7 +110,8 @@ class StepRecord(_Report):
     clip_fraction: float = 0.0
     """Fraction of the step's tokens whose ratio was clipped."""
     tokens: int = 0
-    """Response tokens trained (of the fresh groups)."""
+    """Response tokens trained (of the fresh groups; context inside a response, such as a tool's
+    output, is not: see `masked_tokens`)."""
     step_seconds: float = 0.0
     """Wall time since the previous step ended."""
     proximal_seconds: float = 0.0
@@ -145,6 +146,9 @@ class StepMetrics(StepRecord):
     trained batch's `reward_mean` is not the policy's)."""
     response_length: float = 0.0
     """Mean answer length in tokens."""
+    masked_tokens: int = 0
+    """Tokens of the step's responses fed to the model as context but outside the loss (a tool's
+    output inside a multi-turn response; 0 for single-turn answers)."""
     clip_fraction_low: Annotated[float, gauge("clip_fraction_by_side", "Fraction of tokens clipped in the last "
                                                "step at the lower (A < 0) or upper (A > 0) ratio bound.",
                                                side="low")] = 0.0

@@ -189,8 +189,10 @@ def build_batch(
     """Pad `prompt_ids + response_ids` rows and align per-token data (see module docstring).
 
     Each sequence (mapping or object) has `prompt_ids`, `response_ids`, `behav_logprobs` and
-    `versions` (the last two as long as the response). `advantages`, one per sequence, is
-    broadcast to that sequence's response tokens.
+    `versions` (the last two as long as the response), and optionally `loss_mask` (bool per response
+    token; False: context inside the response, such as a tool's output, which is fed to the model
+    like the prompt and, like it, has no loss, behaviour log-prob or version). `advantages`, one per
+    sequence, is broadcast to that sequence's trained tokens.
     """
     if len(sequences) == 0:
         raise ValueError("sequences is empty")
@@ -205,7 +207,7 @@ def build_batch(
     rows = [_checked_row(seq, i) for i, seq in enumerate(sequences)]
 
     # 2. Pad to one length and place each response's per-token data at the positions that score it.
-    length = max(max(p.size + r.size for p, r, _, _ in rows), 2)
+    length = max(max(p.size + r.size for p, r, _, _, _ in rows), 2)
     if pad_to_multiple_of:
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     n = len(rows)
@@ -217,23 +219,25 @@ def build_batch(
     adv_tok = torch.zeros((n, length - 1), dtype=torch.float32)
     prompt_lengths = torch.zeros(n, dtype=torch.int64)
     response_lengths = torch.zeros(n, dtype=torch.int64)
-    for i, (prompt, resp, behav, vers) in enumerate(rows):
+    for i, (prompt, resp, behav, vers, trained) in enumerate(rows):
         p, r = prompt.size, resp.size
         input_ids[i, :p] = torch.from_numpy(prompt)
         input_ids[i, p : p + r] = torch.from_numpy(resp)
         attention_mask[i, : p + r] = 1
         span = slice(p - 1, p - 1 + r)  # position t scores token t + 1
-        loss_mask[i, span] = True
-        behav_lp[i, span] = torch.from_numpy(behav)
-        versions[i, span] = torch.from_numpy(vers)
-        adv_tok[i, span] = adv[i]
+        keep = torch.from_numpy(trained)
+        loss_mask[i, span] = keep
+        behav_lp[i, span] = torch.from_numpy(behav).masked_fill(~keep, 0.0)
+        versions[i, span] = torch.from_numpy(vers).masked_fill(~keep, -1)
+        adv_tok[i, span] = adv[i] * keep
         prompt_lengths[i], response_lengths[i] = p, r
     return TrainBatch(input_ids, attention_mask, loss_mask, behav_lp, versions, adv_tok,
                       prompt_lengths, response_lengths)
 
 
-def _checked_row(seq: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(prompt, response, behav_logprobs, versions) of sequence `i`, checked for a trainable shape."""
+def _checked_row(seq: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(prompt, response, behav_logprobs, versions, trained) of sequence `i`, checked for a trainable
+    shape; `trained` is the loss mask over the response (all True without one)."""
     prompt = _as_array(_field(seq, "prompt_ids", i), np.int64, f"sequence {i} prompt_ids")
     resp = _as_array(_field(seq, "response_ids", i), np.int64, f"sequence {i} response_ids")
     behav = _as_array(_field(seq, "behav_logprobs", i), np.float32, f"sequence {i} behav_logprobs")
@@ -244,11 +248,16 @@ def _checked_row(seq: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         raise ValueError(
             f"sequence {i}: {resp.size} response tokens but {behav.size} behav_logprobs "
             f"and {vers.size} versions")
-    if behav.size and not np.isfinite(behav).all():
+    mask = seq.get("loss_mask") if isinstance(seq, Mapping) else getattr(seq, "loss_mask", None)
+    trained = np.ones(resp.size, dtype=bool) if mask is None else np.asarray(mask)
+    if trained.dtype != np.bool_ or trained.shape != resp.shape:
+        raise ValueError(f"sequence {i} loss_mask must be {resp.size} bools, one per response token "
+                         f"(got {trained.dtype} {trained.shape})")
+    if behav.size and not np.isfinite(behav[trained]).all():
         raise ValueError(f"sequence {i} behav_logprobs contain NaN or Inf")
-    if vers.size and (vers < 0).any():
+    if vers.size and (vers[trained] < 0).any():
         raise ValueError(f"sequence {i} has a negative version on a generated token")
-    return prompt, resp, behav, vers
+    return prompt, resp, behav, vers, trained
 
 
 def split_minibatches(batch: TrainBatch, count: int) -> list[TrainBatch]:

@@ -37,9 +37,17 @@ class TrainSequence:
     """log pi_ref of the response (objective tb): the reference model's, or kept by the replay buffer;
     NaN until known (a loss that read it unset would not be finite)."""
 
+    loss_mask: np.ndarray | None = None
+    """Per response token, True where the model generated it; False: context inside the response (a
+    tool's output), fed to the model but outside the loss (batch.build_batch). None: all True."""
+
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    def trained(self) -> np.ndarray:
+        """The response positions in the loss (all, without a mask)."""
+        return np.ones(len(self.response_ids), dtype=bool) if self.loss_mask is None else self.loss_mask
 
 
 @dataclass
@@ -71,10 +79,11 @@ def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[Tr
         for s, a in zip(g.samples, adv.tolist()):
             seqs.append(TrainSequence(np.array(g.prompt_ids), np.array(s.response_ids),  # copies: decoded
                                       np.array(s.behav_logprobs), np.array(s.versions),  # arrays are read-only
-                                      float(s.reward), float(a)))
+                                      float(s.reward), float(a),
+                                      loss_mask=None if s.loss_mask is None else np.array(s.loss_mask)))
     if algo.batch_normalize_advantages and seqs:
         adv = normalize_advantages(torch.tensor([s.advantage for s in seqs], dtype=torch.float64),
-                                   torch.tensor([float(len(s.response_ids)) for s in seqs], dtype=torch.float64))
+                                   torch.tensor([float(s.trained().sum()) for s in seqs], dtype=torch.float64))
         for s, a in zip(seqs, adv.tolist()):
             s.advantage = a
     return seqs
@@ -147,14 +156,14 @@ def loss_denominator(seqs: list[TrainSequence], rows: list[int], config: LossCon
     """The whole minibatch's normaliser (over all ranks), so micro-batch losses add up exactly.
 
     No config (objective tb): the minibatch's sequences, trajectory balance's mean over trajectories.
-    token-mean: response tokens; seq-mean-token-mean: non-empty responses; seq-mean-token-sum-norm
+    token-mean: trained response tokens; seq-mean-token-mean: responses with a trained token; seq-mean-token-sum-norm
     (Dr. GRPO): rows x the fixed length `config.max_new_tokens` (maxNewTokens), what `aggregate` uses
     for a single call, never a padded width (which would depend on the longest row).
     """
     if config is None:
         return float(len(rows))
     if config.aggregation == "token-mean":
-        return float(sum(len(seqs[i].response_ids) for i in rows))
+        return float(sum(int(seqs[i].trained().sum()) for i in rows))
     if config.aggregation == "seq-mean-token-mean":
-        return float(sum(1 for i in rows if len(seqs[i].response_ids)))
+        return float(sum(1 for i in rows if seqs[i].trained().any()))
     return float(len(rows) * config.max_new_tokens)

@@ -133,7 +133,8 @@ def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any
         "grad_norm": float(np.mean(stats.grad_norms)) if stats.grad_norms else 0.0,
         "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
         "response_length": float(np.mean([len(s.response_ids) for s in seqs])) if seqs else 0.0,
-        "tokens": int(sum(len(s.response_ids) for s in seqs)),
+        "tokens": int(sum(int(s.trained().sum()) for s in seqs)),
+        "masked_tokens": int(sum(int((~s.trained()).sum()) for s in seqs)),
         "staleness_mean": (sum(k * v for k, v in lags.items()) / n_tokens) if n_tokens else 0.0,
         "staleness_max": max(lags) if lags else 0,
         "staleness_histogram": {str(lag): n for lag, n in sorted(lags.items())},
@@ -155,10 +156,11 @@ def source_figures(groups: list[Any]) -> tuple[dict[str, float], dict[str, int]]
 
 
 def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:
-    """Generated tokens per version lag; a token newer than `version` (after a resume) counts as lag 0."""
+    """Trained tokens per version lag; a token newer than `version` (after a resume) counts as lag 0."""
     counts: Counter[int] = Counter()
     for s in seqs:
-        lags = np.clip(version - s.versions[s.versions >= 0], 0, None) if len(s.versions) else np.array([])
+        trained = s.versions[s.trained()] if len(s.versions) else s.versions
+        lags = np.clip(version - trained[trained >= 0], 0, None) if len(trained) else np.array([])
         counts.update(int(x) for x in lags)
     return counts
 

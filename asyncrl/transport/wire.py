@@ -13,6 +13,8 @@ size costs a constant number of fields (decode = a few `np.frombuffer` plus slic
      "r": bin(float64: reward per sample), "fin": [str per sample: stop|length|abort],
      "ids": bin(int32: all responses concatenated), "lp": bin(float32), "ver": bin(int32),
      "tl": bin(int32),   (optional: absent when every token is of timeline 0)
+     "m": bin(uint8),    (optional: 1 where the token is the model's, 0 where it is context
+                          the model did not choose, such as a tool's output; absent: all 1)
      "src": str}         (optional: absent for a job's only dataset)
 
 "ver" and "tl" label each token with the weights that produced it: policy version and trainer
@@ -61,10 +63,17 @@ class TrajectorySample:
     finish_reason: str
     timelines: np.ndarray | None = None
     """Per token, the trainer timeline of its version (asyncrl.weight_labels); None: all 0."""
+    loss_mask: np.ndarray | None = None
+    """Per token, True where the model generated it (trained), False where it is context inside the
+    response (an observation, a tool's output: no behaviour log-prob, never in the loss); None: all True."""
 
     def token_timelines(self) -> np.ndarray:
         """`timelines`, zeros when None."""
         return np.zeros(len(self.versions), dtype=_I32) if self.timelines is None else self.timelines
+
+    def token_mask(self) -> np.ndarray:
+        """`loss_mask`, all True when None."""
+        return np.ones(len(self.response_ids), dtype=bool) if self.loss_mask is None else self.loss_mask
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrajectorySample):
@@ -74,7 +83,8 @@ class TrajectorySample:
                 and np.array_equal(self.response_ids, other.response_ids)
                 and np.array_equal(self.behav_logprobs, other.behav_logprobs, equal_nan=True)
                 and np.array_equal(self.versions, other.versions)
-                and np.array_equal(self.token_timelines(), other.token_timelines()))
+                and np.array_equal(self.token_timelines(), other.token_timelines())
+                and np.array_equal(self.token_mask(), other.token_mask()))
 
 
 @dataclass(eq=False)
@@ -156,16 +166,20 @@ def encode_group(g: TrajectoryGroup) -> bytes:
             raise WireFormatError(f"{name} must be a string")
     if not g.group_id:
         raise WireFormatError("group_id must not be empty (it is the dedupe key)")
-    ids, lps, vers, tls, lengths = [], [], [], [], []
+    ids, lps, vers, tls, masks, lengths = [], [], [], [], [], []
     for s in g.samples:
         a = _as_array("response_ids", s.response_ids, _I32)
         b = _as_array("behav_logprobs", s.behav_logprobs, _F32)
         c = _as_array("versions", s.versions, _I32)
         t = _as_array("timelines", s.token_timelines(), _I32)
-        if not len(a) == len(b) == len(c) == len(t):
+        m = np.asarray(s.token_mask())
+        if m.dtype != np.bool_ or m.ndim != 1:
+            raise WireFormatError(f"sample {s.sample_index}: loss_mask must be a 1-D bool array, got {m.dtype}")
+        if not len(a) == len(b) == len(c) == len(t) == len(m):
             raise WireFormatError(
                 f"sample {s.sample_index}: response_ids ({len(a)}), behav_logprobs ({len(b)}), "
-                f"versions ({len(c)}) and timelines ({len(t)}) must have the same length")
+                f"versions ({len(c)}), timelines ({len(t)}) and loss_mask ({len(m)}) must have the same length")
+        masks.append(m)
         if s.finish_reason not in FINISH_REASONS:
             raise WireFormatError(f"sample {s.sample_index}: finish_reason {s.finish_reason!r} "
                                   f"is not one of {FINISH_REASONS}")
@@ -188,6 +202,9 @@ def encode_group(g: TrajectoryGroup) -> bytes:
            "ver": _bin(all_versions)}
     if all_timelines.any():
         doc["tl"] = _bin(all_timelines)
+    all_masks = _concat(masks, np.dtype(np.bool_))
+    if not all_masks.all():
+        doc["m"] = _bin(all_masks.astype(np.uint8))
     if g.source:
         doc["src"] = g.source
     return msgpack.packb(doc, use_bin_type=True)
@@ -201,7 +218,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "prompt": bytes, "n": bytes, "i": bytes, "r": bytes, "fin": list, "ids": bytes, "lp": bytes,
     "ver": bytes}
 _ARRAYS: dict[str, np.dtype] = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
-_OPTIONAL: dict[str, np.dtype] = {"tl": _I32}
+_OPTIONAL: dict[str, np.dtype] = {"tl": _I32, "m": np.dtype(np.uint8)}
 """Array fields a payload may leave out (read as all zeros)."""
 _OPTIONAL_TEXT = ("src",)
 """String fields a payload may leave out (read as "")."""
@@ -214,6 +231,7 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
     arrays = _arrays(doc)
     _check_samples(doc, arrays)
     lengths, ids, lp, ver, tl = arrays["n"], arrays["ids"], arrays["lp"], arrays["ver"], arrays.get("tl")
+    mask = None if "m" not in arrays else arrays["m"].astype(bool)
     fin = doc["fin"]
     version = doc["v"]
     samples = []
@@ -222,7 +240,8 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
                                                arrays["r"].tolist())):
         start, end = end, end + n
         samples.append(TrajectorySample(index, ids[start:end], lp[start:end], ver[start:end],
-                                        reward, fin[k], None if tl is None else tl[start:end]))
+                                        reward, fin[k], None if tl is None else tl[start:end],
+                                        None if mask is None else mask[start:end]))
     return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
                            prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
                            created_at=float(doc["ct"]), published_at=float(doc["pt"]),
@@ -299,6 +318,11 @@ def _check_samples(doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         raise WireFormatError(f"timelines ({len(tl)}) disagree with the sample lengths ({total} tokens)")
     if tl is not None and total and tl.min() < 0:
         raise WireFormatError(f"negative timeline {int(tl.min())}")
+    mask = arrays.get("m")
+    if mask is not None and len(mask) != total:
+        raise WireFormatError(f"the loss mask ({len(mask)}) disagrees with the sample lengths ({total} tokens)")
+    if mask is not None and total and mask.max() > 1:
+        raise WireFormatError(f"loss mask values must be 0 or 1, got {int(mask.max())}")
     try:
         bad = not set(fin) <= _FIN_SET
     except TypeError:
