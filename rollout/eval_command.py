@@ -301,8 +301,9 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
         for scorer in {id(part.scorer): part.scorer for part in parts}.values():
             scorer.close()
     first = eval_sources(spec)[0][1]
-    return {**record.model_dump(), "model": plan.model, "dataset": first.source if len(parts) == 1 else data,
-            "split": first.split}
+    if len(parts) > 1:  # (`data` names each source and its split)
+        return {**record.model_dump(), "model": plan.model, "dataset": data, "split": ""}
+    return {**record.model_dump(), "model": plan.model, "dataset": first.source, "split": first.split}
 
 
 def _datasets_named(spec: EvaluationSpec) -> str:
@@ -349,12 +350,15 @@ def print_result(result: dict[str, Any]) -> None:
     table.add_column("value", overflow="fold")
     k = result["k"]
     for name, value in (
-        ("model", result["model"]), ("dataset", f"{result['dataset']} ({result['split']})"),
+        ("model", result["model"]),
+        ("dataset", f"{result['dataset']} ({result['split']})" if result["split"] else result["dataset"]),
         ("policy version", str(result["policy_version"])), ("prompts", str(result["prompts"])), ("k", str(k)),
         ("reward mean", num(result["reward_mean"])), ("pass@1", num(result["pass_at_1"])),
         (f"pass@{k}" if k > 1 else "pass@k", num(result["pass_at_k"])),
         ("mean length (tokens)", f"{result['response_length']:.1f}"),
         ("seconds", f"{result['seconds']:.1f}"),
+        *((f"pass@1 · {source}", f"{num(p1)} (reward {num(result['reward_by_source'][source])})")
+          for source, p1 in sorted(result.get("pass_at_1_by_source", {}).items())),
     ):
         table.add_row(name, value)
     Console(highlight=False).print(table)

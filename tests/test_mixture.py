@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from asyncrl.cli import build_parser
 from asyncrl.rollout.datasets import ArithmeticSource
-from asyncrl.rollout.eval_command import plan_from_args
+from asyncrl.rollout.eval_command import plan_from_args, print_result
 from asyncrl.rollout.mixture import BLOCK, Lane, Mixture, MixtureDraw
 from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
 from asyncrl.rollout.worker_process import StartupError, evaluation_inputs, training_inputs
@@ -309,3 +309,15 @@ def test_each_eval_sources_figures_reach_prometheus_and_the_trackers() -> None:
     Trackers([recorder]).log_eval(7, newest)
     [values] = recorder.logged
     assert values["eval/pass_at_1/easy"] == 0.75 and values["eval/reward_mean/hard"] == 0.3
+
+
+def test_asyncrl_eval_prints_each_sources_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    record = EvalRecord(policy_version=0, reward_mean=0.5, pass_at_1=0.5, prompts=4, samples=4,
+                        pass_at_1_by_source={"easy": 0.75, "hard": 0.25}, reward_by_source={"easy": 0.75, "hard": 0.3})
+    result = {**record.model_dump(), "model": "m", "dataset": "easy: builtin:arithmetic (test), hard: x.jsonl (test)",
+              "split": ""}
+    print_result(result)
+    out = capsys.readouterr().out
+    assert "pass@1 · easy" in out and "0.7500 (reward 0.7500)" in out and "0.2500 (reward 0.3000)" in out
+    assert "hard: x.jsonl (test)" in out and "(test) ()" not in out
+    assert json.loads(out.strip().splitlines()[-1])["pass_at_1_by_source"] == {"easy": 0.75, "hard": 0.25}
