@@ -5,6 +5,7 @@ The worker is the executor of its parts:
   rollout/engine_view.py  the engine's weights as the worker observes them, and labelled requests
   rollout/evaluator.py    held-out evaluation requests served on the same engine (spec.evaluation)
   rollout/prompt_cursor.py which prompt comes next, resumable, interrupted prompts first
+  rollout/mixture.py      what a position is: its source (of a mixture), prompt, rendering and reward
 What it owns itself:
   run()           takes an admission lease per group (blocks when the global staleness budget is
                   spent: the worker does not buffer), picks the next prompt of its shard, starts
