@@ -80,13 +80,17 @@ def sequences_with_advantages(groups: list[Any], algo: AlgorithmSpec) -> list[Tr
             seqs.append(TrainSequence(np.array(g.prompt_ids), np.array(s.response_ids),  # copies: decoded
                                       np.array(s.behav_logprobs), np.array(s.versions),  # arrays are read-only
                                       float(s.reward), float(a),
-                                      loss_mask=None if s.loss_mask is None else np.array(s.loss_mask)))
+                                      loss_mask=_copied(getattr(s, "loss_mask", None))))
     if algo.batch_normalize_advantages and seqs:
         adv = normalize_advantages(torch.tensor([s.advantage for s in seqs], dtype=torch.float64),
                                    torch.tensor([float(s.trained().sum()) for s in seqs], dtype=torch.float64))
         for s, a in zip(seqs, adv.tolist()):
             s.advantage = a
     return seqs
+
+
+def _copied(mask: Any) -> np.ndarray | None:
+    return None if mask is None else np.array(mask, dtype=bool)
 
 
 def plan_step(groups: list[Any], seqs: list[TrainSequence], algo: AlgorithmSpec, *, rank: int = 0,
