@@ -459,10 +459,12 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
             return 0
         signals.serve()
         if record is not None:
-            outcome = await record.record(outcome)
+            _terminate_with(outcome)  # (first: whoever sees the recorded outcome finds the message too)
+            recorded = await record.record(outcome)
+            if recorded != outcome:  # (another life's, recorded first: the pod says what the job says)
+                _terminate_with(recorded)
+            outcome = recorded
             trainer.set_outcome(outcome.report_fields())
-            if outcome.phase == "Failed":
-                write_termination_message(f"{outcome.reason}: {outcome.message}")
             log.info("trainer finished: %s", outcome.summary)
         return await _serve(outcome, None, job, args, runtime, ctx, record, signals)
     finally:
@@ -470,6 +472,12 @@ async def _lifecycle(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime
             server.stop_thread()
         if io is not None and (record is None or io.redis is not record.redis):
             await io.redis.aclose()
+
+
+def _terminate_with(outcome: TrainerOutcome) -> None:
+    """The termination message of a Failed outcome (none for a success)."""
+    if outcome.phase == "Failed":
+        write_termination_message(f"{outcome.reason}: {outcome.message}")
 
 
 async def _recorded_outcome(record: OutcomeRecord | None, ctx: Any) -> TrainerOutcome | None:
