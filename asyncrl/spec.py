@@ -1131,6 +1131,13 @@ class AsyncRLJobSpec(SpecModel):
                              "shared across ranks yet; allowed: trainer.replicas 1 with gpusPerReplica 0 or 1")
         return self
 
+    def training_datasets(self) -> list[DatasetSpec]:
+        """The sources of training prompts: `datasets`, else the one `dataset` (one is always set)."""
+        if self.datasets is not None:
+            return list(self.datasets)
+        assert self.dataset is not None  # (_one_dataset_field: one of dataset and datasets)
+        return [self.dataset]
+
     def max_concurrent_groups(self) -> int:
         """Groups in flight across all rollout pods (explicit, or B + the policy's groups ahead)."""
         s = self.staleness

@@ -152,7 +152,7 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
 
         spec = load_job(args.config).spec  # a JobFileError is reported by asyncrl.cli
         # (a mixture's first source stands for its training data: its format, its held-out split)
-        train = spec.dataset or (spec.datasets or [])[0]
+        train = spec.training_datasets()[0]
         base = spec.evaluation or EvaluationSpec(
             dataset=EvalDatasetSpec.model_validate({**train.model_dump(include=set(DatasetSpec.model_fields)),
                                                     "split": "test"}),

@@ -58,7 +58,7 @@ def evaluation_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> li
             scorer = scorer_for(reward, on_error="zero", service_url=reward_url if reward is spec.reward else None)
         except RewardError as exc:
             raise StartupError(f"{where}: reward: {exc}") from exc
-        format_of = training[name] if name in training else _training_datasets(spec)[0]
+        format_of = training[name] if name in training else spec.training_datasets()[0]
         inputs.append(EvalInputs(EvalPart(name, items, scorer), dataset, format_of))
     return inputs
 
@@ -71,13 +71,6 @@ class EvalInputs:
     part: EvalPart
     dataset: EvalDatasetSpec
     training: DatasetSpec
-
-
-def _training_datasets(spec: AsyncRLJobSpec) -> list[DatasetSpec]:
-    if spec.datasets is not None:
-        return list(spec.datasets)
-    assert spec.dataset is not None  # (AsyncRLJobSpec: one of dataset and datasets)
-    return [spec.dataset]
 
 
 @dataclass(frozen=True)
@@ -99,7 +92,7 @@ def training_inputs(spec: AsyncRLJobSpec, reward_url: str | None = None) -> list
     except RewardError as exc:
         raise StartupError(f"spec.reward: {exc}") from exc
     if spec.datasets is None:
-        dataset = _training_datasets(spec)[0]
+        dataset = spec.training_datasets()[0]
         return [SourceInputs("", 1.0, dataset, _load(dataset, "spec.dataset"), job_scorer)]
     inputs = []
     for i, d in enumerate(spec.datasets):
