@@ -1,7 +1,7 @@
 """The rollout worker: prompts in, version-tagged trajectory groups out, never waiting for training.
 
 The worker is the executor of its parts:
-  rollout/episode.py      one prompt's group: samples generated across aborts, scored, checked
+  rollout/groups.py       one prompt's group: samples generated across aborts, scored, checked
   rollout/engine_view.py  the engine's weights as the worker observes them, and labelled requests
   rollout/evaluator.py    held-out evaluation requests served on the same engine (spec.evaluation)
   rollout/prompt_cursor.py which prompt comes next, resumable, interrupted prompts first
@@ -11,7 +11,7 @@ What it owns itself:
                   spent: the worker does not buffer), picks the next prompt of its shard, starts
                   the group as a task; the version follower, the registry heartbeat, the progress
                   line and (with `evaluation`) the evaluator run beside it.
-  _run_group()    the episode's group, published with one XADD, the lease released as accepted. A
+  _run_group()    the group, published with one XADD, the lease released as accepted. A
                   group whose sample keeps failing, or that check_group refuses, is dropped (lease
                   released unaccepted, counted, logged with the reason; its prompt is not retried),
                   never published: a poison group would only be dead-lettered by the trainer. A
@@ -45,8 +45,8 @@ from typing import Any
 from asyncrl.health import HEALTH, Health
 from asyncrl.rollout.engine_view import Dropped, EngineView
 from asyncrl.rollout.engines.base import Engine
-from asyncrl.rollout.episode import Episode, InvalidGroup, UnscoredGroup
 from asyncrl.rollout.evaluator import Evaluator, WorkerEvaluation
+from asyncrl.rollout.groups import GroupGenerator, InvalidGroup, UnscoredGroup
 from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.prompt_cursor import PromptCursor
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
@@ -104,7 +104,7 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self.view = EngineView(cfg, engine=engine, registry=self.registry, versions=VersionChannel(redis, self.names),
                                admission=admission, stats=self.stats, health=health)
-        self.episode = Episode(cfg, view=self.view, decode=decode, stats=self.stats, stopping=self._stop)
+        self.groups = GroupGenerator(cfg, view=self.view, decode=decode, stats=self.stats, stopping=self._stop)
         self.decode = decode
         self.evaluator: Evaluator | None = None
         """Serves `evaluation` once run() has started (None: it serves none)."""
@@ -256,7 +256,7 @@ class RolloutWorker:
         try:
             lane, item = self.prompts.pick(position)
             try:
-                group = await self.episode.group(item, lane.render(item), lane.scorer, lane.name)
+                group = await self.groups.group(item, lane.render(item), lane.scorer, lane.name)
             except Dropped as exc:
                 if exc.retry:
                     requeued = True

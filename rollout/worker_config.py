@@ -1,6 +1,6 @@
 """What a rollout worker is given (WorkerConfig) and what it counts (WorkerStats).
 
-Shared by its parts: the executor (rollout/worker.py), the episode (rollout/episode.py), the view
+Shared by its parts: the executor (rollout/worker.py), the group generator (rollout/groups.py), the view
 of its engine's weights (rollout/engine_view.py) and the evaluator (rollout/evaluator.py).
 """
 

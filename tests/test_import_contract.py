@@ -31,7 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "rollout": ("asyncrl.trainer", "asyncrl.operator"),
     "trainer": ("asyncrl.operator", "asyncrl.rollout.worker", "asyncrl.rollout.main", "asyncrl.rollout.datasets",
                 "asyncrl.rollout.rewards", "asyncrl.rollout.hf_engine", "asyncrl.rollout.hf_server",
-                "asyncrl.rollout.episode", "asyncrl.rollout.engine_view", "asyncrl.rollout.evaluator",
+                "asyncrl.rollout.groups", "asyncrl.rollout.engine_view", "asyncrl.rollout.evaluator",
                 "asyncrl.rollout.prompt_cursor", "asyncrl.rollout.worker_config", "asyncrl.rollout.worker_process"),
 }
 

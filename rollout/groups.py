@@ -1,7 +1,7 @@
-"""One prompt's episode: its group of samples generated, scored, each token tagged with its version.
+"""One prompt's group: its samples generated, scored, each token tagged with its version.
 
   sample()  one completion as a sequence of segments: when the engine answers "abort" (the trainer
-            paused it to load new weights) the episode re-sends prompt + partial output with
+            paused it to load new weights) the sample re-sends prompt + partial output with
             max_new_tokens reduced; each segment's tokens carry the label of the weights that
             produced them (version and trainer timeline; EngineView.generate), so a response may
             span several versions. An answer longer than `max_tokens_per_request` is continued the same way.
@@ -9,7 +9,7 @@
             reward that failed past its retries makes it an UnscoredGroup), and checked trainable
             (asyncrl.transport.content.check_group: finite logprobs, one per token, ...). What
             happens to the group (published, dropped, its lease released, its prompt queued again)
-            is the executor's business (rollout/worker.py), not the episode's.
+            is the executor's business (rollout/worker.py), not the generator's.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ async def all_or_none(coros: list[Any]) -> list[Any]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class Episode:
+class GroupGenerator:
     """Generates and scores groups on one engine; shared by every group of a worker."""
 
     def __init__(self, cfg: WorkerConfig, *, view: EngineView, decode: Callable[[list[int]], str],
