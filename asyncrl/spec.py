@@ -304,6 +304,21 @@ class JudgeSpec(SpecModel):
         return v
 
 
+REWARDS = ("gsm8k", "exact-number")
+EPISODES = ("single-turn", "retry", "tool-calling")
+"""spec.rollout.episode's builtins (rollout/builtin_episodes.py)."""
+TOOLS = ("calculator",)
+"""spec.rollout.tools' builtins (rollout/tools.py)."""
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def builtin_or_plugin(v: str, builtins: tuple[str, ...], what: str) -> str:
+    """`v` when it names a builtin or a `package.module:function` plug-in."""
+    if v in builtins or _PLUGIN.fullmatch(v):
+        return v
+    raise ValueError(f"{v!r} is not a {what}; allowed: {', '.join(builtins)}, or module:function")
+
+
 class RewardSpec(SpecModel):
     """How a completion is scored."""
 
@@ -333,11 +348,7 @@ class RewardSpec(SpecModel):
     @field_validator("function")
     @classmethod
     def _function(cls, v: str) -> str:
-        if v in ("gsm8k", "exact-number"):
-            return v
-        if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
-            return v
-        raise ValueError(f"{v!r} is not a reward; allowed: gsm8k, exact-number, or module:function")
+        return builtin_or_plugin(v, REWARDS, "reward")
 
 
 class NamedSource(SpecModel):
@@ -696,6 +707,21 @@ class StalenessSpec(SpecModel):
                                               async_ratio=self.async_ratio)
 
 
+class EpisodeLimits(SpecModel):
+    """Bounds of one multi-turn episode (spec.rollout.episode other than single-turn)."""
+
+    max_turns: int = Field(default=4, ge=1, le=256)
+    """Model turns per episode; one more `generate` ends the episode as it is."""
+    max_tokens: int = Field(default=1024, ge=16, le=1_048_576)
+    """Tokens per episode, prompt and every turn and observation included; a turn or an observation
+    that would pass it is cut there and the episode ends (counted as truncated)."""
+    timeout_seconds: float = Field(default=600.0, gt=0)
+    """Wall time of one episode; one that runs past it failed (tried again, then its group dropped)."""
+    retries: int = Field(default=2, ge=0, le=10)
+    """Times an episode whose function raised or timed out is tried again before its group is
+    dropped (never trained with a made-up reward: dead-lettered and counted as `episode_failures`)."""
+
+
 class RolloutSpec(SpecModel):
     """Inference servers and rollout workers."""
 
@@ -722,6 +748,47 @@ class RolloutSpec(SpecModel):
     resources: Resources = Field(default_factory=Resources)
     pod_template: RolloutPodTemplate | None = None
     """Scheduling, identity, env and volumes added to the rollout pods (both containers)."""
+    episode: str = "single-turn"
+    """How one sample is generated: `single-turn` (one answer to the prompt), `retry` (the answer is
+    checked with the job's reward and, while wrong, the model is told so and answers again, up to
+    `episodeLimits.maxTurns`; the reward halves with each extra attempt), `tool-calling` (the model
+    calls `tools` until it answers without a call; the job's reward scores that answer), or a
+    plug-in `package.module:function`: an async function written against `asyncrl.episodes`."""
+    episode_limits: EpisodeLimits = Field(default_factory=EpisodeLimits)
+    """Bounds of a multi-turn episode (not used by `single-turn`)."""
+    tools: list[str] = Field(default_factory=list, max_length=64)
+    """Tools the model may call in its episodes: `calculator` or plug-ins `package.module:function`
+    (a function with type hints and a docstring describing each argument). They are described in
+    the prompt in the chat template's tool format (Hermes/Qwen `<tool_call>` JSON)."""
+    tool_timeout_seconds: float = Field(default=30.0, gt=0)
+    """Longest one tool call may run; a late one answers the model with an error message."""
+    max_concurrent_tool_calls: int = Field(default=16, ge=1)
+    """Tool calls running at once per rollout worker."""
+
+    @field_validator("episode")
+    @classmethod
+    def _episode(cls, v: str) -> str:
+        return builtin_or_plugin(v, EPISODES, "episode")
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[str]) -> list[str]:
+        for name in v:
+            builtin_or_plugin(name, TOOLS, "tool")
+        if len(set(v)) != len(v):
+            raise ValueError(f"names a tool twice: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _tools_need_an_episode(self) -> RolloutSpec:
+        if self.tools and not self.multi_turn():
+            raise ValueError("tools are called in multi-turn episodes: set episode to tool-calling or a plug-in")
+        if self.episode == "tool-calling" and not self.tools:
+            raise ValueError("episode tool-calling needs tools, e.g. tools: [calculator]")
+        return self
+
+    def multi_turn(self) -> bool:
+        return self.episode != "single-turn"
 
 
 NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
@@ -1137,6 +1204,13 @@ class AsyncRLJobSpec(SpecModel):
             return list(self.datasets)
         assert self.dataset is not None  # (_one_dataset_field: one of dataset and datasets)
         return [self.dataset]
+
+    def max_response_tokens(self) -> int:
+        """The longest response a trainable group may carry: one answer (algorithm.maxNewTokens), or a
+        multi-turn episode's turns and observations (rollout.episodeLimits.maxTokens)."""
+        if self.rollout.multi_turn():
+            return self.rollout.episode_limits.max_tokens
+        return self.algorithm.max_new_tokens
 
     def max_concurrent_groups(self) -> int:
         """Groups in flight across all rollout pods (explicit, or B + the policy's groups ahead)."""

@@ -149,6 +149,19 @@ class StepMetrics(StepRecord):
     masked_tokens: int = 0
     """Tokens of the step's responses fed to the model as context but outside the loss (a tool's
     output inside a multi-turn response; 0 for single-turn answers)."""
+    turns_mean: float = 0.0
+    """Mean model turns per episode of the step (spec.rollout.episode; 0 for single-turn answers)."""
+    tool_calls: int = 0
+    """Tool calls made in the step's episodes."""
+    tool_errors: int = 0
+    """Of `tool_calls`: those answered with an error (malformed, unknown tool, raised, timed out)."""
+    tool_seconds: float = 0.0
+    """Mean time one episode of the step spent in tool calls."""
+    generate_seconds: float = 0.0
+    """Mean time one episode of the step spent generating (its turns' requests, beside `tool_seconds`)."""
+    episodes_failed: int = 0
+    """Groups dropped so far because an episode function failed past its retries (the job's total,
+    `recovery.episode_failures`, as of this step)."""
     clip_fraction_low: Annotated[float, gauge("clip_fraction_by_side", "Fraction of tokens clipped in the last "
                                                "step at the lower (A < 0) or upper (A > 0) ratio bound.",
                                                side="low")] = 0.0
@@ -317,6 +330,9 @@ class RecoveryReport(_Report):
     reward_failures: Annotated[int, counter("reward_failed_groups")] = 0
     """Groups dropped unpublished because a reward could not be computed (spec.reward.onError drop):
     never trained with a made-up reward; `asyncrl dead-letters` lists them with the reason."""
+    episode_failures: Annotated[int, counter("episode_failed_groups")] = 0
+    """Groups dropped unpublished because an episode function (spec.rollout.episode) failed past
+    episodeLimits.retries: never trained with a made-up reward; `asyncrl dead-letters` lists them."""
     recovered_entries: Annotated[int, counter("recovered_entries")] = 0
     """Stream entries the current trainer re-read after a lost read reply."""
     reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0

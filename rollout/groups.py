@@ -29,6 +29,7 @@ from asyncrl.rollout.engine_view import Dropped, EngineView, RequestBudget
 from asyncrl.rollout.rewards import RewardFailed, Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
 from asyncrl.transport.content import check_group
+from asyncrl.transport.streams import EPISODE_FAILED, REWARD_FAILED
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
 
@@ -45,13 +46,28 @@ class InvalidGroup(Exception):
     """The group was generated but cannot be trained (check_group's reason): it is not published."""
 
 
-class UnscoredGroup(Exception):
-    """The group was generated but a sample's reward could not be computed (RewardFailed): it is not
-    published. `group` holds it as generated, the failed samples' rewards NaN (for the dead letter)."""
+class RefusedGroup(Exception):
+    """The group cannot be trained for a reason its producer knows (never a made-up reward): it is not
+    published but dead-lettered as `kind` with the reason. `group` holds what was generated (for the
+    dead letter), the samples without a reward NaN."""
+
+    kind = ""
 
     def __init__(self, message: str, group: TrajectoryGroup) -> None:
         super().__init__(message)
         self.group = group
+
+
+class UnscoredGroup(RefusedGroup):
+    """A sample's reward could not be computed (RewardFailed)."""
+
+    kind = REWARD_FAILED
+
+
+class FailedEpisodes(RefusedGroup):
+    """An episode function failed on every try (rollout/episode_runner.py)."""
+
+    kind = EPISODE_FAILED
 
 
 async def all_or_none(coros: list[Any]) -> list[Any]:
@@ -106,9 +122,10 @@ class GroupGenerator:
             raise InvalidGroup(problem)
         return group
 
-    async def sample(self, prompt_ids: list[int]) -> Sample:
-        """One completion, continued across aborts (partial rollout), versions tagged per segment."""
-        budget = self.cfg.sampling.max_new_tokens
+    async def sample(self, prompt_ids: list[int], budget: int | None = None) -> Sample:
+        """One completion of at most `budget` tokens (default: maxNewTokens), continued across aborts
+        (partial rollout), versions tagged per segment."""
+        budget = self.cfg.sampling.max_new_tokens if budget is None else budget
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import logging
 import math
@@ -28,6 +27,7 @@ from functools import partial
 from typing import Any, Literal, Protocol
 
 from asyncrl.errors import RolloutError
+from asyncrl.plugins import import_callable
 
 log = logging.getLogger("asyncrl.rollout.rewards")
 
@@ -105,17 +105,7 @@ def resolve_reward(name: str) -> RewardFn:
     """A built-in by name, or `package.module:function` imported from the Python path."""
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
-    if ":" not in name:
-        raise RewardError(f"unknown reward {name!r}; allowed: {', '.join(BUILTIN_REWARDS)}, or module:function")
-    module_name, func_name = name.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardError(f"reward plug-in {name!r}: cannot import module {module_name!r}: {exc}") from exc
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise RewardError(f"reward plug-in {name!r}: {module_name} has no function {func_name!r}")
-    return fn
+    return import_callable(name, "reward", builtins=BUILTIN_REWARDS, error=RewardError)
 
 
 def takes_metadata(fn: RewardFn) -> bool:

@@ -16,7 +16,9 @@ What it owns itself:
                   released unaccepted, counted, logged with the reason; its prompt is not retried),
                   never published: a poison group would only be dead-lettered by the trainer. A
                   group whose reward failed (spec.reward.onError drop) is dropped the same way, and
-                  dead-lettered and counted job-wide (`reward_failures` in the trainer's /status). A
+                  dead-lettered and counted job-wide (`reward_failures` in the trainer's /status);
+                  so is a group whose episode function failed past its retries (`episode_failures`,
+                  rollout/episode_runner.py). A
                   group interrupted by its engine going away (unreachable past `engine_outage_s`,
                   or aborted again and again) is not the prompt's fault: its prompt is queued again
                   and generated anew (counted as `requeued`), never marked done unanswered.
@@ -45,8 +47,9 @@ from typing import Any
 from asyncrl.health import HEALTH, Health
 from asyncrl.rollout.engine_view import Dropped, EngineView
 from asyncrl.rollout.engines.base import Engine
+from asyncrl.rollout.episode_runner import EpisodeRunner
 from asyncrl.rollout.evaluator import Evaluator, WorkerEvaluation
-from asyncrl.rollout.groups import GroupGenerator, InvalidGroup, UnscoredGroup
+from asyncrl.rollout.groups import GroupGenerator, InvalidGroup, RefusedGroup, UnscoredGroup
 from asyncrl.rollout.mixture import Mixture
 from asyncrl.rollout.prompt_cursor import PromptCursor
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
@@ -86,7 +89,8 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], timeout: float | None =
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, prompts: Mixture,
                  decode: Callable[[list[int]], str], admission: Admission, names: StreamNames | None = None,
-                 health: Health = HEALTH, evaluation: WorkerEvaluation | None = None):
+                 health: Health = HEALTH, evaluation: WorkerEvaluation | None = None,
+                 episodes: EpisodeRunner | None = None):
         self.cfg = cfg
         self.health = health
         """Where outages are recorded (the process's board: the Redis client reports to it too)."""
@@ -97,6 +101,8 @@ class RolloutWorker:
         self.admission = admission
         self.evaluation = evaluation
         """Held-out evaluation to serve (read when run() starts); None: none."""
+        self.episodes = episodes
+        """The job's multi-turn episode (spec.rollout.episode); None: single-turn groups."""
         self.names = names or StreamNames.for_job(cfg.job)
         self.producer = TrajectoryProducer(redis, self.names)
         self.registry = EngineRegistry(redis, self.names)
@@ -214,6 +220,8 @@ class RolloutWorker:
             scorer.close()
         if self.evaluator is not None:
             self.evaluator.close(scorers)
+        if self.episodes is not None:
+            self.episodes.close()
         log.info("rollout worker stopped: %s", self.summary())
 
     async def _run_requeued(self) -> None:
@@ -256,7 +264,10 @@ class RolloutWorker:
         try:
             lane, item = self.prompts.pick(position)
             try:
-                group = await self.groups.group(item, lane.render(item), lane.scorer, lane.name)
+                if self.episodes is None:
+                    group = await self.groups.group(item, lane.render(item), lane.scorer, lane.name)
+                else:
+                    group = await self.episodes.group(self.groups, item, lane)
             except Dropped as exc:
                 if exc.retry:
                     requeued = True
@@ -272,8 +283,8 @@ class RolloutWorker:
                 self.stats.groups_invalid += 1
                 log.warning("dropped group for prompt %s (not published): %s", item.prompt_id, exc)
                 return
-            except UnscoredGroup as exc:
-                await self._drop_unscored(item.prompt_id, exc)
+            except RefusedGroup as exc:
+                await self._drop_refused(item.prompt_id, exc)
                 return
             await self.producer.publish(group)
             published = True
@@ -290,15 +301,20 @@ class RolloutWorker:
             if published or not (self._stop.is_set() or requeued):
                 self.cursor.mark_done(local)
 
-    async def _drop_unscored(self, prompt_id: str, exc: UnscoredGroup) -> None:
-        """A group whose reward failed is never trained with a made-up one: not published (its lease
-        goes back unaccepted), dead-lettered with the reason, counted job-wide; its prompt is not retried."""
+    async def _drop_refused(self, prompt_id: str, exc: RefusedGroup) -> None:
+        """A group whose reward or episodes failed is never trained with a made-up reward: not published
+        (its lease goes back unaccepted), dead-lettered with the reason, counted job-wide; its prompt
+        is not retried."""
         self.stats.groups_dropped += 1
-        self.stats.groups_unscored += 1
+        unscored = isinstance(exc, UnscoredGroup)
+        if unscored:
+            self.stats.groups_unscored += 1
+        else:
+            self.stats.groups_failed += 1
         log.warning("dropped group for prompt %s (not published): %s", prompt_id, exc)
         try:
-            await self.producer.dead_letter_unscored(exc.group, str(exc), self.cfg.engine_id)
-            await self.admission.record_reward_failure()
+            await self.producer.dead_letter_refused(exc.group, exc.kind, str(exc), self.cfg.engine_id)
+            await self.admission.record_refusal("reward_failures" if unscored else "episode_failures")
         except Exception as err:  # Redis gone past its outage window: the drop stands, only its record is lost
             reraise_if_cancelled(err)
             log.warning("could not record the dropped group for prompt %s: %s", prompt_id, err)
@@ -320,7 +336,7 @@ class RolloutWorker:
         reward_errors = sum(scorer.errors for scorer in self.prompts.scorers())
         evals = "" if self.evaluator is None else self.evaluator.summary()
         return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} "
-                f"unscored={s.groups_unscored} tokens={s.tokens} "
+                f"unscored={s.groups_unscored} failed={s.groups_failed} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={v.version} engine_version={v.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} requeued={s.requeued} "
                 f"weight_waits={s.weight_waits} restarts={s.restarts_seen} "

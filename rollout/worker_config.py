@@ -55,11 +55,14 @@ class WorkerConfig:
     Kubernetes Deployment's pods have no stable index, and scaling must not restart them)."""
     vocab_size: int | None = None
     """The model's vocabulary, when known: token ids at or above it make a group unpublishable."""
+    max_response_tokens: int | None = None
+    """The longest response of a publishable group (AsyncRLJobSpec.max_response_tokens: a multi-turn
+    episode's are longer than one answer); None: `sampling.max_new_tokens`."""
 
     def group_limits(self) -> GroupLimits:
         """What a publishable group must respect beyond the wire format (see check_group)."""
-        return GroupLimits(vocab_size=self.vocab_size, group_size=self.group_size,
-                           max_response_tokens=self.sampling.max_new_tokens)
+        longest = self.sampling.max_new_tokens if self.max_response_tokens is None else self.max_response_tokens
+        return GroupLimits(vocab_size=self.vocab_size, group_size=self.group_size, max_response_tokens=longest)
 
 
 @dataclass
@@ -71,6 +74,8 @@ class WorkerStats:
     """Of `groups_dropped`: generated but untrainable (e.g. a NaN logprob from the engine)."""
     groups_unscored: int = 0
     """Of `groups_dropped`: a sample's reward failed past its retries (spec.reward.onError drop)."""
+    groups_failed: int = 0
+    """Of `groups_dropped`: an episode function failed past its retries (rollout/episode_runner.py)."""
     samples: int = 0
     tokens: int = 0
     requests: int = 0

@@ -10,18 +10,21 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer, vocab_size
 from asyncrl.rollout.datasets import DatasetError, PromptSource, load_source
 from asyncrl.rollout.engines import make_engine
 from asyncrl.rollout.engines.base import SamplingParams
+from asyncrl.rollout.episode_runner import EpisodeError, EpisodeRunner, resolve_episode
 from asyncrl.rollout.evaluation import EvalPart, EvalSettings, eval_prompt_format, eval_sources, load_eval_items
 from asyncrl.rollout.evaluator import WorkerEvaluation
 from asyncrl.rollout.mixture import Lane, Mixture
-from asyncrl.rollout.prompts import PromptRenderer
+from asyncrl.rollout.prompts import ChatTurns, PromptRenderer
 from asyncrl.rollout.rewards import RewardError, Scorer
 from asyncrl.rollout.scorers import scorer_for
+from asyncrl.rollout.tools import Toolbox, ToolError
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.runtime import Runtime
@@ -111,11 +114,31 @@ def _load(dataset: DatasetSpec, where: str) -> PromptSource:
         raise StartupError(f"{where}: {dataset.source}: {exc}") from exc
 
 
-def training_prompts(inputs: list[SourceInputs], tokenizer: object, seed: int) -> Mixture:
-    """The worker's prompts: each source rendered in its own format (template, system prompt)."""
+def training_prompts(inputs: list[SourceInputs], tokenizer: object, seed: int,
+                     tools: list[dict[str, Any]] | None = None) -> Mixture:
+    """The worker's prompts: each source rendered in its own format (template, system prompt), with
+    the job's `tools` described."""
     lanes = [Lane(i.name, i.source, PromptRenderer(tokenizer, i.dataset.prompt_template,
-                                                   i.dataset.system_prompt).render, i.scorer) for i in inputs]
+                                                   i.dataset.system_prompt, tools).render, i.scorer) for i in inputs]
     return Mixture(lanes, [i.weight for i in inputs], seed=seed)
+
+
+def episode_runner(spec: AsyncRLJobSpec, tokenizer: object, renderer: PromptRenderer) -> EpisodeRunner | None:
+    """The job's multi-turn episode (None: single-turn); raises StartupError naming the field at fault."""
+    rollout = spec.rollout
+    if not rollout.multi_turn():
+        return None
+    try:
+        fn = resolve_episode(rollout.episode)
+    except EpisodeError as exc:
+        raise StartupError(f"spec.rollout.episode: {exc}") from exc
+    try:
+        toolbox = Toolbox(rollout.tools, timeout_s=rollout.tool_timeout_seconds,
+                          max_concurrent=rollout.max_concurrent_tool_calls) if rollout.tools else None
+    except ToolError as exc:
+        raise StartupError(f"spec.rollout.tools: {exc}") from exc
+    return EpisodeRunner(fn, rollout.episode_limits, ChatTurns(tokenizer, renderer.stop_token_ids()),
+                         renderer.decode, toolbox, name=rollout.episode)
 
 
 async def wait_until_ready(ready: Callable[[], Awaitable[bool]], what: str, timeout: float) -> None:
@@ -138,7 +161,7 @@ def worker_config(args: argparse.Namespace, spec: AsyncRLJobSpec, job: str, rt: 
         max_tokens_per_request=spec.rollout.max_tokens_per_request,
         log_every_s=args.log_every, engine_outage_s=args.engine_outage_s,
         rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas,
-        vocab_size=vocab_size(spec.model.path))
+        vocab_size=vocab_size(spec.model.path), max_response_tokens=spec.max_response_tokens())
 
 
 async def run_worker(args: argparse.Namespace) -> int:
@@ -152,6 +175,9 @@ async def run_worker(args: argparse.Namespace) -> int:
     try:
         eval_inputs = evaluation_inputs(spec, rt.reward_url)
         sources = training_inputs(spec, rt.reward_url)
+        tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
+        renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
+        episodes = episode_runner(spec, tokenizer, renderer)
         await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)
         # (a reward service started with the job may come up after the engine: no group is scored before it)
         for scorer in {id(i.scorer): i.scorer for i in sources}.values():
@@ -160,8 +186,6 @@ async def run_worker(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         await engine.close()
         return 1
-    tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
-    renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
     redis = await connect(args.redis_url or rt.redis_url)
     names = rt.stream_names(job.metadata.name)
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
@@ -171,9 +195,11 @@ async def run_worker(args: argparse.Namespace) -> int:
                  for i in eval_inputs]
         evaluation = WorkerEvaluation(
             parts=parts, settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
-    prompts = training_prompts(sources, tokenizer, spec.seed)
+    prompts = training_prompts(sources, tokenizer, spec.seed, episodes.toolbox.schemas if episodes and episodes.toolbox
+                               else None)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=renderer.decode,
-                           admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation)
+                           admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation,
+                           episodes=episodes)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.cli import main as cli_main
 from asyncrl.transport.names import StreamNames
-from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
+from asyncrl.transport.streams import EPISODE_FAILED, REWARD_FAILED, TrajectoryConsumer, TrajectoryProducer
 from asyncrl.transport.wire import decode_group
 
 JOB, UID = "poisoned", "0b6c1f9e-1c2d-4e5f-8a9b-0c1d2e3f4a5b"
@@ -35,15 +35,20 @@ async def test_lists_each_refused_group_with_its_reason_as_json_and_saves_the_pa
     assert await consumer.read(count=10, block_ms=100) == []
     assert consumer.stats.dead_lettered == 2
     unscored = make_trajectory_group("g-unscored", job=JOB)
-    await TrajectoryProducer(transport_redis, NAMES).dead_letter_unscored(
-        unscored, "1 of 2 rewards failed: ConnectionError: verifier down", "rollout-0")
+    await TrajectoryProducer(transport_redis, NAMES).dead_letter_refused(
+        unscored, REWARD_FAILED, "1 of 2 rewards failed: ConnectionError: verifier down", "rollout-0")
+    failed = make_trajectory_group("g-failed-episode", job=JOB)
+    await TrajectoryProducer(transport_redis, NAMES).dead_letter_refused(
+        failed, EPISODE_FAILED, "episode my:agent failed (3 tries): KeyError: 'x'", "rollout-0")
 
     code = await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--uid", UID, "--redis-url", redis_url, "--json",
                      "--save", str(tmp_path / "payloads")])
     out = json.loads(capsys.readouterr().out)
-    assert code == 0 and (out["job"], out["total"], out["shown"]) == (JOB, 3, 3)
-    assert out["by_kind"] == {"undecodable": 1, "untrainable": 1, "reward failed": 1}
-    first, second, third = out["dead_letters"]
+    assert code == 0 and (out["job"], out["total"], out["shown"]) == (JOB, 4, 4)
+    assert out["by_kind"] == {"undecodable": 1, "untrainable": 1, "reward failed": 1, "episode failed": 1}
+    first, second, third, fourth = out["dead_letters"]
+    assert (fourth["kind"], fourth["group_id"], fourth["reason"]) == \
+        ("episode failed", "g-failed-episode", "episode failed: episode my:agent failed (3 tries): KeyError: 'x'")
     assert (third["kind"], third["group_id"], third["consumer"], third["source_entry"]) == \
         ("reward failed", "g-unscored", "rollout-0", "")
     assert third["reason"].endswith("verifier down")
@@ -57,7 +62,7 @@ async def test_lists_each_refused_group_with_its_reason_as_json_and_saves_the_pa
     assert await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--uid", UID, "--redis-url", redis_url,
                                               "--count", "1"]) == 0
     table = capsys.readouterr().out
-    assert "undecodable" in table and "3 dead letter(s) in total; shown 1: 1 undecodable" in table
+    assert "undecodable" in table and "4 dead letter(s) in total; shown 1: 1 undecodable" in table
 
     # without the uid: the keys of a local run of that name, which has none
     assert await asyncio.to_thread(cli_main, ["dead-letters", JOB, "--redis-url", redis_url]) == 0

@@ -91,14 +91,15 @@ async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_r
     assert await adm.try_acquire("p") and await adm.try_acquire("p") is None
 
 
-async def test_a_reward_failure_is_counted_and_its_unaccepted_lease_gives_the_slot_back(transport_redis):
+async def test_a_reward_or_episode_failure_is_counted_and_its_unaccepted_lease_gives_the_slot_back(transport_redis):
     adm = Admission(transport_redis, NAMES, batch_size=1, max_head_offpolicyness=0, max_concurrent=10)
-    lease = await adm.try_acquire("p")
-    assert await adm.try_acquire("p") is None  # eta 0, B 1: one group per version
-    await adm.record_reward_failure()
-    await adm.release(lease, accepted=False)
+    for counter in ("reward_failures", "episode_failures", "episode_failures"):
+        lease = await adm.try_acquire("p")
+        assert await adm.try_acquire("p") is None  # eta 0, B 1: one group per version
+        await adm.record_refusal(counter)
+        await adm.release(lease, accepted=False)
     snap = await adm.snapshot()
-    assert (snap.accepted, snap.running, snap.capacity, snap.reward_failures) == (0, 0, 1, 1)
+    assert (snap.accepted, snap.running, snap.capacity, snap.reward_failures, snap.episode_failures) == (0, 0, 1, 1, 2)
     assert await adm.try_acquire("p")
 
 

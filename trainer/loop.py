@@ -503,6 +503,7 @@ class Trainer:
         m.weight_sync_seconds = self.publisher.last_seconds
         self._record_zero_signal(m)
         with self.reporter.edit() as r:
+            m.episodes_failed = r.recovery.episode_failures
             report_step(r, st, m, dead_lettered=self.inbox.dead_lettered if self.inbox is not None else 0)
         if self.ctx.is_main and self.cfg.metrics_path is not None:
             append_metrics_line(self.cfg.metrics_path, m)

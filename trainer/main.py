@@ -386,7 +386,7 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
     redis = redis if redis is not None else await connect(runtime.redis_url)
     # Groups the training step could not use go to the dead-letter stream, not into a batch.
     limits = GroupLimits(vocab_size=vocab_size(spec.model.path), group_size=spec.algorithm.group_size,
-                         max_response_tokens=spec.algorithm.max_new_tokens)
+                         max_response_tokens=spec.max_response_tokens())
     consumer = TrajectoryConsumer(redis, names, runtime.pod_name, limits=limits)
     await consumer.ensure_group()
     admission = Admission.for_job(redis, names, spec)

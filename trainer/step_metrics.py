@@ -138,7 +138,7 @@ def summarize_step(stats: StepStats, seqs: list[TrainSequence], groups: list[Any
         "staleness_mean": (sum(k * v for k, v in lags.items()) / n_tokens) if n_tokens else 0.0,
         "staleness_max": max(lags) if lags else 0,
         "staleness_histogram": {str(lag): n for lag, n in sorted(lags.items())},
-        "reward_by_source": reward_by_source, "groups_by_source": groups_by_source,
+        "reward_by_source": reward_by_source, "groups_by_source": groups_by_source, **episode_figures(groups),
         "proximal_seconds": values["proximal_seconds"], "padding_fraction": values["padding_fraction"],
         "compute_seconds": time.perf_counter() - stats.started})
 
@@ -153,6 +153,17 @@ def source_figures(groups: list[Any]) -> tuple[dict[str, float], dict[str, int]]
     counts = Counter(g.source for g in groups if g.source)
     return ({k: float(np.mean(v)) if v else 0.0 for k, v in sorted(rewards.items())},
             {k: counts[k] for k in sorted(counts)})
+
+
+def episode_figures(groups: list[Any]) -> dict[str, float | int]:
+    """Turns, tool calls and time of the multi-turn episodes among `groups` (all 0 for single answers)."""
+    stats = [s.episode for g in groups for s in g.samples if s.episode is not None]
+    if not stats:
+        return {}
+    return {"turns_mean": float(np.mean([e.turns for e in stats])), "tool_calls": sum(e.tool_calls for e in stats),
+            "tool_errors": sum(e.tool_errors for e in stats),
+            "tool_seconds": float(np.mean([e.tool_seconds for e in stats])),
+            "generate_seconds": float(np.mean([e.generate_seconds for e in stats]))}
 
 
 def staleness_counts(seqs: list[TrainSequence], version: int) -> Counter[int]:

@@ -88,10 +88,11 @@ async def read(url: str, job: str, uid: str, count: int) -> tuple[int, list[dict
 
 def describe(letter: Any) -> dict[str, Any]:
     """One dead letter as a plain dict: what it was (if its payload still decodes) and why it was refused."""
-    from asyncrl.transport.streams import REWARD_FAILED, UNTRAINABLE
+    from asyncrl.transport.streams import EPISODE_FAILED, REWARD_FAILED, UNTRAINABLE
     from asyncrl.transport.wire import WireFormatError, decode_group
 
-    kind = next((k for k in (UNTRAINABLE, REWARD_FAILED) if letter.error.startswith(f"{k}:")), "undecodable")
+    kinds = (UNTRAINABLE, REWARD_FAILED, EPISODE_FAILED)
+    kind = next((k for k in kinds if letter.error.startswith(f"{k}:")), "undecodable")
     group_id = prompt_id = engine_id = None
     try:
         group = decode_group(letter.payload)

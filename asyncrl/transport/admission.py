@@ -39,8 +39,8 @@ at eta = 0 deadlocks the job; groups published but never counted (a release lost
 loosen the bound. A drift seen by two checks in a row is repaired (counted in `drift_lost` /
 `drift_found`); a one-off (a release landing between the two reads) never is.
 
-A producer that drops a group because its reward failed releases its lease unaccepted and counts it
-(`record_reward_failure`, `reward_failures`): job-wide, so the trainer's /status shows it.
+A producer that drops a group because its reward or its episodes failed releases its lease unaccepted and counts it
+(`record_refusal`: `reward_failures`, `episode_failures`): job-wide, so the trainer's /status shows it.
 
 A restarted rollout worker keeps its name (the pod's), so `release_holder` at its start returns
 the leases its dead predecessor held at once; their expiry stays the backstop.
@@ -52,7 +52,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as aioredis
 
@@ -162,11 +162,11 @@ return {drift, applied}
 """
 
 # -> {version, accepted, running, dropped, dead_lettered, drift_lost, drift_found, leases_returned,
-#     reward_failures}
+#     reward_failures, episode_failures}
 _SNAPSHOT_LUA = _PROLOGUE + """
 local out = {version, accepted, redis.call('ZCARD', leases)}
 for _, field in ipairs({'dropped', 'dead_lettered', 'drift_lost', 'drift_found', 'leases_returned',
-                        'reward_failures'}) do
+                        'reward_failures', 'episode_failures'}) do
   table.insert(out, tonumber(redis.call('HGET', state, field) or '0'))
 end
 return out
@@ -198,7 +198,9 @@ class AdmissionSnapshot:
     leases_returned: int = 0
     """Leases of dead workers returned by their replacement (`release_holder`)."""
     reward_failures: int = 0
-    """Groups producers dropped because a reward could not be computed (`record_reward_failure`)."""
+    """Groups producers dropped because a reward could not be computed (`record_refusal`)."""
+    episode_failures: int = 0
+    """Groups producers dropped because an episode function failed past its retries (`record_refusal`)."""
 
 
 @dataclass
@@ -300,10 +302,11 @@ class Admission:
         slots for one: the bound is loosened by one group, never tightened."""
         return await self._give_back(n, "dead_lettered")
 
-    async def record_reward_failure(self) -> None:
-        """Producer: a group was dropped unpublished because its reward failed (its lease is released
-        unaccepted, so no capacity is held: this only counts it, job-wide)."""
-        await self.redis.hincrby(self.names.admission, "reward_failures", 1)
+    async def record_refusal(self, counter: Literal["reward_failures", "episode_failures"]) -> None:
+        """Producer: a group was dropped unpublished because its reward (`reward_failures`) or its
+        episode function (`episode_failures`) failed. Its lease is released unaccepted, so no capacity
+        is held: this only counts it, job-wide."""
+        await self.redis.hincrby(self.names.admission, counter, 1)
 
     async def _give_back(self, n: int, counter: str) -> int:
         if n < 0:
@@ -321,14 +324,15 @@ class Admission:
 
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
-        version, accepted, running, dropped, dead, lost, found, returned, reward_failures = (
+        version, accepted, running, dropped, dead, lost, found, returned, reward_failures, episode_failures = (
             int(x) for x in await self._snapshot(keys=self._keys, args=[]))
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
                                  max_head_offpolicyness=self.eta,
                                  max_concurrent=self.max_concurrent, async_ratio=self.async_ratio)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
                                  dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
-                                 leases_returned=returned, reward_failures=reward_failures)
+                                 leases_returned=returned, reward_failures=reward_failures,
+                                 episode_failures=episode_failures)
 
 
 def is_too_stale(group: TrajectoryGroup, current_version: int, version_bound: int) -> bool:

@@ -73,7 +73,7 @@ TRAINED_RETENTION_MS = 3_600_000
 (the top of this module says why an hour is ample)."""
 
 DEAD_LETTER_MAXLEN = 10_000
-UNTRAINABLE, REWARD_FAILED = "untrainable", "reward failed"
+UNTRAINABLE, REWARD_FAILED, EPISODE_FAILED = "untrainable", "reward failed", "episode failed"
 """A dead letter's kind, as its reason's prefix (`<kind>: ...`); a reason with neither did not decode."""
 """Dead letters kept (the newest; approximate trimming): for inspection (`asyncrl dead-letters`)."""
 
@@ -206,12 +206,12 @@ class TrajectoryProducer:
                                          {GID_FIELD: group.group_id.encode(), DATA_FIELD: payload})
         return _s(entry_id)
 
-    async def dead_letter_unscored(self, group: TrajectoryGroup, reason: str, producer: str) -> str:
-        """Put a group its producer refuses to publish because its reward failed straight into the
-        dead-letter stream (kind REWARD_FAILED), as the trainer files the groups it refuses (no
-        `source_id`: it never was a trajectory entry). Returns the dead letter's id."""
+    async def dead_letter_refused(self, group: TrajectoryGroup, kind: str, reason: str, producer: str) -> str:
+        """Put a group its producer refuses to publish (its reward failed: REWARD_FAILED; its episodes
+        did: EPISODE_FAILED) straight into the dead-letter stream, as the trainer files the groups it
+        refuses (no `source_id`: it never was a trajectory entry). Returns the dead letter's id."""
         entry_id = await self.redis.xadd(
-            self.names.dead_letter, {"source_id": "", "error": f"{REWARD_FAILED}: {reason}",
+            self.names.dead_letter, {"source_id": "", "error": f"{kind}: {reason}",
                                      "payload": encode_group(group),
                                      "consumer": producer, "time": repr(time.time())},
             maxlen=DEAD_LETTER_MAXLEN, approximate=True)

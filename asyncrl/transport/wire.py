@@ -15,7 +15,9 @@ size costs a constant number of fields (decode = a few `np.frombuffer` plus slic
      "tl": bin(int32),   (optional: absent when every token is of timeline 0)
      "m": bin(uint8),    (optional: 1 where the token is the model's, 0 where it is context
                           the model did not choose, such as a tool's output; absent: all 1)
-     "src": str}         (optional: absent for a job's only dataset)
+     "src": str,         (optional: absent for a job's only dataset)
+     "et": bin(int32: per sample turns, tool calls, tool errors),  (optional: multi-turn episodes
+     "es": bin(float32: per sample seconds in tools, in generation)  only; both or neither)}
 
 "ver" and "tl" label each token with the weights that produced it: policy version and trainer
 timeline (asyncrl.weight_labels). "tl" came after schema version 1 was set: a payload without it
@@ -51,6 +53,17 @@ class WireFormatError(TransportError, ValueError):
     """A payload (or a group being encoded) does not follow the trajectory wire schema."""
 
 
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What one multi-turn episode did beside its tokens (spec.rollout.episode; None: single-turn)."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    generate_seconds: float = 0.0
+
+
 @dataclass(eq=False)
 class TrajectorySample:
     """One sampled response of a group, with what the trainer needs to correct for staleness."""
@@ -66,6 +79,8 @@ class TrajectorySample:
     loss_mask: np.ndarray | None = None
     """Per token, True where the model generated it (trained), False where it is context inside the
     response (an observation, a tool's output: no behaviour log-prob, never in the loss); None: all True."""
+    episode: EpisodeStats | None = None
+    """The episode's turns, tool calls and time (multi-turn episodes); None: a single answer."""
 
     def token_timelines(self) -> np.ndarray:
         """`timelines`, zeros when None."""
@@ -84,7 +99,7 @@ class TrajectorySample:
                 and np.array_equal(self.behav_logprobs, other.behav_logprobs, equal_nan=True)
                 and np.array_equal(self.versions, other.versions)
                 and np.array_equal(self.token_timelines(), other.token_timelines())
-                and np.array_equal(self.token_mask(), other.token_mask()))
+                and np.array_equal(self.token_mask(), other.token_mask()) and self.episode == other.episode)
 
 
 @dataclass(eq=False)
@@ -207,6 +222,10 @@ def encode_group(g: TrajectoryGroup) -> bytes:
         doc["m"] = _bin(all_masks.astype(np.uint8))
     if g.source:
         doc["src"] = g.source
+    if any(s.episode is not None for s in g.samples):
+        stats = [s.episode or EpisodeStats() for s in g.samples]
+        doc["et"] = _bin(np.array([(e.turns, e.tool_calls, e.tool_errors) for e in stats], dtype=_I32).reshape(-1))
+        doc["es"] = _bin(np.array([(e.tool_seconds, e.generate_seconds) for e in stats], dtype=_F32).reshape(-1))
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -218,7 +237,7 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "prompt": bytes, "n": bytes, "i": bytes, "r": bytes, "fin": list, "ids": bytes, "lp": bytes,
     "ver": bytes}
 _ARRAYS: dict[str, np.dtype] = {"prompt": _I32, "n": _I32, "i": _I32, "r": _F64, "ids": _I32, "lp": _F32, "ver": _I32}
-_OPTIONAL: dict[str, np.dtype] = {"tl": _I32, "m": np.dtype(np.uint8)}
+_OPTIONAL: dict[str, np.dtype] = {"tl": _I32, "m": np.dtype(np.uint8), "et": _I32, "es": _F32}
 """Array fields a payload may leave out (read as all zeros)."""
 _OPTIONAL_TEXT = ("src",)
 """String fields a payload may leave out (read as "")."""
@@ -234,6 +253,7 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
     mask = None if "m" not in arrays else arrays["m"].astype(bool)
     fin = doc["fin"]
     version = doc["v"]
+    episodes = _episode_stats(arrays)
     samples = []
     end = 0
     for k, (n, index, reward) in enumerate(zip(lengths.tolist(), arrays["i"].tolist(),
@@ -241,7 +261,8 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
         start, end = end, end + n
         samples.append(TrajectorySample(index, ids[start:end], lp[start:end], ver[start:end],
                                         reward, fin[k], None if tl is None else tl[start:end],
-                                        None if mask is None else mask[start:end]))
+                                        None if mask is None else mask[start:end],
+                                        None if episodes is None else episodes[k]))
     return TrajectoryGroup(job=doc["job"], group_id=doc["gid"], prompt_id=doc["pid"],
                            prompt_ids=arrays["prompt"], samples=samples, engine_id=doc["eng"],
                            created_at=float(doc["ct"]), published_at=float(doc["pt"]),
@@ -249,6 +270,13 @@ def decode_group(b: bytes | bytearray | memoryview) -> TrajectoryGroup:
                            extra={k: v for k, v in doc.items()
                                   if k not in _FIELDS and k not in _OPTIONAL and k not in _OPTIONAL_TEXT})
 
+
+
+def _episode_stats(arrays: dict[str, np.ndarray]) -> list[EpisodeStats] | None:
+    if "et" not in arrays:
+        return None
+    counts, seconds = arrays["et"].reshape(-1, 3).tolist(), arrays["es"].reshape(-1, 2).tolist()
+    return [EpisodeStats(t, c, e, ts, gs) for (t, c, e), (ts, gs) in zip(counts, seconds)]
 
 
 def _document(b: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -323,6 +351,12 @@ def _check_samples(doc: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         raise WireFormatError(f"the loss mask ({len(mask)}) disagrees with the sample lengths ({total} tokens)")
     if mask is not None and total and mask.max() > 1:
         raise WireFormatError(f"loss mask values must be 0 or 1, got {int(mask.max())}")
+    et, es = arrays.get("et"), arrays.get("es")
+    if (et is None) != (es is None):
+        raise WireFormatError("episode fields 'et' and 'es' come together")
+    if et is not None and es is not None and (len(et) != 3 * n_samples or len(es) != 2 * n_samples):
+        raise WireFormatError(f"episode fields disagree with {n_samples} samples: 'et' has {len(et)} values "
+                              f"(3 per sample), 'es' {len(es)} (2 per sample)")
     try:
         bad = not set(fin) <= _FIN_SET
     except TypeError:

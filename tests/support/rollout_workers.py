@@ -26,18 +26,19 @@ def decode(ids: list[int]) -> str:
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
                 index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None, source=None,
-                prompts=None):
+                prompts=None, episodes=None, decode=decode, max_response_tokens=None):
     engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
                        max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
-                       max_groups=max_groups, rollout_index=index, rollout_replicas=replicas)
+                       max_groups=max_groups, rollout_index=index, rollout_replicas=replicas,
+                       max_response_tokens=max_response_tokens)
     admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
                           max_concurrent=max_concurrent, lease_seconds=30)
     prompts = prompts or Mixture.single(source or ArithmeticSource(seed=0, difficulty=1), render,
                                         scorer or RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
-                         names=names)
+                         names=names, episodes=episodes)
 
 
 async def published(redis, names):
