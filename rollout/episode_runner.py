@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -38,10 +38,10 @@ from asyncrl.plugins import import_callable
 from asyncrl.rollout.builtin_episodes import BUILTIN_EPISODES
 from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import Dropped
-from asyncrl.rollout.groups import FailedEpisodes, GroupGenerator, InvalidGroup, UnscoredGroup, all_or_none
+from asyncrl.rollout.groups import FailedEpisodes, GroupGenerator, InvalidGroup, Sample, UnscoredGroup, all_or_none
 from asyncrl.rollout.mixture import Lane
 from asyncrl.rollout.prompts import ChatTurns
-from asyncrl.rollout.rewards import RewardFailed
+from asyncrl.rollout.rewards import RewardFailed, Scorer
 from asyncrl.rollout.tools import Toolbox, parse_tool_calls
 from asyncrl.spec import EpisodeLimits
 from asyncrl.transport.content import check_group
@@ -114,9 +114,9 @@ class EpisodeRunner:
         async def one(slot: int) -> Episode:
             problem = ""
             for _ in range(self.limits.retries + 1):
-                ctx = contexts[slot] = WorkerEpisodeContext(self, generator, item, lane)
+                ctx = contexts[slot] = WorkerEpisodeContext(self, generator, item, lane.render, lane.scorer)
                 try:
-                    return await self._run(ctx)
+                    return await self.run(ctx)
                 except (Dropped, RewardFailed):
                     raise
                 except asyncio.TimeoutError:
@@ -140,7 +140,9 @@ class EpisodeRunner:
             raise InvalidGroup(problem)
         return group
 
-    async def _run(self, ctx: WorkerEpisodeContext) -> Episode:
+    async def run(self, ctx: WorkerEpisodeContext) -> Episode:
+        """One try of the episode function in `ctx`: its episode, ended and scored; raises what it raised
+        (a time-out as asyncio.TimeoutError) or ValueError/TypeError for an episode that cannot be used."""
         sample = sample_of(ctx.item)
         try:
             ep = await asyncio.wait_for(self.fn(ctx, sample), timeout=self.limits.timeout_seconds)
@@ -208,18 +210,29 @@ def _filled(labels: list[int | None], fallback: int) -> list[int]:
     return out
 
 
-class WorkerEpisodeContext(EpisodeContext):
-    """One episode's context on a rollout worker: its engine, its prompt's lane (rendering, reward)."""
+class Turns(Protocol):
+    """Where an episode's model turns come from: the rollout worker's GroupGenerator (continued across
+    aborts, labelled per token), or an evaluation's engine (rollout/evaluation.py)."""
 
-    def __init__(self, runner: EpisodeRunner, generator: GroupGenerator, item: PromptItem, lane: Lane) -> None:
-        self.runner, self.generator, self.item, self.lane = runner, generator, item, lane
+    max_new_tokens: int
+    """One turn's budget (algorithm.maxNewTokens, or the evaluation's)."""
+
+    async def sample(self, prompt_ids: list[int], budget: int | None = None) -> Sample: ...
+
+
+class WorkerEpisodeContext(EpisodeContext):
+    """One episode's context on a rollout worker: its turns' source, its prompt's rendering and reward."""
+
+    def __init__(self, runner: EpisodeRunner, turns: Turns, item: PromptItem,
+                 render: Callable[[PromptItem], list[int]], scorer: Scorer) -> None:
+        self.runner, self.turns, self.item, self.render, self.scorer = runner, turns, item, render, scorer
         self.max_turns = runner.limits.max_turns
         self.max_tokens = runner.limits.max_tokens
         self.episode: Episode | None = None
         """The episode this context started last (what a failed or limited episode leaves)."""
 
     def start(self, sample: dict[str, Any]) -> Episode:
-        ep = Episode(sample=sample, prompt_ids=self.lane.render(item_of(sample, self.item)),
+        ep = Episode(sample=sample, prompt_ids=self.render(item_of(sample, self.item)),
                      _observe=self._observe, _max_tokens=self.max_tokens)
         if ep.room is not None and ep.room <= 0:
             raise EpisodeLimit(f"the prompt alone has {len(ep.prompt_ids)} tokens, episodeLimits.maxTokens "
@@ -242,13 +255,12 @@ class WorkerEpisodeContext(EpisodeContext):
             raise EpisodeLimit(f"episodeLimits.maxTurns ({self.max_turns}) reached")
         if ep.ids and not ep.mask[-1]:  # after an observation: open the model's turn
             ep.add_context(self.runner.chat.generation_prompt())
-        room = ep.room if ep.room is not None else self.generator.cfg.sampling.max_new_tokens
+        room = ep.room if ep.room is not None else self.turns.max_new_tokens
         if room <= 0:
             ep.truncated = True
             raise EpisodeLimit(f"episodeLimits.maxTokens ({self.max_tokens}) reached")
-        budget = min(self.generator.cfg.sampling.max_new_tokens, room)
         start = time.monotonic()
-        turn = await self.generator.sample(ep.prompt_ids + ep.ids, budget=budget)
+        turn = await self.turns.sample(ep.prompt_ids + ep.ids, budget=min(self.turns.max_new_tokens, room))
         ep.generate_seconds += time.monotonic() - start
         text = self.runner.decode(turn.ids)
         ep.add_turn(turn.ids, turn.logprobs, turn.versions, turn.timelines, text, turn.finish)
@@ -257,7 +269,7 @@ class WorkerEpisodeContext(EpisodeContext):
         return text
 
     async def score(self, ep: Episode, completion: str | None = None) -> float:
-        return await self.lane.scorer.score(ep.last_text if completion is None else completion,
+        return await self.scorer.score(ep.last_text if completion is None else completion,
                                             str(ep.sample.get("answer", self.item.answer)), self.item.question,
                                             metadata=self.item.metadata)
 

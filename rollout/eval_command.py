@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.rollout.evaluation import EvalPart
-    from asyncrl.spec import EvaluationSpec
+    from asyncrl.spec import EvaluationSpec, RolloutSpec
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -105,6 +105,8 @@ class EvalPlan:
     version: int = 0
     note: str = ""
     """Something the user should know about the settings (printed on stderr)."""
+    rollout: RolloutSpec | None = None
+    """The job's rollout section (--config): a multi-turn episode is evaluated as it is trained."""
 
 
 def _flag_error(exc: Any) -> FlagError:
@@ -144,7 +146,7 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
 
     if args.threads < 0:
         raise FlagError(f"--threads: must be >= 0 (0 = torch's default), got {args.threads}")
-    template = system = job_dtype = None
+    template = system = job_dtype = rollout = None
     tokenizers = [args.tokenizer] if args.tokenizer else []
     note = ""
     if args.config:
@@ -166,6 +168,7 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
         template, system = train.prompt_template, train.system_prompt  # (of eval prompts without their own)
         tokenizers = tokenizers or ([spec.model.tokenizer] if spec.model.tokenizer else [args.model, spec.model.path])
         job_dtype = spec.model.dtype
+        rollout = spec.rollout
     else:
         base = EvaluationSpec(reward=RewardSpec(), max_new_tokens=256)
         tokenizers = tokenizers or [args.model]
@@ -187,7 +190,7 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
         raise _flag_error(exc) from None
     return EvalPlan(model=args.model, spec=resolved, prompt_template=template, system_prompt=system,
                     tokenizers=tuple(dict.fromkeys(tokenizers)), job_dtype=job_dtype,
-                    version=_version_of(args.model), note=note)
+                    version=_version_of(args.model), note=note, rollout=rollout)
 
 
 # ------------------------------------------------------------------------------------- running
@@ -256,6 +259,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     )
     from asyncrl.rollout.hf_engine import HFEngine
     from asyncrl.rollout.prompts import PromptRenderer
+    from asyncrl.rollout.worker_process import StartupError, episode_runner
     from asyncrl.spec import AlgorithmSpec, DatasetSpec
 
     spec = plan.spec
@@ -264,9 +268,14 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     model_dir = check_model_dir(plan.model)
     tokenizer = _load_tokenizer(plan)
     training = DatasetSpec(prompt_template=plan.prompt_template, system_prompt=plan.system_prompt)
+    renderer = PromptRenderer(tokenizer)
     try:
-        renderer = PromptRenderer(tokenizer)
-        parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training)).render)
+        episodes = episode_runner(plan.rollout, tokenizer, renderer) if plan.rollout is not None else None
+    except StartupError as exc:
+        raise EvalCommandError(f"--config: {exc}") from None
+    tools = episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
+    try:
+        parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training), tools).render)
                  for part, (_, dataset) in zip(parts, eval_sources(spec), strict=True)]
     except ValueError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
@@ -293,11 +302,13 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
             record = asyncio.run(evaluate_parts(
                 engine, parts, render=renderer.render, decode=renderer.decode, settings=settings,
                 version=plan.version, engine_id=f"asyncrl-eval/{device}",
-                on_answer=lambda: progress.advance(task)))
+                on_answer=lambda: progress.advance(task), episodes=episodes))
     except EvaluationError as exc:
         raise EvalCommandError(str(exc)) from None
     finally:
         engine.close()
+        if episodes is not None:
+            episodes.close()
         for scorer in {id(part.scorer): part.scorer for part in parts}.values():
             scorer.close()
     first = eval_sources(spec)[0][1]

@@ -11,6 +11,11 @@ version produced, so a pass that straddled an update says so instead of blending
 
 An answer is correct when its reward is >= 1 (the built-in rewards are 0/1); pass@k uses the
 unbiased estimator of Chen et al. (2021) with n = k answers per prompt, i.e. "any correct".
+
+A job with a multi-turn episode (spec.rollout.episode) is evaluated on the same episode: an
+"answer" is a whole episode run with the evaluation's sampling, its reward the episode's, its
+length every token after the prompt; a weight update that cuts any of its turns short starts the
+episode again, so an episode too comes wholly from one set of weights.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import Protocol
 
 from asyncrl.rollout.datasets import ListSource, PromptItem, PromptSource, load_source
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
+from asyncrl.rollout.episode_runner import EpisodeRunner, WorkerEpisodeContext
+from asyncrl.rollout.groups import Sample
 from asyncrl.rollout.rewards import Scorer
 from asyncrl.spec import AlgorithmSpec, DatasetSpec, EvalDatasetSpec, EvaluationSpec
 from asyncrl.status_report import EvalRecord
@@ -162,7 +169,8 @@ def merge_records(records: dict[str, EvalRecord]) -> EvalRecord:
 async def evaluate_parts(engine: Generator, parts: list[EvalPart], *, render: Callable[[PromptItem], list[int]],
                          decode: Callable[[list[int]], str], settings: EvalSettings, version: int = 0,
                          version_of: VersionOf | None = None, engine_id: str = "",
-                         on_answer: Callable[[], None] | None = None) -> EvalRecord:
+                         on_answer: Callable[[], None] | None = None,
+                         episodes: EpisodeRunner | None = None) -> EvalRecord:
     """`evaluate` each part in turn (each within the settings' request bound) and merge the records;
     `render` is the default of a part without its own."""
     records = {}
@@ -170,7 +178,7 @@ async def evaluate_parts(engine: Generator, parts: list[EvalPart], *, render: Ca
         records[part.name] = await evaluate(engine, part.items, render=part.render or render, decode=decode,
                                             scorer=part.scorer, settings=settings, version=version,
                                             version_of=version_of or _labelled, engine_id=engine_id,
-                                            on_answer=on_answer)
+                                            on_answer=on_answer, episodes=episodes)
     return merge_records(records)
 
 
@@ -178,11 +186,37 @@ async def _labelled(result: GenerateResult) -> int | None:
     return result.weight_version
 
 
+class Aborted(Exception):
+    """A turn of an evaluation episode was cut short by a weight update."""
+
+
+class EvalTurns:
+    """An evaluation episode's model turns: one request each with the evaluation's sampling, no
+    continuation across an abort (Aborted: the episode starts again); records who produced each."""
+
+    def __init__(self, engine: Generator, settings: EvalSettings, slots: asyncio.Semaphore,
+                 version_of: VersionOf) -> None:
+        self.engine, self.settings, self.slots, self.version_of = engine, settings, slots, version_of
+        self.max_new_tokens = settings.sampling.max_new_tokens
+        self.produced_by: list[int | None] = []
+
+    async def sample(self, prompt_ids: list[int], budget: int | None = None) -> Sample:
+        params = replace(self.settings.sampling, max_new_tokens=budget or self.max_new_tokens)
+        async with self.slots:
+            result = await self.engine.generate(prompt_ids, params)
+        if result.finish_reason == "abort":
+            raise Aborted
+        self.produced_by.append(await self.version_of(result))
+        n = len(result.output_ids)
+        return Sample(result.output_ids, result.logprobs, [0] * n, [0] * n, result.finish_reason)
+
+
 async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[PromptItem], list[int]],
                    decode: Callable[[list[int]], str], scorer: Scorer, settings: EvalSettings,
                    version: int = 0, version_of: VersionOf = _labelled, engine_id: str = "",
-                   on_answer: Callable[[], None] | None = None) -> EvalRecord:
-    """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass.
+                   on_answer: Callable[[], None] | None = None, episodes: EpisodeRunner | None = None) -> EvalRecord:
+    """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass
+    (with `episodes`: run the job's episode instead of one answer).
 
     `version_of` names the weights behind an answer (default: the engine's label; an engine
     without labels and no registry, e.g. `asyncrl eval`'s own, answers None = `version`).
@@ -196,14 +230,25 @@ async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callab
 
     async def answer(prompt_ids: list[int], item: PromptItem) -> float:
         for _ in range(MAX_ABORTS + 1):
-            async with slots:
-                result = await engine.generate(prompt_ids, replace(settings.sampling))
-            if result.finish_reason == "abort":  # cut short by a weight update: start again
-                continue
-            produced_by = await version_of(result)
-            on.append(produced_by is None or produced_by == version)
-            lengths.append(len(result.output_ids))
-            reward = await scorer.score(decode(result.output_ids), item.answer, item.question, metadata=item.metadata)
+            if episodes is not None:
+                turns = EvalTurns(engine, settings, slots, version_of)
+                try:
+                    ep = await episodes.run(WorkerEpisodeContext(episodes, turns, item, render, scorer))
+                except Aborted:  # a turn cut short by a weight update: start the episode again
+                    continue
+                on.append(all(v is None or v == version for v in turns.produced_by))
+                lengths.append(len(ep.ids))
+                reward = float(ep.reward or 0.0)
+            else:
+                async with slots:
+                    result = await engine.generate(prompt_ids, replace(settings.sampling))
+                if result.finish_reason == "abort":  # cut short by a weight update: start again
+                    continue
+                produced_by = await version_of(result)
+                on.append(produced_by is None or produced_by == version)
+                lengths.append(len(result.output_ids))
+                reward = await scorer.score(decode(result.output_ids), item.answer, item.question,
+                                            metadata=item.metadata)
             if on_answer is not None:
                 on_answer()
             return reward

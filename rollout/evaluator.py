@@ -24,6 +24,7 @@ from asyncrl.health import backoff_delay
 from asyncrl.rollout.datasets import PromptItem
 from asyncrl.rollout.engine_view import EngineView, RequestBudget
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
+from asyncrl.rollout.episode_runner import EpisodeRunner
 from asyncrl.rollout.evaluation import EvalPart, EvalSettings, evaluate_parts
 from asyncrl.rollout.rewards import Scorer
 from asyncrl.rollout.worker_config import WorkerConfig, WorkerStats
@@ -93,8 +94,10 @@ class Evaluator:
 
     def __init__(self, evaluation: WorkerEvaluation, cfg: WorkerConfig, *, redis: Any, names: StreamNames,
                  view: EngineView, render: Callable[[PromptItem], list[int]], decode: Callable[[list[int]], str],
-                 stats: WorkerStats) -> None:
+                 stats: WorkerStats, episodes: EpisodeRunner | None = None) -> None:
         self.evaluation = evaluation
+        self.episodes = episodes
+        """The job's multi-turn episode, run as the evaluation's answer (None: single answers)."""
         self.cfg = cfg
         self.channel = EvalChannel(redis, names)
         self.engine = _LabelledEngine(view)
@@ -147,7 +150,7 @@ class Evaluator:
             record = await evaluate_parts(self.engine, ev.parts, render=self.render, decode=self.decode,
                                           settings=ev.settings, version=request.version,
                                           version_of=_tagged_version, engine_id=self.cfg.engine_id,
-                                          on_answer=progress.answered)
+                                          on_answer=progress.answered, episodes=self.episodes)
         except Exception as exc:  # EvaluationError, Dropped (engine failing past its budget), ...
             self.stats.evaluations_failed += 1
             log.warning("evaluation of version %d failed after %d/%d answers (left pending, tried again): "

@@ -93,6 +93,8 @@ class GroupGenerator:
         self.stats = stats
         self.stopping = stopping
         self.limits = cfg.group_limits()
+        self.max_new_tokens = cfg.sampling.max_new_tokens
+        """One answer's (or an episode turn's) budget: algorithm.maxNewTokens."""
         self._slots = asyncio.Semaphore(cfg.max_concurrent_requests)
 
     async def group(self, item: PromptItem, prompt_ids: list[int], scorer: Scorer, source: str = "") -> TrajectoryGroup:
@@ -125,7 +127,7 @@ class GroupGenerator:
     async def sample(self, prompt_ids: list[int], budget: int | None = None) -> Sample:
         """One completion of at most `budget` tokens (default: maxNewTokens), continued across aborts
         (partial rollout), versions tagged per segment."""
-        budget = self.cfg.sampling.max_new_tokens if budget is None else budget
+        budget = self.max_new_tokens if budget is None else budget
         ids: list[int] = []
         lps: list[float] = []
         vers: list[int] = []

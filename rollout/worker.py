@@ -147,7 +147,8 @@ class RolloutWorker:
     def _side_tasks(self) -> list[asyncio.Task]:
         if self.evaluation is not None:
             self.evaluator = Evaluator(self.evaluation, self.cfg, redis=self.redis, names=self.names, view=self.view,
-                                       render=self.prompts.lanes[0].render, decode=self.decode, stats=self.stats)
+                                       render=self.prompts.lanes[0].render, decode=self.decode, stats=self.stats,
+                                       episodes=self.episodes)
         side = [asyncio.create_task(self.view.heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._log_progress(), name="progress"),
                 asyncio.create_task(self.view.follow_versions(self._stop), name="versions")]

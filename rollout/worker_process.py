@@ -28,7 +28,7 @@ from asyncrl.rollout.tools import Toolbox, ToolError
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.worker_config import WorkerConfig
 from asyncrl.runtime import Runtime
-from asyncrl.spec import AsyncRLJobSpec, DatasetSpec, EvalDatasetSpec, NamedSource
+from asyncrl.spec import AsyncRLJobSpec, DatasetSpec, EvalDatasetSpec, NamedSource, RolloutSpec
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect, set_outage_window
 
@@ -123,9 +123,8 @@ def training_prompts(inputs: list[SourceInputs], tokenizer: object, seed: int,
     return Mixture(lanes, [i.weight for i in inputs], seed=seed)
 
 
-def episode_runner(spec: AsyncRLJobSpec, tokenizer: object, renderer: PromptRenderer) -> EpisodeRunner | None:
+def episode_runner(rollout: RolloutSpec, tokenizer: object, renderer: PromptRenderer) -> EpisodeRunner | None:
     """The job's multi-turn episode (None: single-turn); raises StartupError naming the field at fault."""
-    rollout = spec.rollout
     if not rollout.multi_turn():
         return None
     try:
@@ -177,7 +176,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         sources = training_inputs(spec, rt.reward_url)
         tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
         renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
-        episodes = episode_runner(spec, tokenizer, renderer)
+        episodes = episode_runner(spec.rollout, tokenizer, renderer)
         await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)
         # (a reward service started with the job may come up after the engine: no group is scored before it)
         for scorer in {id(i.scorer): i.scorer for i in sources}.values():
@@ -189,14 +188,14 @@ async def run_worker(args: argparse.Namespace) -> int:
     redis = await connect(args.redis_url or rt.redis_url)
     names = rt.stream_names(job.metadata.name)
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
+    tools = episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
     evaluation = None
     if spec.evaluation is not None and eval_inputs is not None:
-        parts = [replace(i.part, render=PromptRenderer(tokenizer, *eval_prompt_format(i.dataset, i.training)).render)
-                 for i in eval_inputs]
+        parts = [replace(i.part, render=PromptRenderer(tokenizer, *eval_prompt_format(i.dataset, i.training),
+                                                       tools=tools).render) for i in eval_inputs]
         evaluation = WorkerEvaluation(
             parts=parts, settings=EvalSettings.from_spec(spec.evaluation, spec.algorithm, renderer.stop_token_ids()))
-    prompts = training_prompts(sources, tokenizer, spec.seed, episodes.toolbox.schemas if episodes and episodes.toolbox
-                               else None)
+    prompts = training_prompts(sources, tokenizer, spec.seed, tools)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=renderer.decode,
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation,
                            episodes=episodes)

@@ -315,3 +315,74 @@ def test_a_local_run_trains_a_plugin_episode_with_tools_and_reports_its_figures(
         assert m["turns_mean"] == 2.0 and m["tool_calls"] == 2 * 4 and m["tool_errors"] == 4
         assert m["masked_tokens"] > 0 and 0 < m["tokens"] <= 4 * 2 * 6 and m["generate_seconds"] > 0
         assert m["episodes_failed"] == 0 and m["tool_seconds"] >= 0
+
+
+# ------------------------------------------------------------------------------------------ benchmarks/episodes.py
+
+def test_the_episodes_benchmark_derives_its_job_and_reads_its_figures(tmp_path: Path):
+    import random
+
+    from asyncrl.loader import load_job
+    from tests.support.bench_support import load_benchmark
+
+    bench = load_benchmark("episodes")
+    workload = load_benchmark("episode_workload")
+    repo = Path(__file__).resolve().parents[1]
+    path, batch, group = bench.workload_job(repo / "examples" / "local-agent.yaml", tmp_path / "job.yaml")
+    spec = load_job(path).spec
+    assert (spec.rollout.episode, spec.rollout.tools, spec.evaluation) == (
+        "episode_workload:tool_episode", ["episode_workload:lookup"], None)
+    assert (batch, group) == (spec.algorithm.batch_size, spec.algorithm.group_size)
+    rng = random.Random(0)
+    delays = sorted(workload.tool_delay(rng, 1.5, 20.0) for _ in range(4001))
+    assert 1.3 < delays[2000] < 1.7 and delays[-1] == 20.0 and delays[-400] > 2.5 * 1.5  # median 1.5; p90 2.9x it
+    step = {"tool_seconds": 3.0, "generate_seconds": 2.0, "turns_mean": 3.0, "staleness_max": 0, "tokens": 100}
+    lines = [{**step, "time": 10.0 * i, "step_seconds": 10.0, "compute_seconds": 4.0, "weight_sync_seconds": 1.0}
+             for i in range(1, 4)]
+    figs = bench.episode_figures(lines, 2, 4)
+    assert figs["episodes_per_s"] == 2 * 4 * 2 / 20.0 and figs["trained_tokens_per_s"] == 200 / 20.0
+    assert figs["trainer_idle"] == 0.5 and (figs["tool_s"], figs["generate_s"], figs["turns_mean"]) == (3.0, 2.0, 3.0)
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+
+class _ScriptedEngine:
+    """Answers an episode's turns from a script: "5" then "7" (its second turn is right), and aborts the
+    very first request (a weight update: the evaluation starts that episode again)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls, self.turns = tokenizer, 0, []
+
+    async def generate(self, input_ids, params):
+        from asyncrl.rollout.engines.base import GenerateResult
+
+        self.calls += 1
+        if self.calls == 1:
+            return GenerateResult([], [], "abort", 3)
+        second = self.tokenizer.decode(input_ids).count("<|im_start|>assistant") == 2
+        self.turns.append((len(input_ids), params.max_new_tokens))
+        ids = self.tokenizer("7" if second else "5", add_special_tokens=False)["input_ids"] + [2]
+        return GenerateResult(ids, [-0.1] * len(ids), "stop", 3)
+
+
+async def test_the_evaluator_runs_the_jobs_episode_and_restarts_one_a_weight_update_cut(tokenizer):
+    from asyncrl.rollout.datasets import PromptItem
+    from asyncrl.rollout.engines.base import SamplingParams
+    from asyncrl.rollout.evaluation import EvalSettings, evaluate
+
+    renderer = PromptRenderer(tokenizer)
+    runner = EpisodeRunner(resolve_episode("retry"), EpisodeLimits(max_turns=3), ChatTurns(tokenizer, (2,)),
+                           renderer.decode, name="retry")
+    engine = _ScriptedEngine(tokenizer)
+    items = [PromptItem(f"p{i}", f"What is {i} + 7 - {i}?", "7") for i in range(3)]
+    record = await evaluate(engine, items, render=renderer.render, decode=renderer.decode,
+                            scorer=RewardScorer(exact_number_reward, 5.0), version=3,
+                            settings=EvalSettings(1, SamplingParams(max_new_tokens=8, temperature=0.0)),
+                            episodes=runner)
+    # every episode: "5" (wrong), feedback, "7" (right on the second attempt): reward 0.5, not a pass
+    assert (record.reward_mean, record.pass_at_1, record.on_version, record.prompts) == (0.5, 0.0, 1.0, 3)
+    assert engine.calls == 1 + 3 * 2 and all(budget == 8 for _, budget in engine.turns)
+    feedback = len(runner.chat.observation(
+        "That is not correct. Check your work and answer again, with only the final number.")) + len(
+        runner.chat.generation_prompt())
+    assert record.response_length == 2 + feedback + 2  # ("5" <|im_end|>, feedback, "7" <|im_end|>)
