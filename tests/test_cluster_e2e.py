@@ -59,9 +59,11 @@ pytestmark = pytest.mark.slow
 
 
 def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
-             reward_service: bool = False, **trainer: Any) -> dict[str, Any]:
+             reward_service: bool = False, episode: bool = False, **trainer: Any) -> dict[str, Any]:
     """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step (`reward_service`: scored by a
-    reward service the operator runs with the job, `asyncrl reward-server` in a pod of its own)."""
+    reward service the operator runs with the job, `asyncrl reward-server` in a pod of its own;
+    `episode`: each sample a two-turn episode with a calculator call, from a plug-in module the
+    rollout pods import from PYTHONPATH, as from a module baked into the worker image)."""
     job = JobBuilder.small(name, group_size=2, eta=1, max_steps=max_steps, checkpoint_interval=checkpoint_interval,
                            micro_batch_tokens=4096, trainer=trainer).named(name, NS)
     job.merge(rollout={"maxConcurrentRequests": 8}).set(redis={"mode": "managed", "managed": {"storage": "1Gi"}},
@@ -70,6 +72,10 @@ def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl
         job.set(ttlSecondsAfterFinished=ttl)
     if reward_service:
         job.set(**{"reward.service": {"deployment": {}}})
+    if episode:
+        job.merge(rollout={"episode": "tests.support.episode_plugins:scored_two_turns", "tools": ["calculator"],
+                           "episodeLimits": {"maxTurns": 2, "maxTokens": 512},
+                           "podTemplate": {"env": [{"name": "PYTHONPATH", "value": str(REPO)}]}})
     return job.doc()
 
 
@@ -373,7 +379,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     await e2e.start_operator(job)
     with PhaseLog(e2e, job) as phases:
         async with e2e.transcript() as transcript:
-            out = await e2e.apply(tiny_job(job, max_steps=steps, ttl=10, reward_service=True))
+            out = await e2e.apply(tiny_job(job, max_steps=steps, ttl=10, reward_service=True, episode=True))
             assert out.strip() == f"asyncrljob.asyncrl.dev/{job} created"
             await e2e.wait_phase(job, "Running", timeout=300)
             running = pids(e2e, job)
@@ -430,6 +436,10 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     weights = e2e.shared(job) / "weights"
     assert (weights / f"v{steps}" / "model.safetensors").is_file(), sorted(p.name for p in weights.iterdir())
     assert metrics_steps(e2e, job) == list(range(1, steps + 1))
+    # each sample was the plug-in's two-turn episode with its calculator call, the call's result masked
+    lines = [json.loads(line) for line in (e2e.shared(job) / "runs" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["turns_mean"] == 2.0 and m["tool_calls"] == 4 and m["tool_errors"] == 0 and m["masked_tokens"] > 0
+               for m in lines if "event" not in m), lines
 
 
 # ----------------------------------------------------------------------------------- 2. the trainer is killed

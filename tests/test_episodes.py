@@ -386,3 +386,31 @@ async def test_the_evaluator_runs_the_jobs_episode_and_restarts_one_a_weight_upd
         "That is not correct. Check your work and answer again, with only the final number.")) + len(
         runner.chat.generation_prompt())
     assert record.response_length == 2 + feedback + 2  # ("5" <|im_end|>, feedback, "7" <|im_end|>)
+
+
+def test_episodes_with_different_prompts_share_their_common_prefix_and_mask_the_rest(tokenizer):
+    """An episode function may start from an edited sample: the group's prompt is what every episode's
+    prompt shares; each episode's own rest is context (masked, labelled like its first model token)."""
+    from types import SimpleNamespace
+
+    from asyncrl.rollout.datasets import PromptItem
+    from asyncrl.rollout.mixture import Lane
+    from asyncrl.transport.content import GroupLimits, check_group
+
+    renderer = PromptRenderer(tokenizer)
+    runner = EpisodeRunner(resolve_episode("retry"), EpisodeLimits(), ChatTurns(tokenizer, (2,)), renderer.decode)
+    eps = []
+    for i, prompt in enumerate([[1, 2, 3, 4], [1, 2, 5]]):
+        ep = Episode(sample={}, prompt_ids=prompt)
+        ep.add_turn([7, 8], [-0.1, -0.2], [3 + i, 4 + i], [0, 0], "x", "stop")
+        ep.reward = float(i)
+        eps.append(ep)
+    generator = SimpleNamespace(cfg=SimpleNamespace(job="j", engine_id="e"))
+    lane = Lane("src", ArithmeticSource(seed=0), renderer.render, RewardScorer(exact_number_reward))
+    group = runner.to_group(generator, PromptItem("p", "q", "a"), lane, eps, 0.0, fallback=9)
+    assert list(group.prompt_ids) == [1, 2] and group.source == "src"
+    first, second = group.samples
+    assert (list(first.response_ids), list(first.token_mask())) == ([3, 4, 7, 8], [False, False, True, True])
+    assert (list(first.versions), list(first.behav_logprobs[:2])) == ([3, 3, 3, 4], [0.0, 0.0])
+    assert (list(second.response_ids), list(second.versions), second.reward) == ([5, 7, 8], [4, 4, 5], 1.0)
+    assert group.oldest_version() == 3 and check_group(group, GroupLimits(group_size=2)) is None

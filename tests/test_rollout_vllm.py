@@ -59,3 +59,40 @@ async def test_generate_reload_generate(vllm, tmp_path: Path):
         assert (await engine.model_info())["weight_version"] == "1"
     finally:
         await engine.close()
+
+
+async def test_an_episode_on_vllm_keeps_the_stop_token_and_its_turns_as_sampled(vllm):
+    """Token in, token out on a real engine: vLLM returns the end-of-turn token it stopped on (so the
+    model is trained to end its turn), and the episode is the server's tokens plus the template's."""
+    import asyncio
+
+    from asyncrl.models import load_tokenizer
+    from asyncrl.rollout.datasets import PromptItem
+    from asyncrl.rollout.episode_runner import EpisodeRunner, WorkerEpisodeContext, resolve_episode
+    from asyncrl.rollout.evaluation import EvalSettings, EvalTurns
+    from asyncrl.rollout.prompts import ChatTurns, PromptRenderer
+    from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
+    from asyncrl.spec import EpisodeLimits
+
+    url, _ = vllm
+    tokenizer = load_tokenizer("embedded:SmolLM2-135M-Instruct")
+    renderer = PromptRenderer(tokenizer)
+    chat = ChatTurns(tokenizer, renderer.stop_token_ids())
+    runner = EpisodeRunner(resolve_episode("retry"), EpisodeLimits(max_turns=2), chat, renderer.decode, name="retry")
+    engine = make_engine("vllm", url)
+    settings = EvalSettings(1, SamplingParams(max_new_tokens=48, temperature=0.0,
+                                              stop_token_ids=renderer.stop_token_ids()))
+    turns = EvalTurns(engine, settings, asyncio.Semaphore(4), lambda r: asyncio.sleep(0, r.weight_version))
+    item = PromptItem("p", "What is 2 + 2? Answer with the number only.", "5")  # (a wrong reference: two turns)
+    try:
+        ep = await runner.run(WorkerEpisodeContext(runner, turns, item, renderer.render,
+                                                   RewardScorer(exact_number_reward, 5.0)))
+    finally:
+        await engine.close()
+    assert ep.turns == 2 and ep.reward == 0.0, ep.texts
+    first_end = ep.mask.index(False)
+    assert ep.ids[first_end - 1] == chat.end_of_turn, ep.texts  # (vLLM's token_ids keep the token it stopped on)
+    context = ep.ids[first_end:ep.mask.index(True, first_end)]
+    assert context == chat.observation(
+        "That is not correct. Check your work and answer again, with only the final number.") + chat.generation_prompt()
+    assert all(lp <= 0 for lp in ep.logprobs) and ep.logprobs[first_end - 1] < 0

@@ -60,3 +60,13 @@ async def flaky_once(ctx: EpisodeContext, sample: dict[str, Any]) -> Episode:
 
 def not_async(ctx: EpisodeContext, sample: dict[str, Any]) -> Episode:
     raise AssertionError("never called: the worker refuses a plain function")
+
+
+async def scored_two_turns(ctx: EpisodeContext, sample: dict[str, Any]) -> Episode:
+    """Generate, a calculator call (written by the episode), generate again; scored by the job's reward."""
+    ep = ctx.start(sample)
+    await ctx.generate(ep)
+    await ctx.call_tools(ep, CALL)
+    await ctx.generate(ep)
+    ep.reward = await ctx.score(ep)
+    return ep
