@@ -2,10 +2,11 @@
 (eta 2), same job, steps and seed, in one run.
 
 The job is examples/local-agent.yaml with benchmarks/episode_workload.py's episode (three model
-turns around two calls of a tool that sleeps for a heavy-tailed time; generation is real) and no
-held-out evaluation. Both runs use `asyncrl run --pin` (engine and worker on one half of the cores,
-the trainer on the other, as two GPU pools). In synchronous mode the trainer waits for the slowest
-episode of every batch; asynchronously it trains on finished episodes while others wait on tools.
+turns around two calls of a tool that sleeps for a heavy-tailed time; generation is real), groups
+of 4 (`--group-size`) and no held-out evaluation. Both runs use `asyncrl run --pin` (engine and
+worker on one half of the cores, the trainer on the other, as two GPU pools). In synchronous mode
+the trainer waits for the slowest episode of every batch; asynchronously it trains on finished
+episodes while others wait on tools.
 
 Per run, from the trainer's metrics.jsonl (steps 2..N; step 1 includes start-up):
   episodes_per_s        episodes trained per second
@@ -39,10 +40,11 @@ if str(BENCHMARKS) not in sys.path:
 from async_vs_sync import run  # noqa: E402  (benchmarks/ is not a package)
 
 
-def workload_job(base: Path, out: Path) -> tuple[Path, int, int]:
+def workload_job(base: Path, out: Path, group_size: int = 4) -> tuple[Path, int, int]:
     """The benchmark's job file, derived from `base`; returns (path, batch size, group size)."""
     doc = yaml.safe_load(base.read_text())
     spec = doc["spec"]
+    spec["algorithm"]["groupSize"] = group_size
     spec["rollout"].update(episode="episode_workload:tool_episode", tools=["episode_workload:lookup"],
                            episodeLimits={"maxTurns": 3, "maxTokens": 400}, maxConcurrentToolCalls=256,
                            toolTimeoutSeconds=60)
@@ -76,12 +78,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--async-eta", type=int, default=2)
     parser.add_argument("--tool-median-s", type=float, default=1.5, help="median tool latency (Pareto 1.5 tail)")
+    parser.add_argument("--group-size", type=int, default=4, help="episodes per prompt")
     parser.add_argument("--out-dir", type=Path, default=None, help="keep the job and both run directories here")
     args, extra = parser.parse_known_args()
 
     base = args.out_dir or Path(tempfile.mkdtemp(prefix="episodes-bench-"))
     base.mkdir(parents=True, exist_ok=True)
-    job, batch, group = workload_job(args.job, base / "job.yaml")
+    job, batch, group = workload_job(args.job, base / "job.yaml", args.group_size)
     # (the rollout worker imports episode_workload, and reads the tool's latency, from its environment)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), os.environ.get("PYTHONPATH", "")) if p)
     os.environ["ASYNCRL_BENCH_TOOL_MEDIAN_S"] = str(args.tool_median_s)

@@ -332,7 +332,7 @@ def test_the_episodes_benchmark_derives_its_job_and_reads_its_figures(tmp_path: 
     spec = load_job(path).spec
     assert (spec.rollout.episode, spec.rollout.tools, spec.evaluation) == (
         "episode_workload:tool_episode", ["episode_workload:lookup"], None)
-    assert (batch, group) == (spec.algorithm.batch_size, spec.algorithm.group_size)
+    assert (batch, group) == (spec.algorithm.batch_size, spec.algorithm.group_size) == (4, 4)
     rng = random.Random(0)
     delays = sorted(workload.tool_delay(rng, 1.5, 20.0) for _ in range(4001))
     assert 1.3 < delays[2000] < 1.7 and delays[-1] == 20.0 and delays[-400] > 2.5 * 1.5  # median 1.5; p90 2.9x it
