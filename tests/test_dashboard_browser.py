@@ -243,7 +243,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                 for row in await page.locator("#recovery tr").all()]
     assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
                         ["dead_lettered", "1"], ["drift_lost", "1"], ["drift_found", "0"], ["leases_returned", "3"],
-                        ["reward_failures", "6"], ["recovered_entries", "2"], ["reclaimed_entries", "5"],
+                        ["reward_failures", "6"], ["episode_failures", "0"], ["recovered_entries", "2"],
+                        ["reclaimed_entries", "5"],
                         ["fenced_engines", "0"],
                         ["trainer_restarts", "1"], ["engine_restarts", "2"], ["engine_resyncs", "3"],
                         ["ghost_groups_dropped", "4"]]

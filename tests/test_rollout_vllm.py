@@ -74,12 +74,15 @@ async def test_an_episode_on_vllm_keeps_the_stop_token_and_its_turns_as_sampled(
     from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
     from asyncrl.spec import EpisodeLimits
 
-    url, _ = vllm
+    url, model_dir = vllm
     tokenizer = load_tokenizer("embedded:SmolLM2-135M-Instruct")
     renderer = PromptRenderer(tokenizer)
     chat = ChatTurns(tokenizer, renderer.stop_token_ids())
     runner = EpisodeRunner(resolve_episode("retry"), EpisodeLimits(max_turns=2), chat, renderer.decode, name="retry")
     engine = make_engine("vllm", url)
+    await engine.pause("abort")  # (the base weights again: test_generate_reload_generate perturbs them)
+    await engine.update_weights(model_dir, 2)
+    await engine.resume()
     settings = EvalSettings(1, SamplingParams(max_new_tokens=48, temperature=0.0,
                                               stop_token_ids=renderer.stop_token_ids()))
     turns = EvalTurns(engine, settings, asyncio.Semaphore(4), lambda r: asyncio.sleep(0, r.weight_version))
