@@ -9,7 +9,8 @@ the trainer waits for the slowest episode of every batch; asynchronously it trai
 episodes while others wait on tools.
 
 Per run, from the trainer's metrics.jsonl (steps 2..N; step 1 includes start-up):
-  episodes_per_s        episodes trained per second
+  episodes_per_s        episodes trained per second (episodes_per_s_all_steps: over every step,
+                        step 1's start-up and the asynchronous run's filling of its pipeline too)
   trained_tokens_per_s  tokens with loss trained per second (tool results and feedback are masked)
   trainer_idle          the share of each step the trainer waited for its batch (not computing or
                         publishing)
@@ -63,6 +64,7 @@ def episode_figures(metrics: list[dict[str, Any]], batch_size: int, group_size: 
     return {
         "episodes_per_s": batch_size * group_size * (len(metrics) - 1 if len(metrics) > 1 else 1) / span,
         "trained_tokens_per_s": sum(m["tokens"] for m in (metrics[1:] if len(metrics) > 1 else metrics)) / span,
+        "episodes_per_s_all_steps": batch_size * group_size * len(metrics) / sum(m["step_seconds"] for m in metrics),
         "trainer_idle": sum(idle) / n,
         "tool_s": sum(m["tool_seconds"] for m in steady) / n,
         "generate_s": sum(m["generate_seconds"] for m in steady) / n,
@@ -96,6 +98,8 @@ def main() -> int:
     for name, figs in (("sync", sync), ("async", asyn)):
         out.update({f"{name}_{k}": round(v, 4) if isinstance(v, float) else v for k, v in figs.items()})
     out["episodes_per_s_ratio"] = round(asyn["episodes_per_s"] / sync["episodes_per_s"], 3)
+    out["episodes_per_s_all_steps_ratio"] = round(
+        asyn["episodes_per_s_all_steps"] / sync["episodes_per_s_all_steps"], 3)
     out["trained_tokens_per_s_ratio"] = round(asyn["trained_tokens_per_s"] / sync["trained_tokens_per_s"], 3)
     out["tool_to_generate_ratio"] = round(sync["tool_s"] / max(sync["generate_s"], 1e-9), 3)
     out["run_dirs"] = str(base)

@@ -341,7 +341,8 @@ def test_the_episodes_benchmark_derives_its_job_and_reads_its_figures(tmp_path: 
              for i in range(1, 4)]
     figs = bench.episode_figures(lines, 2, 4)
     assert figs["episodes_per_s"] == 2 * 4 * 2 / 20.0 and figs["trained_tokens_per_s"] == 200 / 20.0
-    assert figs["trainer_idle"] == 0.5 and (figs["tool_s"], figs["generate_s"], figs["turns_mean"]) == (3.0, 2.0, 3.0)
+    assert figs["episodes_per_s_all_steps"] == 2 * 4 * 3 / 30.0 and figs["trainer_idle"] == 0.5
+    assert (figs["tool_s"], figs["generate_s"], figs["turns_mean"]) == (3.0, 2.0, 3.0)
 
 
 # ------------------------------------------------------------------------------------------ evaluation
