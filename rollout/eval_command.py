@@ -259,7 +259,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     )
     from asyncrl.rollout.hf_engine import HFEngine
     from asyncrl.rollout.prompts import PromptRenderer
-    from asyncrl.rollout.worker_process import StartupError, episode_runner
+    from asyncrl.rollout.worker_process import StartupError, episode_runner, tool_schemas
     from asyncrl.spec import AlgorithmSpec, DatasetSpec
 
     spec = plan.spec
@@ -273,7 +273,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
         episodes = episode_runner(plan.rollout, tokenizer, renderer) if plan.rollout is not None else None
     except StartupError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
-    tools = episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
+    tools = tool_schemas(episodes)
     try:
         parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training), tools).render)
                  for part, (_, dataset) in zip(parts, eval_sources(spec), strict=True)]

@@ -7,8 +7,9 @@ the ones that were sampled from: no re-tokenisation drift between rollout and tr
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
+from asyncrl.episodes import Role
 from asyncrl.rollout.datasets import PromptItem
 
 _PROBE = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
@@ -38,6 +39,8 @@ class PromptRenderer:
         self.tokenizer, self.template, self.system_prompt = tokenizer, template, system_prompt
         self.tools = tools or None
         """JSON schemas of the tools the model may call (spec.rollout.tools), described in the prompt."""
+        self._native_tools = bool(self.tools) and self._template_renders_tools()
+        """The template has its own tool format (else the Hermes text goes in the system message)."""
 
     def messages(self, prompt: PromptItem | str) -> list[dict[str, str]]:
         chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else (
@@ -60,16 +63,20 @@ class PromptRenderer:
             text = "\n".join(m["content"] for m in msgs) + "\n"
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
+    def _template_renders_tools(self) -> bool:
+        """Whether the chat template uses `tools=` (probed once: SmolLM2's ignores it, Qwen2.5's does not)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return False
+        probe, render = [{"role": "user", "content": "U"}], self.tokenizer.apply_chat_template
+        return bool(render(probe, tools=self.tools, add_generation_prompt=True, tokenize=False)
+                    != render(probe, add_generation_prompt=True, tokenize=False))
+
     def _with_tools(self, msgs: list[dict[str, str]]) -> str:
         """The chat rendered with the template's own tool format; a template that ignores `tools`
         (SmolLM2's) gets them in the system message, in the Hermes format its family was tuned on."""
         render = self.tokenizer.apply_chat_template
-        plain = render(msgs, add_generation_prompt=True, tokenize=False)
-        if not self.tools:
-            return plain
-        text = render(msgs, tools=self.tools, add_generation_prompt=True, tokenize=False)
-        if text != plain:
-            return text
+        if not self.tools or self._native_tools:
+            return render(msgs, tools=self.tools, add_generation_prompt=True, tokenize=False)
         described = hermes_tools_text(self.tools)
         if msgs[0]["role"] == "system":
             msgs = [{"role": "system", "content": msgs[0]["content"] + "\n\n" + described}, *msgs[1:]]
@@ -106,6 +113,8 @@ class ChatTurns:
         self.end_of_turn = self._end_of_turn(stop_token_ids)
         """The token that ends a model turn in the template (None: no template, no such token)."""
         self._cut = self._probe_cut()
+        self._opening = self._probe_opening()
+        """generation_prompt's tokens (the same before every turn: rendered once)."""
 
     def _render(self, msgs: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=generation_prompt, tokenize=False)
@@ -131,17 +140,20 @@ class ChatTurns:
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def observation(self, content: str, role: Literal["user", "tool", "system"] = "user") -> list[int]:
+    def observation(self, content: str, role: Role = "user") -> list[int]:
         """A message after a model turn, as tokens (no generation prompt: see generation_prompt)."""
         if not self.has_template:
             return self._ids("\n" + content + "\n")
         text = self._render([*_PROBE, {"role": role, "content": content}], False)
         return self._ids(text[self._cut:])
 
-    def generation_prompt(self, role: Literal["user", "tool", "system"] = "user") -> list[int]:
-        """The tokens that open a model turn after a message of `role`."""
+    def generation_prompt(self) -> list[int]:
+        """The tokens that open a model turn after a message."""
+        return list(self._opening)
+
+    def _probe_opening(self) -> list[int]:
         if not self.has_template:
             return []
-        msgs = [*_PROBE, {"role": role, "content": "O"}]
+        msgs = [*_PROBE, {"role": "user", "content": "O"}]
         closed, opened = self._render(msgs, False), self._render(msgs, True)
         return self._ids(opened[len(closed):])

@@ -123,6 +123,11 @@ def training_prompts(inputs: list[SourceInputs], tokenizer: object, seed: int,
     return Mixture(lanes, [i.weight for i in inputs], seed=seed)
 
 
+def tool_schemas(episodes: EpisodeRunner | None) -> list[dict[str, Any]] | None:
+    """The JSON schemas of the job's tools, for its prompts (None: no tools)."""
+    return episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
+
+
 def episode_runner(rollout: RolloutSpec, tokenizer: object, renderer: PromptRenderer) -> EpisodeRunner | None:
     """The job's multi-turn episode (None: single-turn); raises StartupError naming the field at fault."""
     if not rollout.multi_turn():
@@ -188,7 +193,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     redis = await connect(args.redis_url or rt.redis_url)
     names = rt.stream_names(job.metadata.name)
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
-    tools = episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
+    tools = tool_schemas(episodes)
     evaluation = None
     if spec.evaluation is not None and eval_inputs is not None:
         parts = [replace(i.part, render=PromptRenderer(tokenizer, *eval_prompt_format(i.dataset, i.training),
