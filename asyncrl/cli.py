@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("trainer", "asyncrl.trainer.main", "run the trainer: consume trajectories, update, publish weights"),
     ("rollout", "asyncrl.rollout.main", "run a rollout worker: generate, score, publish trajectory groups"),
     ("engine", "asyncrl.rollout.hf_server", "serve the in-process transformers engine over HTTP"),
+    ("engine-proxy", "asyncrl.rollout.engine_proxy", "guard a rollout pod's engine: every route needs the API key"),
     ("reward-server", "asyncrl.rollout.reward_server", "serve a reward function over HTTP (spec.reward.service)"),
     ("eval", "asyncrl.rollout.eval_command", "evaluate a model directory on held-out prompts (table + JSON)"),
     ("dead-letters", "asyncrl.commands.dead_letters", "list the trajectory groups a job's trainer refused, and why"),

@@ -25,3 +25,19 @@ def vllm_server_command(python: str, model: str, *, host: str, port: int | str, 
     if eager:
         cmd.append("--enforce-eager")  # CPU: skip graph capture (starts in ~26 s for 135M)
     return cmd + list(extra)
+
+
+ENGINE_KEY_VOLUME = "engine-key"
+ENGINE_KEY_DIR = "/var/run/secrets/asyncrl/engine"
+"""The engine Secret as a volume, mounted into the rollout pod's engine proxy alone: the key is in no
+environment variable, argv or log of the engine."""
+PROXY_LIVE_PATH = "/asyncrl/live"
+PROXY_READY_PATH = "/asyncrl/ready"
+"""The engine proxy's own probe paths (asyncrl/rollout/engine_proxy.py), the only ones open without the key."""
+
+
+def engine_proxy_command(*, port: int, upstream_port: int, api_key_file: str, health_path: str = "/health"
+                         ) -> list[str]:
+    """The one way we start `asyncrl engine-proxy` in front of an engine listening on loopback."""
+    return ["asyncrl", "engine-proxy", "--port", str(port), "--upstream", f"http://127.0.0.1:{upstream_port}",
+            "--api-key-file", api_key_file, "--health-path", health_path]

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
-from asyncrl.engine_servers import VLLM_SERVER_ENV
+from asyncrl.engine_servers import ENGINE_KEY_DIR, ENGINE_KEY_VOLUME, VLLM_SERVER_ENV
 from asyncrl.runtime import HEALTH_GENERATION_ENV
 from asyncrl.spec_base import GROUP, SpecModel, parse_quantity
 
@@ -699,14 +699,15 @@ _POD_MOUNTS = ("/etc/asyncrl", "/shared", "/tmp", "/dev/shm")
 
 
 class RolloutPodTemplate(PodTemplateOverlay):
-    """Added to the rollout pods (engine and worker containers); merge rules: docs/operator.md, Pod templates."""
+    """Added to the rollout pods (engine and worker containers; not the engine proxy); merge rules:
+    docs/operator.md, Pod templates."""
 
     ROLE: ClassVar[str] = "rollout"
     RESERVED_ENV: ClassVar[frozenset[str]] = _POD_ENV | {"POD_IP", "VLLM_API_KEY", HEALTH_GENERATION_ENV,
                                                          *VLLM_SERVER_ENV}
-    RESERVED_VOLUMES: ClassVar[frozenset[str]] = _POD_VOLUMES
-    RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = _POD_MOUNTS
-    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = ("/etc/asyncrl",)
+    RESERVED_VOLUMES: ClassVar[frozenset[str]] = _POD_VOLUMES | {ENGINE_KEY_VOLUME}
+    RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = (*_POD_MOUNTS, ENGINE_KEY_DIR)
+    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = ("/etc/asyncrl", ENGINE_KEY_DIR)
 
 
 class TrainerPodTemplate(PodTemplateOverlay):

@@ -21,7 +21,15 @@ from typing import Any
 import yaml
 
 from asyncrl import runtime as R
-from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
+from asyncrl.engine_servers import (
+    ENGINE_KEY_DIR,
+    ENGINE_KEY_VOLUME,
+    PROXY_LIVE_PATH,
+    PROXY_READY_PATH,
+    VLLM_SERVER_ENV,
+    engine_proxy_command,
+    vllm_server_command,
+)
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
@@ -35,6 +43,10 @@ CONFIG_DIR = "/etc/asyncrl"
 CONFIG_FILE = f"{CONFIG_DIR}/job.yaml"
 SHARED_DIR = "/shared"
 ENGINE_PORT = 30000
+"""The rollout pod's engine port: the engine proxy's, where every route needs the engine API key."""
+ENGINE_LOCAL_PORT = 30001
+"""Where the engine itself listens, on the pod's loopback and without a key (the proxy's upstream)."""
+ENGINE_PROXY_CONTAINER = "engine-proxy"
 RDZV_PORT = 29500
 WEIGHT_GROUP_PORT = R.DEFAULT_WEIGHT_GROUP_PORT
 """With trainer.weightTransport collective: the weight group's TCPStore on trainer rank 0."""
@@ -276,7 +288,9 @@ def apply_pod_template(template: Obj, overlay: PodTemplateOverlay | None) -> Obj
     - envFrom is added to every container; Kubernetes gives `env` precedence over `envFrom`, so a
       ConfigMap or Secret key cannot shadow an operator variable either;
     - volumes are appended after the operator's and volumeMounts to every container; a volume name or
-      mountPath the operator already uses is skipped (the spec rejects both).
+      mountPath the operator already uses is skipped (the spec rejects both);
+    - "every container" is every one but the engine proxy, which guards the engine and takes nothing
+      from the user.
     With no overlay the template is returned as is, so jobs without one render exactly as before.
     """
     if overlay is None:
@@ -297,6 +311,8 @@ def apply_pod_template(template: Obj, overlay: PodTemplateOverlay | None) -> Obj
         taken = {v["name"] for v in pod.get("volumes", [])}
         pod["volumes"] = [*pod.get("volumes", []), *(_wire(v) for v in overlay.volumes if v.name not in taken)]
     for container in pod["containers"]:
+        if container["name"] == ENGINE_PROXY_CONTAINER:
+            continue
         if overlay.env:
             have = {e["name"] for e in container.get("env", [])}
             container["env"] = [*container.get("env", []), *(_wire(e) for e in overlay.env if e.name not in have)]
@@ -373,10 +389,10 @@ def status_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 
 
 def engine_secret(job: AsyncRLJob, ctx: BuildContext) -> Obj:
-    """The engines' API key: SGLang and our hf server refuse every route but /health* without it
-    (`--api-key`), vLLM every /v1 route (its dev endpoints stay open: rollout_network_policy fences
-    them); the workers and the trainer send it. Created once with a random key (create-only, like the
-    Redis Secret) and owned by the job; a rotated key rolls the rollout pods and the trainer."""
+    """The engines' API key: each rollout pod's engine proxy refuses every request without it (the
+    engine behind it never sees it); the workers and the trainer send it. Created once with a random
+    key (create-only, like the Redis Secret) and owned by the job; a rotated key rolls the rollout pods
+    and the trainer."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(job, ctx, N.engine_secret(job.metadata.name), "rollout"),
             "stringData": {"api-key": ctx.engine_api_key}}
@@ -505,9 +521,9 @@ def redis_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 def rollout_network_policy(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """Only the job's own pods reach the rollout pods' engine port.
 
-    The engine's admin API (SGLang's /update_weights_from_disk and /pause_generation, vLLM's dev-mode
-    /collective_rpc) has no authentication of its own and listens on 0.0.0.0: any pod of the cluster
-    could pause generation or load other weights. The trainer calls it (pause, update, resume) at each
+    Behind the port, the engine proxy asks every request for the engine API key; this policy is the
+    second fence, where the CNI enforces it: nothing outside the job reaches the engines' admin API
+    (pause, weight loads) even with a leaked key. The trainer calls it (pause, update, resume) at each
     pod's IP; the worker beside the engine uses 127.0.0.1, which no policy filters. Selecting the pods
     denies every other port too; the kubelet's probes come from the node, which Kubernetes always admits.
 
@@ -570,36 +586,34 @@ def shared_pvc(job: AsyncRLJob, ctx: BuildContext) -> Obj:
 
 
 def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
-    """The inference server of a rollout pod (SGLang, vLLM, or our in-process transformers server)."""
+    """The inference server of a rollout pod (SGLang, vLLM, or our in-process transformers server).
+
+    It listens on the pod's loopback and gets no API key: the pinned engines' own key leaves routes
+    open (vLLM) or lands in a log and argv (SGLang), so engine_proxy_container is the pod's engine port.
+    """
     ro, model = job.spec.rollout, job.spec.model
     tp = str(max(ro.gpus_per_replica, 1))
-    port = str(ENGINE_PORT)
-    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"},
-                      _engine_api_key_env(job)]
-    # SGLang's (and our hf server's) GET /health then answers without generating a token (readiness)
+    port = str(ENGINE_LOCAL_PORT)
+    env: list[Obj] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"}]
+    # SGLang's (and our hf server's) GET /health then answers without generating a token: the proxy's
+    # readiness reads it, and it must not wait behind a pause for a weight update.
     light_health = {"name": R.HEALTH_GENERATION_ENV, "value": "false"}
     image = ro.image
-    # SGLang (pinned 0.5.10.post1, asyncrl.rollout.engines.sglang), our hf server and vLLM: GET /health,
-    # the one route their --api-key leaves open (the kubelet sends no key).
-    ready_path = "/health"
     if ro.engine == "sglang":
-        command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "0.0.0.0",
-                   "--port", port, "--tp-size", tp, "--dtype", model.dtype,
-                   "--api-key", f"$({R.ENV_ENGINE_API_KEY})"]
+        command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "127.0.0.1",
+                   "--port", port, "--tp-size", tp, "--dtype", model.dtype]
         env.append(light_health)
         if model.tokenizer:
             command += ["--tokenizer-path", model.tokenizer]
         command += list(ro.engine_args)
     elif ro.engine == "vllm":
         extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + list(ro.engine_args)
-        command = vllm_server_command("python3", model.path, host="0.0.0.0", port=port, dtype=model.dtype,
+        command = vllm_server_command("python3", model.path, host="127.0.0.1", port=port, dtype=model.dtype,
                                       tensor_parallel=int(tp), extra=extra)
         env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
-        # vLLM's --api-key, read from its environment (never argv); it guards only the /v1 routes.
-        env.append({**_engine_api_key_env(job), "name": "VLLM_API_KEY"})
     else:  # hf: the asyncrl image serves the SGLang-native surface itself
-        command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "0.0.0.0", "--port", port]
-        env.append(light_health)  # (and the key from ASYNCRL_ENGINE_API_KEY: hf_server.main)
+        command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "127.0.0.1", "--port", port]
+        env.append(light_health)
         image = ro.worker_image or ctx.rollout_image
     if _collective(job):  # the engine is an NCCL/Gloo peer of the trainer: the trainer's NCCL settings
         overlay_env = {e.name for e in (ro.pod_template.env if ro.pod_template and ro.pod_template.env else [])}
@@ -609,17 +623,9 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "image": image,
         "command": command,
         "env": env,
-        "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        # Model download and load can take many minutes: the startup probe holds liveness off.
-        "startupProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 10, "failureThreshold": 180},
-        # Readiness must hold while the trainer pauses generation for a weight update. SGLang's /health
-        # generates a token (it waits behind the pause, then answers 503) unless
-        # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false: then it answers 200 once the server is up
-        # without awaiting anything; /model_info would only read state too, but --api-key closes it
-        # (checked against the pinned source by tests/test_sglang_routes.py).
-        "readinessProbe": {"httpGet": {"path": ready_path, "port": "engine"}, "periodSeconds": 5,
-                           "timeoutSeconds": 3},
-        "livenessProbe": {"tcpSocket": {"port": "engine"}, "periodSeconds": 20, "failureThreshold": 6},
+        # Loopback only, so no probe reaches it: the proxy's readiness reports its /health. Declared
+        # to say which port the engine holds in the pod.
+        "ports": [{"name": "engine-local", "containerPort": ENGINE_LOCAL_PORT, "protocol": "TCP"}],
         "volumeMounts": [*_MOUNTS, _DSHM],
         "securityContext": _container_security(read_only_root=False),
     }
@@ -629,10 +635,42 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     return container
 
 
+def engine_proxy_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
+    """The rollout pod's engine port: `asyncrl engine-proxy` forwards to the engine only requests that
+    carry the engine API key, on every route of every engine; the kubelet's probes use its own paths.
+
+    Readiness must hold while the trainer pauses generation for a weight update: SGLang's /health
+    generates a token (it waits behind the pause, then answers 503) unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false, as engine_container sets it; vLLM's and our hf
+    server's /health only read state (checked against the pins by tests/test_sglang_routes.py).
+    """
+    return {
+        "name": ENGINE_PROXY_CONTAINER,
+        "image": job.spec.rollout.worker_image or ctx.rollout_image,
+        "command": engine_proxy_command(port=ENGINE_PORT, upstream_port=ENGINE_LOCAL_PORT,
+                                        api_key_file=f"{ENGINE_KEY_DIR}/api-key", health_path="/health"),
+        "ports": [{"name": "engine", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": PROXY_READY_PATH, "port": "engine"}, "periodSeconds": 5,
+                           "timeoutSeconds": 3},
+        "livenessProbe": {"httpGet": {"path": PROXY_LIVE_PATH, "port": "engine"}, "periodSeconds": 20,
+                          "timeoutSeconds": 3, "failureThreshold": 6},
+        "volumeMounts": [{"name": ENGINE_KEY_VOLUME, "mountPath": ENGINE_KEY_DIR, "readOnly": True}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": _container_security(read_only_root=True),
+    }
+
+
+def _engine_key_volume(job: AsyncRLJob) -> Obj:
+    """The engine Secret as a file, readable by the pod's group (fsGroup) and nobody else."""
+    return {"name": ENGINE_KEY_VOLUME, "secret": {"secretName": N.engine_secret(job.metadata.name),
+                                              "items": [{"key": "api-key", "path": "api-key"}],
+                                              "defaultMode": 0o440}}
+
+
 def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """The rollout worker: admission, generation through the engine, reward, publishing."""
     ro = job.spec.rollout
-    env = [*_common_env(job, ctx), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_PORT}"},
+    env = [*_common_env(job, ctx), {"name": R.ENV_ENGINE_URL, "value": f"http://127.0.0.1:{ENGINE_LOCAL_PORT}"},
            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
            # the URL the trainer uses to pause/update/resume this pod's engine
            {"name": R.ENV_ENGINE_ADVERTISE_URL, "value": f"http://$(POD_IP):{ENGINE_PORT}"},
@@ -666,8 +704,9 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                              "annotations": _template_annotations(job, ctx)},
                 "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": 60,
-                         "containers": [engine_container(job, ctx), worker_container(job, ctx)],
-                         "volumes": _pod_volumes(job)},
+                         "containers": [engine_container(job, ctx), engine_proxy_container(job, ctx),
+                                        worker_container(job, ctx)],
+                         "volumes": [*_pod_volumes(job), _engine_key_volume(job)]},
             }, ro.pod_template),
         },
     })

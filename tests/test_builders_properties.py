@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from asyncrl.cli import COMMANDS
+from asyncrl.engine_servers import ENGINE_KEY_DIR, PROXY_LIVE_PATH, PROXY_READY_PATH, engine_proxy_command
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import multinode as MN
@@ -112,14 +113,18 @@ def test_gpus_land_in_limits():
 def test_rollout_pod_engine_and_worker():
     objs = build(VARIANTS["cluster"])
     pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
-    engine, worker = pod["containers"]
+    engine, proxy, worker = pod["containers"]
     assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
     assert engine["command"][-2:] == ["--mem-fraction-static", "0.85"]
-    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"  # open under the engine's --api-key
-    assert "tcpSocket" in engine["livenessProbe"]
+    at = engine["command"].index("--host")
+    assert engine["command"][at:at + 4] == ["--host", "127.0.0.1", "--port", "30001"], "loopback only"
+    assert proxy["command"] == engine_proxy_command(port=30000, upstream_port=30001, health_path="/health",
+                                                    api_key_file=f"{ENGINE_KEY_DIR}/api-key")
+    assert proxy["readinessProbe"]["httpGet"]["path"] == PROXY_READY_PATH
+    assert proxy["livenessProbe"]["httpGet"]["path"] == PROXY_LIVE_PATH
     assert worker["command"] == ["asyncrl", "rollout", "--config", B.CONFIG_FILE]
     env = {e["name"]: e for e in worker["env"]}
-    assert env[ENV_ENGINE_URL]["value"] == "http://127.0.0.1:30000"
+    assert env[ENV_ENGINE_URL]["value"] == "http://127.0.0.1:30001", "the worker talks to its engine directly"
     assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "qwen25-gsm8k-redis-auth", "key": "url"}
     assert env[ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env[ENV_WEIGHTS_DIR]["value"].startswith(B.SHARED_DIR)
@@ -178,7 +183,8 @@ def test_external_redis_and_existing_claim():
                         "qwen25-gsm8k-rollout": N.selector_labels("qwen25-gsm8k", "rollout")}
     assert next(o for o in objs if o["kind"] == "StatefulSet")["metadata"]["name"].endswith("trainer")
     pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
-    env = {e["name"]: e for e in pod["containers"][1]["env"]}
+    worker = next(c for c in pod["containers"] if c["name"] == "worker")
+    env = {e["name"]: e for e in worker["env"]}
     assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "shared-rwx"}} in pod["volumes"]
 
@@ -228,8 +234,8 @@ def _policy(objs: list[dict], component: str) -> dict:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_engine_port_admits_only_the_jobs_own_pods(variant):
-    """The engine's admin API (pause, weight updates, vLLM's /collective_rpc) has no auth: a policy on
-    the rollout pods admits the job's pods, on the engine port only, and nothing else."""
+    """The engine's admin API (pause, weight updates, vLLM's /collective_rpc) sits behind the key and
+    behind a policy on the rollout pods that admits the job's pods, on the engine port only."""
     objs = build(VARIANTS[variant])
     job = VARIANTS[variant]["metadata"]["name"]
     policy = _policy(objs, "rollout")
@@ -240,8 +246,8 @@ def test_engine_port_admits_only_the_jobs_own_pods(variant):
         "ingress": [{"from": [{"podSelector": {"matchLabels": {N.LABEL_JOB: job}}}],
                      "ports": [{"protocol": "TCP", "port": B.ENGINE_PORT}]}]}
     deploy = next(o for o in objs if o["kind"] == "Deployment")
-    engine = deploy["spec"]["template"]["spec"]["containers"][0]
-    assert [p["containerPort"] for p in engine["ports"]] == [B.ENGINE_PORT], "the port the policy names"
+    proxy = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "engine-proxy")
+    assert [p["containerPort"] for p in proxy["ports"]] == [B.ENGINE_PORT], "the port the policy names"
     assert policy["spec"]["podSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
 
 
@@ -394,10 +400,11 @@ def test_trainer_requires_the_jobs_status_token(variant):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_engine_api_key_reaches_the_engine_worker_and_trainer(variant):
-    """One job-owned Secret holds the engine API key: the engine requires it (SGLang `--api-key`,
-    vLLM's VLLM_API_KEY, our hf server's env), the worker and the trainer send it, and its hash rolls
-    the rollout pods and the trainer (not Redis) when it is rotated."""
+def test_engine_api_key_reaches_the_proxy_worker_and_trainer_never_the_engine(variant):
+    """One job-owned Secret holds the engine API key: the engine proxy reads it from a file and asks
+    every request for it, the worker and the trainer send it, and its hash rolls the rollout pods and
+    the trainer (not Redis) when it is rotated. The engine never gets it: neither in its environment
+    nor in argv (the pinned SGLang logs its server_args, key included)."""
     objs = build(VARIANTS[variant])
     job = objs[0]["metadata"]["labels"][N.LABEL_JOB]
     secret = next(o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"] == N.engine_secret(job))
@@ -412,14 +419,22 @@ def test_engine_api_key_reaches_the_engine_worker_and_trainer(variant):
             assert N.ANNOTATION_ENGINE_AUTH_HASH not in annotations
             continue
         assert annotations[N.ANNOTATION_ENGINE_AUTH_HASH] == B.secret_hash(secret)
+        key_volumes = [v["name"] for v in template["spec"]["volumes"]
+                       if v.get("secret", {}).get("secretName") == N.engine_secret(job)]
         for c in template["spec"]["containers"]:
             env = {e["name"]: e for e in c.get("env", [])}
-            assert env[ENV_ENGINE_API_KEY]["valueFrom"] == ref, c["name"]
-            if c["name"] == "engine" and c["command"][:3] == ["python3", "-m", "sglang.launch_server"]:
-                at = c["command"].index("--api-key")
-                assert c["command"][at + 1] == f"$({ENV_ENGINE_API_KEY})"
-            elif c["name"] == "engine" and "vllm" in " ".join(c["command"]):
-                assert env["VLLM_API_KEY"]["valueFrom"] == ref and "--api-key" not in c["command"]
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            if c["name"] == "engine":
+                assert not [e for e in env.values() if e.get("valueFrom") == ref]
+                assert "--api-key" not in c["command"] and not mounts & set(key_volumes)
+                assert not {"VLLM_API_KEY", ENV_ENGINE_API_KEY} & set(env)
+            elif c["name"] == "engine-proxy":
+                assert not env and [m for m in c["volumeMounts"] if m["name"] in key_volumes] == [
+                    {"name": "engine-key", "mountPath": ENGINE_KEY_DIR, "readOnly": True}]
+            else:
+                assert env[ENV_ENGINE_API_KEY]["valueFrom"] == ref, c["name"]
+        if obj["kind"] == "Deployment":
+            assert key_volumes == ["engine-key"]
 
 
 # ---- collective weight sync (trainer.weightTransport collective): trainer env, port, Service, policies
@@ -486,7 +501,7 @@ def test_collective_wires_rank0_address_port_and_policies(engine):
     # the engines get no trainer address (the trainer hands it to them) and no NCCL env without spec.trainer.nccl
     deploy = objs[("Deployment", N.rollout(job))]
     for c in deploy["spec"]["template"]["spec"]["containers"]:
-        names = {e["name"] for e in c["env"]}
+        names = {e["name"] for e in c.get("env", [])}
         assert ENV_WEIGHT_GROUP_ADDRESS not in names and not any(n.startswith(("NCCL_", "GLOO_")) for n in names)
     # nothing else differs from the disk job (the config map says collective; the pods' config hash follows)
     changed = {k for k, o in _by_key(disk).items() if o != objs[k]}

@@ -10,7 +10,7 @@ from asyncrl import runtime as R
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from tests.support.job_builds import build
+from tests.support.job_builds import build, rollout_pod_containers
 from tests.support.jobs import JobBuilder
 
 JOB = "qwen25-gsm8k"  # examples/job.yaml's name
@@ -36,8 +36,7 @@ def test_the_operator_runs_the_reward_service_and_points_the_workers_at_it_behin
     [server] = deployment["template"]["spec"]["containers"]
     assert deployment["replicas"] == 2
     assert server["command"] == ["asyncrl", "reward-server", "gsm8k", "--host", "0.0.0.0", "--port", "8100"]
-    assert server["image"] == by_kind(objs, "rollout")["Deployment"]["spec"]["template"]["spec"]["containers"][1][
-        "image"]  # (the worker's image: it has `asyncrl reward-server`)
+    assert server["image"] == rollout_pod_containers(objs)["worker"]["image"]  # it has `asyncrl reward-server`
     key = {"secretKeyRef": {"name": N.engine_secret(JOB), "key": "api-key"}}
     assert env_of(server)[R.ENV_REWARD_API_KEY]["valueFrom"] == key
     assert server["resources"] == {"requests": {"memory": "8Gi"}, "limits": {"memory": "8Gi", "nvidia.com/gpu": "1"}}
@@ -47,7 +46,7 @@ def test_the_operator_runs_the_reward_service_and_points_the_workers_at_it_behin
     policy = reward["NetworkPolicy"]["spec"]
     assert policy["ingress"] == [{"from": [{"podSelector": {"matchLabels": N.selector_labels(JOB, "rollout")}}],
                                   "ports": [{"protocol": "TCP", "port": 8100}]}]
-    worker = env_of(by_kind(objs, "rollout")["Deployment"]["spec"]["template"]["spec"]["containers"][1])
+    worker = env_of(rollout_pod_containers(objs)["worker"])
     assert worker[R.ENV_REWARD_URL]["value"] == f"http://{N.reward(JOB)}:8100"
     assert worker[R.ENV_REWARD_API_KEY]["valueFrom"] == key
     kinds = [o["kind"] + "/" + o["metadata"]["name"] for o in objs]
@@ -66,7 +65,7 @@ def test_a_service_of_your_own_image_and_command_and_none_without_a_deployment()
         doc = JobBuilder.example().set(**({"reward.service": service} if service else {})).doc()
         objs = build(doc)
         assert by_kind(objs, "reward") == {}
-        worker = by_kind(objs, "rollout")["Deployment"]["spec"]["template"]["spec"]["containers"][1]
+        worker = rollout_pod_containers(objs)["worker"]
         assert R.ENV_REWARD_URL not in env_of(worker)
 
 

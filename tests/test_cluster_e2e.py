@@ -36,6 +36,7 @@ import kmock
 import pytest
 import yaml
 
+from asyncrl.engine_servers import PROXY_READY_PATH
 from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
@@ -335,13 +336,14 @@ def released(e2e: E2E, job: str) -> bool:
 
 
 async def unauthenticated_engine_calls(e2e: E2E, job: str) -> str:
-    """What the rollout pod's engine answers another pod of the cluster without the job's API key
-    (SGLang's --api-key on our hf server): a weight update and a pause, then /health, which the
-    kubelet's probes need open. One line per call: `METHOD path -> status`."""
+    """What the rollout pod's engine port (the engine proxy) answers another pod of the cluster without
+    the job's API key: a weight update, a pause and the engine's /health, then the proxy's readiness,
+    which the kubelet's probes need open. One line per call: `METHOD path -> status`."""
     (pod,) = e2e.pods(job, "rollout")
     url = f"http://127.0.0.1:{e2e.cluster.host_port(NS, pod['metadata']['name'], 30000)}"
     calls = [("POST", "/update_weights_from_disk", {"model_path": "/elsewhere", "weight_version": "99"}),
-             ("POST", "/pause_generation", {"mode": "abort"}), ("GET", "/health", None)]
+             ("POST", "/pause_generation", {"mode": "abort"}), ("GET", "/health", None),
+             ("GET", PROXY_READY_PATH, None)]
     lines = []
     async with httpx.AsyncClient(timeout=30) as client:
         for method, path, body in calls:
@@ -383,8 +385,8 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
             assert out.strip() == f"asyncrljob.asyncrl.dev/{job} created"
             await e2e.wait_phase(job, "Running", timeout=300)
             running = pids(e2e, job)
-            assert sorted(k.split("/")[1] for k in running) == ["engine", "redis", "reward", "trainer", "worker"], \
-                running
+            assert sorted(k.split("/")[1] for k in running) == ["engine", "engine-proxy", "redis", "reward", "trainer",
+                                                                "worker"], running
             refused = await unauthenticated_engine_calls(e2e, job)
             reward_pod, reward_refused = await unauthenticated_reward_call(e2e, job)
             snapshot = await e2e.kubectl("get", "pods,statefulsets,deployments", "-n", NS)
@@ -408,8 +410,8 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
     # been trained and the job would not have reached its steps); without the key it refuses to score.
     assert "reward service" in e2e.cluster.log(NS, reward_pod, "reward"), reward_pod
     assert reward_refused == 401, reward_refused
-    # Without the key the engine refused a weight update (401) while training, with it, went on.
-    assert [line.split()[-1] for line in refused.splitlines()] == ["401", "401", "200"], refused
+    # Without the key the engine proxy refused a weight update (401) while training, with it, went on.
+    assert [line.split()[-1] for line in refused.splitlines()] == ["401", "401", "401", "200"], refused
     policies = [N.rollout(job), N.trainer(job), N.redis_network_policy(job)]
     for guard in [*(f"networkpolicy.networking.k8s.io/{p}" for p in policies), f"secret/{N.engine_secret(job)}"]:
         assert guard in guards, guards

@@ -48,6 +48,7 @@ def test_digests_reach_every_pod_unchanged():
     assert images == {
         ("qwen25-gsm8k-rollout", "engine"): PINNED[("rollout", "image")],
         ("qwen25-gsm8k-rollout", "worker"): PINNED[("rollout", "workerImage")],
+        ("qwen25-gsm8k-rollout", "engine-proxy"): PINNED[("rollout", "workerImage")],
         ("qwen25-gsm8k-trainer", "trainer"): PINNED[("trainer", "image")],
         ("qwen25-gsm8k-redis", "redis"): f"redis:7.4-alpine@{DIGEST}",
     }

@@ -268,12 +268,12 @@ def test_differences_name_what_was_edited():
     assert body is not None
     live = server_defaults("deployments", copy.deepcopy(stamp(deploy)))
     live["spec"]["replicas"] = 9
-    live["spec"]["template"]["spec"]["containers"][1]["image"] = "evil:1"
-    live["spec"]["template"]["spec"]["containers"][1]["env"].pop()
+    live["spec"]["template"]["spec"]["containers"][2]["image"] = "evil:1"
+    live["spec"]["template"]["spec"]["containers"][2]["env"].pop()
     live["metadata"]["labels"].pop(N.LABEL_JOB)
     live["metadata"]["annotations"]["someone/else"] = "kept"  # not ours: never drift
     assert differences(live, body) == [
-        "spec.replicas", "spec.template.spec.containers[1].image", "spec.template.spec.containers[1].env",
+        "spec.replicas", "spec.template.spec.containers[2].image", "spec.template.spec.containers[2].env",
         f"metadata.labels.{N.LABEL_JOB}"]
     # A desired change that only removes something is caught by the desired-hash annotation.
     smaller = copy.deepcopy(deploy)

@@ -114,7 +114,8 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
 
     pod_labels = {c: w["spec"]["template"]["metadata"]["labels"] for c, w in workloads.items()}
     stranger = {"app": "curious", N.LABEL_JOB: "another-job"}
-    engine_port = rollout["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    proxy = next(c for c in rollout["spec"]["template"]["spec"]["containers"] if c["name"] == "engine-proxy")
+    engine_port = proxy["ports"][0]["containerPort"]
     trainer_container = trainer["spec"]["template"]["spec"]["containers"][0]
     trainer_ports = {p["name"]: p["containerPort"] for p in trainer_container["ports"]}
     assert trainer_ports == {"status": STATUS_PORT, "rdzv": B.RDZV_PORT}

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 
+from asyncrl.engine_servers import PROXY_READY_PATH
 from asyncrl.loader import load_job
 from asyncrl.operator.render import render
 from asyncrl.rollout.engines import SamplingParams
@@ -32,123 +32,11 @@ from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
 from asyncrl.spec import RolloutSpec
 from asyncrl.weight_group import TensorSpec
 from asyncrl.weight_labels import WeightLabel
+from tests.support.engine_routes import FETCH_HINT, HTTP_SERVER, PIN_DIR, Route, pin_file, pin_routes
 
 REPO = Path(__file__).resolve().parent.parent
-PIN_DIR = REPO / ".tools" / f"sglang-{PINNED_VERSION}"
-HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
 SAMPLING = "sglang/srt/sampling/sampling_params.py"
-FETCH_HINT = "run `bash scripts/fetch-sglang-source.sh` (scripts/setup.sh --tests does)"
-ROUTE_DECORATORS = {"get", "post", "put", "delete", "patch", "head", "options", "api_route"}
-
-
-def pin_file(rel: str) -> Path:
-    path = PIN_DIR / rel
-    if not path.is_file():
-        pytest.fail(f"the pinned SGLang {PINNED_VERSION} source is missing: {path} does not exist; {FETCH_HINT}",
-                    pytrace=False)
-    return path
-
-
-# ---------------------------------------------------------------- reading the pinned source
-
-
-@dataclass
-class Route:
-    methods: set[str] = field(default_factory=set)
-    handlers: list[ast.AsyncFunctionDef | ast.FunctionDef] = field(default_factory=list)
-    body_models: set[str] = field(default_factory=set)
-
-
-def _module_strings(tree: ast.Module) -> dict[str, ast.expr]:
-    """Module-level `NAME = <expr>` assignments (route paths may be named)."""
-    out: dict[str, ast.expr] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            out[node.targets[0].id] = node.value
-    return out
-
-
-def _path_value(node: ast.expr, names: dict[str, ast.expr]) -> str | None:
-    """A route path: a literal, or `os.environ.get("VAR", "/default")` (its default); None if dynamic."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in names:
-        return _path_value(names[node.id], {})
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv"):
-        if len(node.args) >= 2:
-            return _path_value(node.args[1], names)
-        return None
-    return None
-
-
-def _methods(call: ast.Call) -> set[str]:
-    assert isinstance(call.func, ast.Attribute)
-    if call.func.attr not in ("api_route", "add_api_route"):
-        return {call.func.attr.upper()}
-    for kw in call.keywords:
-        if kw.arg == "methods":
-            return {m.upper() for m in ast.literal_eval(kw.value)}
-    return {"GET"}  # FastAPI's default for api_route / add_api_route
-
-
-def _routes_of(source: Path, owner: str, table: dict[str, Route]) -> list[tuple[str, str]]:
-    """Add the routes declared on `owner` (app or router) in `source`; return included routers."""
-    tree = ast.parse(source.read_text(), filename=str(source))
-    names = _module_strings(tree)
-    funcs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    for node in ast.walk(tree):  # walk, not body: routes declared under `if` count too
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for dec in node.decorator_list:
-                if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                        and isinstance(dec.func.value, ast.Name) and dec.func.value.id == owner
-                        and dec.func.attr in ROUTE_DECORATORS):
-                    arg = dec.args[0] if dec.args else next(k.value for k in dec.keywords if k.arg == "path")
-                    path = _path_value(arg, names)
-                    if path is None:
-                        continue  # only routed when an environment variable names it
-                    route = table.setdefault(path, Route())
-                    route.methods |= _methods(dec)
-                    route.handlers.append(node)
-                    for a in node.args.args:
-                        if a.annotation is not None and isinstance(a.annotation, ast.Name) and a.arg == "obj":
-                            route.body_models.add(a.annotation.id)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_api_route"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == owner):
-            path = _path_value(node.args[0], names)
-            if path is not None:
-                route = table.setdefault(path, Route())
-                route.methods |= _methods(node)
-                endpoint = node.args[1] if len(node.args) > 1 else None
-                if isinstance(endpoint, ast.Name) and endpoint.id in funcs:
-                    route.handlers.append(funcs[endpoint.id])
-    included: list[tuple[str, str]] = []  # (module, router variable in it)
-    imports = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            for alias in node.names:
-                imports[alias.asname or alias.name] = (node.module, alias.name)
-    for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "include_router"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == owner):
-            arg = node.args[0]
-            assert isinstance(arg, ast.Name) and arg.id in imports, f"unreadable include_router in {source}"
-            included.append(imports[arg.id])
-    return included
-
-
-_TABLE: dict[str, Route] | None = None
-
-
-def pin_routes() -> dict[str, Route]:
-    """path -> methods and handlers, from the pinned http_server.py and the routers it includes."""
-    global _TABLE
-    if _TABLE is None:
-        table: dict[str, Route] = {}
-        for module, var in _routes_of(pin_file(HTTP_SERVER), "app", table):
-            _routes_of(pin_file(module.replace(".", "/") + ".py"), var, table)
-        _TABLE = table
-    return _TABLE
 
 
 def pin_classes() -> dict[str, ast.ClassDef]:
@@ -240,32 +128,30 @@ def test_route_table_is_read():
 # ---------------------------------------------------------------- the rollout pod's probes
 
 
-def _engine_container(example: str) -> dict[str, Any]:
+def _rollout_containers(example: str) -> dict[str, dict[str, Any]]:
     docs = list(yaml.safe_load_all(render(load_job(REPO / "examples" / example), uid="u", redis_password="p")))
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
-    (engine,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
-    return engine
+    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
 
 
-def _probe_paths(container: dict[str, Any]) -> dict[str, str]:
-    return {kind: p["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")
-            if "httpGet" in (p := container.get(kind, {}))}
+def _probed_health_path(containers: dict[str, dict[str, Any]]) -> str:
+    """The engine route the proxy's readiness reports (the kubelet probes the proxy, never the engine)."""
+    proxy = containers["engine-proxy"]
+    assert proxy["readinessProbe"]["httpGet"]["path"] == PROXY_READY_PATH
+    assert not any(k in containers["engine"] for k in ("startupProbe", "readinessProbe", "livenessProbe")), \
+        "the engine listens on loopback: a kubelet probe cannot reach it"
+    return proxy["command"][proxy["command"].index("--health-path") + 1]
 
 
-def test_sglang_probes_use_routes_of_the_pin():
-    engine = _engine_container("job.yaml")
+def test_sglang_readiness_is_a_route_of_the_pin():
+    containers = _rollout_containers("job.yaml")
+    engine = containers["engine"]
     assert engine["command"][:3] == ["python3", "-m", "sglang.launch_server"]
-    paths = _probe_paths(engine)
-    # /health: the one route the engine's --api-key leaves open (the kubelet sends no key)
-    assert paths.get("readinessProbe") == "/health"
+    assert_in_pin("GET", _probed_health_path(containers), "the rollout pod's readiness")
     env = {e["name"]: e for e in engine["env"]}
     assert env[HEALTH_GENERATION_ENV]["value"] == "false", "readiness must not generate (see below)"
-    key_at = engine["command"].index("--api-key")
-    assert engine["command"][key_at + 1] == f"$({ENV_ENGINE_API_KEY})" and ENV_ENGINE_API_KEY in env
-    for kind, path in paths.items():
-        assert_in_pin("GET", path, f"the rollout pod's {kind}")
-    for kind in ("startupProbe", "livenessProbe"):
-        assert kind in engine and ("tcpSocket" in engine[kind] or "httpGet" in engine[kind])
+    # the engine gets no key (the pin logs server_args, key included, and would have it in argv)
+    assert "--api-key" not in engine["command"] and ENV_ENGINE_API_KEY not in env
 
 
 def test_readiness_route_does_not_wait_behind_a_pause():
@@ -274,7 +160,7 @@ def test_readiness_route_does_not_wait_behind_a_pause():
     The pin's /health generates one token (`generate_request`, which waits while `is_pause`) and
     answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT, unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is
     false (the rollout pod sets it): then GET /health answers 200 before awaiting anything, once the
-    server is no longer Starting. /model_info would not wait either, but --api-key closes it."""
+    server is no longer Starting. /model_info would not wait either."""
     routes = pin_routes()
     (health,) = routes["/health"].handlers
     assert "generate_request" in _calls(health)
@@ -290,11 +176,10 @@ def test_readiness_route_does_not_wait_behind_a_pause():
 def test_hf_engine_probes_are_routes_of_our_hf_server():
     from asyncrl.rollout.hf_server import create_app
 
-    engine = _engine_container("local.yaml")
-    assert engine["command"][:2] == ["asyncrl", "engine"]
-    served = _app_routes(create_app(object()))
-    for kind, path in _probe_paths(engine).items():
-        assert "GET" in served.get(path, set()), f"the hf rollout pod's {kind} {path} is not served"
+    containers = _rollout_containers("local.yaml")
+    assert containers["engine"]["command"][:2] == ["asyncrl", "engine"]
+    path = _probed_health_path(containers)
+    assert "GET" in _app_routes(create_app(object())).get(path, set()), f"the hf rollout pod's readiness {path}"
 
 
 # ---------------------------------------------------------------- the adapter's calls

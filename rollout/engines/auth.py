@@ -24,6 +24,11 @@ def request_allowed(api_key: str | None, method: str, path: str, authorization: 
     """Whether a request may pass a server configured with `api_key` (None or "": open server)."""
     if not api_key or method.upper() == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return True
+    return bearer_matches(api_key, authorization)
+
+
+def bearer_matches(api_key: str, authorization: str | None) -> bool:
+    """Whether an `Authorization` header is `Bearer <api_key>` (scheme case-insensitive, constant time)."""
     scheme, _, token = (authorization or "").strip().partition(" ")
     if scheme.lower() != "bearer":
         return False

@@ -22,3 +22,9 @@ def build(doc: dict, name: str | None = None, stopped: bool = False) -> list[dic
     return B.build_children(job, B.BuildContext(owner_uid="uid-1", namespace="ns", redis_password="pw",
                                                 stopped=stopped or job.spec.suspend,
                                                 operator_namespace=OPERATOR_NS))
+
+
+def rollout_pod_containers(objs: list[dict]) -> dict[str, dict]:
+    """The rollout pod's containers by name (engine, engine-proxy, worker) among built children."""
+    deploy = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-rollout"))
+    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
