@@ -75,35 +75,39 @@ def torch_dtype(name: str) -> Any:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_tokenizer(path: str, tokenizer: str | None = None) -> Any:
-    """The tokenizer for a model path (or an explicit tokenizer path); pad token defaults to EOS."""
+def load_tokenizer(path: str, tokenizer: str | None = None, revision: str | None = None) -> Any:
+    """The tokenizer for a model path (or an explicit tokenizer path); pad token defaults to EOS.
+    `revision` (model.revision) is the hub revision of `path`, so it applies only without `tokenizer`."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer or path))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer or path),
+                                        revision=None if tokenizer else revision)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def vocab_size(path: str) -> int | None:
+def vocab_size(path: str, revision: str | None = None) -> int | None:
     """Embedding rows of the model at `path` from its config alone (no weights loaded); None if the
     config does not say. Token ids at or above it cannot be trained, so groups holding them are refused."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(path))
+        config = AutoConfig.from_pretrained(resolve_model_path(path), revision=revision)
     except OSError:  # no such model: loading it reports that, with the job's own error and exit code
         return None
     size = getattr(config.get_text_config(), "vocab_size", None)
     return int(size) if isinstance(size, int) and size > 0 else None
 
 
-def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> Any:
-    """Load a causal LM for training or inference from a model path or a weights directory."""
+def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu", revision: str | None = None) -> Any:
+    """Load a causal LM for training or inference from a model path or a weights directory
+    (`revision`: a hub revision of a hub id, model.revision)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch_dtype(dtype))
+        model: Any = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch_dtype(dtype),
+                                                          revision=revision)
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load model {path!r}: {exc}") from exc
     return model.to(device)

@@ -16,7 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel, to_snake
 
 from asyncrl.engine_servers import ENGINE_KEY_DIR, ENGINE_KEY_VOLUME, VLLM_SERVER_ENV
-from asyncrl.runtime import HEALTH_GENERATION_ENV
+from asyncrl.runtime import HEALTH_GENERATION_ENV, SECRETS_DIR
 from asyncrl.spec_base import GROUP, SpecModel, parse_quantity
 
 _DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -694,8 +694,9 @@ class PodTemplateOverlay(SpecModel):
 
 
 _POD_ENV = frozenset({"HOME", "HF_HOME"})
-_POD_VOLUMES = frozenset({"config", "shared", "tmp", "dshm"})
-_POD_MOUNTS = ("/etc/asyncrl", "/shared", "/tmp", "/dev/shm")
+_POD_VOLUMES = frozenset({"config", "shared", "tmp", "dshm", "job-secrets"})
+_POD_MOUNTS = ("/etc/asyncrl", "/shared", "/tmp", "/dev/shm", SECRETS_DIR)
+_READ_ONLY_MOUNTS = ("/etc/asyncrl", SECRETS_DIR)
 
 
 class RolloutPodTemplate(PodTemplateOverlay):
@@ -707,7 +708,7 @@ class RolloutPodTemplate(PodTemplateOverlay):
                                                          *VLLM_SERVER_ENV}
     RESERVED_VOLUMES: ClassVar[frozenset[str]] = _POD_VOLUMES | {ENGINE_KEY_VOLUME}
     RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = (*_POD_MOUNTS, ENGINE_KEY_DIR)
-    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = ("/etc/asyncrl", ENGINE_KEY_DIR)
+    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = (*_READ_ONLY_MOUNTS, ENGINE_KEY_DIR)
 
 
 class TrainerPodTemplate(PodTemplateOverlay):
@@ -717,14 +718,15 @@ class TrainerPodTemplate(PodTemplateOverlay):
     RESERVED_ENV: ClassVar[frozenset[str]] = _POD_ENV
     RESERVED_VOLUMES: ClassVar[frozenset[str]] = _POD_VOLUMES
     RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = _POD_MOUNTS
-    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = ("/etc/asyncrl",)
+    READ_ONLY_MOUNTS: ClassVar[tuple[str, ...]] = _READ_ONLY_MOUNTS
 
 
 class RedisPodTemplate(PodTemplateOverlay):
     """Added to the managed Redis pod; merge rules: docs/operator.md, Pod templates."""
 
     ROLE: ClassVar[str] = "redis"
-    RESERVED_ENV: ClassVar[frozenset[str]] = frozenset({"REDIS_PASSWORD", "REDISCLI_AUTH"})
-    # redis-conf at /run/redis: the in-memory file that carries the password (never on argv)
-    RESERVED_VOLUMES: ClassVar[frozenset[str]] = frozenset({"data", "redis-conf"})
-    RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = ("/data", "/run/redis")
+    RESERVED_ENV: ClassVar[frozenset[str]] = frozenset({"REDISCLI_AUTH"})
+    # redis-conf at /run/redis: the in-memory file that carries the password (never on argv); redis-auth:
+    # the Secret's password as a file
+    RESERVED_VOLUMES: ClassVar[frozenset[str]] = frozenset({"data", "redis-conf", "redis-auth"})
+    RESERVED_MOUNTS: ClassVar[tuple[str, ...]] = ("/data", "/run/redis", "/var/run/secrets/asyncrl/redis")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,11 @@ ENV_REWARD_URL = "ASYNCRL_REWARD_URL"
 """The in-cluster URL of the job's operator-run reward service (spec.reward.service.deployment)."""
 ENV_REWARD_API_KEY = "ASYNCRL_REWARD_API_KEY"
 """The reward service's key, for the server (`asyncrl reward-server`) and its clients alike."""
+FILE_SUFFIX = "_FILE"
+"""`<VAR>_FILE` names a file holding a secret variable's value (secret_env): how the operator passes
+the Redis URL, the status token and the API keys, mounted from their Secrets."""
+SECRETS_DIR = "/var/run/secrets/asyncrl/job"
+"""Where the operator mounts the job's Secrets in the trainer and rollout worker containers."""
 DEFAULT_WEIGHT_GROUP_PORT = 29600
 """With trainer.weightTransport collective: the address engines dial to join the trainer's weight
 group (the trainer rank 0 pod's stable DNS name) and the port of the group's store on it."""
@@ -39,6 +45,25 @@ HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 """Set to "false" (the rollout pods do), the pinned SGLang's GET /health answers 200 once the server is
 up without generating a token, so it does not wait behind a pause: the readiness probe, and a route
 the engine's --api-key leaves open. Our hf server (rollout/hf_server.py) honours it too."""
+
+
+def secret_env(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """A secret's value from the variable `name`, else from the file that `name`_FILE names.
+
+    Why files: a Secret mounted as a file is in no process environment (`/proc/*/environ`, crash
+    reports, a child process that dumps its env) and not in `kubectl describe` of a pod's env source.
+    """
+    env = os.environ if env is None else env
+    if env.get(name):
+        return env[name]
+    path = env.get(name + FILE_SUFFIX)
+    if not path:
+        return None
+    try:
+        value = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{name}{FILE_SUFFIX}={path}: cannot read the file ({exc.strerror})") from None
+    return value or None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -93,7 +118,7 @@ class Runtime:
         env = os.environ
         base = cls()
         return cls(
-            redis_url=env.get(ENV_REDIS_URL, base.redis_url),
+            redis_url=secret_env(ENV_REDIS_URL, env) or base.redis_url,
             weights_dir=Path(env.get(ENV_WEIGHTS_DIR, base.weights_dir)),
             checkpoint_dir=Path(env.get(ENV_CHECKPOINT_DIR, base.checkpoint_dir)),
             run_dir=Path(env.get(ENV_RUN_DIR, base.run_dir)),
@@ -102,9 +127,9 @@ class Runtime:
             pod_name=env.get(ENV_POD_NAME) or base.pod_name,
             rollout_index=_env_int(ENV_ROLLOUT_INDEX, 0),
             rollout_replicas=_env_int(ENV_ROLLOUT_REPLICAS, 0),
-            status_token=env.get(ENV_STATUS_TOKEN) or None,
+            status_token=secret_env(ENV_STATUS_TOKEN, env),
             job_uid=env.get(ENV_JOB_UID, ""),
-            engine_api_key=env.get(ENV_ENGINE_API_KEY) or None,
+            engine_api_key=secret_env(ENV_ENGINE_API_KEY, env),
             reward_url=env.get(ENV_REWARD_URL) or None,
             weight_group_address=env.get(ENV_WEIGHT_GROUP_ADDRESS) or base.weight_group_address,
             weight_group_port=_env_int(ENV_WEIGHT_GROUP_PORT, DEFAULT_WEIGHT_GROUP_PORT),

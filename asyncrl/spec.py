@@ -121,6 +121,13 @@ class Resources(SpecModel):
 # ----------------------------------------------------------------------------------- spec parts
 
 
+_REVISION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+_LOCAL_MODEL_PREFIXES = ("embedded:", "/", ".", "~")
+_MODEL_REVISION_HUB_ONLY = ("model.revision needs a Hugging Face Hub id in model.path (a local directory or "
+                            "an embedded: model has no revisions)")
+_DATASET_REVISION_HF_ONLY = "dataset.revision applies to hf: sources only (a file or a builtin has no revisions)"
+
+
 class ModelSpec(SpecModel):
     """The policy model to train."""
 
@@ -132,6 +139,18 @@ class ModelSpec(SpecModel):
     """Tokenizer path or id when it differs from `path`."""
     gradient_checkpointing: bool = False
     """Trade compute for memory in the trainer."""
+    revision: str | None = Field(default=None, min_length=1, max_length=255, pattern=_REVISION_PATTERN)
+    """A Hugging Face Hub revision of `path` (commit sha, tag or branch) that the trainer, the engines
+    and the workers all load (and the tokenizer, unless `tokenizer` names another); a commit sha makes
+    a run reproducible when the repository moves on. Only for a hub id: not with a local directory or
+    `embedded:`."""
+
+    @model_validator(mode="after")
+    def _revision_needs_a_hub_id(self) -> ModelSpec:
+        # (the same rule as CEL_RULES' spec.model entry)
+        if self.revision is not None and self.path.startswith(_LOCAL_MODEL_PREFIXES):
+            raise ValueError(f"{_MODEL_REVISION_HUB_ONLY}; got path {self.path!r} with revision {self.revision!r}")
+        return self
 
 
 class DatasetSpec(SpecModel):
@@ -167,6 +186,9 @@ class DatasetSpec(SpecModel):
     """Shuffle seed (and generator seed for builtin datasets)."""
     difficulty: int = Field(default=1, ge=1, le=5)
     """builtin:arithmetic only: 1 = two-digit addition ... 5 = multi-step word problems."""
+    revision: str | None = Field(default=None, min_length=1, max_length=255, pattern=_REVISION_PATTERN)
+    """hf: sources only: the dataset repository's revision (commit sha, tag or branch) to load; a
+    commit sha keeps the prompts the same when the dataset moves on."""
 
     @field_validator("source")
     @classmethod
@@ -192,6 +214,8 @@ class DatasetSpec(SpecModel):
         if self.source.startswith("builtin:") and mapped:
             raise ValueError(f"{', '.join(mapped)} of {self.source}: {_BUILTIN_UNMAPPED}; allowed: a file or "
                              "hf: dataset with them, or builtin:arithmetic without them")
+        if self.revision is not None and not self.source.startswith("hf:"):
+            raise ValueError(f"{_DATASET_REVISION_HF_ONLY}; got source {self.source!r}")
         twice = sorted({f for f in self.metadata_fields if self.metadata_fields.count(f) > 1})
         if twice:
             raise ValueError(f"metadataFields lists {', '.join(map(repr, twice))} more than once; allowed: "
@@ -1382,6 +1406,7 @@ _DATASET_CEL = [
     ("(has(self.source) && !self.source.startsWith('builtin:')) || (!has(self.promptField)"
      " && !has(self.answerField) && !has(self.messagesField)"
      " && (!has(self.metadataFields) || size(self.metadataFields) == 0))", _BUILTIN_UNMAPPED),
+    ("!has(self.revision) || (has(self.source) && self.source.startsWith('hf:'))", _DATASET_REVISION_HF_ONLY),
 ]
 """CEL on spec.dataset and spec.evaluation.dataset: DatasetSpec._columns."""
 
@@ -1437,6 +1462,9 @@ CEL_RULES: list[tuple[str, str, str]] = [
     *[(path, rule, message) for path in ("spec.dataset", "spec.datasets[]", "spec.evaluation.dataset",
                                          "spec.evaluation.datasets[]") for rule, message in _DATASET_CEL],
     ("spec.evaluation", _REWARD_URL_ONLY_CEL, _EVAL_REWARD_URL_ONLY),
+    ("spec.model", "!has(self.revision) || !(" + " || ".join(f"self.path.startsWith('{p}')"
+                                                              for p in _LOCAL_MODEL_PREFIXES) + ")",
+     _MODEL_REVISION_HUB_ONLY),
     ("spec.algorithm", "self.proximal != 'loglinear' || self.loss == 'decoupled'",
      "proximal 'loglinear' requires loss 'decoupled'"),
     ("spec.algorithm", "self.batchSize % self.minibatches == 0",

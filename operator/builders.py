@@ -197,19 +197,40 @@ def _template_annotations(job: AsyncRLJob, ctx: BuildContext, *, config: bool = 
     return out
 
 
-def _redis_url_env(job: AsyncRLJob) -> Obj:
-    r = job.spec.redis
-    if r.mode == "external" and r.external is not None:
-        ref = {"name": r.external.url_secret.name, "key": r.external.url_secret.key}
-    else:
-        ref = {"name": N.redis_secret(job.metadata.name), "key": "url"}
-    return {"name": R.ENV_REDIS_URL, "valueFrom": {"secretKeyRef": ref}}
+JOB_SECRETS_VOLUME = "job-secrets"
+_SECRET_FILES = {R.ENV_REDIS_URL: "redis-url", R.ENV_ENGINE_API_KEY: "engine-api-key",
+                 R.ENV_STATUS_TOKEN: "status-token", R.ENV_REWARD_API_KEY: "engine-api-key"}
+"""The file (under R.SECRETS_DIR) of each secret variable; the reward service's key is the engine's."""
+
+
+def _secret_file_env(var: str) -> Obj:
+    """`<var>_FILE`: where the process finds the secret (asyncrl.runtime.secret_env), never its value."""
+    return {"name": var + R.FILE_SUFFIX, "value": f"{R.SECRETS_DIR}/{_SECRET_FILES[var]}"}
+
+
+def _job_secrets_volume(job: AsyncRLJob, *, status_token: bool) -> Obj:
+    """The job's Secrets as files for the trainer (with the status token) or the rollout worker: the Redis
+    URL (the managed Redis Secret's, or the external one's), the engine API key, and the status token."""
+    name, r = job.metadata.name, job.spec.redis
+    redis = ((r.external.url_secret.name, r.external.url_secret.key) if r.mode == "external" and r.external
+             else (N.redis_secret(name), "url"))
+    refs = [(*redis, R.ENV_REDIS_URL), (N.engine_secret(name), "api-key", R.ENV_ENGINE_API_KEY)]
+    if status_token:
+        refs.append((N.status_secret(name), "token", R.ENV_STATUS_TOKEN))
+    sources = [{"secret": {"name": secret, "items": [{"key": key, "path": _SECRET_FILES[var]}]}}
+               for secret, key, var in refs]
+    # 0440 with the pod's fsGroup: the container's user reads them, nobody else
+    return {"name": JOB_SECRETS_VOLUME, "projected": {"sources": sources, "defaultMode": 0o440}}
+
+
+_JOB_SECRETS_MOUNT = {"name": JOB_SECRETS_VOLUME, "mountPath": R.SECRETS_DIR, "readOnly": True}
 
 
 def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
-    """The asyncrl.runtime variables every rollout and trainer process reads."""
+    """The asyncrl.runtime variables every rollout worker and trainer process reads; secrets as files
+    (the container mounts _JOB_SECRETS_MOUNT)."""
     return [
-        _redis_url_env(job),
+        _secret_file_env(R.ENV_REDIS_URL),
         # In every Redis key: a job re-created with the same name never reads the old run's streams.
         {"name": R.ENV_JOB_UID, "value": ctx.owner_uid},
         {"name": R.ENV_WEIGHTS_DIR, "value": f"{SHARED_DIR}/weights"},
@@ -218,15 +239,8 @@ def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
         {"name": R.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": f"{SHARED_DIR}/hf-cache"},
-        _engine_api_key_env(job),
+        _secret_file_env(R.ENV_ENGINE_API_KEY),
     ]
-
-
-def _engine_api_key_env(job: AsyncRLJob) -> Obj:
-    """ASYNCRL_ENGINE_API_KEY from the job's engine Secret: the engine requires it (its --api-key),
-    the worker and the trainer send it as a bearer token (asyncrl.runtime.Runtime.engine_api_key)."""
-    return {"name": R.ENV_ENGINE_API_KEY, "valueFrom": {"secretKeyRef": {
-        "name": N.engine_secret(job.metadata.name), "key": "api-key"}}}
 
 
 def _tracker_env(job: AsyncRLJob) -> tuple[list[Obj], list[Obj]]:
@@ -414,8 +428,17 @@ REDIS_CONF = f"{REDIS_CONF_DIR}/auth.conf"
 # is the redis user's alone; `exec`: redis-server replaces the shell and gets the pod's SIGTERM. The
 # value is written unquoted, as Redis reads a config line: fine for the operator's hex passwords (a
 # hand-set one with whitespace or quotes would make Redis refuse to start, not run open).
-REDIS_AUTH_SCRIPT = (f'umask 077 && printf "requirepass %s\\n" "$REDIS_PASSWORD" > {REDIS_CONF} '
-                     f'&& exec redis-server {REDIS_CONF} "$@"')
+REDIS_AUTH_VOLUME = "redis-auth"
+REDIS_AUTH_DIR = "/var/run/secrets/asyncrl/redis"
+"""The Redis Secret's password as a file, in the Redis container alone: no environment variable."""
+REDIS_PASSWORD_FILE = f"{REDIS_AUTH_DIR}/password"
+# `$(cat FILE)` puts only the path on cat's argv, `printf` is a shell builtin (no child process), and
+# the variable is not exported: the password is on no argv and in no environment. umask 077: the
+# file is the redis user's alone; `exec`: redis-server replaces the shell and gets the pod's SIGTERM.
+REDIS_AUTH_SCRIPT = (f'umask 077 && secret=$(cat {REDIS_PASSWORD_FILE}) && printf "requirepass %s\\n" "$secret" > '
+                     f'{REDIS_CONF} && unset secret && exec redis-server {REDIS_CONF} "$@"')
+REDIS_PING_SCRIPT = f'REDISCLI_AUTH=$(cat {REDIS_PASSWORD_FILE}) && export REDISCLI_AUTH && exec redis-cli "$@"'
+"""The readiness probe: redis-cli takes the password from REDISCLI_AUTH, set in its own process only."""
 
 
 def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -432,24 +455,23 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                   "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": m.storage}}}}
     if m.storage_class_name:
         claim["spec"]["storageClassName"] = m.storage_class_name
-    password_env = {"name": "REDIS_PASSWORD",
-                    "valueFrom": {"secretKeyRef": {"name": N.redis_secret(name), "key": "password"}}}
     container = {
         "name": "redis",
         "image": m.image,
         # The password reaches redis-server through a config file, never its argv (which `ps` and the
-        # pod spec would show): REDIS_AUTH_SCRIPT writes it from the env into REDIS_CONF and execs
-        # the server with these args ("$@"; sh's $0 names the process).
+        # pod spec would show) or environment: REDIS_AUTH_SCRIPT reads it from the mounted Secret into
+        # REDIS_CONF and execs the server with these args ("$@"; sh's $0 names the process).
         "command": ["sh", "-c", REDIS_AUTH_SCRIPT, "redis-server"],
         "args": ["--port", str(REDIS_PORT), "--dir", "/data", *persistence, *_redis_memory_args(m.resources)],
-        "env": [password_env, {"name": "REDISCLI_AUTH", "valueFrom": password_env["valueFrom"]}],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
-        # the port named, not implied: the probe then says which port it checks
-        "readinessProbe": {"exec": {"command": ["redis-cli", "-p", str(REDIS_PORT), "ping"]}, "periodSeconds": 5,
+        "readinessProbe": {"exec": {"command": ["sh", "-c", REDIS_PING_SCRIPT, "redis-cli", "-p", str(REDIS_PORT),
+                                                "ping"]}, "periodSeconds": 5,
                            "timeoutSeconds": 3},
+        # the port named, not implied: the probe then says which port it checks
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 15, "failureThreshold": 4},
         "volumeMounts": [{"name": "data", "mountPath": "/data"},
-                         {"name": REDIS_CONF_VOLUME, "mountPath": REDIS_CONF_DIR}],
+                         {"name": REDIS_CONF_VOLUME, "mountPath": REDIS_CONF_DIR},
+                         {"name": REDIS_AUTH_VOLUME, "mountPath": REDIS_AUTH_DIR, "readOnly": True}],
         "securityContext": _container_security(read_only_root=True),
     }
     resources = _resources(m.resources)
@@ -469,7 +491,10 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                          "containers": [container],
                          # in memory: the password file never reaches a node's disk
                          "volumes": [{"name": REDIS_CONF_VOLUME,
-                                      "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]},
+                                      "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                                     {"name": REDIS_AUTH_VOLUME, "secret": {
+                                         "secretName": N.redis_secret(name),
+                                         "items": [{"key": "password", "path": "password"}], "defaultMode": 0o440}}]},
             }, m.pod_template),
             "volumeClaimTemplates": [claim],
             # The AOF volume belongs to this run: it goes when the StatefulSet does (which the job
@@ -605,9 +630,12 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         env.append(light_health)
         if model.tokenizer:
             command += ["--tokenizer-path", model.tokenizer]
+        if model.revision:
+            command += ["--revision", model.revision]
         command += list(ro.engine_args)
     elif ro.engine == "vllm":
-        extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + list(ro.engine_args)
+        extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + (
+            ["--revision", model.revision] if model.revision else []) + list(ro.engine_args)
         command = vllm_server_command("python3", model.path, host="127.0.0.1", port=port, dtype=model.dtype,
                                       tensor_parallel=int(tp), extra=extra)
         env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
@@ -680,7 +708,7 @@ def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "image": ro.worker_image or ctx.rollout_image,
         "command": ["asyncrl", "rollout", "--config", CONFIG_FILE],
         "env": env,
-        "volumeMounts": list(_MOUNTS),
+        "volumeMounts": [*_MOUNTS, _JOB_SECRETS_MOUNT],
         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": _container_security(read_only_root=True),
     }
@@ -706,7 +734,8 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                          "terminationGracePeriodSeconds": 60,
                          "containers": [engine_container(job, ctx), engine_proxy_container(job, ctx),
                                         worker_container(job, ctx)],
-                         "volumes": [*_pod_volumes(job), _engine_key_volume(job)]},
+                         "volumes": [*_pod_volumes(job), _engine_key_volume(job),
+                                     _job_secrets_volume(job, status_token=False)]},
             }, ro.pod_template),
         },
     })
@@ -723,7 +752,7 @@ def _reward_env(job: AsyncRLJob) -> list[Obj]:
     if dep is None:
         return []
     return [{"name": R.ENV_REWARD_URL, "value": f"http://{N.reward(job.metadata.name)}:{dep.port}"},
-            {**_engine_api_key_env(job), "name": R.ENV_REWARD_API_KEY}]
+            _secret_file_env(R.ENV_REWARD_API_KEY)]
 
 
 def reward_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
@@ -739,7 +768,9 @@ def reward_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "name": "reward",
         "image": dep.image or job.spec.rollout.worker_image or ctx.rollout_image,
         "command": command,
-        "env": [{"name": "HOME", "value": "/tmp"}, {**_engine_api_key_env(job), "name": R.ENV_REWARD_API_KEY}],
+        # In the environment, not a file: the documented contract of a reward server of your own.
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": R.ENV_REWARD_API_KEY, "valueFrom": {"secretKeyRef": {
+            "name": N.engine_secret(name), "key": "api-key"}}}],
         "ports": [{"name": "reward", "containerPort": dep.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "reward"}, "periodSeconds": 5, "timeoutSeconds": 3},
         "livenessProbe": {"tcpSocket": {"port": "reward"}, "periodSeconds": 20, "failureThreshold": 6},
@@ -849,15 +880,14 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
         "image": t.image or ctx.trainer_image,
         "command": trainer_command(job, ctx.namespace),
         "env": [*_common_env(job, ctx), *tracker_env,
-                {"name": R.ENV_STATUS_TOKEN, "valueFrom": {"secretKeyRef": {
-                    "name": N.status_secret(name), "key": "token"}}},
+                _secret_file_env(R.ENV_STATUS_TOKEN),
                 *([MN.node_rank_env()] if t.replicas > 1 else []),
                 *weight_group_env,
                 *MN.nccl_env(t.nccl, overlay_env)],
         "ports": [{"name": "status", "containerPort": t.status_port, "protocol": "TCP"},
                   {"name": "rdzv", "containerPort": RDZV_PORT, "protocol": "TCP"},
                   *(weight_group_port if collective else [])],
-        "volumeMounts": [*_MOUNTS, _DSHM],
+        "volumeMounts": [*_MOUNTS, _DSHM, _JOB_SECRETS_MOUNT],
         "securityContext": MN.rdma_capabilities(t.rdma, _container_security(read_only_root=False)),
     }
     if tracker_env_from:  # (Kubernetes gives `env` precedence: these keys cannot shadow the operator's)
@@ -882,7 +912,8 @@ def trainer_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                              "annotations": _template_annotations(job, ctx, status_token=True)},
                 "spec": {"securityContext": _pod_security(RUN_AS_USER), "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": MN.termination_grace_seconds(job),
-                         "containers": [container], "volumes": _pod_volumes(job)},
+                         "containers": [container],
+                         "volumes": [*_pod_volumes(job), _job_secrets_volume(job, status_token=True)]},
             }, t.pod_template),
         },
     })

@@ -183,7 +183,8 @@ def load_jsonl(path: str | Path, fmt: str = "auto") -> list[PromptItem]:
     return load_file(path, Columns(fmt))
 
 
-def load_hf(dataset_id: str, split: str, columns: Columns) -> list[PromptItem]:
+def load_hf(dataset_id: str, split: str, columns: Columns, revision: str | None = None) -> list[PromptItem]:
+    """A hub dataset's split (`revision`: dataset.revision, a commit sha, tag or branch of its repository)."""
     try:
         import datasets
     except ImportError:
@@ -192,9 +193,10 @@ def load_hf(dataset_id: str, split: str, columns: Columns) -> list[PromptItem]:
             "and network access to the hub; or give a local file") from None
     name, _, config = dataset_id.partition(":")
     try:
-        ds = datasets.load_dataset(name, config or None, split=split)
+        ds = datasets.load_dataset(name, config or None, split=split, revision=revision)
     except Exception as exc:
-        raise DatasetError(f"cannot load Hugging Face dataset {dataset_id!r} split {split!r}: {exc}") from exc
+        at = f" at revision {revision!r}" if revision else ""
+        raise DatasetError(f"cannot load Hugging Face dataset {dataset_id!r} split {split!r}{at}: {exc}") from exc
     names = tuple(ds.column_names)
     return [columns.item(Row(f"hf:{dataset_id}[{n}]", f"{name}-{split}-{n}", dict(record), names))
             for n, record in enumerate(ds)]
@@ -283,7 +285,7 @@ def load_source(spec: DatasetSpec) -> PromptSource:
     if src.startswith("builtin:"):
         raise DatasetError(f"unknown builtin dataset {src!r}; allowed: builtin:arithmetic")
     if src.startswith("hf:"):
-        return ListSource(load_hf(src.removeprefix("hf:"), spec.split, Columns.of(spec)), seed=spec.seed)
+        return ListSource(load_hf(src.removeprefix("hf:"), spec.split, Columns.of(spec), spec.revision), seed=spec.seed)
     return ListSource(load_file(src, Columns.of(spec), spec.split), seed=spec.seed)
 
 

@@ -66,13 +66,15 @@ class HFEngine:
         weight_version: int = 0,
         seed: int = 0,
         model: Any = None,
+        revision: str | None = None,
     ):
         self.model_path = model_path
         self.dtype = dtype
         self.device = device
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
-        self.model = model if model is not None else load_causal_lm(model_path, dtype=dtype, device=device)
+        self.model = model if model is not None else load_causal_lm(model_path, dtype=dtype, device=device,
+                                                                                revision=revision)
         self.model.eval()
         cfg = self.model.config
         gen = getattr(self.model, "generation_config", None)

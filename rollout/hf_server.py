@@ -39,7 +39,7 @@ from asyncrl.loader import load_job
 from asyncrl.models import load_tokenizer
 from asyncrl.rollout.engines.auth import require_api_key
 from asyncrl.rollout.engines.base import SamplingParams as EngineSamplingParams
-from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV
+from asyncrl.runtime import ENV_ENGINE_API_KEY, HEALTH_GENERATION_ENV, secret_env
 from asyncrl.weight_labels import WeightLabel, parse_label
 
 # Lazy imports (inside functions): fastapi and uvicorn (no core dependency: the operator image lacks
@@ -419,12 +419,13 @@ def main(args: argparse.Namespace) -> int:
 
     from asyncrl.rollout.hf_engine import HFEngine
 
-    model_path, tokenizer_path, job_dtype = args.model, None, "float32"
+    model_path, tokenizer_path, job_dtype, revision = args.model, None, "float32", None
     if args.config:
         job = load_job(args.config)
         model_path = model_path or job.spec.model.path
         tokenizer_path = job.spec.model.tokenizer
         job_dtype = job.spec.model.dtype
+        revision = None if args.model else job.spec.model.revision
     if not model_path:
         raise SystemExit("asyncrl engine: give --config JOB.yaml or --model PATH")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -432,9 +433,9 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = HFEngine(model_path, dtype=dtype, device=device, max_batch_size=args.max_batch_size,
-                      weight_version=args.weight_version, seed=args.seed)
-    tokenizer = load_tokenizer(model_path, tokenizer_path)
-    api_key = args.api_key or os.environ.get(ENV_ENGINE_API_KEY) or None
+                      weight_version=args.weight_version, seed=args.seed, revision=revision)
+    tokenizer = load_tokenizer(model_path, tokenizer_path, revision)
+    api_key = args.api_key or secret_env(ENV_ENGINE_API_KEY)
     app = create_app(engine, tokenizer, model_name=model_path, api_key=api_key)
     print(f"asyncrl engine: serving {model_path} ({dtype} on {device}) at http://{args.host}:{args.port}", flush=True)
     try:

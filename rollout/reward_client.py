@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,6 +29,7 @@ from asyncrl.rollout.reward_protocol import (
     ScoreResponse,
 )
 from asyncrl.rollout.rewards import Metadata, OnError, RewardFailed, give_up, tries
+from asyncrl.runtime import secret_env
 
 log = logging.getLogger("asyncrl.rollout.reward_client")
 
@@ -95,7 +95,7 @@ class HttpRewardScorer:
     max_concurrent: int = 8
     retries: int = 1
     on_error: OnError = "drop"
-    api_key: str | None = field(default_factory=lambda: os.environ.get(ENV_REWARD_API_KEY) or None, repr=False)
+    api_key: str | None = field(default_factory=lambda: secret_env(ENV_REWARD_API_KEY), repr=False)
     name: str = ""
     errors: int = 0
     """Requests that failed as a whole (each retry counts)."""

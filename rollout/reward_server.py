@@ -15,7 +15,6 @@ stays open for probes.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ from asyncrl.rollout.reward_protocol import (
     ScoreResponse,
 )
 from asyncrl.rollout.rewards import RewardError, RewardFailed, RewardScorer, resolve_reward, settled
+from asyncrl.runtime import secret_env
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     scorer = RewardScorer(fn, args.timeout, max_workers=args.workers, name=args.function, on_error="drop")
-    app = create_app(scorer, api_key=args.api_key or os.environ.get(ENV_REWARD_API_KEY) or None)
+    app = create_app(scorer, api_key=args.api_key or secret_env(ENV_REWARD_API_KEY))
     print(f"reward service {scorer.name} on http://{args.host}:{args.port}{SCORE_PATH}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -165,7 +165,7 @@ def worker_config(args: argparse.Namespace, spec: AsyncRLJobSpec, job: str, rt: 
         max_tokens_per_request=spec.rollout.max_tokens_per_request,
         log_every_s=args.log_every, engine_outage_s=args.engine_outage_s,
         rollout_index=rt.rollout_index, rollout_replicas=rt.rollout_replicas,
-        vocab_size=vocab_size(spec.model.path), max_response_tokens=spec.max_response_tokens())
+        vocab_size=vocab_size(spec.model.path, spec.model.revision), max_response_tokens=spec.max_response_tokens())
 
 
 async def run_worker(args: argparse.Namespace) -> int:
@@ -179,7 +179,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     try:
         eval_inputs = evaluation_inputs(spec, rt.reward_url)
         sources = training_inputs(spec, rt.reward_url)
-        tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
+        tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer, spec.model.revision)
         renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
         episodes = episode_runner(spec.rollout, tokenizer, renderer)
         await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)

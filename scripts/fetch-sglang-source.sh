@@ -9,7 +9,7 @@
 #
 # Usage: scripts/fetch-sglang-source.sh [PYTHON]   (PYTHON defaults to $REPO/.venv/bin/python)
 # Result: $REPO/.tools/sglang-<version>/sglang/srt/{entrypoints/http_server.py,
-#         entrypoints/v1_loads.py, managers/io_struct.py, sampling/sampling_params.py}
+#         entrypoints/v1_loads.py, managers/io_struct.py, sampling/sampling_params.py, server_args.py}
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +20,8 @@ VERSION="$("$PY" -c 'import re, sys; print(re.search(r"^PINNED_VERSION = \"([^\"
   "$REPO/rollout/engines/sglang.py")"
 DEST="$REPO/.tools/sglang-$VERSION"
 FILES=(sglang/srt/entrypoints/http_server.py sglang/srt/entrypoints/v1_loads.py
-       sglang/srt/managers/io_struct.py sglang/srt/sampling/sampling_params.py)
+       sglang/srt/managers/io_struct.py sglang/srt/sampling/sampling_params.py
+       sglang/srt/server_args.py)
 
 missing=0
 for f in "${FILES[@]}"; do [ -s "$DEST/$f" ] || missing=1; done

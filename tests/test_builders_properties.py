@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import kubernetes_validate
@@ -13,6 +15,7 @@ import yaml
 from asyncrl.cli import COMMANDS
 from asyncrl.engine_servers import ENGINE_KEY_DIR, PROXY_LIVE_PATH, PROXY_READY_PATH, engine_proxy_command
 from asyncrl.loader import parse_job
+from asyncrl.net import free_port
 from asyncrl.operator import builders as B
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
@@ -27,8 +30,9 @@ from asyncrl.runtime import (
     ENV_WEIGHT_GROUP_PORT,
     ENV_WEIGHTS_DIR,
 )
-from tests.support.job_builds import OPERATOR_PEER, build
+from tests.support.job_builds import OPERATOR_PEER, build, secret_env, secret_files
 from tests.support.jobs import JobBuilder
+from tests.support.redis_image import redis_bin_dir
 
 REPO = Path(__file__).resolve().parent.parent
 DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -125,7 +129,7 @@ def test_rollout_pod_engine_and_worker():
     assert worker["command"] == ["asyncrl", "rollout", "--config", B.CONFIG_FILE]
     env = {e["name"]: e for e in worker["env"]}
     assert env[ENV_ENGINE_URL]["value"] == "http://127.0.0.1:30001", "the worker talks to its engine directly"
-    assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "qwen25-gsm8k-redis-auth", "key": "url"}
+    assert secret_files(pod)["worker"][ENV_REDIS_URL] == ("qwen25-gsm8k-redis-auth", "url")
     assert env[ENV_POD_NAME]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env[ENV_WEIGHTS_DIR]["value"].startswith(B.SHARED_DIR)
     hf = next(o for o in build(VARIANTS["local"]) if o["kind"] == "Deployment")
@@ -183,9 +187,7 @@ def test_external_redis_and_existing_claim():
                         "qwen25-gsm8k-rollout": N.selector_labels("qwen25-gsm8k", "rollout")}
     assert next(o for o in objs if o["kind"] == "StatefulSet")["metadata"]["name"].endswith("trainer")
     pod = next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
-    worker = next(c for c in pod["containers"] if c["name"] == "worker")
-    env = {e["name"]: e for e in worker["env"]}
-    assert env[ENV_REDIS_URL]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
+    assert secret_files(pod)["worker"][ENV_REDIS_URL] == ("r", "url")
     assert {"name": "shared", "persistentVolumeClaim": {"claimName": "shared-rwx"}} in pod["volumes"]
 
 
@@ -278,8 +280,8 @@ def test_network_policies_come_before_the_pods_they_guard(variant):
 
 
 def test_redis_password_is_on_no_argv():
-    """The password comes from the Secret through env into an in-memory config file; neither the pod
-    spec nor the process's arguments (`ps`) carry it or a reference that expands to it."""
+    """The password comes from the Secret, mounted as a file, into an in-memory config file; neither the
+    pod spec, the process's arguments (`ps`) nor its environment carry it or a reference that expands to it."""
     redis = next(o for o in build(VARIANTS["cluster"]) if o["kind"] == "StatefulSet"
                  and o["metadata"]["name"].endswith("-redis"))
     pod = redis["spec"]["template"]["spec"]
@@ -290,10 +292,54 @@ def test_redis_password_is_on_no_argv():
     assert c["command"][:2] == ["sh", "-c"] and "exec redis-server " + B.REDIS_CONF in c["command"][2]
     assert {"name": B.REDIS_CONF_VOLUME, "mountPath": B.REDIS_CONF_DIR} in c["volumeMounts"]
     assert {"name": B.REDIS_CONF_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}} in pod["volumes"]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": N.redis_secret("qwen25-gsm8k"),
-                                                                  "key": "password"}
+    assert "env" not in c, "no secret (nor anything else) in the Redis container's environment"
+    assert {"name": B.REDIS_AUTH_VOLUME, "mountPath": B.REDIS_AUTH_DIR, "readOnly": True} in c["volumeMounts"]
+    auth = next(v for v in pod["volumes"] if v["name"] == B.REDIS_AUTH_VOLUME)["secret"]
+    assert (auth["secretName"], auth["items"]) == (N.redis_secret("qwen25-gsm8k"),
+                                                   [{"key": "password", "path": "password"}])
+    assert f"{B.REDIS_AUTH_DIR}/password" == B.REDIS_PASSWORD_FILE and B.REDIS_PASSWORD_FILE in c["command"][2]
+    assert c["readinessProbe"]["exec"]["command"][:3] == ["sh", "-c", B.REDIS_PING_SCRIPT]
     assert "pw" not in yaml.safe_dump(redis), "the rendered password is only in the Secret"
+
+
+def test_the_redis_scripts_run_the_real_server_on_the_password_file(tmp_path: Path):
+    """The managed Redis container's command and readiness probe, run as written (paths moved here) with
+    the real server: it starts on the Secret file's password (no trailing newline, as a Secret volume
+    holds it), refuses a client without it, the probe's ping answers, and the password is in neither
+    the server's argv nor its environment."""
+    password = "s3cret-" + "ab12" * 8  # the operator draws hex (a space would stop Redis: the line is unquoted)
+    secret = tmp_path / "password"
+    secret.write_text(password)
+    port = free_port()
+
+    def here(argv: list[str]) -> list[str]:
+        """The container's argv with this test's paths and port."""
+        return [a.replace(B.REDIS_PASSWORD_FILE, str(secret)).replace(B.REDIS_CONF, str(tmp_path / "auth.conf"))
+                for a in argv]
+
+    env = {"PATH": f"{redis_bin_dir(tmp_path)}:/usr/bin:/bin"}
+    redis = next(o for o in build(VARIANTS["cluster"]) if o["kind"] == "StatefulSet"
+                 and o["metadata"]["name"].endswith("-redis"))["spec"]["template"]["spec"]["containers"][0]
+    args = ["--port", str(port), "--dir", str(tmp_path), "--save", ""]
+    server = subprocess.Popen(here([*redis["command"], *args]), env=env)
+    try:
+        cli = [str(redis_bin_dir(tmp_path) / "redis-cli"), "-p", str(port)]
+        deadline = time.monotonic() + 20
+        while "NOAUTH" not in (out := subprocess.run([*cli, "ping"], capture_output=True, text=True, env=env)).stdout:
+            assert time.monotonic() < deadline and server.poll() is None, out
+            time.sleep(0.1)
+        ping = here(redis["readinessProbe"]["exec"]["command"])
+        assert ping[-3:] == ["-p", str(B.REDIS_PORT), "ping"], "the port as its own argument (the cluster maps it)"
+        ping[-2] = str(port)
+        probe = subprocess.run(ping, capture_output=True, text=True, env=env)
+        assert probe.stdout.strip() == "PONG", probe
+        proc = Path(f"/proc/{server.pid}")
+        assert password.encode() not in proc.joinpath("cmdline").read_bytes()
+        assert password.encode() not in proc.joinpath("environ").read_bytes()
+        assert (tmp_path / "auth.conf").stat().st_mode & 0o077 == 0, "the config file is the server user's alone"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_suspend_scales_to_zero_and_keeps_redis():
@@ -379,7 +425,7 @@ def test_secret_hash_reads_data_and_string_data_alike():
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_trainer_requires_the_jobs_status_token(variant):
-    """The trainer alone reads the status-token Secret (env) and carries its hash, so a rotated token
+    """The trainer alone reads the status-token Secret (a file) and carries its hash, so a rotated token
     restarts the trainer with it; no other pod sees the token."""
     objs = build(VARIANTS[variant])
     job = objs[0]["metadata"]["labels"][N.LABEL_JOB]
@@ -390,13 +436,14 @@ def test_trainer_requires_the_jobs_status_token(variant):
             continue
         template = obj["spec"]["template"]
         annotations = template["metadata"].get("annotations", {})
-        envs = [e for c in template["spec"]["containers"] for e in c.get("env", []) if e["name"] == ENV_STATUS_TOKEN]
+        files = secret_files(template["spec"])
+        holders = [c for c, found in files.items() if ENV_STATUS_TOKEN in found]
+        assert N.status_secret(job) not in yaml.safe_dump(template["spec"]["volumes"]) or holders == ["trainer"]
         if obj["metadata"]["name"] == N.trainer(job):
             assert annotations[N.ANNOTATION_STATUS_AUTH_HASH] == B.secret_hash(secret)
-            assert envs == [{"name": ENV_STATUS_TOKEN, "valueFrom": {"secretKeyRef": {
-                "name": N.status_secret(job), "key": "token"}}}]
+            assert holders == ["trainer"] and files["trainer"][ENV_STATUS_TOKEN] == (N.status_secret(job), "token")
         else:
-            assert N.ANNOTATION_STATUS_AUTH_HASH not in annotations and not envs
+            assert N.ANNOTATION_STATUS_AUTH_HASH not in annotations and not holders
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -421,20 +468,31 @@ def test_engine_api_key_reaches_the_proxy_worker_and_trainer_never_the_engine(va
         assert annotations[N.ANNOTATION_ENGINE_AUTH_HASH] == B.secret_hash(secret)
         key_volumes = [v["name"] for v in template["spec"]["volumes"]
                        if v.get("secret", {}).get("secretName") == N.engine_secret(job)]
+        files = secret_files(template["spec"])
         for c in template["spec"]["containers"]:
             env = {e["name"]: e for e in c.get("env", [])}
             mounts = {m["name"] for m in c.get("volumeMounts", [])}
             if c["name"] == "engine":
-                assert not [e for e in env.values() if e.get("valueFrom") == ref]
+                assert not [e for e in env.values() if e.get("valueFrom") == ref] and files["engine"] == {}
                 assert "--api-key" not in c["command"] and not mounts & set(key_volumes)
                 assert not {"VLLM_API_KEY", ENV_ENGINE_API_KEY} & set(env)
             elif c["name"] == "engine-proxy":
                 assert not env and [m for m in c["volumeMounts"] if m["name"] in key_volumes] == [
                     {"name": "engine-key", "mountPath": ENGINE_KEY_DIR, "readOnly": True}]
             else:
-                assert env[ENV_ENGINE_API_KEY]["valueFrom"] == ref, c["name"]
+                assert files[c["name"]][ENV_ENGINE_API_KEY] == (N.engine_secret(job), "api-key"), c["name"]
         if obj["kind"] == "Deployment":
             assert key_volumes == ["engine-key"]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_asyncrl_secrets_reach_its_processes_as_files(variant):
+    """No container of ours takes a Secret in its environment (`/proc/*/environ`, crash reports, a child
+    that dumps its env): the Redis URL, status token and API keys are mounted files, named by `<VAR>_FILE`."""
+    for obj in build(VARIANTS[variant]):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                assert secret_env(c) == [], (obj["metadata"]["name"], c["name"])
 
 
 # ---- collective weight sync (trainer.weightTransport collective): trainer env, port, Service, policies

@@ -10,7 +10,7 @@ from asyncrl import runtime as R
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from tests.support.job_builds import build, rollout_pod_containers
+from tests.support.job_builds import build, rollout_pod_containers, secret_files
 from tests.support.jobs import JobBuilder
 
 JOB = "qwen25-gsm8k"  # examples/job.yaml's name
@@ -48,7 +48,8 @@ def test_the_operator_runs_the_reward_service_and_points_the_workers_at_it_behin
                                   "ports": [{"protocol": "TCP", "port": 8100}]}]
     worker = env_of(rollout_pod_containers(objs)["worker"])
     assert worker[R.ENV_REWARD_URL]["value"] == f"http://{N.reward(JOB)}:8100"
-    assert worker[R.ENV_REWARD_API_KEY]["valueFrom"] == key
+    rollout_pod = by_kind(objs, "rollout")["Deployment"]["spec"]["template"]["spec"]
+    assert secret_files(rollout_pod)["worker"][R.ENV_REWARD_API_KEY] == (N.engine_secret(JOB), "api-key")
     kinds = [o["kind"] + "/" + o["metadata"]["name"] for o in objs]
     assert kinds.index(f"Deployment/{N.reward(JOB)}") < kinds.index(f"Deployment/{N.rollout(JOB)}")
     for obj in objs:

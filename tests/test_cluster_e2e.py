@@ -37,7 +37,6 @@ import pytest
 import yaml
 
 from asyncrl.engine_servers import PROXY_READY_PATH
-from asyncrl.local_redis import find_server_binary
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
@@ -48,6 +47,7 @@ from tests.support.jobs import JobBuilder
 from tests.support.kube_cluster import KubeCluster, Launch, meta
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
+from tests.support.redis_image import redis_bin_dir
 
 REPO = Path(__file__).resolve().parent.parent
 KUBECTL = REPO / ".tools" / "bin" / "kubectl"
@@ -81,18 +81,6 @@ def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl
 
 
 # ----------------------------------------------------------------------------------- the cluster
-
-
-def redis_bin_dir(root: Path) -> Path:
-    """`redis-server` and `redis-cli` (the redis image's commands) -> the valkey binaries the project uses."""
-    server = find_server_binary()
-    out = root / "redis-image-bin"
-    out.mkdir(parents=True, exist_ok=True)
-    for name, target in (("redis-server", server), ("redis-cli", server.with_name(
-            server.name.replace("server", "cli")))):
-        assert target.exists(), f"{target} missing: the Redis pod needs it"
-        (out / name).symlink_to(target)
-    return out
 
 
 @dataclasses.dataclass

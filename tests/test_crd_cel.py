@@ -281,6 +281,10 @@ BREAKERS = {
         {"dataset": {"source": "/data/chats.parquet", "promptField": "text", "messagesField": "chat"}},
     "builtin datasets have no columns to map (promptField, answerField, messagesField, metadataFields)":
         {"dataset": {"source": "builtin:arithmetic", "metadataFields": ["level"]}},
+    "dataset.revision applies to hf: sources only (a file or a builtin has no revisions)":
+        {"dataset": {"source": "/data/train.jsonl", "revision": "v1"}},
+    "model.revision needs a Hugging Face Hub id in model.path (a local directory or an embedded: model has no "
+    "revisions)": {"model": {"path": "/models/qwen", "revision": "main"}},
 }
 
 

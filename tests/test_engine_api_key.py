@@ -15,7 +15,7 @@ from asyncrl.rollout.engines import SamplingParams, make_engine
 from asyncrl.rollout.engines.auth import request_allowed
 from asyncrl.rollout.engines.base import EngineError, GenerateResult
 from asyncrl.rollout.hf_server import create_app
-from asyncrl.runtime import ENV_ENGINE_API_KEY, Runtime
+from asyncrl.runtime import ENV_ENGINE_API_KEY, ENV_REDIS_URL, ENV_STATUS_TOKEN, FILE_SUFFIX, Runtime, secret_env
 from asyncrl.trainer.weight_sync import WeightSyncError, update_engines
 from asyncrl.weight_labels import WeightLabel
 from tests.support.sglang_fake import FakeSGLang, ServerThread
@@ -131,3 +131,23 @@ def test_runtime_carries_the_key(monkeypatch):
     monkeypatch.setenv(ENV_ENGINE_API_KEY, KEY)
     assert Runtime.from_env().engine_api_key == KEY
     assert ENV_ENGINE_API_KEY not in Runtime().to_env()
+
+
+def test_runtime_reads_each_secret_from_the_file_its_variable_names(monkeypatch, tmp_path: Path):
+    """How the operator passes secrets (mounted files, `<VAR>_FILE`); the variable itself wins, as
+    `asyncrl run` sets it; an unreadable file is an error naming the variable, never a silent None."""
+    files = {}
+    for var, value in ((ENV_ENGINE_API_KEY, KEY), (ENV_REDIS_URL, "redis://:pw@redis:6379/0"),
+                       (ENV_STATUS_TOKEN, "t0ken")):
+        files[var] = tmp_path / var
+        files[var].write_text(value + "\n")  # a trailing newline, as `kubectl create secret --from-file` keeps it
+        monkeypatch.setenv(var + FILE_SUFFIX, str(files[var]))
+        monkeypatch.delenv(var, raising=False)
+    rt = Runtime.from_env()
+    assert (rt.engine_api_key, rt.redis_url, rt.status_token) == (KEY, "redis://:pw@redis:6379/0", "t0ken")
+    monkeypatch.setenv(ENV_STATUS_TOKEN, "from-env")
+    assert Runtime.from_env().status_token == "from-env"
+    assert secret_env("ASYNCRL_NOT_SET") is None
+    files[ENV_REDIS_URL].unlink()
+    with pytest.raises(ValueError, match=f"{ENV_REDIS_URL}_FILE=.*cannot read"):
+        Runtime.from_env()

@@ -24,8 +24,9 @@ from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed, differences, patch_body, stamp
-from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL
+from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL, FILE_SUFFIX
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.job_builds import secret_files
 from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.merge_patch import merge_patch
@@ -352,14 +353,13 @@ async def test_redis_secret_and_its_users_never_disagree(emu, operator):
     first = await poll(lambda: (s := secret()) and users_agree_with(s) and s, timeout=10,
                            what="consistent from the start", log=op.log)
     # Redis takes requirepass from the Secret's `password`, clients their URL from its `url`.
-    redis = emu.get("statefulsets", NS, N.redis(JOB))["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": N.redis_secret(JOB),
-                                                                      "key": "password"}}} in redis["env"]
+    redis = emu.get("statefulsets", NS, N.redis(JOB))["spec"]["template"]["spec"]
+    auth = next(v["secret"] for v in redis["volumes"] if v["name"] == B.REDIS_AUTH_VOLUME)
+    assert (auth["secretName"], auth["items"][0]["key"]) == (N.redis_secret(JOB), "password")
     for plural, name in SECRET_USERS[1:]:
-        pod = emu.get(plural, NS, name)["spec"]["template"]["spec"]
-        for c in pod["containers"]:
-            refs = [e["valueFrom"]["secretKeyRef"] for e in c.get("env", []) if e["name"] == ENV_REDIS_URL]
-            assert refs in ([], [{"name": N.redis_secret(JOB), "key": "url"}])
+        files = secret_files(emu.get(plural, NS, name)["spec"]["template"]["spec"])
+        assert [found[ENV_REDIS_URL] for found in files.values() if ENV_REDIS_URL in found] == [
+            (N.redis_secret(JOB), "url")], name
     assert f":{password(first)}@" in base64.b64decode(first["data"]["url"]).decode()
 
     # Deleted: re-created with a new password, and Redis, rollout and trainer all roll onto it.
@@ -482,7 +482,7 @@ async def test_redis_data_goes_with_the_job_and_pods_know_the_uid(emu, operator)
     assert redis["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     for plural, name in SECRET_USERS[1:]:
         containers = emu.get(plural, NS, name)["spec"]["template"]["spec"]["containers"]
-        users = [c for c in containers if any(e["name"] == ENV_REDIS_URL for e in c.get("env", []))]
+        users = [c for c in containers if any(e["name"] == ENV_REDIS_URL + FILE_SUFFIX for e in c.get("env", []))]
         assert users
         for c in users:
             assert {"name": ENV_JOB_UID, "value": job["metadata"]["uid"]} in c["env"], (name, c["name"])

@@ -14,6 +14,7 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
 from tests.support.emulated_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job, make_ready
+from tests.support.job_builds import secret_files
 from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
@@ -117,11 +118,10 @@ async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
             assert token and len(token) >= 32
             assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
             sts = emu.get("statefulsets", NS, N.trainer("qwen"))
-            env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
-            assert env[R.ENV_STATUS_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": N.status_secret("qwen"),
-                                                                            "key": "token"}
+            files = secret_files(sts["spec"]["template"]["spec"])
+            assert files["trainer"][R.ENV_STATUS_TOKEN] == (N.status_secret("qwen"), "token")
 
-            trainer.require_token(token)  # the trainer pod starts with the token in its env
+            trainer.require_token(token)  # the trainer pod starts with the token in a mounted file
             await make_ready(emu)
             status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
             await poll(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)

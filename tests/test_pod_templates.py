@@ -143,8 +143,9 @@ def test_overlay_lands_in_the_role_pods_after_the_operator_fields(role):
             continue
         for field in ("command", "args", "image", "ports", "resources", "securityContext", "readinessProbe"):
             assert c.get(field) == base_c.get(field), (c["name"], field)
-        assert c["env"][:len(base_c["env"])] == base_c["env"]
-        assert [e["name"] for e in c["env"][len(base_c["env"]):]] == [e["name"] for e in overlay["env"]]
+        own_env = base_c.get("env", [])
+        assert c["env"][:len(own_env)] == own_env
+        assert [e["name"] for e in c["env"][len(own_env):]] == [e["name"] for e in overlay["env"]]
         assert c["envFrom"] == overlay["envFrom"]
         mounts = c["volumeMounts"][len(base_c["volumeMounts"]):]
         assert c["volumeMounts"][:len(base_c["volumeMounts"])] == base_c["volumeMounts"]
@@ -292,7 +293,7 @@ REJECTED = [
     ("rollout", {"env": [{"name": "A", "value": "1"}, {"name": "HOME", "value": "/x"}]}, "env",
      ["env[1].name 'HOME'", "rollout pods", "HF_HOME"]),
     ("rollout", {"env": [{"name": "VLLM_SERVER_DEV_MODE", "value": "0"}]}, "env", ["VLLM_SERVER_DEV_MODE"]),
-    ("redis", {"env": [{"name": "REDIS_PASSWORD", "value": "x"}]}, "env", ["redis pods", "REDISCLI_AUTH"]),
+    ("redis", {"env": [{"name": "REDISCLI_AUTH", "value": "x"}]}, "env", ["redis pods", "REDISCLI_AUTH"]),
     ("trainer", {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}, "env", ["defined twice"]),
     ("trainer", {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]},
      "env.0", ["value or valueFrom, not both"]),
@@ -308,7 +309,7 @@ REJECTED = [
     ("trainer", {"volumes": [{"name": "x", "emptyDir": {}}, {"name": "x", "emptyDir": {}}]}, "volumes",
      ["volumes[1].name 'x' is used twice"]),
     ("trainer", {"volumes": [{"name": "shared", "emptyDir": {}}]}, "volumes",
-     ["volumes[0].name 'shared'", "reserved: config, dshm, shared, tmp"]),
+     ["volumes[0].name 'shared'", "reserved: config, dshm, job-secrets, shared, tmp"]),
     ("redis", {"volumes": [{"name": "data", "emptyDir": {}}]}, "volumes", ["reserved: data"]),
     ("rollout", {"volumes": [{"name": "host", "hostPath": {"path": "/var/run"}}]}, "volumes.0",
      ["'hostPath' is not allowed", "restricted Pod Security Standard", "allowed: configMap, secret"]),

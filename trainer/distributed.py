@@ -124,7 +124,7 @@ def shard_model(model: Any, ctx: DistContext, compute_dtype: torch.dtype | None 
 
 
 def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype | None = None, *,
-                       gradient_checkpointing: bool = False) -> Any:
+                       gradient_checkpointing: bool = False, revision: str | None = None) -> Any:
     """The model FSDP2-sharded across ranks with only rank 0 ever holding it whole: rank 0 loads
     the float32 weights on the CPU, every other rank builds the architecture on the meta device (no
     memory), all shard it, allocate their shards, and rank 0 broadcasts each tensor's shards
@@ -136,12 +136,13 @@ def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype |
 
     from asyncrl.models import load_causal_lm, resolve_model_path
 
-    source = load_causal_lm(path, "float32", "cpu") if ctx.is_main else None
+    source = load_causal_lm(path, "float32", "cpu", revision=revision) if ctx.is_main else None
     resolved = resolve_model_path(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolved), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolved, revision=revision),
+                                                 dtype=torch.float32)
     try:  # what the checkpoint says about generation (the publisher writes it), not the config's defaults
-        model.generation_config = GenerationConfig.from_pretrained(resolved)
+        model.generation_config = GenerationConfig.from_pretrained(resolved, revision=revision or "main")
     except OSError:
         pass
     if gradient_checkpointing:

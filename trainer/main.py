@@ -339,17 +339,19 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     # model dtype; DDP and one process train in the model dtype itself.
     if ctx.enabled and spec.trainer.parallelism == "fsdp":  # (only rank 0 loads the whole model)
         model = D.load_sharded_model(spec.model.path, ctx, torch_dtype(spec.model.dtype),
-                                     gradient_checkpointing=spec.model.gradient_checkpointing)
+                                     gradient_checkpointing=spec.model.gradient_checkpointing,
+                                     revision=spec.model.revision)
     else:
-        model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device)
+        model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device, revision=spec.model.revision)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model = D.wrap_model(model, ctx, spec.trainer.parallelism)
     model.train()
     reference = None
     if spec.algorithm.objective == "tb":  # trajectory balance's frozen pi_ref: the model training starts from
-        reference = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device).eval().requires_grad_(False)
-    tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer)
+        reference = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device,
+                                   revision=spec.model.revision).eval().requires_grad_(False)
+    tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer, spec.model.revision)
     opt = spec.algorithm.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                   eps=opt.eps, weight_decay=opt.weight_decay)  # (over the shards: after wrapping)
@@ -385,8 +387,8 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
     names = runtime.stream_names(job.metadata.name)
     redis = redis if redis is not None else await connect(runtime.redis_url)
     # Groups the training step could not use go to the dead-letter stream, not into a batch.
-    limits = GroupLimits(vocab_size=vocab_size(spec.model.path), group_size=spec.algorithm.group_size,
-                         max_response_tokens=spec.max_response_tokens())
+    limits = GroupLimits(vocab_size=vocab_size(spec.model.path, spec.model.revision),
+                         group_size=spec.algorithm.group_size, max_response_tokens=spec.max_response_tokens())
     consumer = TrajectoryConsumer(redis, names, runtime.pod_name, limits=limits)
     await consumer.ensure_group()
     admission = Admission.for_job(redis, names, spec)

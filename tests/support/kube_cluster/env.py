@@ -135,17 +135,18 @@ class Volumes:
             path.mkdir(parents=True, exist_ok=True)
             sources = (vol["projected"].get("sources") or []) if "projected" in vol else [vol]
             for source in sources:
-                self._fill(name, source, path)
+                self._fill(name, source, path, projected="projected" in vol)
             out[name] = path
         return out
 
-    def _fill(self, name: str, source: Obj, path: Path) -> None:
+    def _fill(self, name: str, source: Obj, path: Path, projected: bool = False) -> None:
         if "emptyDir" in source:
             return
         if "configMap" in source or "secret" in source:
             is_secret = "secret" in source
             ref = source["secret"] if is_secret else source["configMap"]
-            obj_name = ref["secretName"] if is_secret else ref["name"]
+            # a secret volume names its Secret `secretName`; a projected volume's secret source `name`
+            obj_name = ref["secretName"] if is_secret and not projected else ref["name"]
             plural = "secrets" if is_secret else "configmaps"
             obj = self.api.get(plural, self.namespace, obj_name)
             if obj is None:
