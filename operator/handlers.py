@@ -57,6 +57,7 @@ from asyncrl.operator.mirror import (
 )
 from asyncrl.operator.status import (
     CHILD_CONFLICT,
+    FAILED_CREATE,
     JobRef,
     Observed,
     compute_status,
@@ -64,6 +65,7 @@ from asyncrl.operator.status import (
     now_utc,
     pod_problems,
     ttl_expired,
+    workload_problems,
 )
 from asyncrl.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, AsyncRLJob
 from asyncrl.transport.names import StreamNames
@@ -73,7 +75,7 @@ JobKey = tuple[str, str]  # (namespace, name)
 
 # Pod reasons that deserve a Warning Event (besides phase Failed), and a child's name held by another object.
 WARNING_REASONS = ("ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "OOMKilled", "Unschedulable",
-                   CHILD_CONFLICT)
+                   CHILD_CONFLICT, FAILED_CREATE)
 MAX_CONFLICT_RETRIES = 3
 """Re-reads after a 409 within one pass; then the pass gives up until the next wake-up or interval."""
 
@@ -387,7 +389,8 @@ async def _observe(memo: OperatorMemo, job: AsyncRLJob, ref: JobRef, uid: str, a
         redis_ready=_ready(applied.get(N.redis(name) + "/StatefulSet")),
     )
     pods = await memo.kube.list("Pod", ref.namespace, f"{N.LABEL_JOB}={name}")
-    obs.problems = pod_problems(pods)
+    # a workload that cannot create pods first: then no pod exists to say why
+    obs.problems = workload_problems(list(applied.values())) + pod_problems(pods)
     obs.containers = container_runs(pods)
     if not active:
         return obs

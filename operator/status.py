@@ -68,14 +68,15 @@ with no startup deadline and no startTime until every pod is released (spec.queu
 
 @dataclass(frozen=True)
 class PodProblem:
-    """Why one pod is not running."""
+    """Why one pod is not running (or, `kind` deployment, why a workload cannot create its pods)."""
 
     pod: str
     reason: str
     message: str = ""
+    kind: str = "pod"
 
     def describe(self) -> str:
-        return f"pod {self.pod}: {self.reason}" + (f": {self.message}" if self.message else "")
+        return f"{self.kind} {self.pod}: {self.reason}" + (f": {self.message}" if self.message else "")
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,25 @@ def pod_problem(pod: dict[str, Any]) -> PodProblem | None:
 def queued(obs: Observed) -> bool:
     """Whether Kueue still holds one of the job's pods (its admission scheduling gate)."""
     return any(p.reason == QUEUED for p in obs.problems)
+
+
+FAILED_CREATE = "FailedCreate"
+
+
+def workload_problems(children: list[dict[str, Any]]) -> list[PodProblem]:
+    """Deployments that cannot create their pods (a ResourceQuota, an admission webhook or policy that
+    refuses them): the ReplicaSet controller's `ReplicaFailure` condition, which the Deployment
+    controller copies onto the Deployment with the apiserver's refusal as its message. Without it
+    the job would wait in Initializing with no pod to say why."""
+    out = []
+    for child in children:
+        if child.get("kind") != "Deployment":
+            continue
+        for cond in (child.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+                out.append(PodProblem(child.get("metadata", {}).get("name", "?"), cond.get("reason") or FAILED_CREATE,
+                                      cond.get("message", ""), kind="deployment"))
+    return out
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:

@@ -10,8 +10,6 @@ the real control plane.
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -23,11 +21,11 @@ from asyncrl.operator import status as S
 from asyncrl.operator.kube import foreign_holder
 from asyncrl.operator.status import JobRef, Observed
 from asyncrl.spec import AsyncRLJobSpec
-from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture, start_process  # noqa: F401
+from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
+from tests.support.real_operator import crd_fixture, get, operator_fixture  # noqa: F401
 
-REPO = Path(__file__).resolve().parent.parent
 JOB_UID = "0b5e1c9e-0000-4000-8000-000000000001"
 
 
@@ -78,34 +76,6 @@ def test_a_conflict_holds_the_job_and_the_deadline_still_ends_it():
 
 
 # ------------------------------------------------------------------ on the real control plane
-
-
-@pytest.fixture(scope="module")
-def crd(control_plane: ControlPlane) -> None:
-    control_plane.kubectl("apply", "-f", str(REPO / "crds" / "asyncrljob.yaml"), check=True)
-    control_plane.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                          "crd/asyncrljobs.asyncrl.dev", check=False)
-    poll_sync(lambda: control_plane.kubectl("get", "asyncrljobs", "-A").returncode == 0,
-              what="the AsyncRLJob API to be served")
-
-
-@pytest.fixture
-def operator(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    """The real `asyncrl operator`, as cluster admin, watching the test's namespace; yields its log."""
-    env = {**control_plane.env(), "PYTHONUNBUFFERED": "1"}
-    env.pop("KUBERNETES_SERVICE_HOST", None)
-    proc = start_process("operator", [sys.executable, "-m", "asyncrl.cli", "operator", "--namespace", namespace,
-                                      "--interval", "1", "--liveness-port", "0", "--metrics-port", "0", "--verbose"],
-                         tmp_path, env=env, cwd=REPO)
-    try:
-        yield proc.log
-    finally:
-        proc.stop(grace=15)
-
-
-def get(cp: ControlPlane, *args: str) -> Any:
-    res = cp.kubectl("get", *args, "-o", "json")
-    return json.loads(res.stdout) if res.returncode == 0 else None
 
 
 @pytest.mark.slow

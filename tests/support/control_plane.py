@@ -50,9 +50,11 @@ CONTROLLERS = (
     "statefulset-controller", "endpointslice-controller", "namespace-controller",
     "serviceaccount-controller", "serviceaccount-token-controller", "persistentvolume-binder-controller",
     "root-ca-certificate-publisher-controller", "clusterrole-aggregation-controller",
+    "resourcequota-controller",
 )
 """What the tests need: ownership cascades, workloads to ReplicaSets/Pods, namespace teardown, each
-namespace's `default` ServiceAccount and CA ConfigMap, tokens, PVC binding, aggregated roles."""
+namespace's `default` ServiceAccount and CA ConfigMap, tokens, PVC binding, aggregated roles, and
+ResourceQuota usage (the apiserver enforces a quota only once this controller has counted it)."""
 START_TIMEOUT = 120.0
 """Seconds each process gets to become ready: generous, a loaded 2-core machine is slow."""
 AUDIT_POLICY = {
