@@ -51,16 +51,20 @@ async def test_max_concurrent_limits_running(transport_redis):
 
 async def test_expired_leases_are_released(transport_redis):
     adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=1, lease_seconds=0.2)
+    # The same job's admission with long leases, for pod-b: its lease must outlive the checks below
+    # on a loaded machine (with 0.2 s it expired too, and `running` read 0).
+    patient = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=1,
+                        lease_seconds=60)
     crashed = await adm.try_acquire("crashed-pod")
-    assert crashed and await adm.try_acquire("pod-b") is None
+    assert crashed and await patient.try_acquire("pod-b") is None
     # nobody releases `crashed`: its slot comes back when the lease expires
-    lease_b = await poll(lambda: adm.try_acquire("pod-b"))
-    snap = await adm.snapshot()
+    lease_b = await poll(lambda: patient.try_acquire("pod-b"))
+    snap = await patient.snapshot()
     assert snap.running == 1 and snap.accepted == 0
     assert await adm.renew(crashed) is False
     assert await adm.release(crashed, accepted=False) is False
-    assert (await adm.snapshot()).running == 1  # releasing the dead lease did not free pod-b's
-    assert await adm.release(lease_b, accepted=True)
+    assert (await patient.snapshot()).running == 1  # releasing the dead lease did not free pod-b's
+    assert await patient.release(lease_b, accepted=True)
 
 
 async def test_renew_extends_the_lease(transport_redis):
