@@ -58,8 +58,13 @@ async def test_a_group_redis_lost_would_deadlock_eta_zero_and_reconciliation_giv
     assert (await inbox.reconcile()).drift == 0
 
 
+# Leases of LEASE_S: long enough that a loaded machine cannot let one expire between two steps
+# that need it live, short enough to wait out where the test needs it expired.
+LEASE_S = 2.0
+
+
 async def test_a_published_group_whose_release_never_landed_is_counted(transport_redis, make_trajectory_group):
-    adm, inbox = setup(transport_redis, batch=4, eta=1, lease_seconds=0.2)
+    adm, inbox = setup(transport_redis, batch=4, eta=1, lease_seconds=LEASE_S)
     lease = await adm.try_acquire("rollout-0")
     assert lease is not None
     await TrajectoryProducer(transport_redis, NAMES).publish(make_trajectory_group("g0"))
@@ -75,7 +80,7 @@ async def _running_is(adm: Admission, n: int) -> bool:
 
 
 async def test_a_release_landing_between_two_checks_is_never_repaired(transport_redis, make_trajectory_group):
-    adm, inbox = setup(transport_redis, batch=4, eta=1, lease_seconds=0.2)
+    adm, inbox = setup(transport_redis, batch=4, eta=1, lease_seconds=LEASE_S)
     lease = await adm.try_acquire("rollout-0")
     assert lease is not None
     await TrajectoryProducer(transport_redis, NAMES).publish(make_trajectory_group("g0"))
