@@ -59,11 +59,16 @@ def secret_env(name: str, env: Mapping[str, str] | None = None) -> str | None:
     path = env.get(name + FILE_SUFFIX)
     if not path:
         return None
+    return read_secret_file(Path(path), f"{name}{FILE_SUFFIX}={path}") or None
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """A mounted Secret file's value, trimmed (a Secret made `--from-file` keeps a trailing newline);
+    ValueError naming `what` when it cannot be read."""
     try:
-        value = Path(path).read_text().strip()
+        return path.read_text().strip()
     except OSError as exc:
-        raise ValueError(f"{name}{FILE_SUFFIX}={path}: cannot read the file ({exc.strerror})") from None
-    return value or None
+        raise ValueError(f"{what}: cannot read the file ({exc.strerror})") from None
 
 
 def _env_int(name: str, default: int) -> int:

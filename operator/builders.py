@@ -226,6 +226,13 @@ def _job_secrets_volume(job: AsyncRLJob, *, status_token: bool) -> Obj:
 _JOB_SECRETS_MOUNT = {"name": JOB_SECRETS_VOLUME, "mountPath": R.SECRETS_DIR, "readOnly": True}
 
 
+def _secret_file_volume(volume: str, secret: str, key: str) -> Obj:
+    """One key of a Secret as the file `key` of a volume, readable by the pod's group (fsGroup) and
+    nobody else: how the engine proxy and Redis get their secret, never as a variable."""
+    return {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": key}],
+                                       "defaultMode": 0o440}}
+
+
 def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
     """The asyncrl.runtime variables every rollout worker and trainer process reads; secrets as files
     (the container mounts _JOB_SECRETS_MOUNT)."""
@@ -424,10 +431,6 @@ REDIS_CONF_VOLUME = "redis-conf"
 """The managed Redis pod's in-memory volume for its generated config file (a reserved overlay name)."""
 REDIS_CONF_DIR = "/run/redis"
 REDIS_CONF = f"{REDIS_CONF_DIR}/auth.conf"
-# `printf` is a shell builtin (no child process, so the password is on no argv); umask 077: the file
-# is the redis user's alone; `exec`: redis-server replaces the shell and gets the pod's SIGTERM. The
-# value is written unquoted, as Redis reads a config line: fine for the operator's hex passwords (a
-# hand-set one with whitespace or quotes would make Redis refuse to start, not run open).
 REDIS_AUTH_VOLUME = "redis-auth"
 REDIS_AUTH_DIR = "/var/run/secrets/asyncrl/redis"
 """The Redis Secret's password as a file, in the Redis container alone: no environment variable."""
@@ -435,6 +438,8 @@ REDIS_PASSWORD_FILE = f"{REDIS_AUTH_DIR}/password"
 # `$(cat FILE)` puts only the path on cat's argv, `printf` is a shell builtin (no child process), and
 # the variable is not exported: the password is on no argv and in no environment. umask 077: the
 # file is the redis user's alone; `exec`: redis-server replaces the shell and gets the pod's SIGTERM.
+# The value is written unquoted, as Redis reads a config line: fine for the operator's hex passwords
+# (a hand-set one with whitespace or quotes would make Redis refuse to start, not run open).
 REDIS_AUTH_SCRIPT = (f'umask 077 && secret=$(cat {REDIS_PASSWORD_FILE}) && printf "requirepass %s\\n" "$secret" > '
                      f'{REDIS_CONF} && unset secret && exec redis-server {REDIS_CONF} "$@"')
 REDIS_PING_SCRIPT = f'REDISCLI_AUTH=$(cat {REDIS_PASSWORD_FILE}) && export REDISCLI_AUTH && exec redis-cli "$@"'
@@ -492,9 +497,7 @@ def redis_statefulset(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                          # in memory: the password file never reaches a node's disk
                          "volumes": [{"name": REDIS_CONF_VOLUME,
                                       "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
-                                     {"name": REDIS_AUTH_VOLUME, "secret": {
-                                         "secretName": N.redis_secret(name),
-                                         "items": [{"key": "password", "path": "password"}], "defaultMode": 0o440}}]},
+                                     _secret_file_volume(REDIS_AUTH_VOLUME, N.redis_secret(name), "password")]},
             }, m.pod_template),
             "volumeClaimTemplates": [claim],
             # The AOF volume belongs to this run: it goes when the StatefulSet does (which the job
@@ -688,13 +691,6 @@ def engine_proxy_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     }
 
 
-def _engine_key_volume(job: AsyncRLJob) -> Obj:
-    """The engine Secret as a file, readable by the pod's group (fsGroup) and nobody else."""
-    return {"name": ENGINE_KEY_VOLUME, "secret": {"secretName": N.engine_secret(job.metadata.name),
-                                              "items": [{"key": "api-key", "path": "api-key"}],
-                                              "defaultMode": 0o440}}
-
-
 def worker_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     """The rollout worker: admission, generation through the engine, reward, publishing."""
     ro = job.spec.rollout
@@ -734,7 +730,8 @@ def rollout_deployment(job: AsyncRLJob, ctx: BuildContext) -> Obj:
                          "terminationGracePeriodSeconds": 60,
                          "containers": [engine_container(job, ctx), engine_proxy_container(job, ctx),
                                         worker_container(job, ctx)],
-                         "volumes": [*_pod_volumes(job), _engine_key_volume(job),
+                         "volumes": [*_pod_volumes(job),
+                                     _secret_file_volume(ENGINE_KEY_VOLUME, N.engine_secret(name), "api-key"),
                                      _job_secrets_volume(job, status_token=False)]},
             }, ro.pod_template),
         },

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.engine_servers import PROXY_LIVE_PATH as LIVE_PATH
 from asyncrl.engine_servers import PROXY_READY_PATH as READY_PATH
 from asyncrl.rollout.engines.auth import bearer_matches
+from asyncrl.runtime import read_secret_file
 
 if TYPE_CHECKING:  # httpx and starlette are imported when serving: `asyncrl --help` stays light
     import httpx
@@ -42,9 +43,9 @@ _NOT_FORWARDED = frozenset({"authorization", "connection", "keep-alive", "proxy-
 def read_key(path: Path) -> str:
     """The key in a mounted Secret file; a proxy without one would be an open door, so it does not start."""
     try:
-        key = path.read_text().strip()
-    except OSError as exc:
-        raise SystemExit(f"asyncrl engine-proxy: cannot read --api-key-file {path}: {exc.strerror}") from None
+        key = read_secret_file(path, f"--api-key-file {path}")
+    except ValueError as exc:
+        raise SystemExit(f"asyncrl engine-proxy: {exc}") from None
     if not key:
         raise SystemExit(f"asyncrl engine-proxy: --api-key-file {path} is empty; refusing to serve without a key")
     return key

@@ -22,9 +22,15 @@ from asyncrl.operator.kube import foreign_holder
 from asyncrl.operator.status import JobRef, Observed
 from asyncrl.spec import AsyncRLJobSpec
 from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
-from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
-from tests.support.real_operator import crd_fixture, get, operator_fixture  # noqa: F401
+from tests.support.real_operator import (  # noqa: F401
+    apply_example_job,
+    crd_fixture,
+    get,
+    job_status,
+    operator_fixture,
+    wait_for_reason,
+)
 
 JOB_UID = "0b5e1c9e-0000-4000-8000-000000000001"
 
@@ -94,18 +100,9 @@ def test_a_job_named_onto_another_teams_service_leaves_it_alone(control_plane: C
     cp.kubectl("apply", "-f", "-", stdin=json.dumps(service), check=True)
     before = get(cp, "service", "victim-redis", "-n", namespace)
 
-    job = JobBuilder.example().doc()
-    job["metadata"] = {"name": "victim", "namespace": namespace}
-    cp.kubectl("apply", "-f", "-", stdin=json.dumps(job), check=True)
-
-    def held() -> dict[str, Any] | None:
-        status = (get(cp, "asyncrljob", "victim", "-n", namespace) or {}).get("status") or {}
-        return status if status.get("reason") == S.CHILD_CONFLICT else None
-
-    try:
-        status = poll_sync(held, timeout=90, what="the job to report the conflict")
-    except AssertionError:
-        raise AssertionError(f"operator log:\n{operator.read_text()[-4000:]}") from None
+    apply_example_job(cp, "victim", namespace)
+    status = wait_for_reason(cp, "victim", namespace, S.CHILD_CONFLICT, operator, timeout=90,
+                             what="the job to report the conflict")
     assert status["phase"] == "Pending" and f"Service {namespace}/victim-redis" in status["message"]
     after = get(cp, "service", "victim-redis", "-n", namespace)
     assert after["metadata"]["ownerReferences"] == before["metadata"]["ownerReferences"]
@@ -127,8 +124,7 @@ def test_a_job_named_onto_another_teams_service_leaves_it_alone(control_plane: C
     poll_sync(ours, timeout=90, what="the operator's own Service")
 
     def moved_on() -> bool:
-        status = (get(cp, "asyncrljob", "victim", "-n", namespace) or {}).get("status") or {}
-        return status.get("reason") not in (None, S.CHILD_CONFLICT)
+        return job_status(cp, "victim", namespace).get("reason") not in (None, S.CHILD_CONFLICT)
 
     poll_sync(moved_on, timeout=60, what="the job to leave ChildConflict")
     assert get(cp, "statefulset", N.redis("victim"), "-n", namespace) is not None

@@ -8,16 +8,19 @@ Initializing with no reason. The pure rule (`status.workload_problems`) is check
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from asyncrl.operator import names as N
 from asyncrl.operator import status as S
 from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
-from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
-from tests.support.real_operator import crd_fixture, get, operator_fixture  # noqa: F401
+from tests.support.real_operator import (  # noqa: F401
+    apply_example_job,
+    crd_fixture,
+    get,
+    operator_fixture,
+    wait_for_reason,
+)
 
 REFUSAL = 'pods "starved-rollout-6b7c9d-x1" is forbidden: exceeded quota: no-pods, requested: pods=1, used: pods=0'
 
@@ -42,18 +45,9 @@ def test_a_job_whose_pods_a_quota_refuses_says_why(control_plane: ControlPlane, 
     cp.kubectl("create", "quota", "no-pods", "--hard=pods=0", "-n", namespace, check=True)
     poll_sync(lambda: ((get(cp, "resourcequota", "no-pods", "-n", namespace) or {}).get("status") or {}).get("hard"),
               timeout=60, what="the quota counted by its controller (only then is it enforced)")
-    job = JobBuilder.example().doc()
-    job["metadata"] = {"name": "starved", "namespace": namespace}
-    cp.kubectl("apply", "-f", "-", stdin=json.dumps(job), check=True)
-
-    def refused() -> dict | None:
-        status = (get(cp, "asyncrljob", "starved", "-n", namespace) or {}).get("status") or {}
-        return status if status.get("reason") == S.FAILED_CREATE else None
-
-    try:
-        status = poll_sync(refused, timeout=120, what="the job to say its pods are refused")
-    except AssertionError:
-        raise AssertionError(f"operator log:\n{operator.read_text()[-4000:]}") from None
+    apply_example_job(cp, "starved", namespace)
+    status = wait_for_reason(cp, "starved", namespace, S.FAILED_CREATE, operator, timeout=120,
+                             what="the job to say its pods are refused")
     assert status["phase"] == "Initializing", status
     assert f"deployment {N.rollout('starved')}" in status["message"] and "exceeded quota: no-pods" in status["message"]
     events = get(cp, "events", "-n", namespace, "--field-selector", "involvedObject.name=starved")["items"]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support.control_plane import ControlPlane, start_process
+from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,3 +48,28 @@ def get(cp: ControlPlane, *args: str) -> Any:
     """`kubectl get ARGS -o json` as a dict, or None when it fails (e.g. not found)."""
     res = cp.kubectl("get", *args, "-o", "json")
     return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def apply_example_job(cp: ControlPlane, name: str, namespace: str) -> None:
+    """`kubectl apply` of the example job (tests.support.jobs) as `namespace/name`."""
+    job = JobBuilder.example().doc()
+    job["metadata"] = {"name": name, "namespace": namespace}
+    cp.kubectl("apply", "-f", "-", stdin=json.dumps(job), check=True)
+
+
+def job_status(cp: ControlPlane, name: str, namespace: str) -> dict[str, Any]:
+    """The AsyncRLJob's `.status` as the apiserver has it ({} before the operator's first write)."""
+    return (get(cp, "asyncrljob", name, "-n", namespace) or {}).get("status") or {}
+
+
+def wait_for_reason(cp: ControlPlane, name: str, namespace: str, reason: str, operator_log: Path, *,
+                    timeout: float, what: str) -> dict[str, Any]:
+    """The job's status once its reason is `reason`; on timeout the failure carries the operator's log."""
+    def reached() -> dict[str, Any] | None:
+        status = job_status(cp, name, namespace)
+        return status if status.get("reason") == reason else None
+
+    try:
+        return poll_sync(reached, timeout=timeout, what=what)
+    except AssertionError:
+        raise AssertionError(f"operator log:\n{operator_log.read_text()[-4000:]}") from None
