@@ -29,6 +29,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("engine-proxy", "asyncrl.rollout.engine_proxy", "guard a rollout pod's engine: every route needs the API key"),
     ("reward-server", "asyncrl.rollout.reward_server", "serve a reward function over HTTP (spec.reward.service)"),
     ("eval", "asyncrl.rollout.eval_command", "evaluate a model directory on held-out prompts (table + JSON)"),
+    ("export", "asyncrl.commands.export", "export a policy version as a Hugging Face model (LoRA: --merge)"),
     ("dead-letters", "asyncrl.commands.dead_letters", "list the trajectory groups a job's trainer refused, and why"),
 ]
 

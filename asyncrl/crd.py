@@ -134,10 +134,26 @@ def openapi_schema() -> dict[str, Any]:
     schema["properties"]["status"].pop("default", None)
     for path, rule, message in S.CEL_RULES:
         _at(schema, path).setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
-    for path, message in S.IMMUTABLE_FIELDS:
-        _at(schema, path).setdefault("x-kubernetes-validations", []).append(
-            {"rule": "self == oldSelf", "message": message})
+    for path, rule, message in immutable_rules(schema):
+        _at(schema, path).setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
     return schema
+
+
+def immutable_rules(schema: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The transition rules of S.IMMUTABLE_FIELDS, (path, rule, message). A field that may be absent
+    (no default) gets its rule on its parent, so adding or removing it is refused too: a rule on the
+    field itself runs only when the old and the new object both have it."""
+    out = []
+    for path, message in S.IMMUTABLE_FIELDS:
+        parent, _, name = path.rpartition(".")
+        node = _at(schema, parent)
+        optional = "default" not in node["properties"][name] and name not in node.get("required", [])
+        if optional:
+            out.append((parent, f"has(self.{name}) == has(oldSelf.{name}) && (!has(self.{name})"
+                                f" || self.{name} == oldSelf.{name})", message))
+        else:
+            out.append((path, "self == oldSelf", message))
+    return out
 
 
 def build_crd() -> dict[str, Any]:

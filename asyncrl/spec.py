@@ -27,6 +27,7 @@ from asyncrl.algorithm_families import (
     TbSpec,
     VcpoSpec,
 )
+from asyncrl.lora_spec import ALL_LINEAR_ALONE, LORA_ENGINES, LoraSpec
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 from asyncrl.status_report import RecoveryReport
@@ -77,6 +78,10 @@ RETYPED_FIELDS: dict[str, str] = {
     "dynamicSampling": "dynamicSampling ('dynamicSampling: {}' turns it on, dynamicSampling.maxDraws bounds it)",
 }
 """Former flat fields whose name is now a family object: a value that is not an object names the new place."""
+LORA_ENGINE_MESSAGE = ("trainer.lora needs rollout.engine hf: asyncrl does not hot-load adapters into sglang or "
+                       "vllm yet")
+LORA_TRANSPORT_MESSAGE = ("trainer.lora needs trainer.weightTransport disk: an adapter version is megabytes on the "
+                          "weights volume (the collective transport does not carry adapters yet)")
 COLLECTIVE_ENGINES = ("sglang", "hf")
 """Engines that can join the trainer's weight group (trainer.weightTransport collective)."""
 BUILTIN_SPLITS = ("train", "test")
@@ -918,6 +923,10 @@ class TrainerSpec(SpecModel):
     """Experiment knob for staleness studies (0 in production): when version v is published the
     engines are told to load version max(v - lag, 0), so every trained batch is at least `lag`
     versions stale. At most the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters on the frozen base model instead of every weight (present = on): each version
+    published is an adapter directory the engines hot-load. Needs rollout.engine hf and
+    weightTransport disk; cannot change on a running job."""
     resources: Resources = Field(default_factory=Resources)
     nccl: NcclSettings | None = None
     """NCCL settings for multi-node training (interfaces, InfiniBand adapters, debug level)."""
@@ -1198,6 +1207,18 @@ class AsyncRLJobSpec(SpecModel):
                              f"rollout.engine '{self.rollout.engine}' (vLLM 0.32's own weight transfer is another "
                              "protocol, not spoken yet); "
                              f"allowed with {self.rollout.engine}: disk")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_needs_a_hot_loading_engine(self) -> AsyncRLJobSpec:
+        # (the same rules as CEL_RULES' spec entries on trainer.lora)
+        if self.trainer.lora is None:
+            return self
+        if self.rollout.engine not in LORA_ENGINES:
+            raise ValueError(LORA_ENGINE_MESSAGE + f", got rollout.engine '{self.rollout.engine}'; allowed with "
+                             "trainer.lora: rollout.engine hf, or no trainer.lora")
+        if self.trainer.weight_transport != "disk":
+            raise ValueError(LORA_TRANSPORT_MESSAGE + f", got '{self.trainer.weight_transport}'")
         return self
 
     @model_validator(mode="after")
@@ -1554,6 +1575,13 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec", "!has(self.algorithm) || " + _VCPO_BASELINE_OFF_CEL.replace("self.", "self.algorithm.")
      + " || " + _ONE_TRAINER_PROCESS_CEL,
      "algorithm.vcpo.baseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
+    ("spec", "!has(self.trainer) || !has(self.trainer.lora)"
+     " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in "
+     + str(list(LORA_ENGINES)), LORA_ENGINE_MESSAGE),
+    ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.weightTransport)"
+     " || self.trainer.weightTransport == 'disk'", LORA_TRANSPORT_MESSAGE),
+    ("spec.trainer.lora", "!has(self.targetModules) || !('all-linear' in self.targetModules)"
+     " || size(self.targetModules) == 1", ALL_LINEAR_ALONE),
     ("spec.redis", "self.mode != 'external' || has(self.external)",
      "mode 'external' requires external.urlSecret"),
 ]
@@ -1562,6 +1590,7 @@ CEL_RULES: list[tuple[str, str, str]] = [
 IMMUTABLE_FIELDS: list[tuple[str, str]] = [
     ("spec.model", "model is immutable: create a new job to train another model"),
     ("spec.rollout.engine", "rollout.engine is immutable"),
+    ("spec.trainer.lora", "trainer.lora is immutable: the checkpoints hold an adapter of this shape"),
     ("spec.redis", "redis is immutable: trajectories in flight live there"),
     ("spec.storage", "storage is immutable: weights and checkpoints live there"),
     ("spec.algorithm.groupSize", "algorithm.groupSize is immutable"),

@@ -45,31 +45,42 @@ from proximal_cost import ARCHS, load_model  # (the random-initialised architect
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_args(p, group_size=4, max_response=160, micro_batch_tokens=1024)
+    p.add_argument("--one-row", action="store_true", help="also time the trainer packing each micro-batch in one row")
+    args = p.parse_args(argv)
+    check_step_args(p, args)
+    return args
+
+
+def add_step_args(p: argparse.ArgumentParser, *, group_size: int, max_response: int, micro_batch_tokens: int) -> None:
+    """The batch, model and machine options of a benchmark of training steps (this one's, benchmarks/lora.py)."""
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per mode (median)")
     p.add_argument("--groups", type=int, default=4, help="trajectory groups in the batch (spec batchSize)")
-    p.add_argument("--group-size", type=int, default=4, help="samples per group")
+    p.add_argument("--group-size", type=int, default=group_size, help="samples per group")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per group")
     p.add_argument("--min-response", type=int, default=8, help="shortest response (tokens); lengths are uniform")
-    p.add_argument("--max-response", type=int, default=160, help="longest response (tokens; spec maxNewTokens)")
-    p.add_argument("--micro-batch-tokens", type=int, default=1024, help="spec.algorithm.microBatchTokens")
-    p.add_argument("--one-row", action="store_true", help="also time the trainer packing each micro-batch in one row")
+    p.add_argument("--max-response", type=int, default=max_response,
+                   help="longest response (tokens; spec maxNewTokens)")
+    p.add_argument("--micro-batch-tokens", type=int, default=micro_batch_tokens, help="spec.algorithm.microBatchTokens")
     p.add_argument("--model", default="embedded:SmolLM2-135M-Instruct", help="model path (ignored with --arch)")
     p.add_argument("--arch", choices=sorted(ARCHS), default=None, help="random-initialised architecture instead")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU; 1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def check_step_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.reps, args.groups, args.group_size, args.prompt_tokens, args.min_response,
            args.micro_batch_tokens, args.threads) < 1:
         p.error("--reps, --groups, --group-size, --prompt-tokens, --min-response, --micro-batch-tokens and "
                 "--threads must be >= 1")
     if args.max_response < args.min_response:
         p.error("--max-response must be >= --min-response")
-    return args
 
 
-def make_job(args: argparse.Namespace, pack: bool) -> Any:
+def make_job(args: argparse.Namespace, pack: bool, trainer: dict[str, Any] | None = None) -> Any:
+    """The job of these steps (`trainer`: more spec.trainer fields, e.g. lora)."""
     from asyncrl.spec import AsyncRLJob
 
     return AsyncRLJob.model_validate({
@@ -81,7 +92,7 @@ def make_job(args: argparse.Namespace, pack: bool) -> Any:
                           "maxNewTokens": args.max_response, "microBatchTokens": args.micro_batch_tokens,
                           "packSequences": pack, "optimizer": {"lr": 1e-7, "gradClip": 1.0}},
             "rollout": {"engine": "hf", "gpusPerReplica": 0},
-            "trainer": {"device": args.device, "gpusPerReplica": 0},
+            "trainer": {"device": args.device, "gpusPerReplica": 0, **(trainer or {})},
         },
     })
 

@@ -1,7 +1,8 @@
 """Evaluate a model directory on held-out prompts, in this process (no server, no Redis).
 
 MODEL_DIR is any Hugging Face model directory (a run's final weights, a `weights/vN` directory,
-a saved checkpoint) or `embedded:SmolLM2-135M-Instruct` (the base model), so a base model and the
+a saved checkpoint), a LoRA job's `weights/vN` adapter directory (served on the base model its
+adapter_config.json names), or `embedded:SmolLM2-135M-Instruct` (the base model), so a base model and the
 weights a run produced can be compared on the same prompts with the same code the trainer's
 in-training evaluation uses (asyncrl.rollout.evaluation).
 
@@ -55,8 +56,8 @@ class EvalCommandError(RuntimeError):
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", metavar="MODEL_DIR",
-                        help="Hugging Face model directory (e.g. RUN/weights/v28) or embedded:SmolLM2-135M-Instruct; "
-                             "a weights/vN directory is reported as policy version N")
+                        help="Hugging Face model directory (e.g. RUN/weights/v28), a LoRA adapter directory, or "
+                             "embedded:SmolLM2-135M-Instruct; a weights/vN directory is reported as policy version N")
     parser.add_argument("--config", metavar="JOB.yaml",
                         help="job file whose spec.evaluation (else its dataset with split test, reward and "
                              "maxNewTokens), prompt template and system prompt are the defaults")
@@ -196,13 +197,23 @@ def plan_from_args(args: argparse.Namespace) -> EvalPlan:
 # ------------------------------------------------------------------------------------- running
 
 
-def check_model_dir(model: str) -> str:
-    """The directory to load: an embedded model (converted once) or an existing HF model directory."""
+def check_model_dir(model: str) -> tuple[str, str | None]:
+    """(the directory to load, the LoRA adapter to load onto it or None): an embedded model (converted
+    once), an existing HF model directory, or a LoRA job's adapter directory (on the base model its
+    adapter_config.json names)."""
+    from asyncrl.adapters import AdapterError, base_of, is_adapter_dir
     from asyncrl.models import EMBEDDED_PREFIX, ModelNotFoundError, resolve_model_path
 
+    if is_adapter_dir(model):
+        try:
+            base, _ = base_of(model)
+            return check_model_dir(base)[0], model
+        except (AdapterError, EvalCommandError) as exc:
+            raise EvalCommandError(f"MODEL_DIR {model} is a LoRA adapter, but its base model cannot be used: "
+                                   f"{exc}") from None
     if model.startswith(EMBEDDED_PREFIX):
         try:
-            return resolve_model_path(model)
+            return resolve_model_path(model), None
         except ModelNotFoundError as exc:
             raise EvalCommandError(f"MODEL_DIR: {exc}") from None
     path = Path(model)
@@ -217,14 +228,16 @@ def check_model_dir(model: str) -> str:
         AutoConfig.from_pretrained(str(path))
     except Exception as exc:  # OSError, ValueError (no model_type), JSON errors
         raise EvalCommandError(f"MODEL_DIR {model}: not a Hugging Face model directory: {exc}") from None
-    return str(path)
+    return str(path), None
 
 
-def _load_tokenizer(plan: EvalPlan) -> Any:
+def _load_tokenizer(plan: EvalPlan, base: str) -> Any:
+    """The first of the plan's tokenizers that loads, else the one of the model directory loaded (the
+    base model of an adapter)."""
     from asyncrl.models import load_tokenizer
 
     problems = []
-    for where in plan.tokenizers:
+    for where in [*plan.tokenizers, *([base] if base not in plan.tokenizers else [])]:
         try:
             return load_tokenizer(where)
         except Exception as exc:  # transformers raises OSError, ValueError, ... for a folder without one
@@ -265,8 +278,8 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     spec = plan.spec
     parts = _load_parts(plan)
     device = _device(device)
-    model_dir = check_model_dir(plan.model)
-    tokenizer = _load_tokenizer(plan)
+    model_dir, adapter = check_model_dir(plan.model)
+    tokenizer = _load_tokenizer(plan, model_dir)
     training = DatasetSpec(prompt_template=plan.prompt_template, system_prompt=plan.system_prompt)
     renderer = PromptRenderer(tokenizer)
     try:
@@ -293,6 +306,12 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
         engine = HFEngine(model_dir, dtype=dtype, device=device, max_batch_size=ENGINE_BATCH, seed=seed)
     except Exception as exc:  # transformers: OSError, ValueError (unknown architecture), safetensors errors
         raise EvalCommandError(f"MODEL_DIR {plan.model}: cannot load the model: {exc}") from None
+    if adapter is not None:
+        try:
+            engine.update_weights(adapter, plan.version)
+        except Exception as exc:  # WeightUpdateError: the adapter does not fit its base
+            engine.close()
+            raise EvalCommandError(f"MODEL_DIR {plan.model}: cannot load the adapter: {exc}") from None
     settings = EvalSettings.from_spec(spec, AlgorithmSpec(), renderer.stop_token_ids())
     settings = EvalSettings(settings.samples_per_prompt, settings.sampling, ENGINE_BATCH)
     columns = (TextColumn("answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -13,8 +13,9 @@ re-prefilled from prompt + output so far), a cheap stand-in for continuous batch
 Control mirrors SGLang: `pause("abort")` ends running requests at the next token with their
 partial output (finish "abort"); `pause("retract")` puts them back in the queue to continue after
 `resume()`; requests that arrive while paused wait. `update_weights(dir, version)` reads a
-safetensors directory fully and validates names and shapes before touching the model, then copies
-between two decoding steps: a failed update leaves the old weights and version in place.
+safetensors directory (or a LoRA job's adapter directory, asyncrl/adapters.py) fully and validates
+names and shapes before touching the model, then copies between two decoding steps: a failed update
+leaves the old weights and version in place.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.adapters import AdapterError, has_adapters, is_adapter_dir, load_into, read_adapter
 from asyncrl.errors import RolloutError
 from asyncrl.models import load_causal_lm, resolve_model_path
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
@@ -157,13 +159,34 @@ class HFEngine:
         return self._pause_mode is not None
 
     def update_weights(self, path: str, version: WeightLabel | int | None = None) -> None:
-        """Load a safetensors directory atomically; raises WeightUpdateError and changes nothing on failure."""
+        """Load a safetensors directory atomically, or a LoRA adapter directory (a LoRA job's version:
+        the adapter replaces the one served, on the same base weights); raises WeightUpdateError and
+        changes nothing on failure."""
+        if is_adapter_dir(path):
+            self._load_adapter(path, version)
+            return
+        if has_adapters(self.model):
+            raise WeightUpdateError(f"{path} holds whole weights, but this engine serves LoRA adapters on its base "
+                                    "model (it loaded one): load an adapter directory")
         state = self._read_weights(path)
         with self._model_lock:
             with torch.no_grad():
                 params = dict(self.model.named_parameters())
                 for name, tensor in state.items():
                     params[name].copy_(tensor)
+            if version is not None:
+                self.weight_label = WeightLabel.of(version)
+            self.model_path = str(path)
+
+    def _load_adapter(self, path: str, version: WeightLabel | int | None) -> None:
+        """The adapter read and checked in full first, then loaded between two decoding steps."""
+        try:
+            config, tensors = read_adapter(path)
+            with self._model_lock:
+                load_into(self.model, config, tensors, str(path))
+        except AdapterError as exc:
+            raise WeightUpdateError(str(exc)) from exc
+        with self._model_lock:
             if version is not None:
                 self.weight_label = WeightLabel.of(version)
             self.model_path = str(path)

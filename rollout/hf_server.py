@@ -323,6 +323,7 @@ class EngineRoutes:
         msg = f"Succeeded to update model weights in {time.monotonic() - start:.2f}s."
         if version is not None:
             msg += f" Weight version updated to {version}."
+        print(f"asyncrl engine: loaded {body.model_path}: {msg}", flush=True)  # (what it serves, in its log)
         return {"success": True, "message": msg, "num_paused_requests": 0}
 
     async def init_weights_update_group(self, body: InitWeightsUpdateGroupReqInput) -> Any:

@@ -616,3 +616,43 @@ async def test_drift_is_corrected_and_a_new_redis_secret_rolls_every_pod(e2e: E2
     assert len(trained) == len(set(trained)) == steps * batch, trained
     state = await redis_state(e2e, job)  # through the new Secret: Redis and its clients agree
     assert state["trained"] == set(trained) and state["outcome"].phase == "Succeeded", state
+
+
+# ----------------------------------------------------------------------------------- 6. LoRA
+
+
+async def test_a_lora_job_hot_loads_adapters_survives_kills_and_succeeds(e2e: E2E) -> None:
+    """spec.trainer.lora with the hf engine: every version on the weights volume is an adapter
+    directory; the engine, killed, restarts on its base model and is caught up to the current adapter
+    before its worker generates again; the trainer, killed, resumes from its adapter-only checkpoint;
+    the job succeeds with each group trained once."""
+    from asyncrl.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    job, steps, batch = "e2e-lora", 4, 2
+    await e2e.start_operator(job)
+    await e2e.apply(tiny_job(job, max_steps=steps, checkpoint_interval=2, lora={"rank": 4, "alpha": 8}))
+    (rollout_pod,) = [meta(p)["name"] for p in await e2e.wait(lambda: e2e.pods(job, "rollout"), "a rollout pod")]
+    await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 1, "a step trained", timeout=300)
+    e2e.cluster.kill(NS, rollout_pod, "engine")
+    await e2e.wait(lambda: e2e.cluster.container(NS, rollout_pod, "engine").restart_count == 1,
+                   "the kubelet restarted the engine")
+    await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 3, "3 steps trained", timeout=300)
+    trainer_pod = f"{N.trainer(job)}-0"
+    e2e.cluster.kill(NS, trainer_pod, "trainer")
+    status = await e2e.wait_phase(job, "Succeeded")
+    assert (status["reason"], status["trainer"]["step"]) == ("MaxStepsReached", steps), status
+    assert "resumed from" in e2e.cluster.log(NS, trainer_pod, "trainer").split(" start #2 ")[1]
+
+    versions = sorted((e2e.shared(job) / "weights").glob("v*"))
+    assert versions and all(sorted(p.name for p in v.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+                            for v in versions), versions
+    restarted = e2e.cluster.log(NS, rollout_pod, "engine").split(" start #2 ")[1]
+    assert "asyncrl engine: loaded " in restarted, "catch-up loaded the current adapter into the restarted engine"
+    trained = lineage(e2e, job)
+    assert len(trained) == len(set(trained)) == steps * batch, trained
+    labels = [label for line in (e2e.shared(job) / "checkpoints" / "trained-groups.jsonl").read_text().splitlines()
+              for label in json.loads(line)["labels"]]
+    assert any(int(label.split("@")[0]) > 0 for label in labels), labels
+    state = await redis_state(e2e, job)
+    assert state["trained"] == set(trained) and state["pending"] == 0, state
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")

@@ -261,6 +261,7 @@ IMMUTABLE_CHANGES: dict[str, dict[str, Any]] = {
     "spec.storage": {"storage": {"size": "1Ti"}},
     "spec.algorithm.groupSize": {"algorithm": {"groupSize": 8}},
     "spec.algorithm.batchSize": {"algorithm": {"batchSize": 16}},
+    "spec.trainer.lora": {"trainer": {"lora": {"rank": 8}}},
 }
 """A valid change of each immutable field of examples/job.yaml (as merge patches of its spec)."""
 

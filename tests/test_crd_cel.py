@@ -12,8 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
-from asyncrl.crd import build_crd, structural_default
-from asyncrl.spec import CEL_RULES, IMMUTABLE_FIELDS
+from asyncrl.crd import build_crd, immutable_rules, structural_default
+from asyncrl.lora_spec import ALL_LINEAR_ALONE
+from asyncrl.spec import CEL_RULES, IMMUTABLE_FIELDS, LORA_ENGINE_MESSAGE, LORA_TRANSPORT_MESSAGE
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -94,7 +95,7 @@ def violations(obj: dict, old: dict | None = None) -> list[str]:
         if "oldSelf" in rule and old is None:
             continue
         news = nodes(obj, path)
-        olds = nodes(old, path) if old is not None else [None] * len(news)
+        olds = nodes(old, path) if old is not None and "oldSelf" in rule else [None] * len(news)
         if any(not evaluate(rule, n, o) for n, o in zip(news, olds, strict=True)):
             out.append(message)
     return out
@@ -184,7 +185,7 @@ def load(name: str) -> dict:
 
 
 def test_rules_in_crd_are_the_spec_rules():
-    declared = {(p, r, m) for p, r, m in CEL_RULES} | {(p, "self == oldSelf", m) for p, m in IMMUTABLE_FIELDS}
+    declared = set(CEL_RULES) | set(immutable_rules(SCHEMA))
     assert set(cel_rules()) == declared
 
 
@@ -244,6 +245,9 @@ BREAKERS = {
     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
         {"trainer": {"weightSyncLag": 99}},
     COLLECTIVE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
+    LORA_ENGINE_MESSAGE: {"rollout": {"engine": "sglang"}, "trainer": {"lora": {}}},
+    LORA_TRANSPORT_MESSAGE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {}, "weightTransport": "collective"}},
+    ALL_LINEAR_ALONE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {"targetModules": ["all-linear", "q_proj"]}}},
     "policy 'per-sample' requires asyncRatio": {"staleness": {"policy": "per-sample"}},
     "asyncRatio requires policy 'per-sample'": {"staleness": {"asyncRatio": 0.5}},
     "maxHeadOffpolicyness applies to policy 'global-budget' only (per-sample: asyncRatio)":
@@ -335,6 +339,20 @@ def test_updates_of_immutable_fields_are_rejected(path, value, message):
         node = node[k]
     node[keys[-1]] = value
     assert message in violations(new, old=old)
+
+
+LORA_IMMUTABLE = dict(IMMUTABLE_FIELDS)["spec.trainer.lora"]
+
+
+@pytest.mark.parametrize("old_lora, new_lora", [(None, {}), ({}, None), ({"rank": 8}, {"rank": 16})])
+def test_lora_cannot_be_added_removed_or_changed(old_lora, new_lora):
+    old = merged(load("job.yaml"), {"spec": {"rollout": {"engine": "hf"}}})
+    new = copy.deepcopy(old)
+    for obj, lora in ((old, old_lora), (new, new_lora)):
+        if lora is not None:
+            obj["spec"]["trainer"]["lora"] = lora
+    assert LORA_IMMUTABLE in violations(new, old=old)
+    assert LORA_IMMUTABLE not in violations(new, old=new)
 
 
 def test_mutable_update_is_accepted():

@@ -136,6 +136,33 @@ def test_trainer_format_weights_directories(tmp_path, easy_jsonl, base_on_easy):
     assert last_json(out)["pass_at_1"] < base_on_easy["pass_at_1"]
 
 
+def test_lora_adapter_versions(tmp_path, easy_jsonl, base_on_easy):
+    """A LoRA job's `weights/vN` (an adapter directory) is served on the base model its config names:
+    an untrained adapter (B = 0) gives the base model's figures, a damaged one different figures."""
+    import torch
+
+    from asyncrl.lora_spec import LoraSpec
+    from asyncrl.models import load_causal_lm
+    from asyncrl.trainer.lora import add_adapters
+    from asyncrl.trainer.publish import write_weights
+
+    model = add_adapters(load_causal_lm(BASE), LoraSpec(rank=4, alpha=8), base_model=BASE)
+    fresh = write_weights(model, None, tmp_path / "weights", 5)
+    rc, out, err = run_eval(str(fresh), "--dataset", str(easy_jsonl), "--max-new-tokens", "16")
+    assert rc == 0, err
+    record = last_json(out)
+    assert record["policy_version"] == 5 and figures(record) == figures(base_on_easy)
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(1.0)
+    damaged = write_weights(model, None, tmp_path / "weights", 6)
+    rc, out, err = run_eval(str(damaged), "--dataset", str(easy_jsonl), "--max-new-tokens", "16")
+    assert rc == 0, err
+    assert last_json(out)["pass_at_1"] < base_on_easy["pass_at_1"]
+
+
 # ------------------------------------------------------------------------------------ job settings
 
 

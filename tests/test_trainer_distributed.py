@@ -301,3 +301,40 @@ def _publish_bf16(model: Any, ctx: Any, out: Path) -> None:
 
 if __name__ == "__main__":
     _wrapper_worker(Path(sys.argv[1]))
+
+
+LORA = {"lora": {"rank": 8, "alpha": 16}}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(module_dir: Path) -> dict[str, Path]:
+    """LoRA (trainer.lora) on the same 2 steps: one process; step 1 on 2 FSDP ranks (the frozen base
+    sharded with the adapters, activation checkpointing on), step 2 on 1 process resumed from its
+    checkpoint (the adapter and its optimizer state only); and 2 DDP ranks."""
+    groups = make_groups(JOB, 4, version=0, max_len=8)
+    _run(module_dir / "lora1", groups, (1, 2), trainer=LORA)
+    _run(module_dir / "lora-fsdp2-then-1", groups, (2, 1), (1, 2), trainer={**LORA, "parallelism": "fsdp"},
+         model={"gradientCheckpointing": True})
+    _run(module_dir / "lora-ddp2", groups, (2, 2), trainer={**LORA, "parallelism": "ddp"})
+    return {name: module_dir / name for name in ("lora1", "lora-fsdp2-then-1", "lora-ddp2")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("other", ["lora-fsdp2-then-1", "lora-ddp2"])
+def test_lora_on_two_gloo_processes_matches_one_process(lora_runs: dict[str, Path], other: str) -> None:
+    from safetensors.torch import load_file
+
+    from asyncrl.adapters import ADAPTER_WEIGHTS
+
+    one, two = read_jsonl(lora_runs["lora1"] / "metrics.jsonl"), read_jsonl(lora_runs[other] / "metrics.jsonl")
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    a1 = load_file(lora_runs["lora1"] / "weights" / "v2" / ADAPTER_WEIGHTS)
+    a2 = load_file(lora_runs[other] / "weights" / "v2" / ADAPTER_WEIGHTS)
+    assert a1.keys() == a2.keys() and all(".lora_" in k for k in a1)
+    update = sum(float((a1[k] ** 2).sum()) for k in a1 if "lora_B" in k) ** 0.5  # (B starts at 0)
+    diff = sum(float(((a1[k] - a2[k]) ** 2).sum()) for k in a1) ** 0.5
+    assert update > 0 and diff < 0.02 * update, (diff, update)
+    checkpoint = sorted((lora_runs[other] / "checkpoints").glob("step-*"))[-1]
+    assert json.loads((checkpoint / "state.json").read_text())["identity"]["lora"]["rank"] == 8

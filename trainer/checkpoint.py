@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.errors import SpecError
 from asyncrl.files import atomic_directory, fsync_dir, remove_stray_temp_dirs
 from asyncrl.trainer.distributed import DistContext, barrier, broadcast_object, unwrap
 from asyncrl.trainer.rng_state import load_rng_state, rng_file, save_rng_state
@@ -98,6 +99,8 @@ class TrainerState:
     checkpoint written before timelines existed)."""
     shared_until: dict[str, int] = field(default_factory=dict)
     """Earlier timeline (as a JSON key) -> its last version that is also this lineage's."""
+    identity: dict[str, Any] = field(default_factory=dict)
+    """What the checkpoint's weights belong to (`model_identity`; {} in one written before it was kept)."""
 
     def lineage(self) -> Lineage:
         return Lineage(self.timeline, {int(t): int(v) for t, v in self.shared_until.items()})
@@ -124,6 +127,30 @@ class TrainerState:
         return cls(**known)
 
 
+class CheckpointMismatchError(SpecError, ValueError):
+    """The checkpoint was trained for another model or adapter shape than the job now asks for."""
+
+
+def model_identity(spec: Any) -> dict[str, Any]:
+    """What a checkpoint's weights belong to: the base model, its revision and the LoRA adapter's shape
+    (None in full fine-tuning). A resume refuses a checkpoint of another identity: its tensors would
+    not fit, or would fit and mean something else."""
+    lora = spec.trainer.lora
+    return {"model": spec.model.path, "revision": spec.model.revision,
+            "lora": None if lora is None else lora.to_wire()}
+
+
+def check_identity(path: Path, recorded: dict[str, Any], expected: dict[str, Any] | None) -> None:
+    """Raise CheckpointMismatchError when the checkpoint at `path` records another identity."""
+    if expected is None or not recorded or recorded == expected:
+        return
+    differ = sorted(k for k in set(recorded) | set(expected) if recorded.get(k) != expected.get(k))
+    detail = "; ".join(f"{k}: checkpoint {recorded.get(k)!r}, job {expected.get(k)!r}" for k in differ)
+    raise CheckpointMismatchError(f"checkpoint {path} belongs to another model or adapter ({detail}): resume it "
+                                  "with the spec that wrote it, or start a new job (another name, or empty "
+                                  "checkpoint storage)")
+
+
 def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under `root`, oldest first."""
     out = []
@@ -148,8 +175,6 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
     An existing directory of the same step (from a lost timeline) is replaced.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     ctx = ctx or DistContext()
     root = Path(root)
     target = root / f"step-{state.step:06d}"
@@ -157,7 +182,7 @@ def save_checkpoint(root: Path, model: Any, optimizer: Any, state: TrainerState,
     # removed if it raises); the other ranks write into it by the name rank 0 broadcasts.
     with atomic_directory(target) if ctx.is_main else contextlib.nullcontext() as tmp:
         tmp_dir = Path(broadcast_object(str(tmp) if tmp is not None else None, ctx))
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = trained_state(model, optimizer)
         with _single_process_quiet():
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_dir, no_dist=not ctx.enabled)
         save_rng_state(rng_file(tmp_dir, ctx.rank))
@@ -254,24 +279,49 @@ def read_state(path: Path) -> TrainerState:
 
 
 def load_checkpoint(path: Path, model: Any, optimizer: Any, *, device: str = "cpu",
-                    ctx: DistContext | None = None) -> TrainerState:
+                    ctx: DistContext | None = None, identity: dict[str, Any] | None = None) -> TrainerState:
     """Restore model, optimizer and RNG from `path` into the model as this run wraps it (any world
     size and parallelism: DCP reshards; with a process group every rank calls this, after
-    building the optimizer over the wrapped model); returns its TrainerState."""
+    building the optimizer over the wrapped model); returns its TrainerState. `identity`
+    (`model_identity`): a checkpoint that records another is refused before anything is loaded."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     ctx = ctx or DistContext()
     path = Path(path)
+    state = read_state(path)
+    check_identity(path, state.identity, identity)
     if (path / LEGACY_MODEL_FILE).exists():
         _load_legacy(path, model, optimizer, device)
     else:
-        model_state, optim_state = get_state_dict(model, optimizer)
+        model_state, optim_state = trained_state(model, optimizer)
         with _single_process_quiet():
             dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path, no_dist=not ctx.enabled)
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+        # (not strict: the frozen parameters are the model source's; DCP has already refused a
+        # checkpoint that lacks one of the trained ones)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=trained_only(strict=False))
     load_rng_state(path, ctx.rank)
-    return read_state(path)
+    return state
+
+
+def trained_only(*, strict: bool = True) -> Any:
+    """The state-dict options of a checkpoint: frozen parameters (a LoRA job's base model, which the
+    job's model source holds) are left out, so a LoRA checkpoint is the adapter and its optimizer state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def trained_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model, optimizer) state dicts of what training changes. torch's `ignore_frozen_params` keeps a
+    frozen weight that is tied under a second name (the LM head tied to the embeddings), so names of
+    frozen parameters, aliases included, are dropped here too."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer, options=trained_only())
+    frozen = {n for n, p in unwrap(model).named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_state.items() if k not in frozen}, optim_state
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,7 +125,8 @@ def shard_model(model: Any, ctx: DistContext, compute_dtype: torch.dtype | None 
 
 
 def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype | None = None, *,
-                       gradient_checkpointing: bool = False, revision: str | None = None) -> Any:
+                       gradient_checkpointing: bool = False, revision: str | None = None,
+                       prepare: Callable[[Any], None] | None = None) -> Any:
     """The model FSDP2-sharded across ranks with only rank 0 ever holding it whole: rank 0 loads
     the float32 weights on the CPU, every other rank builds the architecture on the meta device (no
     memory), all shard it, allocate their shards, and rank 0 broadcasts each tensor's shards
@@ -147,6 +149,10 @@ def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype |
         pass
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if prepare is not None:  # (LoRA adapters: rank 0's initial values are the ones broadcast)
+        for each in (source, model):
+            if each is not None:
+                prepare(each)
     model = shard_model(model, ctx, compute_dtype)
     model.to_empty(device=ctx.device)
     set_model_state_dict(model, source.state_dict() if source is not None else {},

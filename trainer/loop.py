@@ -58,6 +58,7 @@ from asyncrl.trainer.batch import Layout
 from asyncrl.trainer.checkpoint import (
     TrainerState,
     append_trained,
+    model_identity,
     save_checkpoint,
     truncate_trained_log,
 )
@@ -147,6 +148,7 @@ class Trainer:
         self.tokenizer = tokenizer
         self.io = io
         self.state = state or TrainerState()
+        self.state.identity = model_identity(self.spec)
         self.lineage = self.state.lineage()
         """This life's lineage (startup_sync starts its timeline): the labels the publisher and the
         engines' catch-up put on versions, and what the inbox keeps. One object, updated in place."""

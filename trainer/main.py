@@ -328,8 +328,9 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
     from asyncrl.status_report import TrainerReport
     from asyncrl.trainer import distributed as D
-    from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, model_identity
     from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.lora import trainable_parameters
     from asyncrl.trainer.step_metrics import truncate_metrics
 
     job = with_overrides(job, args)
@@ -337,14 +338,17 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     torch.manual_seed(spec.seed)
     # FSDP keeps a float32 master copy (sharded, with the optimizer state) and computes in the
     # model dtype; DDP and one process train in the model dtype itself.
+    prepare = adapters_for(spec)
     if ctx.enabled and spec.trainer.parallelism == "fsdp":  # (only rank 0 loads the whole model)
         model = D.load_sharded_model(spec.model.path, ctx, torch_dtype(spec.model.dtype),
                                      gradient_checkpointing=spec.model.gradient_checkpointing,
-                                     revision=spec.model.revision)
+                                     revision=spec.model.revision, prepare=prepare)
     else:
         model = load_causal_lm(spec.model.path, spec.model.dtype, ctx.device, revision=spec.model.revision)
         if spec.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+        if prepare is not None:
+            prepare(model)
         model = D.wrap_model(model, ctx, spec.trainer.parallelism)
     model.train()
     reference = None
@@ -353,13 +357,13 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
                                    revision=spec.model.revision).eval().requires_grad_(False)
     tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer, spec.model.revision)
     opt = spec.algorithm.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.beta1, opt.beta2),
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=opt.lr, betas=(opt.beta1, opt.beta2),
                                   eps=opt.eps, weight_decay=opt.weight_decay)  # (over the shards: after wrapping)
     cfg = RunConfig.from_runtime(runtime, job)
     state, report = None, None
     ckpt = None if args.no_resume else latest_checkpoint(cfg.checkpoint_dir)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer, device=ctx.device, ctx=ctx)
+        state = load_checkpoint(ckpt, model, optimizer, device=ctx.device, ctx=ctx, identity=model_identity(spec))
         if state.report:
             report = TrainerReport.model_validate(state.report)
             report.last_checkpoint = str(ckpt)
@@ -369,6 +373,22 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
         truncate_metrics(cfg.metrics_path, state.step if state else 0)
     return Trainer(job, cfg, ctx, model, optimizer, tokenizer, io=io, state=state, report=report,
                    trackers=trackers, reference_model=reference)
+
+
+def adapters_for(spec: Any) -> Any:
+    """With spec.trainer.lora: what adds the adapters to a freshly loaded model (before it is wrapped or
+    sharded); None for full fine-tuning."""
+    lora = spec.trainer.lora
+    if lora is None:
+        return None
+    from asyncrl.trainer.lora import add_adapters
+
+    def prepare(model: Any) -> None:
+        add_adapters(model, lora, base_model=spec.model.path, revision=spec.model.revision, seed=spec.seed)
+        if spec.model.gradient_checkpointing:  # (frozen embeddings: checkpointed blocks need an input with grad)
+            model.enable_input_require_grads()
+
+    return prepare
 
 
 async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:

@@ -1,7 +1,8 @@
 """Publishing a new policy version on disk: the weights directory and its housekeeping.
 
 `weights/v{N}` is an HF safetensors directory (config, tokenizer, and the weights in files of at
-most `bucket_bytes`, with the HF index when there are several), written atomically
+most `bucket_bytes`, with the HF index when there are several), or with spec.trainer.lora a PEFT
+adapter directory (trainer/lora.py), written atomically
 (asyncrl.files.atomic_directory: a temporary sibling, fsynced, renamed), so an engine never sees
 half a model. A sharded (FSDP) model is gathered one bucket at a time, every rank joining the
 gathers and rank 0 writing: rank 0's memory grows by one bucket, never by a whole model.
@@ -21,8 +22,10 @@ from typing import Any
 
 import torch
 
+from asyncrl.adapters import has_adapters
 from asyncrl.files import atomic_directory, remove_stray_temp_dirs
 from asyncrl.trainer.distributed import DistContext, full_tensor, is_sharded, unwrap
+from asyncrl.trainer.lora import write_adapter
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 BUCKET_BYTES = 1 << 30
@@ -39,7 +42,10 @@ def write_weights(model: Any, tokenizer: Any, weights_dir: Path, version: int, *
     """Write an HF safetensors directory for `version` atomically (tensors cast to `dtype`, default:
     as they are); a leftover `v{version}` (from a run that crashed after writing it: a lost
     timeline) is replaced. For a sharded model every rank must call this (the gathers are
-    collectives); rank 0 writes and gets the path, the others None."""
+    collectives); rank 0 writes and gets the path, the others None. A model with LoRA adapters
+    (spec.trainer.lora) publishes the adapter alone, as a PEFT directory (trainer/lora.py)."""
+    if has_adapters(unwrap(model)):
+        return write_adapter(model, weights_path(weights_dir, version), dtype=dtype, ctx=ctx)
     tensors = published_tensors(model)
     files = bucket_files(plan_buckets([_nbytes(t, dtype) for _, t in tensors], bucket_bytes))
     if ctx is not None and not ctx.is_main:

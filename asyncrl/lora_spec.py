@@ -1,0 +1,53 @@
+"""`spec.trainer.lora`: train LoRA adapters (PEFT) on a frozen base model instead of every weight.
+
+Its own module so the spec (asyncrl.spec), the trainer (asyncrl.trainer.lora) and the engines read one
+declaration of the fields, their bounds and the rules that tie them to the rest of the job.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from asyncrl.spec_base import SpecModel
+
+ALL_LINEAR = "all-linear"
+"""targetModules' shorthand (PEFT's): every linear layer of the transformer blocks, not the LM head."""
+LORA_ENGINES = ("hf",)
+"""Engines asyncrl hot-loads adapters into (trainer.lora); the others are refused with the reason."""
+MAX_RANK = 1024
+MODULE_NAME_PATTERN = rf"^([A-Za-z_][A-Za-z0-9_.]*|{ALL_LINEAR})$"
+"""A module name as PEFT matches it (the last components of a dotted module path: q_proj, mlp.up_proj),
+or the all-linear shorthand."""
+ModuleName = Annotated[str, Field(min_length=1, max_length=128, pattern=MODULE_NAME_PATTERN)]
+ALL_LINEAR_ALONE = f"lora.targetModules '{ALL_LINEAR}' stands alone: it already names every linear layer"
+
+
+class LoraSpec(SpecModel):
+    """Train LoRA adapters on the frozen base model: every published version is an adapter (megabytes,
+    not the whole model), the engines hot-load it, and only the adapter has optimizer state. RL with
+    LoRA learns like full fine-tuning even at low rank, with a learning rate about 10x higher
+    (docs/benchmarks.md, "LoRA")."""
+
+    rank: int = Field(default=32, ge=1, le=MAX_RANK)
+    """The adapters' rank r (the low-rank update B @ A has r columns)."""
+    alpha: int = Field(default=64, ge=1, le=16 * MAX_RANK)
+    """LoRA's alpha: the update is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training (0: the trainer's log-probs are exact, as RL needs)."""
+    target_modules: list[ModuleName] = Field(default_factory=lambda: [ALL_LINEAR], min_length=1, max_length=64,
+                                             json_schema_extra={"x-kubernetes-list-type": "set"})
+    """The modules that get adapters, by name as the model names them (q_proj, v_proj, up_proj, ...), or
+    ["all-linear"]: every linear layer but the LM head. Checked against the model at start: a name no
+    module has fails the job, naming it."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, names: list[str]) -> list[str]:
+        # (the same rules as the CRD: list-type set, and CEL_RULES' entry on spec.trainer.lora)
+        if ALL_LINEAR in names and len(names) > 1:
+            raise ValueError(ALL_LINEAR_ALONE)
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora.targetModules has duplicates: {names}")
+        return names
