@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Protocol
+
 import kmock
 
-from tests.support.kube_cluster.objects import KIND_PLURALS, PLURALS, Obj, meta
+from tests.support.kube_cluster.objects import FINALIZER, KIND_PLURALS, PLURALS, Obj, meta
 from tests.support.kube_emulator import KubeEmulator
 
 
@@ -22,6 +25,25 @@ class Clock:
 
 
 # ----------------------------------------------------------------------------------- API access
+
+
+class PodApi(Protocol):
+    """What the kubelet and its volume and env resolvers need of an API: `Api` (the emulator, in-process)
+    and `real_api.RealApi` (a real apiserver, through a watch cache) both answer it."""
+
+    def list(self, plural: str, namespace: str | None = None) -> list[Obj]: ...
+
+    def get(self, plural: str, namespace: str | None, name: str) -> Obj | None: ...
+
+    async def replace_status(self, plural: str, obj: Obj, status: Obj) -> None: ...
+
+    async def hold_pod(self, pod: Obj) -> None: ...
+
+    async def release_pod(self, pod: Obj) -> None: ...
+
+    def bound_volume_path(self, claim: Obj) -> Path | None: ...
+
+    def service_account_token(self, pod: Obj, request: Obj) -> bytes | None: ...
 
 
 class Api:
@@ -84,3 +106,30 @@ class Api:
             key = self._live_key(plural, namespace, name)
             if key is not None:
                 await self.emu._delete(key)
+
+    # -- what the kubelet needs beyond reads and writes (real_api.RealApi answers the same on a real cluster)
+
+    async def hold_pod(self, pod: Obj) -> None:
+        """Keep a deleted pod Terminating until the kubelet has stopped it: here a finalizer, since the
+        emulator deletes an object at once when nothing holds it."""
+        finalizers = meta(pod).get("finalizers") or []
+        if FINALIZER not in finalizers:
+            await self.patch("pods", meta(pod).get("namespace"), meta(pod)["name"],
+                             {"metadata": {"finalizers": [*finalizers, FINALIZER]}})
+
+    async def release_pod(self, pod: Obj) -> None:
+        """The pod's processes are gone: let the emulator finish deleting it (or, at shutdown, forget it)."""
+        finalizers = meta(pod).get("finalizers") or []
+        if FINALIZER in finalizers:
+            rest = [f for f in finalizers if f != FINALIZER]
+            await self.patch("pods", meta(pod).get("namespace"), meta(pod)["name"],
+                             {"metadata": {"finalizers": rest or None}})
+
+    def bound_volume_path(self, claim: Obj) -> Path | None:
+        """The directory of the volume a claim is bound to; None here: the emulator has no PersistentVolumes
+        (a claim's directory is made per claim, env.Volumes.claim_dir)."""
+        return None
+
+    def service_account_token(self, pod: Obj, request: Obj) -> bytes | None:
+        """A projected `serviceAccountToken` source's token; None: the emulator issues none."""
+        return None

@@ -5,32 +5,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import signal
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tests.support.kube_cluster.api import Api, Clock
-from tests.support.kube_cluster.containers import ClusterOptions, ContainerRunner
+from tests.support.kube_cluster.containers import ClusterOptions
 from tests.support.kube_cluster.controllers import ClaimBinder, DeploymentController, StatefulSetController
-from tests.support.kube_cluster.env import Volumes
-from tests.support.kube_cluster.kubelet import Kubelet, PodRunner
+from tests.support.kube_cluster.kubelet import Kubelet
 from tests.support.kube_cluster.network import Network
-from tests.support.kube_cluster.objects import Obj, is_terminating, labels_match, meta, pod_ready
+from tests.support.kube_cluster.objects import Obj
 from tests.support.kube_cluster.rewriting import Hook
-from tests.support.kube_cluster.tables import _pod_cells, register_kubectl_tables
+from tests.support.kube_cluster.surface import ClusterSurface
+from tests.support.kube_cluster.tables import register_kubectl_tables
 from tests.support.kube_emulator import KubeEmulator
-from tests.support.polling import poll
 
 
-class KubeCluster:
+class KubeCluster(ClusterSurface):
     """Controllers, kubelet and kube-proxy running against a KubeEmulator (package doc); an async context manager.
 
     Objects come from anywhere (kubectl, the operator, `create`); every `tick` seconds the cluster reads
     them and acts. Errors inside the cluster's own loop are kept in `errors` (a test should assert it is
     empty) rather than stopping it.
     """
+
+    api: Api
 
     def __init__(self, emu: KubeEmulator, root: Path | str, *, time_scale: float = 1.0,
                  entrypoints: Mapping[str, Sequence[str]] | None = None, env: Mapping[str, str] | None = None,
@@ -112,94 +112,3 @@ class KubeCluster:
 
     async def delete(self, plural: str, namespace: str, name: str) -> None:
         await self.api.delete(plural, namespace, name)
-
-    def pods(self, namespace: str | None = None, selector: Mapping[str, str] | str | None = None) -> list[Obj]:
-        if isinstance(selector, str):
-            selector = dict(term.split("=", 1) for term in selector.split(",") if term)
-        return sorted((p for p in self.api.list("pods", namespace)
-                       if labels_match(meta(p).get("labels") or {}, selector or {})),
-                      key=lambda p: meta(p)["name"])
-
-    def ready_pods(self, namespace: str | None = None, selector: Mapping[str, str] | str | None = None) -> list[Obj]:
-        return [p for p in self.pods(namespace, selector) if pod_ready(p) and not is_terminating(p)]
-
-    # -- the runtime side
-
-    def runner(self, namespace: str, pod: str) -> PodRunner | None:
-        """The newest runner of the pod named so (a StatefulSet pod may have had several)."""
-        runners = self.kubelet.history.get((namespace, pod)) or []
-        return runners[-1] if runners else None
-
-    def container(self, namespace: str, pod: str, container: str) -> ContainerRunner:
-        runner = self.runner(namespace, pod)
-        found = [c for c in runner.containers if c.name == container] if runner else []
-        if not found:
-            raise KeyError(f"no container {container!r} in pod {namespace}/{pod}")
-        return found[0]
-
-    def pid(self, namespace: str, pod: str, container: str) -> int | None:
-        """The running main process of the container, or None (not running, or no such pod admitted yet)."""
-        try:
-            c = self.container(namespace, pod, container)
-        except KeyError:
-            return None
-        return c.process.pid if c.process is not None and c.process.returncode is None else None
-
-    def kill(self, namespace: str, pod: str, container: str, sig: int = signal.SIGKILL) -> int:
-        """Chaos: signal the container's processes; returns the pid that was signalled."""
-        pid = self.pid(namespace, pod, container)
-        if pid is None:
-            raise RuntimeError(f"{namespace}/{pod}/{container} is not running")
-        self.container(namespace, pod, container).signal(sig)
-        return pid
-
-    def log_path(self, namespace: str, pod: str, container: str) -> Path:
-        return self.options.root / "logs" / f"{namespace}_{pod}_{container}.log"
-
-    def log(self, namespace: str, pod: str, container: str) -> str:
-        path = self.log_path(namespace, pod, container)
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def volume_path(self, namespace: str, pod: str, volume: str) -> Path:
-        runner = self.runner(namespace, pod)
-        if runner is None or runner.volumes is None or volume not in runner.volumes:
-            raise KeyError(f"volume {volume!r} of {namespace}/{pod} is not set up")
-        return runner.volumes[volume]
-
-    def claim_path(self, namespace: str, claim: str) -> Path:
-        obj = self.api.get("persistentvolumeclaims", namespace, claim)
-        if obj is None:
-            raise KeyError(f"no PersistentVolumeClaim {namespace}/{claim}")
-        return Volumes(self.api, {"metadata": {"namespace": namespace}}, self.options.root,
-                       self.options.root / "claims").claim_dir(obj)
-
-    def host_port(self, namespace: str, pod: str, container_port: int) -> int:
-        """Where the pod's container port listens on this host."""
-        return self.network.pod_port(namespace, pod, container_port)
-
-    def service_port(self, namespace: str, service: str, port: int) -> int:
-        """The local port of a Service port (what `kubectl port-forward svc/...` would give a test)."""
-        return self.network.service_port(namespace, service, port)
-
-    def alive_processes(self) -> list[int]:
-        """Process groups of containers that still have a live process (a clean teardown leaves none)."""
-        return self.kubelet.alive_process_groups()
-
-    async def wait(self, check: Callable[[], Any], *, timeout: float = 20.0, what: str = "condition") -> Any:
-        """Poll `check` (sync or async) until truthy; on timeout fail with the cluster's state (`dump`)."""
-        return await poll(check, timeout=timeout, what=what, interval=0.02, describe=self.dump)
-
-    def dump(self) -> str:
-        """Pods, container states, recent events, errors and log tails: what a failing test should print."""
-        lines = []
-        for pod in self.pods():
-            status = pod.get("status") or {}
-            lines.append(f"pod {meta(pod)['namespace']}/{meta(pod)['name']} phase={status.get('phase')} "
-                         f"terminating={is_terminating(pod)} cells={_pod_cells(pod)}")
-            for cs in status.get("containerStatuses") or []:
-                lines.append(f"  {cs['name']}: state={cs.get('state')} last={cs.get('lastState')}")
-                tail = self.log(meta(pod)["namespace"], meta(pod)["name"], cs["name"])[-1500:]
-                lines += [f"    | {line}" for line in tail.splitlines()[-15:]]
-        lines += [f"event {e}" for e in self.kubelet.events[-20:]]
-        lines += [f"error {e}" for e in self.errors]
-        return "\n".join(lines)

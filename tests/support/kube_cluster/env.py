@@ -6,7 +6,7 @@ import base64
 import re
 from pathlib import Path
 
-from tests.support.kube_cluster.api import Api
+from tests.support.kube_cluster.api import PodApi
 from tests.support.kube_cluster.objects import LOCAL_IP, Obj, meta
 from tests.support.kube_cluster.rewriting import expand_vars
 
@@ -36,15 +36,16 @@ def config_map_data(cm: Obj) -> dict[str, bytes]:
     return out
 
 
-def field_value(pod: Obj, path: str) -> str:
-    """A downward-API `fieldRef` of the pod."""
+def field_value(pod: Obj, path: str, pod_ip: str = LOCAL_IP) -> str:
+    """A downward-API `fieldRef` of the pod (`pod_ip`: what the kubelet reports as its `status.podIP`)."""
     m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
     if m:
         return str((meta(pod).get(m.group(1)) or {}).get(m.group(2), ""))
+    node = (pod.get("spec") or {}).get("nodeName") or "kube-cluster"
     simple = {"metadata.name": meta(pod).get("name"), "metadata.namespace": meta(pod).get("namespace"),
-              "metadata.uid": meta(pod).get("uid"), "spec.nodeName": "kube-cluster",
+              "metadata.uid": meta(pod).get("uid"), "spec.nodeName": node,
               "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName", "default"),
-              "status.podIP": LOCAL_IP, "status.hostIP": LOCAL_IP, "status.podIPs": LOCAL_IP,
+              "status.podIP": pod_ip, "status.hostIP": LOCAL_IP, "status.podIPs": pod_ip,
               "status.hostIPs": LOCAL_IP}
     if path not in simple:
         raise ConfigError(f"fieldRef {path!r} is not emulated")
@@ -54,8 +55,8 @@ def field_value(pod: Obj, path: str) -> str:
 class EnvResolver:
     """A container's `envFrom` and `env`, resolved against ConfigMaps, Secrets and the pod, as kubelet does."""
 
-    def __init__(self, api: Api, pod: Obj):
-        self.api, self.pod = api, pod
+    def __init__(self, api: PodApi, pod: Obj, pod_ip: str = LOCAL_IP):
+        self.api, self.pod, self.pod_ip = api, pod, pod_ip
         self.namespace = meta(pod).get("namespace") or "default"
 
     def _source(self, plural: str, name: str, optional: bool) -> dict[str, bytes] | None:
@@ -97,15 +98,16 @@ class EnvResolver:
                     raise ConfigError(f'couldn\'t find key {ref["key"]} in {where}')
                 return data[ref["key"]].decode(errors="replace")
         if "fieldRef" in source:
-            return field_value(self.pod, source["fieldRef"]["fieldPath"])
+            return field_value(self.pod, source["fieldRef"]["fieldPath"], self.pod_ip)
         raise ConfigError(f"env {name}: valueFrom {sorted(source)} is not emulated")
 
 
 class Volumes:
     """A pod's volumes as host directories (rule 2): the kubelet's volume manager."""
 
-    def __init__(self, api: Api, pod: Obj, pod_dir: Path, claims_root: Path):
+    def __init__(self, api: PodApi, pod: Obj, pod_dir: Path, claims_root: Path, pod_ip: str = LOCAL_IP):
         self.api, self.pod, self.pod_dir, self.claims_root = api, pod, pod_dir, claims_root
+        self.pod_ip = pod_ip
         self.namespace = meta(pod).get("namespace") or "default"
 
     def claim_dir(self, claim: Obj) -> Path:
@@ -124,7 +126,7 @@ class Volumes:
                 claim = self.api.get("persistentvolumeclaims", self.namespace, claim_name)
                 if claim is None:
                     raise MountError(f'persistentvolumeclaim "{claim_name}" not found')
-                out[name] = self.claim_dir(claim)
+                out[name] = self.api.bound_volume_path(claim) or self.claim_dir(claim)
                 continue
             if "hostPath" in vol:
                 out[name] = Path(vol["hostPath"]["path"])
@@ -160,6 +162,13 @@ class Volumes:
                     raise MountError(f'volume {name}: key {item["key"]} not in {plural[:-1]} "{obj_name}"')
                 self._write(path / item["path"], data[item["key"]])
             return
+        if "serviceAccountToken" in source:
+            request = source["serviceAccountToken"]
+            token = self.api.service_account_token(self.pod, request)
+            if token is None:
+                raise MountError(f"volume {name}: serviceAccountToken is not emulated")
+            self._write(path / request["path"], token)
+            return
         if "downwardAPI" in source:
             for item in source["downwardAPI"].get("items") or []:
                 if "fieldRef" not in item:
@@ -169,7 +178,7 @@ class Volumes:
                     pairs = meta(self.pod).get(fp.split(".")[1]) or {}
                     text = "\n".join(f'{k}="{v}"' for k, v in sorted(pairs.items()))
                 else:
-                    text = field_value(self.pod, fp)
+                    text = field_value(self.pod, fp, self.pod_ip)
                 self._write(path / item["path"], text.encode())
             return
         raise MountError(f"volume {name}: {sorted(k for k in source if k != 'name')} is not emulated")

@@ -13,13 +13,12 @@ from typing import Any
 
 import aiohttp
 
-from tests.support.kube_cluster.api import Api, Clock
+from tests.support.kube_cluster.api import Clock, PodApi
 from tests.support.kube_cluster.containers import ClusterOptions, ContainerRunner
 from tests.support.kube_cluster.env import ConfigError, EnvResolver, MountError, StartError, Volumes
 from tests.support.kube_cluster.network import Network, named_port, pod_ports
 from tests.support.kube_cluster.objects import (
     DEFAULT_TERMINATION_PATH,
-    FINALIZER,
     LOCAL_IP,
     TERMINATION_ENV,
     Obj,
@@ -44,6 +43,7 @@ class PodRunner:
         self.grace_seconds = float(spec.get("terminationGracePeriodSeconds", 30))
         network = kubelet.network
         self.own_ports = {p: network.pod_port(self.namespace, self.name, p) for p in sorted(pod_ports(pod))}
+        self.ip = network.pod_ip(self.namespace, self.name)
         self.containers = [ContainerRunner(self, c) for c in spec.get("containers") or []]
         self.volumes: dict[str, Path] | None = None
         self.mount_error: str | None = None
@@ -51,6 +51,7 @@ class PodRunner:
         self.start_time: str | None = None
         self.deleting = False
         self.stopped = False
+        self.released = False  # the API was told the pod's processes are gone (Api.release_pod)
         self.written: Obj | None = None
         self._conditions: list[Obj] = []
         self._task: asyncio.Task | None = None
@@ -68,7 +69,7 @@ class PodRunner:
     async def _mount_and_start_containers(self) -> None:
         if self.unsupported:
             return
-        volumes = Volumes(self.kubelet.api, self.obj, self.dir, self.kubelet.options.root / "claims")
+        volumes = Volumes(self.kubelet.api, self.obj, self.dir, self.kubelet.options.root / "claims", self.ip)
         while self.volumes is None:
             try:
                 self.volumes = volumes.materialize()
@@ -143,7 +144,7 @@ class PodRunner:
         """argv/env/cwd of the container (probe_argv None) or of one of its exec probes (package doc, rules 1-7)."""
         options = self.kubelet.options
         spec = container.spec
-        env = EnvResolver(self.kubelet.api, self.obj).resolve(spec)
+        env = EnvResolver(self.kubelet.api, self.obj, self.ip).resolve(spec)
         if probe_argv is not None:
             argv = probe_argv
         else:
@@ -211,7 +212,7 @@ class PodRunner:
         out: Obj = {"phase": phase, "conditions": self._conditions, "hostIP": LOCAL_IP,
                     "hostIPs": [{"ip": LOCAL_IP}], "qosClass": "BestEffort", "containerStatuses": statuses}
         if self.volumes is not None:
-            out.update(podIP=LOCAL_IP, podIPs=[{"ip": LOCAL_IP}])
+            out.update(podIP=self.ip, podIPs=[{"ip": self.ip}])
         if self.start_time:
             out["startTime"] = self.start_time
         return out
@@ -220,11 +221,13 @@ class PodRunner:
 class Kubelet:
     """Admits pods, runs them (PodRunner), writes their status, and finishes graceful deletion.
 
-    A finalizer on every admitted pod keeps a deleted pod `Terminating` until its processes are gone: the
-    StatefulSet controller then waits before recreating a pod under the same name, as on a real cluster.
+    The API keeps a deleted pod `Terminating` until its processes are gone (`hold_pod`: a finalizer on the
+    emulator; a real apiserver does so for every pod bound to a node), then the kubelet lets it go
+    (`release_pod`: the finalizer removed, or the final delete): the StatefulSet controller waits for that
+    before recreating a pod under the same name, as on a real cluster.
     """
 
-    def __init__(self, api: Api, network: Network, options: ClusterOptions, clock: Clock):
+    def __init__(self, api: PodApi, network: Network, options: ClusterOptions, clock: Clock):
         self.api, self.network, self.options, self.clock = api, network, options, clock
         self.runners: dict[str, PodRunner] = {}
         self.history: dict[tuple[str, str], list[PodRunner]] = {}
@@ -246,22 +249,20 @@ class Kubelet:
             uid = meta(pod)["uid"]
             seen.add(uid)
             runner = self.runners.get(uid)
-            finalizers = meta(pod).get("finalizers") or []
             if runner is None:
                 if is_terminating(pod):
-                    continue  # deleted before it ran
+                    await self.api.release_pod(pod)  # deleted before it ran: nothing to stop
+                    continue
                 runner = self._admit(pod)
-                if FINALIZER not in finalizers:
-                    await self.api.patch("pods", runner.namespace, runner.name,
-                                         {"metadata": {"finalizers": [*finalizers, FINALIZER]}})
+                await self.api.hold_pod(pod)
             runner.obj = pod
             if is_terminating(pod):
                 grace = meta(pod).get("deletionGracePeriodSeconds", runner.grace_seconds)
                 runner.begin_stop(self.clock.seconds(grace))
                 if runner.stopped:
-                    rest = [f for f in finalizers if f != FINALIZER]
-                    await self.api.patch("pods", runner.namespace, runner.name,
-                                         {"metadata": {"finalizers": rest or None}})
+                    if not runner.released:
+                        await self.api.release_pod(pod)
+                        runner.released = True
                     continue
             status = runner.status()
             if status != runner.written:
@@ -287,9 +288,8 @@ class Kubelet:
         await asyncio.gather(*(r.wait_stopped() for r in self.runners.values()), return_exceptions=True)
         for runner in self.runners.values():
             pod = self.api.get("pods", runner.namespace, runner.name)
-            if pod is not None and FINALIZER in (meta(pod).get("finalizers") or []):
-                rest = [f for f in meta(pod)["finalizers"] if f != FINALIZER]
-                await self.api.patch("pods", runner.namespace, runner.name, {"metadata": {"finalizers": rest or None}})
+            if pod is not None and meta(pod)["uid"] == runner.uid:
+                await self.api.release_pod(pod)
         if self.session is not None:
             await self.session.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -62,9 +63,12 @@ class Dns:
 
     def __init__(self) -> None:
         self.services: dict[tuple[str, str], Obj] = {}
+        self.cluster_ips: dict[str, ServiceName] = {}
 
     def update(self, services: Sequence[Obj]) -> None:
         self.services = {(meta(s).get("namespace") or "default", meta(s)["name"]): s for s in services}
+        self.cluster_ips = {ip: ServiceName(*key) for key, s in self.services.items()
+                            for ip in (s.get("spec") or {}).get("clusterIPs") or [] if ip != "None"}
 
     def _headless(self, namespace: str, name: str) -> bool:
         svc = self.services.get((namespace, name))
@@ -160,15 +164,32 @@ class ServiceProxy:
 
 
 class Network:
-    """Cluster addressing on one host: DNS names, per-pod host ports, and a proxy per Service port."""
+    """Cluster addressing on one host: DNS names, per-pod host ports, and a proxy per Service port.
 
-    def __init__(self) -> None:
+    `pod_network` (a CIDR) gives each pod name its own IP from it, for the pod's status and the downward
+    API; nothing listens there: `<pod IP>:<port>` is rewritten like a pod's DNS name (rule 3). Without
+    it every pod's IP is 127.0.0.1 (the emulator's pods; a real EndpointSlice refuses loopback)."""
+
+    def __init__(self, pod_network: str | None = None) -> None:
         self.dns = Dns()
         self.ports = PortRegistry()
         self.proxies: dict[tuple[str, str, int], ServiceProxy] = {}
+        self._free_ips = ipaddress.ip_network(pod_network).hosts() if pod_network else None
+        self._ips: dict[tuple[str, str], str] = {}
+        self._ip_pods: dict[str, PodName] = {}
 
     def pod_port(self, namespace: str, pod: str, container_port: int) -> int:
         return self.ports.get(("pod", namespace, pod, int(container_port)))
+
+    def pod_ip(self, namespace: str, pod: str) -> str:
+        """The pod's IP, one per pod name for the cluster's life (its host ports are too)."""
+        if self._free_ips is None:
+            return LOCAL_IP
+        if (namespace, pod) not in self._ips:
+            ip = str(next(self._free_ips))
+            self._ips[(namespace, pod)] = ip
+            self._ip_pods[ip] = PodName(namespace, pod)
+        return self._ips[(namespace, pod)]
 
     def service_port(self, namespace: str, service: str, port: int) -> int:
         return self.ports.get(("svc", namespace, service, int(port)))
@@ -177,7 +198,7 @@ class Network:
         """The local `host:port` standing in for a cluster address, or None when it names nothing known."""
         if host.lower() in LOOPBACK_HOSTS:
             return f"{host}:{own[port]}" if port in own else None
-        target = self.dns.lookup(host, namespace)
+        target = self._ip_pods.get(host) or self.dns.cluster_ips.get(host) or self.dns.lookup(host, namespace)
         if isinstance(target, PodName):
             return f"{LOCAL_IP}:{self.pod_port(target.namespace, target.name, port)}"
         if isinstance(target, ServiceName):
