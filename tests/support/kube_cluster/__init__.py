@@ -1,9 +1,12 @@
-"""A test cluster that runs pods for real, on top of `KubeEmulator`.
+"""A test cluster that runs pods for real, on top of `KubeEmulator` or of a real control plane.
 
-The parts, one module each: objects (helpers), api (clock, API access), network (ports, DNS,
-kube-proxy), rewriting (mapping rules 1-4), env (env and volumes), probes, processes, containers,
-kubelet (pods), controllers (Deployment, StatefulSet, PVC binder), tables (kubectl columns) and
-cluster (`KubeCluster`, wiring them to an emulator).
+The parts, one module each: objects (helpers), api (clock, the emulator's API access), network (ports, pod
+IPs, DNS, kube-proxy), rewriting (mapping rules 1-4), env (env and volumes), probes, processes, containers,
+kubelet (pods), controllers (Deployment, StatefulSet, PVC binder), tables (kubectl columns), surface (what
+tests read and do to pods) and cluster (`KubeCluster`, wiring them to an emulator). The kubelet's side is
+backend-neutral (`api.PodApi`): `RealCluster` (real_cluster.py; with rest, real_api, node and provisioner)
+runs the same kubelet as a node of a real kube-apiserver, with the real scheduler and controllers; its
+module docstring says what is real there and what is ours.
 
 An API server alone lets a test pass where a cluster would fail: nothing runs the pods, so a trainer that
 can never finish, or a readiness probe on a route the engine lacks, stays green. `KubeCluster` attaches to a
@@ -48,7 +51,9 @@ every `env` value of a container (and to exec-probe commands):
    - a pod of a headless Service (StatefulSet pod DNS): `<pod>.<svc>[.<ns>[.svc[.cluster.local]]]` ->
      that pod's host port for the container port;
    - `localhost`, `127.0.0.1`, `0.0.0.0` with one of the pod's own ports -> the same host with this pod's
-     host port (a sibling container's port, or a listen address).
+     host port (a sibling container's port, or a listen address);
+   - a pod's IP (`RealCluster`: each pod has its own, nothing listens there) -> that pod's host port; a
+     Service's ClusterIP and port -> the Service's proxy port.
    A bare `<name>.<ns>.svc[.cluster.local]` with no port becomes `127.0.0.1`.
 4. Ports: an argv item or env value that is exactly one of the pod's own ports (`"30000"`, or the value of
    `--flag=30000`) becomes the pod's host port for it. A pod's own ports are its containers' declared
@@ -81,10 +86,12 @@ Kubelet behaviour: containers start together (no init containers); readiness is 
 failure (`failureThreshold` in a row) kills the container (SIGTERM, grace, SIGKILL) and restarts it;
 `restartPolicy` Always/OnFailure/Never; restarts back off like kubelet (first at once, then 10 s, 20 s, 40 s
 ... capped at 300 s, reset after 600 s without a crash; `state.waiting.reason: CrashLoopBackOff` while
-waiting); exit codes of signalled processes are 128+signal; `podIP`/`hostIP` are 127.0.0.1. When a
+waiting); exit codes of signalled processes are 128+signal; `hostIP` is 127.0.0.1, and so is `podIP` on
+the emulator (`RealCluster` gives each pod one from its pod network). When a
 container's main process exits, the rest of its process group is killed (a container's pid namespace).
 Pod deletion: the kubelet holds a finalizer on every pod it runs, so a deleted pod stays `Terminating`
-(deletionTimestamp set) until its processes are gone, as on a real cluster.
+(deletionTimestamp set) until its processes are gone, as on a real cluster (`RealCluster`: the apiserver
+holds it, and the kubelet's final delete ends it).
 
 Controllers: a Deployment owns its pods directly (no ReplicaSet objects); pods are named
 `<deploy>-<template hash>-<5 chars>` and carry `pod-template-hash`; RollingUpdate honours maxSurge and
@@ -100,9 +107,10 @@ claims of removed ordinals are deleted). Status fields are written as the API se
 Not emulated: images (nothing is pulled or isolated; processes run as the test user with the host's
 filesystem), init and ephemeral containers, lifecycle hooks (postStart/preStop), grpc probes, resource
 limits (no OOMKilled, `resourceFieldRef` env is a config error), ConfigMap/Secret volume updates after
-start, projected service-account tokens, service links env vars (`<SVC>_SERVICE_HOST`), Endpoints/
-EndpointSlice objects, NetworkPolicy enforcement and PodDisruptionBudget status, node selection/taints,
-ReplicaSet/Job/DaemonSet controllers, `minReadySeconds`, `kubectl logs/exec/port-forward` (use `log()`,
+start, projected service-account tokens (`RealCluster` gets them by TokenRequest), service links env vars
+(`<SVC>_SERVICE_HOST`), Endpoints/EndpointSlice objects, NetworkPolicy enforcement and PodDisruptionBudget
+status, node selection/taints, ReplicaSet/Job/DaemonSet controllers (on the emulator; `RealCluster` has the
+real scheduler and controller-manager), `minReadySeconds`, `kubectl logs/exec/port-forward` (use `log()`,
 `service_port()`), UDP, ports not declared by a pod (they are not remapped, so two pods would collide), a
 process that leaves its container's process group and also drops `KUBE_CLUSTER_CONTAINER` from its
 environment survives container death; if the test process itself is killed (no teardown), container main
@@ -113,7 +121,8 @@ from __future__ import annotations
 
 from tests.support.kube_cluster.cluster import KubeCluster
 from tests.support.kube_cluster.objects import meta
+from tests.support.kube_cluster.real_cluster import RealCluster
 from tests.support.kube_cluster.rewriting import Launch
 from tests.support.kube_cluster.tables import register_kubectl_tables
 
-__all__ = ["KubeCluster", "Launch", "meta", "register_kubectl_tables"]
+__all__ = ["KubeCluster", "Launch", "RealCluster", "meta", "register_kubectl_tables"]
