@@ -24,7 +24,6 @@ from tests.support.kube_cluster.objects import Obj, meta
 from tests.support.kube_cluster.provisioner import STORAGE_CLASS
 from tests.support.kube_cluster.real_cluster import POD_NETWORK, RealCluster
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 SCALE = 0.05
 PY = "python"  # found on the pod's PATH: the test venv's bin comes first
 

@@ -50,11 +50,14 @@ CONTROLLERS = (
     "statefulset-controller", "endpointslice-controller", "namespace-controller",
     "serviceaccount-controller", "serviceaccount-token-controller", "persistentvolume-binder-controller",
     "root-ca-certificate-publisher-controller", "clusterrole-aggregation-controller",
-    "resourcequota-controller",
+    "resourcequota-controller", "persistentvolumeclaim-protection-controller",
+    "persistentvolume-protection-controller",
 )
 """What the tests need: ownership cascades, workloads to ReplicaSets/Pods, namespace teardown, each
-namespace's `default` ServiceAccount and CA ConfigMap, tokens, PVC binding, aggregated roles, and
-ResourceQuota usage (the apiserver enforces a quota only once this controller has counted it)."""
+namespace's `default` ServiceAccount and CA ConfigMap, tokens, PVC binding, aggregated roles,
+ResourceQuota usage (the apiserver enforces a quota only once this controller has counted it), and
+the protection finalizers' removal (a deleted claim or volume that nothing uses goes, instead of
+staying Terminating)."""
 START_TIMEOUT = 120.0
 """Seconds each process gets to become ready: generous, a loaded 2-core machine is slow."""
 AUDIT_POLICY = {

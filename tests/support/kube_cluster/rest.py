@@ -138,14 +138,16 @@ class Reflector:
     """An always-current copy of one resource: list, then watch from that resourceVersion; relist when the
     watch expires (410 Gone) or breaks. `synced` is set after the first list."""
 
-    def __init__(self, client: RestClient, plural: str, params: Mapping[str, str] | None = None):
+    def __init__(self, client: RestClient, plural: str, params: Mapping[str, str] | None = None, *,
+                 path: str | None = None):
         self.client, self.plural, self.params = client, plural, dict(params or {})
+        self.path = path or path_of(plural)  # `path`: a resource RESOURCES does not name (a custom resource)
         self.items: dict[tuple[str | None, str], Obj] = {}
         self.synced = asyncio.Event()
         self.errors: list[str] = []
 
     async def run(self) -> None:
-        path = path_of(self.plural)
+        path = self.path
         while True:
             try:
                 listed = await self.client.request("GET", path, params=self.params) or {}
