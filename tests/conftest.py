@@ -31,7 +31,7 @@ settings.register_profile("asyncrl", derandomize=True, print_blob=True)
 settings.load_profile("asyncrl")
 
 TIERS = ("unit", "integration", "cluster")
-CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "kube_emulator", "kube_cluster",
+CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "kube_emulator", "kube_cluster", "cluster_e2e",
                                                        "operator_process", "emulated_jobs"))
 INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
                                                            "bench_support", "reward_services"))

@@ -4,7 +4,7 @@ PV binding, garbage collection of the job's children) are Kubernetes' own, and `
 node that runs every pod as local processes (tests/support/kube_cluster/real_cluster.py).
 
 The emulator version stays (it also checks the operator's RBAC against every request it made); this one
-shows the same job life on the real thing. It reuses the emulator module's job, hook and helpers.
+shows the same job life on the real thing. It shares the job, hook and helpers of tests/support/cluster_e2e.py.
 """
 
 from __future__ import annotations
@@ -21,13 +21,7 @@ import pytest
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.spec import API_VERSION, PLURAL
-from tests.support.control_plane import ControlPlane, control_plane_fixture  # noqa: F401
-from tests.support.kube_cluster import RealCluster
-from tests.support.kube_cluster.rest import Reflector
-from tests.support.operator_process import OperatorProcess
-from tests.support.real_operator import crd_fixture  # noqa: F401
-from tests.support.redis_image import redis_bin_dir
-from tests.test_cluster_e2e import (
+from tests.support.cluster_e2e import (
     E2E,
     NS,
     REDIS_PORT,
@@ -41,6 +35,12 @@ from tests.test_cluster_e2e import (
     unauthenticated_engine_calls,
     unauthenticated_reward_call,
 )
+from tests.support.control_plane import ControlPlane, control_plane_fixture  # noqa: F401
+from tests.support.kube_cluster import RealCluster
+from tests.support.kube_cluster.rest import Reflector
+from tests.support.operator_process import OperatorProcess
+from tests.support.real_operator import crd_fixture  # noqa: F401
+from tests.support.redis_image import redis_bin_dir
 
 pytestmark = pytest.mark.slow
 
