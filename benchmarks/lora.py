@@ -6,11 +6,12 @@ packed sequences, decoupled loss with the log-linear proximal, AdamW):
   full   every weight trains (spec.trainer without lora)
   lora   spec.trainer.lora: rank `--rank`, alpha 2 x rank, every linear layer; the base frozen
 
-Each mode's step runs in a process of its own (so its memory is its own): one untimed warm-up
-step, then `--reps` timed ones. Then each mode publishes versions with the trainer's writer
-(trainer/publish.py `write_weights`: the whole model, or the PEFT adapter) and loads them into a
-real hf engine server of its own (`asyncrl engine`, as a rollout pod runs it) with the trainer's
-`update_engines` (pause, load, label, resume); modes alternate which goes first. Figures are
+Each mode's steps run in processes of their own (so their memory is their own), in the order full,
+lora, lora, full: one untimed warm-up step, then `--reps` timed ones each. Then each mode publishes
+versions with the trainer's writer (trainer/publish.py `write_weights`: the whole model, or the PEFT
+adapter) and loads them into a real hf engine server of its own (`asyncrl engine`, as a rollout pod
+runs it) with the trainer's `update_engines` (pause, load, label, resume); modes alternate which goes
+first. Figures are
 medians. Prints one JSON object (progress on stderr):
 
   lora_over_full_sync_bytes    bytes of one published version, LoRA / full
@@ -124,21 +125,28 @@ def step_worker(args: argparse.Namespace) -> dict[str, Any]:
             seconds.append(time.perf_counter() - start)
             log(f"{args.worker} step {rep}/{args.reps}: {seconds[-1]:.2f}s")
     peak = (torch.cuda.max_memory_allocated() if cuda else _cpu_memory("VmHWM")) - base
-    return {"step_s": statistics.median(seconds), "peak_bytes": peak, "state_bytes": state_bytes(model, optimizer),
+    return {"step_s_all": seconds, "peak_bytes": peak, "state_bytes": state_bytes(model, optimizer),
             "trainable_params": sum(p.numel() for p in trainable_parameters(model)),
             "params": sum(p.numel() for p in model.parameters())}
 
 
 def steps(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each mode's step figures, from a process of its own."""
-    out = {}
+    """Each mode's step figures, from processes of its own, in the order full, lora, lora, full (a load
+    that drifts during the run weighs on both modes alike); step seconds: the median of both processes'."""
+    out: dict[str, dict[str, Any]] = {}
     argv = [a for a in sys.argv[1:] if not a.startswith("--worker")]
-    for mode in MODES:
+    for mode in (*MODES, *reversed(MODES)):
         proc = subprocess.run([sys.executable, __file__, *argv, "--worker", mode], capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-2000:])
         if proc.returncode != 0:
             raise SystemExit(f"the {mode} step process failed ({proc.returncode})")
-        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if mode in out:
+            got["step_s_all"] = out[mode]["step_s_all"] + got["step_s_all"]
+            got["peak_bytes"] = max(got["peak_bytes"], out[mode]["peak_bytes"])
+        out[mode] = got
+    for got in out.values():
+        got["step_s"] = statistics.median(got["step_s_all"])
     return out
 
 
@@ -218,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         "lora_over_full_step_s": ratio(step["lora"]["step_s"], step["full"]["step_s"]),
         "lora_over_full_peak_bytes": ratio(step["lora"]["peak_bytes"], step["full"]["peak_bytes"]),
         "lora_over_full_state_bytes": ratio(step["lora"]["state_bytes"], step["full"]["state_bytes"]),
-        **{f"{mode}_{k}": (round(v, 4) if isinstance(v, float) else v)
-           for mode in MODES for k, v in step[mode].items()},
+        **{f"{mode}_{k}": (round(v, 4) if isinstance(v, float) else [round(x, 3) for x in v] if isinstance(v, list)
+                           else v) for mode in MODES for k, v in step[mode].items()},
     }
     if not args.no_sync:
         with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:

@@ -1,6 +1,6 @@
 """Export a policy version as a plain Hugging Face model directory that transformers, SGLang and vLLM load.
 
-SOURCE is a run directory (its newest `weights/vN`), or one version directory. A full fine-tuning
+RUN_OR_WEIGHTS_DIR is a run directory (its newest `weights/vN`), or one version directory. A full fine-tuning
 version is copied as it is (it already is such a directory). A LoRA job's version (spec.trainer.lora)
 is a PEFT adapter: without --merge it is copied as an adapter directory, with its base model named in
 adapter_config.json (`embedded:` names are replaced by the converted model's directory, so PEFT can
@@ -8,7 +8,7 @@ find the base); with --merge the adapter is folded into its base model (W + B @ 
 the result is written with the base model's tokenizer: one model, no PEFT needed to serve it.
 
 The output directory must not exist (or be empty); it is written atomically: a failed export leaves
-nothing behind. Exit 0 when done, 1 when SOURCE cannot be exported, 2 for a bad argument.
+nothing behind. Exit 0 when done, 1 when the version cannot be exported, 2 for a bad argument.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 class ExportError(RuntimeError):
-    """SOURCE cannot be exported (exit 1)."""
+    """The version cannot be exported (exit 1)."""
 
 
 def version_dir(source: Path) -> Path:
-    """The version directory SOURCE names: itself, or a run directory's newest weights/vN."""
+    """The version directory `source` names: itself, or a run directory's newest weights/vN."""
     from asyncrl.adapters import is_adapter_dir
 
     if is_adapter_dir(source) or (source / "config.json").is_file():
@@ -55,7 +55,7 @@ def version_dir(source: Path) -> Path:
 
 
 def export(source: Path, out: Path, *, merge: bool = False, dtype: str = "float32") -> Path:
-    """Write SOURCE's version to `out` (module docstring); the version directory exported."""
+    """Write the version `source` names to `out` (module docstring); the version directory exported."""
     from asyncrl.adapters import is_adapter_dir
     from asyncrl.files import atomic_directory
 
