@@ -68,7 +68,8 @@ def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
 
     state = {n: t for n, t in model.state_dict(keep_vars=True).items() if ".lora_" in n}
     return {SAVED_PREFIX + n: t for n, t in
-            get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER_NAME).items()}
+            get_peft_model_state_dict(model, state_dict=state, adapter_name=ADAPTER_NAME,
+                                      save_embedding_layers=False).items()}  # (no embedding is adapted)
 
 
 def same_shape(a: Any, b: Any) -> bool:
