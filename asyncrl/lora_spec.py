@@ -27,8 +27,8 @@ ALL_LINEAR_ALONE = f"lora.targetModules '{ALL_LINEAR}' stands alone: it already 
 class LoraSpec(SpecModel):
     """Train LoRA adapters on the frozen base model: every published version is an adapter (megabytes,
     not the whole model), the engines hot-load it, and only the adapter has optimizer state. RL with
-    LoRA learns like full fine-tuning even at low rank, with a learning rate about 10x higher
-    (docs/benchmarks.md, "LoRA")."""
+    LoRA learns like full fine-tuning even at low rank, with a learning rate 10-40x higher
+    (docs/benchmarks.md, "LoRA against full fine-tuning")."""
 
     rank: int = Field(default=16, ge=1, le=MAX_RANK)
     """The adapters' rank r (the low-rank update B @ A has r columns). RL learns little per token, so a
