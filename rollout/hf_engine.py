@@ -179,17 +179,17 @@ class HFEngine:
             self.model_path = str(path)
 
     def _load_adapter(self, path: str, version: WeightLabel | int | None) -> None:
-        """The adapter read and checked in full first, then loaded between two decoding steps."""
+        """The adapter read first, then checked, loaded and labelled between two decoding steps (one
+        hold of the lock: no token is decoded by the new adapter under the old label)."""
         try:
             config, tensors = read_adapter(path)
             with self._model_lock:
                 load_into(self.model, config, tensors, str(path))
+                if version is not None:
+                    self.weight_label = WeightLabel.of(version)
+                self.model_path = str(path)
         except AdapterError as exc:
             raise WeightUpdateError(str(exc)) from exc
-        with self._model_lock:
-            if version is not None:
-                self.weight_label = WeightLabel.of(version)
-            self.model_path = str(path)
 
     # ------------------------------------------------------------------ collective weight sync
 

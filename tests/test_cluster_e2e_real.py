@@ -31,6 +31,7 @@ from tests.support.cluster_e2e import (
     alive,
     condensed,
     pids,
+    released,
     tiny_job,
     unauthenticated_engine_calls,
     unauthenticated_reward_call,
@@ -110,13 +111,6 @@ async def e2e(control_plane: ControlPlane, crd: None, tmp_path: Path) -> AsyncIt
         control_plane.kubectl("delete", "namespace", NS, "--wait=false")
     assert not env.cluster.alive_processes(), f"container processes left behind: {env.cluster.alive_processes()}"
     assert not env.cluster.errors, "\n".join(env.cluster.errors)
-
-
-def released(e2e: RealE2E, job: str) -> bool:
-    """As the emulator module's `released`: trainer and rollout (and reward) at zero, their pods gone."""
-    return (e2e.replicas("statefulsets", N.trainer(job)) == 0 and e2e.replicas("deployments", N.rollout(job)) == 0
-            and e2e.replicas("deployments", N.reward(job)) in (0, None)
-            and not e2e.pods(job, "trainer") and not e2e.pods(job, "rollout") and not e2e.pods(job, "reward"))
 
 
 async def test_apply_runs_to_succeeded_releases_and_ttl_deletes_on_the_real_control_plane(e2e: RealE2E) -> None:

@@ -41,7 +41,7 @@ class ExportError(RuntimeError):
 
 def version_dir(source: Path) -> Path:
     """The version directory `source` names: itself, or a run directory's newest weights/vN."""
-    from asyncrl.adapters import is_adapter_dir
+    from asyncrl.adapters import ADAPTER_CONFIG, is_adapter_dir
 
     if is_adapter_dir(source) or (source / "config.json").is_file():
         return source
@@ -49,7 +49,7 @@ def version_dir(source: Path) -> Path:
     versions = sorted((int(p.name[1:]), p) for p in weights.glob("v*") if p.name[1:].isdigit() and p.is_dir()) \
         if weights.is_dir() else []
     if not versions:
-        raise ExportError(f"{source} is neither a version directory (config.json, or {'adapter_config.json'}) "
+        raise ExportError(f"{source} is neither a version directory (config.json, or {ADAPTER_CONFIG}) "
                           "nor a run directory with weights/vN")
     return versions[-1][1]
 

@@ -104,11 +104,3 @@ class KubeCluster(ClusterSurface):
         obj.setdefault("metadata", {}).setdefault("namespace", "default")
         return await self.api.create(obj)
 
-    async def patch(self, plural: str, namespace: str, name: str, body: Obj) -> Obj | None:
-        return await self.api.patch(plural, namespace, name, body)
-
-    async def scale(self, plural: str, namespace: str, name: str, replicas: int) -> Obj | None:
-        return await self.api.patch(plural, namespace, name, {"spec": {"replicas": replicas}})
-
-    async def delete(self, plural: str, namespace: str, name: str) -> None:
-        await self.api.delete(plural, namespace, name)

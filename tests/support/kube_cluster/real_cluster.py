@@ -162,15 +162,6 @@ class RealCluster(ClusterSurface):
             obj = {**obj, "metadata": {"namespace": "default", **(obj.get("metadata") or {})}}
         return await self.api.create(obj)
 
-    async def patch(self, plural: str, namespace: str, name: str, body: Obj) -> Obj | None:
-        return await self.api.patch(plural, namespace, name, body)
-
-    async def scale(self, plural: str, namespace: str, name: str, replicas: int) -> Obj | None:
-        return await self.api.patch(plural, namespace, name, {"spec": {"replicas": replicas}})
-
-    async def delete(self, plural: str, namespace: str, name: str) -> None:
-        await self.api.delete(plural, namespace, name)
-
     def dump(self) -> str:
         watch = [f"watch {e}" for e in self.api.watch_errors()[-10:]]
         return "\n".join([f"node {self.node_name} lease renewals={self.node.renewals}", super().dump(), *watch])

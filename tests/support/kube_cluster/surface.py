@@ -29,6 +29,17 @@ class ClusterSurface:
     kubelet: Kubelet
     errors: list[str]
 
+    # -- objects (the API a test would otherwise reach through kubectl; `create` is each cluster's own)
+
+    async def patch(self, plural: str, namespace: str, name: str, body: Obj) -> Obj | None:
+        return await self.api.patch(plural, namespace, name, body)
+
+    async def scale(self, plural: str, namespace: str, name: str, replicas: int) -> Obj | None:
+        return await self.api.patch(plural, namespace, name, {"spec": {"replicas": replicas}})
+
+    async def delete(self, plural: str, namespace: str, name: str) -> None:
+        await self.api.delete(plural, namespace, name)
+
     def pods(self, namespace: str | None = None, selector: Mapping[str, str] | str | None = None) -> list[Obj]:
         if isinstance(selector, str):
             selector = dict(term.split("=", 1) for term in selector.split(",") if term)
