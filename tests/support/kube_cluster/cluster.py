@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,7 @@ class KubeCluster(ClusterSurface):
         self.options.root.mkdir(parents=True, exist_ok=True)
         register_kubectl_tables(self.emu)
         await self.kubelet.start()
-        self._task = asyncio.create_task(self._loop(), name="kube-cluster")
+        self._task = asyncio.create_task(self.sync_loop(), name="kube-cluster")
 
     async def stop(self) -> None:
         """Stop the loop, kill every pod's processes (SIGTERM, `shutdown_grace`, SIGKILL), close the proxies."""
@@ -72,18 +71,6 @@ class KubeCluster(ClusterSurface):
             self._task = None
         await self.kubelet.shutdown(self.shutdown_grace)
         await self.network.close()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sync_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug in the emulation: keep it for the test to see
-                error = traceback.format_exc()
-                if not self.errors or self.errors[-1] != error:
-                    self.errors.append(error)
-            await asyncio.sleep(self.options.tick)
 
     async def sync_once(self) -> None:
         """One pass of every controller, the kubelet and kube-proxy over the current objects."""

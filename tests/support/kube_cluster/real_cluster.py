@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,7 +111,7 @@ class RealCluster(ClusterSurface):
         await self.provisioner.start()
         await self.kubelet.start()
         await self.node.register()
-        self._tasks = [asyncio.create_task(self._loop(), name="real-cluster"),
+        self._tasks = [asyncio.create_task(self.sync_loop(), name="real-cluster"),
                        asyncio.create_task(self.node.renew_forever(self.errors), name="node lease")]
 
     async def stop(self) -> None:
@@ -129,18 +128,6 @@ class RealCluster(ClusterSurface):
         finally:
             await self.api.stop()
             await self.client.close()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.sync_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here, or a write the apiserver refused: keep it for the test to see
-                error = traceback.format_exc()
-                if not self.errors or self.errors[-1] != error:
-                    self.errors.append(error)
-            await asyncio.sleep(self.options.tick)
 
     def own_pods(self) -> list[Obj]:
         """The pods bound to this node (in `namespaces`): the ones its kubelet runs."""

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,23 @@ class ClusterSurface:
     network: Network
     kubelet: Kubelet
     errors: list[str]
+
+    async def sync_once(self) -> None:
+        raise NotImplementedError
+
+    async def sync_loop(self) -> None:
+        """`sync_once` every `options.tick` seconds until cancelled. An exception (a bug in the cluster, or
+        a write the apiserver refused) is kept in `errors` for the test to see, not raised."""
+        while True:
+            try:
+                await self.sync_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                error = traceback.format_exc()
+                if not self.errors or self.errors[-1] != error:
+                    self.errors.append(error)
+            await asyncio.sleep(self.options.tick)
 
     # -- objects (the API a test would otherwise reach through kubectl; `create` is each cluster's own)
 
