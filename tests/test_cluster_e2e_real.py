@@ -53,6 +53,7 @@ class RealE2E(E2E):
         self.cp, self.tmp, self.kubeconfig = cp, tmp, cp.kubeconfig
         self.hooks = []
         self.operators = []
+        self.applied = []
         self.cluster = RealCluster(
             cp.kubeconfig, tmp / "cluster", namespaces=[NS], time_scale=SCALE, hook=self._hook,
             probe_timeout_floor=3.0, bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],

@@ -231,9 +231,13 @@ async def test_statefulset_ordinals_parallel_ordered_update_and_claims(cluster: 
                                      persistentVolumeClaimRetentionPolicy={"whenDeleted": "Delete",
                                                                            "whenScaled": "Retain"}))
     await cluster.wait(lambda: len(cluster.ready_pods(NS, "app=db")) == 2, what="db Ready")
-    await cluster.wait(lambda: all((cluster.claim_path(NS, f"data-db-{i}") / "who").exists() for i in (0, 1)),
-                       what="each pod writes its own claim")
-    assert [(cluster.claim_path(NS, f"data-db-{i}") / "who").read_text() for i in (0, 1)] == ["db-0", "db-1"]
+
+    def written() -> list[str]:  # the file appears (open) before its name is written in it
+        files = [cluster.claim_path(NS, f"data-db-{i}") / "who" for i in (0, 1)]
+        return [f.read_text() if f.exists() else "" for f in files]
+
+    await cluster.wait(lambda: all(written()), what="each pod writes its own claim")
+    assert written() == ["db-0", "db-1"]
     uids = {meta(p)["name"]: meta(p)["uid"] for p in cluster.pods(NS, "app=db")}
     await cluster.patch("statefulsets", NS, "db", {"spec": {"template": {"metadata": {"annotations": {"v": "2"}}}}})
 

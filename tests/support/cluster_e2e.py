@@ -86,6 +86,8 @@ class E2E:
         emu.kubeconfig(self.kubeconfig)
         self.hooks: list[Callable[[Launch], Launch]] = []
         self.operators: list[OperatorProcess] = []
+        self.applied: list[str] = []
+        """The jobs applied, by name (a failed wait prints their status)."""
         self.cluster = KubeCluster(
             emu, tmp / "cluster", time_scale=SCALE, hook=self._hook, probe_timeout_floor=3.0,
             bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
@@ -127,6 +129,7 @@ class E2E:
 
     async def apply(self, doc: dict[str, Any]) -> str:
         path = self.tmp / f"{doc['metadata']['name']}.yaml"
+        self.applied.append(doc["metadata"]["name"])
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         # --validate=false: the emulator serves no OpenAPI documents (docs/operator.md, testing)
         return await self.kubectl("apply", "--validate=false", "-f", str(path))
@@ -178,8 +181,14 @@ class E2E:
         try:
             return await self.cluster.wait(check, timeout=timeout, what=what)
         except AssertionError as exc:
-            tail = "".join(op.log.read_text()[-3000:] for op in self.operators[-1:] if op.log.exists())
-            raise AssertionError(f"{exc}\n--- operator log tail ---\n{tail}") from None
+            # the operator's own lines (not its HTTP client's debug lines) first, the cluster's state
+            # (pods, container log tails) last: CI keeps the end of a long failure message
+            lines = [line for op in self.operators[-1:] if op.log.exists()
+                     for line in op.log.read_text().splitlines() if not line.split("]", 1)[-1].lstrip().startswith(
+                         ("httpx", "httpcore"))]
+            jobs = {name: self.status(name) for name in dict.fromkeys(self.applied)}
+            raise AssertionError("--- operator log tail ---\n" + "\n".join(lines[-40:])
+                                 + f"\n--- job status ---\n{json.dumps(jobs, indent=1)[-3000:]}\n{exc}") from None
 
     async def wait_phase(self, job: str, phase: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
         await self.wait(lambda: self.phase(job) in (phase, *({"Succeeded", "Failed"} - {phase})),
