@@ -14,8 +14,18 @@ from asyncrl.spec_base import SpecModel
 
 ALL_LINEAR = "all-linear"
 """targetModules' shorthand (PEFT's): every linear layer of the transformer blocks, not the LM head."""
-LORA_ENGINES = ("hf",)
+LORA_ENGINES = ("hf", "sglang")
 """Engines asyncrl hot-loads adapters into (trainer.lora); the others are refused with the reason."""
+NAMED_ADAPTER_ENGINES = ("sglang",)
+"""Engines that hold several adapters by name beside the base model, each request naming the one it
+uses (SGLang's /load_lora_adapter and `lora_path`), where our hf engine swaps the one adapter it serves."""
+SGLANG_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                         "gate_up_proj", "embed_tokens", "lm_head")
+"""The module names SGLang 0.5.10.post1 serves adapters on (its SUPPORTED_LORA_TARGET_MODULES, the
+choices of --lora-target-modules); tests/test_sglang_routes.py reads them from the pinned source."""
+SGLANG_ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""What targetModules all-linear means to SGLang's --lora-target-modules: the attention and MLP
+projections (SGLang's own `all` would also reserve adapter memory for the embeddings and LM head)."""
 MAX_RANK = 1024
 MODULE_NAME_PATTERN = rf"^([A-Za-z_][A-Za-z0-9_.]*|{ALL_LINEAR})$"
 """A module name as PEFT matches it (the last components of a dotted module path: q_proj, mlp.up_proj),
@@ -52,3 +62,15 @@ class LoraSpec(SpecModel):
         if len(set(names)) != len(names):
             raise ValueError(f"lora.targetModules has duplicates: {names}")
         return names
+
+
+def named_adapters(engine: str, lora: LoraSpec | None) -> bool:
+    """Whether the rollout engine serves a LoRA job's versions as named adapters (NAMED_ADAPTER_ENGINES)."""
+    return lora is not None and engine in NAMED_ADAPTER_ENGINES
+
+
+def sglang_lora_args(lora: LoraSpec) -> list[str]:
+    """SGLang's launch flags for a LoRA job: adapters are loaded at run time (no --lora-paths), so the
+    pin needs the largest rank and the modules up front."""
+    modules = SGLANG_ALL_LINEAR if lora.target_modules == [ALL_LINEAR] else lora.target_modules
+    return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules]

@@ -27,7 +27,7 @@ from asyncrl.algorithm_families import (
     TbSpec,
     VcpoSpec,
 )
-from asyncrl.lora_spec import ALL_LINEAR_ALONE, LORA_ENGINES, LoraSpec
+from asyncrl.lora_spec import ALL_LINEAR, ALL_LINEAR_ALONE, LORA_ENGINES, SGLANG_TARGET_MODULES, LoraSpec
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 from asyncrl.status_report import RecoveryReport
@@ -78,8 +78,10 @@ RETYPED_FIELDS: dict[str, str] = {
     "dynamicSampling": "dynamicSampling ('dynamicSampling: {}' turns it on, dynamicSampling.maxDraws bounds it)",
 }
 """Former flat fields whose name is now a family object: a value that is not an object names the new place."""
-LORA_ENGINE_MESSAGE = ("trainer.lora needs rollout.engine hf: asyncrl does not hot-load adapters into sglang or "
-                       "vllm yet")
+LORA_ENGINE_MESSAGE = (f"trainer.lora needs rollout.engine {' or '.join(LORA_ENGINES)}: asyncrl does not hot-load "
+                       "adapters into vllm yet")
+LORA_SGLANG_MODULES_MESSAGE = ("trainer.lora.targetModules with rollout.engine sglang must be all-linear or modules "
+                               f"SGLang serves adapters on: {', '.join(SGLANG_TARGET_MODULES)}")
 LORA_TRANSPORT_MESSAGE = ("trainer.lora needs trainer.weightTransport disk: an adapter version is megabytes on the "
                           "weights volume (the collective transport does not carry adapters yet)")
 COLLECTIVE_ENGINES = ("sglang", "hf")
@@ -1216,9 +1218,12 @@ class AsyncRLJobSpec(SpecModel):
             return self
         if self.rollout.engine not in LORA_ENGINES:
             raise ValueError(LORA_ENGINE_MESSAGE + f", got rollout.engine '{self.rollout.engine}'; allowed with "
-                             "trainer.lora: rollout.engine hf, or no trainer.lora")
+                             f"trainer.lora: rollout.engine {', '.join(LORA_ENGINES)}, or no trainer.lora")
         if self.trainer.weight_transport != "disk":
             raise ValueError(LORA_TRANSPORT_MESSAGE + f", got '{self.trainer.weight_transport}'")
+        unserved = [m for m in self.trainer.lora.target_modules if m not in (*SGLANG_TARGET_MODULES, ALL_LINEAR)]
+        if self.rollout.engine == "sglang" and unserved:
+            raise ValueError(LORA_SGLANG_MODULES_MESSAGE + f"; got {', '.join(unserved)}")
         return self
 
     @model_validator(mode="after")
@@ -1580,6 +1585,10 @@ CEL_RULES: list[tuple[str, str, str]] = [
      + str(list(LORA_ENGINES)), LORA_ENGINE_MESSAGE),
     ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.weightTransport)"
      " || self.trainer.weightTransport == 'disk'", LORA_TRANSPORT_MESSAGE),
+    ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.lora.targetModules)"
+     " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') != 'sglang'"
+     " || self.trainer.lora.targetModules.all(m, m in " + str([*SGLANG_TARGET_MODULES, ALL_LINEAR]) + ")",
+     LORA_SGLANG_MODULES_MESSAGE),
     ("spec.trainer.lora", "!has(self.targetModules) || !('all-linear' in self.targetModules)"
      " || size(self.targetModules) == 1", ALL_LINEAR_ALONE),
     ("spec.redis", "self.mode != 'external' || has(self.external)",

@@ -30,6 +30,7 @@ from asyncrl.engine_servers import (
     engine_proxy_command,
     vllm_server_command,
 )
+from asyncrl.lora_spec import sglang_lora_args
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
@@ -635,6 +636,8 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             command += ["--tokenizer-path", model.tokenizer]
         if model.revision:
             command += ["--revision", model.revision]
+        if job.spec.trainer.lora is not None:  # each version an adapter the trainer loads by name
+            command += sglang_lora_args(job.spec.trainer.lora)
         command += list(ro.engine_args)
     elif ro.engine == "vllm":
         extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + (

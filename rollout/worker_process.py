@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncrl.loader import load_job
+from asyncrl.lora_spec import named_adapters
 from asyncrl.models import load_tokenizer, vocab_size
 from asyncrl.rollout.datasets import DatasetError, PromptSource, load_source
 from asyncrl.rollout.engines import make_engine
@@ -175,7 +176,8 @@ async def run_worker(args: argparse.Namespace) -> int:
     rt = Runtime.from_env()
     engine_url = args.engine_url or rt.engine_url
     kind = args.engine or spec.rollout.engine
-    engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds, api_key=rt.engine_api_key)
+    engine = make_engine(kind, engine_url, timeout=spec.rollout.request_timeout_seconds, api_key=rt.engine_api_key,
+                         adapters=named_adapters(kind, spec.trainer.lora))
     try:
         eval_inputs = evaluation_inputs(spec, rt.reward_url)
         sources = training_inputs(spec, rt.reward_url)

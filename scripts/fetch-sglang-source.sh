@@ -9,7 +9,8 @@
 #
 # Usage: scripts/fetch-sglang-source.sh [PYTHON]   (PYTHON defaults to $REPO/.venv/bin/python)
 # Result: $REPO/.tools/sglang-<version>/sglang/srt/{entrypoints/http_server.py,
-#         entrypoints/v1_loads.py, managers/io_struct.py, sampling/sampling_params.py, server_args.py}
+#         entrypoints/v1_loads.py, managers/io_struct.py, sampling/sampling_params.py, server_args.py,
+#         utils/common.py (SUPPORTED_LORA_TARGET_MODULES)}
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,7 +22,7 @@ VERSION="$("$PY" -c 'import re, sys; print(re.search(r"^PINNED_VERSION = \"([^\"
 DEST="$REPO/.tools/sglang-$VERSION"
 FILES=(sglang/srt/entrypoints/http_server.py sglang/srt/entrypoints/v1_loads.py
        sglang/srt/managers/io_struct.py sglang/srt/sampling/sampling_params.py
-       sglang/srt/server_args.py)
+       sglang/srt/server_args.py sglang/srt/utils/common.py)
 
 missing=0
 for f in "${FILES[@]}"; do [ -s "$DEST/$f" ] || missing=1; done

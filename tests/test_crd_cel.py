@@ -14,7 +14,13 @@ import yaml
 
 from asyncrl.crd import build_crd, immutable_rules, structural_default
 from asyncrl.lora_spec import ALL_LINEAR_ALONE
-from asyncrl.spec import CEL_RULES, IMMUTABLE_FIELDS, LORA_ENGINE_MESSAGE, LORA_TRANSPORT_MESSAGE
+from asyncrl.spec import (
+    CEL_RULES,
+    IMMUTABLE_FIELDS,
+    LORA_ENGINE_MESSAGE,
+    LORA_SGLANG_MODULES_MESSAGE,
+    LORA_TRANSPORT_MESSAGE,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
@@ -245,7 +251,8 @@ BREAKERS = {
     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
         {"trainer": {"weightSyncLag": 99}},
     COLLECTIVE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
-    LORA_ENGINE_MESSAGE: {"rollout": {"engine": "sglang"}, "trainer": {"lora": {}}},
+    LORA_ENGINE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"lora": {}}},
+    LORA_SGLANG_MODULES_MESSAGE: {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"targetModules": ["c_attn"]}}},
     LORA_TRANSPORT_MESSAGE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {}, "weightTransport": "collective"}},
     ALL_LINEAR_ALONE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {"targetModules": ["all-linear", "q_proj"]}}},
     "policy 'per-sample' requires asyncRatio": {"staleness": {"policy": "per-sample"}},

@@ -87,14 +87,20 @@ def test_bad_lora_settings_are_refused_naming_the_field(lora, field):
     assert f"spec.trainer.lora.{field}" in str(err.value)
 
 
-def test_lora_is_refused_with_an_engine_that_cannot_hot_load_it():
+def test_lora_is_refused_with_an_engine_that_cannot_hot_load_it_and_modules_sglang_lacks():
     job = yaml.safe_load(open(EXAMPLE))
     job["spec"]["trainer"]["lora"] = {}
-    for engine in ("sglang", "vllm"):
-        job["spec"]["rollout"]["engine"] = engine
-        refused = rf"trainer\.lora needs rollout\.engine hf.*got rollout\.engine '{engine}'"
-        with pytest.raises(ValidationError, match=refused):
-            AsyncRLJob.model_validate(job)
+    job["spec"]["rollout"]["engine"] = "vllm"
+    with pytest.raises(ValidationError, match=r"trainer\.lora needs rollout\.engine hf or sglang: asyncrl does not "
+                                              r"hot-load adapters into vllm yet, got rollout\.engine 'vllm'"):
+        AsyncRLJob.model_validate(job)
+    job["spec"]["rollout"]["engine"] = "sglang"  # SGLang serves adapters on its own list of modules
+    AsyncRLJob.model_validate(job)
+    job["spec"]["trainer"]["lora"] = {"targetModules": ["q_proj", "c_attn"]}
+    with pytest.raises(ValidationError, match=r"targetModules with rollout\.engine sglang must be all-linear or "
+                                              r"modules SGLang serves adapters on: q_proj, .*; got c_attn"):
+        AsyncRLJob.model_validate(job)
+    job["spec"]["trainer"]["lora"] = {}
     job["spec"]["rollout"]["engine"] = "hf"
     job["spec"]["trainer"]["weightTransport"] = "collective"
     with pytest.raises(ValidationError, match=r"trainer\.lora needs trainer\.weightTransport disk"):

@@ -24,7 +24,7 @@ import httpx
 import yaml
 
 from asyncrl.engine_servers import PROXY_READY_PATH
-from asyncrl.loader import load_job
+from asyncrl.loader import load_job, parse_job
 from asyncrl.operator.render import render
 from asyncrl.rollout.engines import SamplingParams
 from asyncrl.rollout.engines.sglang import LEGACY_MODEL_INFO_PATH, MODEL_INFO_PATH, PINNED_VERSION, SGLangEngine
@@ -186,6 +186,7 @@ def test_hf_engine_probes_are_routes_of_our_hf_server():
 
 
 GROUP_ROUTES = ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group")
+LORA_ROUTES = ("/load_lora_adapter", "/unload_lora_adapter")
 
 
 @dataclass
@@ -209,6 +210,12 @@ class Recorder:
             return httpx.Response(200, json={"success": True, "message": "ok"})
         if path in (MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH):
             return httpx.Response(200, json={"model_path": "m", "weight_version": "3"})
+        if path == "/v1/models":  # the base model, then the adapters "2" and "3"
+            cards = [{"id": "m", "root": "m", "parent": None}] + [
+                {"id": name, "root": f"/shared/weights/v{name}", "parent": "m"} for name in ("2", "3")]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        if path in LORA_ROUTES:
+            return httpx.Response(200, json={"success": True, "error_message": None, "loaded_adapters": {}})
         return httpx.Response(200, json={"message": "ok", "status": "ok"})
 
 
@@ -233,9 +240,22 @@ async def _drive_adapter(missing: frozenset[str] = frozenset()) -> list[tuple[st
     return rec.calls
 
 
+async def _drive_lora_adapter() -> list[tuple[str, str, Any]]:
+    """A LoRA job's engine: requests name the newest adapter ("3"); v4 is loaded as "4" and "2" unloaded."""
+    rec = Recorder()
+    engine = SGLangEngine("http://sglang:30000", adapters=True,
+                          client=httpx.AsyncClient(transport=httpx.MockTransport(rec)))
+    await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+    await engine.update_weights("/shared/weights/v4", 4)
+    assert (await engine.model_info())["weight_version"] == "3"  # (the recorder still lists 2 and 3)
+    await engine.close()
+    return rec.calls
+
+
 def adapter_calls() -> list[tuple[str, str, Any]]:
-    # both the normal path and the fallback a server without /model_info takes
-    return asyncio.run(_drive_adapter()) + asyncio.run(_drive_adapter(frozenset({MODEL_INFO_PATH})))
+    # both the normal path and the fallback a server without /model_info takes, and a LoRA job's
+    return (asyncio.run(_drive_adapter()) + asyncio.run(_drive_adapter(frozenset({MODEL_INFO_PATH})))
+            + asyncio.run(_drive_lora_adapter()))
 
 
 def test_adapter_calls_are_routes_of_the_pin_with_its_fields():
@@ -259,7 +279,7 @@ def test_adapter_calls_are_routes_of_the_pin_with_its_fields():
             assert not unknown, f"sampling parameters {sorted(unknown)} are not in the pin's SamplingParams"
     used = {p for _, p, _ in calls}
     assert used == {"/generate", "/pause_generation", "/update_weights_from_disk", "/continue_generation",
-                    MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH, *GROUP_ROUTES}, \
+                    MODEL_INFO_PATH, LEGACY_MODEL_INFO_PATH, *GROUP_ROUTES, *LORA_ROUTES, "/v1/models"}, \
         f"the adapter's routes changed: {sorted(used)}"
 
 
@@ -274,6 +294,42 @@ def test_adapter_wire_values_the_pin_reads():
                                   "abort_all_requests": False}
     assert "weight_version" in pin_fields("UpdateWeightFromDiskReqInput")
     assert [b for _, p, b in calls if p == "/continue_generation"] == [{}, {}], "the pin requires a JSON body"
+
+
+def test_adapter_calls_name_the_adapter_by_its_weight_label():
+    calls = asyncio.run(_drive_lora_adapter())
+    (generate,) = [b for _, p, b in calls if p == "/generate"]
+    assert generate["lora_path"] == "3", "a request names the newest adapter the server lists"
+    assert [(p, b) for _, p, b in calls if p in LORA_ROUTES] == [
+        ("/load_lora_adapter", {"lora_name": "4", "lora_path": "/shared/weights/v4", "pinned": False}),
+        ("/unload_lora_adapter", {"lora_name": "2"})]  # ("3", the newest other one, stays)
+    assert "lora_path" in pin_fields("GenerateReqInput")
+
+
+def test_a_lora_job_launches_sglang_with_flags_and_modules_of_the_pin():
+    """The pin needs --max-lora-rank and --lora-target-modules when no adapter is given at launch; the
+    modules we allow with sglang are its SUPPORTED_LORA_TARGET_MODULES (utils/common.py)."""
+    from asyncrl.lora_spec import SGLANG_ALL_LINEAR, SGLANG_TARGET_MODULES
+
+    tree = ast.parse(pin_file("sglang/srt/utils/common.py").read_text())
+    (supported,) = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                    and [t.id for t in n.targets if isinstance(t, ast.Name)] == ["SUPPORTED_LORA_TARGET_MODULES"]]
+    assert list(SGLANG_TARGET_MODULES) == supported and set(SGLANG_ALL_LINEAR) <= set(supported)
+    server_args = pin_file("sglang/srt/server_args.py").read_text()
+    for lora, modules in (({}, list(SGLANG_ALL_LINEAR)), ({"rank": 8, "targetModules": ["q_proj", "v_proj"]},
+                                                          ["q_proj", "v_proj"])):
+        doc = yaml.safe_load((REPO / "examples" / "job.yaml").read_text())
+        doc["spec"]["trainer"]["lora"] = lora
+        docs = list(yaml.safe_load_all(render(parse_job(doc), uid="u", redis_password="p")))
+        (deploy,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-rollout")]
+        (engine,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+        command = engine["command"]
+        at = command.index("--enable-lora")
+        rank = str(lora.get("rank", 16))
+        assert command[at:at + 4 + len(modules)] == ["--enable-lora", "--max-lora-rank", rank,
+                                                     "--lora-target-modules", *modules]
+        for flag in ("--enable-lora", "--max-lora-rank", "--lora-target-modules"):
+            assert f'"{flag}"' in server_args, f"the pinned SGLang has no {flag}"
 
 
 def test_weight_group_calls_carry_what_the_pin_needs():
@@ -356,11 +412,12 @@ def test_the_fake_request_models_are_the_pins():
 
 
 def test_the_hf_server_serves_what_the_adapter_calls():
-    """Our hf server speaks the same surface; its extras beyond the pin are named here."""
+    """Our hf server speaks the same surface (but a LoRA job's adapter routes: it swaps the adapter it
+    serves on /update_weights_from_disk); its extras beyond the pin are named here."""
     from asyncrl.rollout.hf_server import create_app
 
     served = _app_routes(create_app(object()))
-    for method, path, _ in adapter_calls():
+    for method, path, _ in asyncio.run(_drive_adapter()):
         assert method in served.get(path, set()), f"the hf server does not serve {method} {path}"
     pin = pin_routes()
     extras = sorted(p for p in served if p not in pin and p not in ("/openapi.json", "/docs", "/docs/oauth2-redirect",

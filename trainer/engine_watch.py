@@ -75,7 +75,8 @@ class EngineWatch:
             path = weights_path(cfg.weights_dir, served).resolve()
             resynced = await catch_up(cfg.engine_kind, self.io.registry, path, self.lineage.label(served),
                                       max_age_s=cfg.engine_max_age_s,
-                                      timeout_s=cfg.weight_sync_timeout_s, api_key=cfg.engine_api_key)
+                                      timeout_s=cfg.weight_sync_timeout_s, api_key=cfg.engine_api_key,
+                                      adapters=cfg.engine_adapters)
             if resynced:
                 await self.count("engine_resyncs", len(resynced))
         except Exception as exc:  # retried at the next refresh; the next publish updates it anyway

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.errors import TrainerError
+from asyncrl.lora_spec import named_adapters
 from asyncrl.runtime import Runtime
 from asyncrl.spec import AsyncRLJob
 from asyncrl.status_report import AdmissionReport, RecoveryReport, StepMetrics, TrainerReport
@@ -102,6 +103,8 @@ class RunConfig:
     """
 
     engine_kind: str
+    engine_adapters: bool = False
+    """A LoRA job's versions are named adapters on the engines (asyncrl.lora_spec.named_adapters)."""
     weights_dir: Path = Path("weights")
     checkpoint_dir: Path = Path("checkpoints")
     metrics_path: Path | None = None
@@ -124,7 +127,9 @@ class RunConfig:
 
     @classmethod
     def from_runtime(cls, runtime: Runtime, job: AsyncRLJob) -> RunConfig:
-        return cls(engine_kind=job.spec.rollout.engine, weights_dir=Path(runtime.weights_dir),
+        return cls(engine_kind=job.spec.rollout.engine,
+                   engine_adapters=named_adapters(job.spec.rollout.engine, job.spec.trainer.lora),
+                   weights_dir=Path(runtime.weights_dir),
                    checkpoint_dir=Path(runtime.checkpoint_dir),
                    metrics_path=Path(runtime.run_dir) / "metrics.jsonl", engine_api_key=runtime.engine_api_key,
                    weight_group_address=runtime.weight_group_address, weight_group_port=runtime.weight_group_port)

@@ -149,7 +149,8 @@ class Publisher:
             try:
                 await update_engines(cfg.engine_kind, engines, served_path.resolve(), self.lineage.label(served),
                                      registry=self.io.registry, timeout_s=cfg.weight_sync_timeout_s,
-                                     api_key=cfg.engine_api_key, collective=self.collective)
+                                     api_key=cfg.engine_api_key, collective=self.collective,
+                                     adapters=cfg.engine_adapters)
             except WeightSyncError as exc:  # the failing engines are fenced: training goes on
                 self.sync_failures += 1
                 sync_error = str(exc)

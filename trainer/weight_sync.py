@@ -88,21 +88,22 @@ class SyncResult:
 async def update_engines(kind: str, engines: Sequence[EngineInfo | str], path: Path, version: WeightLabel | int, *,
                          registry: EngineRegistry | None = None, timeout_s: float = 120.0,
                          include_fenced: bool = False, api_key: str | None = None,
-                         collective: CollectiveSync | None = None) -> SyncResult:
+                         collective: CollectiveSync | None = None, adapters: bool = False) -> SyncResult:
     """Update every ready engine to `version` (steps 1-5 above), concurrently; raise naming the failures.
 
     `engines`: registry entries (not ready ones, and fenced ones unless `include_fenced`, are left
     out); a bare URL is updated without a record (nothing to label by). A registry entry that
     fails is fenced (`WeightSyncError.fenced`). `api_key`: the engines' --api-key, sent as a bearer
     token. `collective`: step 3 is one broadcast to all the paused engines (trainer/collective_sync.py);
-    an engine it did not load loads `path` from disk instead. Each step has `timeout_s`.
+    an engine it did not load loads `path` from disk instead. `adapters`: `path` is a LoRA adapter the
+    engines hold by name (make_engine). Each step has `timeout_s`.
     """
     start = time.perf_counter()
     version = WeightLabel.of(version)
     chosen = [e for e in engines if isinstance(e, str) or (e.ready and (include_fenced or not e.fenced))]
     skipped = tuple(e.url for e in engines if not isinstance(e, str) and e not in chosen)
     targets = [_Target(e, make_engine(kind, e if isinstance(e, str) else e.url, timeout=timeout_s,
-                                      api_key=api_key)) for e in chosen]
+                                      api_key=api_key, adapters=adapters)) for e in chosen]
     try:
         await asyncio.gather(*(t.attempt(_pause(t, registry, version, timeout_s), timeout_s) for t in targets))
         paused = [t for t in targets if t.error is None]
@@ -218,7 +219,7 @@ async def _release(t: _Target, registry: EngineRegistry | None, timeout_s: float
 
 async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: WeightLabel | int, *,
                    max_age_s: float = 30.0,
-                   timeout_s: float = 120.0, api_key: str | None = None) -> list[str]:
+                   timeout_s: float = 120.0, api_key: str | None = None, adapters: bool = False) -> list[str]:
     """Load `version` (at `path`) into ready engines that serve another version or one nobody can
     name (None: restarted since the trainer's record); their URLs. A fenced engine is tried again
     once its backoff is over.
@@ -242,5 +243,5 @@ async def catch_up(kind: str, registry: EngineRegistry, path: Path, version: Wei
             f"{e.url} (serving {'an unknown version' if e.weights() is None else f'v{e.weights()}'}"
             f"{', fenced' if e.fenced else ''})" for e in lagging), version)
         await update_engines(kind, lagging, path, version, registry=registry, timeout_s=timeout_s,
-                             include_fenced=True, api_key=api_key)
+                             include_fenced=True, api_key=api_key, adapters=adapters)
     return [e.url for e in lagging]

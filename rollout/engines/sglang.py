@@ -13,6 +13,11 @@ Routes used, all present in the pin's `sglang/srt/entrypoints/http_server.py` wi
        /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
        abort_all_requests, weight_version}  /destroy_weights_update_group {group_name}
        (collective weight sync: the trainer broadcasts one tensor per name, in order; trainer/collective_sync.py)
+  LoRA jobs (`adapters=True`): POST /load_lora_adapter {lora_name, lora_path, pinned}
+       /unload_lora_adapter {lora_name} (answers {success, error_message, loaded_adapters}, HTTP 400 on
+       failure), GET /v1/models (the base model's card, then one per adapter: id = its name, root = its
+       path, parent = the base), and `lora_path` on /generate naming the adapter a request uses. The
+       server needs --enable-lora --max-lora-rank --lora-target-modules (asyncrl.lora_spec.sglang_lora_args).
   GET  /model_info (falls back to the deprecated /get_model_info on 404): readiness, model path and
        weight version. The pin has no `/ready`; its `/health` generates a token, so it blocks while
        generation is paused and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); its
@@ -24,12 +29,25 @@ Wire layout (see tests/support/sglang_fake.py for the upstream files it follows)
        "output_token_logprobs": [[logprob, token_id, null], ...]}}
   errors -> HTTP 400 {"error": {"message"}} (or {"object": "error", "message", ...} for validation)
 
+Adapters (LoRA jobs): each version is an adapter loaded under its weight label as its name ("3",
+"5@1"), beside the base model, which never changes. A request names the newest adapter the server
+lists (read at most ADAPTER_REFRESH_S ago, and again after an aborted answer or a refused name), and
+its answer carries that name's version: the adapter it named produced every token. The server's own
+label stays "default" (the base model, version 0, served while no adapter is loaded: a new or
+restarted server). An update loads the new adapter and unloads all of ours but it and the newest
+other one (the pin unloads an adapter only once no running request uses it; a request naming an
+unloaded adapter is refused, or reloaded by the pin from its path: labels stay exact either way).
+
 Our in-process `hf` engine server (asyncrl.rollout.hf_server) speaks the same surface.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -51,10 +69,28 @@ PINNED_VERSION = "0.5.10.post1"
 MODEL_INFO_PATH = "/model_info"
 """Readiness and model info; the rollout pod's readinessProbe uses the same path."""
 LEGACY_MODEL_INFO_PATH = "/get_model_info"
+ADAPTER_REFRESH_S = 1.0
+"""How old the list of served adapters may be when a request names the newest (LoRA jobs)."""
+log = logging.getLogger("asyncrl.rollout.engines.sglang")
+
+
+def newest_adapter(names: Iterable[str]) -> str | None:
+    """The adapter name of the newest weight label (a later trainer timeline first, then the higher
+    version); names that are no weight label of ours are not ours to use."""
+    labelled = [(label.timeline, label.version, name) for name in names
+                if (label := parse_label(name)) is not None and label.version > 0]
+    return max(labelled)[2] if labelled else None
 
 
 class SGLangEngine(HTTPEngine):
-    """SGLang (or our hf server) behind the common Engine interface."""
+    """SGLang (or our hf server) behind the common Engine interface; `adapters`: a LoRA job's versions
+    are adapters the server holds by name (see the module docstring)."""
+
+    def __init__(self, url: str, *, adapters: bool = False, **kw: Any):
+        super().__init__(url, **kw)
+        self.adapters = adapters
+        self._adapter: str | None = None
+        self._adapters_read = -math.inf
 
     def request_body(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         sampling: dict[str, Any] = {
@@ -73,8 +109,38 @@ class SGLangEngine(HTTPEngine):
         }
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
-        body = await self._json("POST", "/generate", json=self.request_body(input_ids, params))
-        return self.parse_generate(body)
+        body = self.request_body(input_ids, params)
+        adapter = await self._current_adapter() if self.adapters else None
+        if adapter is None:
+            return self.parse_generate(await self._json("POST", "/generate", json=body))
+        try:
+            answer = await self._json("POST", "/generate", json={**body, "lora_path": adapter})
+        except EngineError as exc:
+            if exc.status == 400 and "LoRA" in str(exc):  # unloaded meanwhile: look again, send again
+                self._adapters_read = -math.inf
+                exc.retryable = True
+            raise
+        result = self.parse_generate(answer)
+        if result.finish_reason == "abort":  # a pause for an update: the next request looks again
+            self._adapters_read = -math.inf
+        label = parse_label(adapter)
+        assert label is not None  # (newest_adapter returns labels only)
+        return dataclasses.replace(result, weight_version=label.version, weight_timeline=label.timeline,
+                                   meta={**result.meta, "weight_label": adapter})
+
+    async def served_adapters(self) -> dict[str, str]:
+        """The adapters the server holds: name -> path (GET /v1/models: the cards with a parent)."""
+        body = await self._json("GET", "/v1/models")
+        try:
+            return {str(c["id"]): str(c.get("root")) for c in body["data"] if c.get("parent")}
+        except (KeyError, TypeError) as exc:
+            raise EngineError(f"GET /v1/models answered an unexpected layout: {str(body)[:300]}", url=self.url) from exc
+
+    async def _current_adapter(self) -> str | None:
+        if time.monotonic() - self._adapters_read > ADAPTER_REFRESH_S:
+            self._adapter = newest_adapter(await self.served_adapters())
+            self._adapters_read = time.monotonic()
+        return self._adapter
 
     def parse_generate(self, body: Any) -> GenerateResult:
         if isinstance(body, list):  # a batch answer; we always send one prompt
@@ -106,9 +172,28 @@ class SGLangEngine(HTTPEngine):
         await self._request("POST", "/pause_generation", json={"mode": mode})
 
     async def update_weights(self, path: str, version: WeightLabel | int) -> None:
+        if self.adapters:
+            await self._load_adapter(path, str(WeightLabel.of(version)))
+            return
         await self._succeed("/update_weights_from_disk", {"model_path": str(path),
                                                           "weight_version": str(WeightLabel.of(version)),
                                                           "abort_all_requests": False})
+
+    async def _load_adapter(self, path: str, name: str) -> None:
+        """Load adapter `name` (unless held: a label names one set of weights forever), then unload
+        ours but it and the newest other one. An unload that fails is logged: the next update retries."""
+        served = await self.served_adapters()
+        if name not in served:
+            await self._succeed("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "pinned": False})
+        others = [n for n in served if n != name]
+        keep = {name, newest_adapter(others)}
+        for old in others:
+            if parse_label(old) is not None and old not in keep:
+                try:
+                    await self._succeed("/unload_lora_adapter", {"lora_name": old})
+                except EngineError as exc:
+                    log.warning("could not unload adapter %s: %s", old, exc)
+        self._adapters_read = -math.inf
 
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
@@ -146,8 +231,9 @@ class SGLangEngine(HTTPEngine):
 
     async def _succeed(self, path: str, payload: dict[str, Any]) -> None:
         body = await self._json_lenient(path, payload)
-        if not body.get("success", False):
-            raise EngineError(f"{path.lstrip('/')} failed: {body.get('message')}", url=self.url, retryable=False)
+        if not body.get("success", False):  # (the adapter routes say why in error_message)
+            why = body.get("message") or body.get("error_message")
+            raise EngineError(f"{path.lstrip('/')} failed: {why}", url=self.url, retryable=False)
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", json={})
@@ -170,6 +256,10 @@ class SGLangEngine(HTTPEngine):
             raise EngineError(f"GET {MODEL_INFO_PATH} answered non-JSON: {resp.text[:200]!r}", url=self.url) from exc
         if not isinstance(body, dict):
             raise EngineError(f"GET {MODEL_INFO_PATH} answered {str(body)[:200]}", url=self.url)
+        if self.adapters:  # what a request is answered by: the newest adapter, else the base model
+            self._adapter, self._adapters_read = newest_adapter(await self.served_adapters()), time.monotonic()
+            if self._adapter is not None:
+                body = {**body, "base_weight_version": body.get("weight_version"), "weight_version": self._adapter}
         return body
 
     async def _model_info_response(self) -> httpx.Response:

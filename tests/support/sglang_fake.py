@@ -52,6 +52,10 @@ knobs are kept). Tests poll `fake.state`
 directly (the server runs in a thread of the test process); `state.control_calls` records pause /
 update / continue in the order they arrived.
 
+LoRA (`lora=LoraLaunch(...)`, the pin's --enable-lora flags): /load_lora_adapter,
+/unload_lora_adapter, /v1/models and `lora_path` on /generate, as tests/support/sglang_fake_lora.py
+describes; `state.adapters` holds what is loaded and the adapter calls in order.
+
 Collective weight sync (the pin's ModelRunner with tp 1): `/init_weights_update_group` really joins
 the trainer's group (asyncrl/weight_group.py, the pin's construction) over gloo, and refuses nccl as
 the pin would without a GPU; `/update_weights_from_distributed` really receives one broadcast per
@@ -68,6 +72,7 @@ from typing import Any
 
 from asyncrl.net import free_port
 from asyncrl.rollout.engines.auth import require_api_key
+from tests.support.sglang_fake_lora import LoraLaunch, LoraServing, LoraState, add_routes
 
 STOP_TOKEN = 2
 SAMPLING_KEYS = frozenset({"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"})
@@ -106,6 +111,11 @@ class FakeState:
     """Weight groups joined (name -> torch process group): the pin's `_model_update_group`."""
     received: dict[str, Any] = field(default_factory=dict)
     """The last tensor received for each name over a weight group (the fake's "model")."""
+    lora: LoraLaunch | None = None
+    """The pin's --enable-lora --max-lora-rank --lora-target-modules (None: not enabled); a knob, so a
+    restarted server keeps it (tests/support/sglang_fake_lora.py)."""
+    adapters: LoraState = field(default_factory=LoraState)
+    """The adapters loaded, remembered and in use, and the adapter calls in order."""
 
 
 def fake_token(prompt: list[int], i: int) -> int:
@@ -137,6 +147,7 @@ def create_app(state: FakeState) -> Any:
         sampling_params: dict[str, Any] | None = None
         return_logprob: bool | None = None
         stream: bool = False
+        lora_path: str | None = None
 
     class PauseGenerationReqInput(BaseReq):
         mode: Literal["abort", "retract", "in_place"] = "abort"
@@ -181,6 +192,9 @@ def create_app(state: FakeState) -> Any:
                                 "/init_weights_update_group": InitWeightsUpdateGroupReqInput,
                                 "/update_weights_from_distributed": UpdateWeightsFromDistributedReqInput,
                                 "/destroy_weights_update_group": DestroyWeightsUpdateGroupReqInput}
+    state.adapters.launch = state.lora
+    lora = LoraServing(state.adapters)
+    add_routes(app, lora, lambda: state.model_path, BaseReq)
     resume = asyncio.Event()
     abort_epoch = {"n": 0}
     pause_cond = asyncio.Lock()  # the pin's is_pause_cond
@@ -219,12 +233,18 @@ def create_app(state: FakeState) -> Any:
         if any((not isinstance(t, int)) or t < 0 or t >= 50000 for t in prompt):
             return err("The input_ids contain an out-of-vocabulary token id.")
         stop_ids = set(sp.get("stop_token_ids") or []) | {STOP_TOKEN}
-        state.generate_calls.append({"input_ids": list(prompt), "max_new_tokens": max_new})
+        state.generate_calls.append({"input_ids": list(prompt), "max_new_tokens": max_new,
+                                     **({"lora_path": obj.lora_path} if obj.lora_path else {})})
         rid = uuid.uuid4().hex
         start = time.monotonic()
         my_epoch = abort_epoch["n"]
         while state.paused is not None:  # queued while paused (retract/in_place) until continue
             await resume.wait()
+        adapter_version = None
+        if obj.lora_path:  # (the pin resolves the adapter after the pause)
+            error, adapter_version = lora.acquire(obj.lora_path)
+            if error is not None:
+                return err(error)
         out_ids: list[int] = []
         lps: list[float] = []
         finish: dict[str, Any] | None = None
@@ -248,7 +268,7 @@ def create_app(state: FakeState) -> Any:
                     break
                 tok = STOP_TOKEN if state.eos_after is not None and i == state.eos_after else fake_token(prompt, i)
                 out_ids.append(tok)
-                lps.append(fake_logprob(i, version))
+                lps.append(fake_logprob(i, adapter_version or version))
                 state.tokens_generated += 1
                 state.in_flight[rid] = len(out_ids)
                 if tok in stop_ids:
@@ -259,6 +279,8 @@ def create_app(state: FakeState) -> Any:
         finally:
             state.running -= 1
             del state.in_flight[rid]
+            if obj.lora_path:
+                lora.release(obj.lora_path)
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": finish,
