@@ -14,11 +14,15 @@ from asyncrl.spec_base import SpecModel
 
 ALL_LINEAR = "all-linear"
 """targetModules' shorthand (PEFT's): every linear layer of the transformer blocks, not the LM head."""
-LORA_ENGINES = ("hf", "sglang")
-"""Engines asyncrl hot-loads adapters into (trainer.lora); the others are refused with the reason."""
-NAMED_ADAPTER_ENGINES = ("sglang",)
+NAMED_ADAPTER_ENGINES = ("sglang", "vllm")
 """Engines that hold several adapters by name beside the base model, each request naming the one it
-uses (SGLang's /load_lora_adapter and `lora_path`), where our hf engine swaps the one adapter it serves."""
+uses (SGLang's /load_lora_adapter and `lora_path`, vLLM's /v1/load_lora_adapter and `model`), where
+our hf engine swaps the one adapter it serves."""
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32's --max-lora-rank takes (its LoRAConfig.max_lora_rank); an adapter's rank may be
+any up to the value given."""
+VLLM_LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+"""What vLLM needs to serve /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 SGLANG_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                          "gate_up_proj", "embed_tokens", "lm_head")
 """The module names SGLang 0.5.10.post1 serves adapters on (its SUPPORTED_LORA_TARGET_MODULES, the
@@ -74,3 +78,11 @@ def sglang_lora_args(lora: LoraSpec) -> list[str]:
     pin needs the largest rank and the modules up front."""
     modules = SGLANG_ALL_LINEAR if lora.target_modules == [ALL_LINEAR] else lora.target_modules
     return ["--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *modules]
+
+
+def vllm_lora_args(lora: LoraSpec) -> list[str]:
+    """vLLM's launch flags for a LoRA job: the smallest --max-lora-rank it takes that holds the rank, and
+    room for two adapters in a batch (the current version and the one before, which requests sent
+    just before an update still name)."""
+    rank = next(r for r in VLLM_MAX_LORA_RANKS if r >= lora.rank)
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]

@@ -27,7 +27,7 @@ from asyncrl.algorithm_families import (
     TbSpec,
     VcpoSpec,
 )
-from asyncrl.lora_spec import ALL_LINEAR, ALL_LINEAR_ALONE, LORA_ENGINES, SGLANG_TARGET_MODULES, LoraSpec
+from asyncrl.lora_spec import ALL_LINEAR, ALL_LINEAR_ALONE, SGLANG_TARGET_MODULES, VLLM_MAX_LORA_RANKS, LoraSpec
 from asyncrl.pod_template import RedisPodTemplate, RolloutPodTemplate, TrainerPodTemplate
 from asyncrl.spec_base import GROUP, ImageRef, SpecModel, StatusModel, parse_quantity
 from asyncrl.status_report import RecoveryReport
@@ -78,8 +78,8 @@ RETYPED_FIELDS: dict[str, str] = {
     "dynamicSampling": "dynamicSampling ('dynamicSampling: {}' turns it on, dynamicSampling.maxDraws bounds it)",
 }
 """Former flat fields whose name is now a family object: a value that is not an object names the new place."""
-LORA_ENGINE_MESSAGE = (f"trainer.lora needs rollout.engine {' or '.join(LORA_ENGINES)}: asyncrl does not hot-load "
-                       "adapters into vllm yet")
+LORA_VLLM_RANK_MESSAGE = (f"trainer.lora.rank with rollout.engine vllm must be at most {VLLM_MAX_LORA_RANKS[-1]} "
+                          "(vLLM's largest --max-lora-rank)")
 LORA_SGLANG_MODULES_MESSAGE = ("trainer.lora.targetModules with rollout.engine sglang must be all-linear or modules "
                                f"SGLang serves adapters on: {', '.join(SGLANG_TARGET_MODULES)}")
 LORA_TRANSPORT_MESSAGE = ("trainer.lora needs trainer.weightTransport disk: an adapter version is megabytes on the "
@@ -1212,13 +1212,12 @@ class AsyncRLJobSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
-    def _lora_needs_a_hot_loading_engine(self) -> AsyncRLJobSpec:
+    def _lora_fits_the_engine_and_transport(self) -> AsyncRLJobSpec:
         # (the same rules as CEL_RULES' spec entries on trainer.lora)
         if self.trainer.lora is None:
             return self
-        if self.rollout.engine not in LORA_ENGINES:
-            raise ValueError(LORA_ENGINE_MESSAGE + f", got rollout.engine '{self.rollout.engine}'; allowed with "
-                             f"trainer.lora: rollout.engine {', '.join(LORA_ENGINES)}, or no trainer.lora")
+        if self.rollout.engine == "vllm" and self.trainer.lora.rank > VLLM_MAX_LORA_RANKS[-1]:
+            raise ValueError(LORA_VLLM_RANK_MESSAGE + f", got {self.trainer.lora.rank}")
         if self.trainer.weight_transport != "disk":
             raise ValueError(LORA_TRANSPORT_MESSAGE + f", got '{self.trainer.weight_transport}'")
         unserved = [m for m in self.trainer.lora.target_modules if m not in (*SGLANG_TARGET_MODULES, ALL_LINEAR)]
@@ -1580,9 +1579,9 @@ CEL_RULES: list[tuple[str, str, str]] = [
     ("spec", "!has(self.algorithm) || " + _VCPO_BASELINE_OFF_CEL.replace("self.", "self.algorithm.")
      + " || " + _ONE_TRAINER_PROCESS_CEL,
      "algorithm.vcpo.baseline needs one trainer process (trainer.replicas 1, gpusPerReplica 0 or 1)"),
-    ("spec", "!has(self.trainer) || !has(self.trainer.lora)"
-     " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') in "
-     + str(list(LORA_ENGINES)), LORA_ENGINE_MESSAGE),
+    ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.lora.rank)"
+     " || (has(self.rollout) && has(self.rollout.engine) ? self.rollout.engine : 'sglang') != 'vllm'"
+     f" || self.trainer.lora.rank <= {VLLM_MAX_LORA_RANKS[-1]}", LORA_VLLM_RANK_MESSAGE),
     ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.weightTransport)"
      " || self.trainer.weightTransport == 'disk'", LORA_TRANSPORT_MESSAGE),
     ("spec", "!has(self.trainer) || !has(self.trainer.lora) || !has(self.trainer.lora.targetModules)"

@@ -30,7 +30,7 @@ from asyncrl.engine_servers import (
     engine_proxy_command,
     vllm_server_command,
 )
-from asyncrl.lora_spec import sglang_lora_args
+from asyncrl.lora_spec import VLLM_LORA_ENV, sglang_lora_args, vllm_lora_args
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
@@ -640,11 +640,13 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
             command += sglang_lora_args(job.spec.trainer.lora)
         command += list(ro.engine_args)
     elif ro.engine == "vllm":
+        lora = job.spec.trainer.lora
         extra = (["--tokenizer", model.tokenizer] if model.tokenizer else []) + (
-            ["--revision", model.revision] if model.revision else []) + list(ro.engine_args)
+            ["--revision", model.revision] if model.revision else []) + (
+            vllm_lora_args(lora) if lora is not None else []) + list(ro.engine_args)
         command = vllm_server_command("python3", model.path, host="127.0.0.1", port=port, dtype=model.dtype,
                                       tensor_parallel=int(tp), extra=extra)
-        env += [{"name": k, "value": v} for k, v in VLLM_SERVER_ENV.items()]
+        env += [{"name": k, "value": v} for k, v in {**VLLM_SERVER_ENV, **(VLLM_LORA_ENV if lora else {})}.items()]
     else:  # hf: the asyncrl image serves the SGLang-native surface itself
         command = ["asyncrl", "engine", "--config", CONFIG_FILE, "--host", "127.0.0.1", "--port", port]
         env.append(light_health)

@@ -34,7 +34,8 @@ TIERS = ("unit", "integration", "cluster")
 CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "kube_emulator", "kube_cluster", "cluster_e2e",
                                                        "operator_process", "emulated_jobs"))
 INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
-                                                           "sglang_fake_lora", "bench_support", "reward_services"))
+                                                           "sglang_fake_lora", "lora_models", "bench_support",
+                                                           "reward_services"))
 INTEGRATION_MARKERS = ("slow", "browser", "vllm", "sglang")
 INTEGRATION_FIXTURES = {"redis_server", "redis_url", "transport_redis", "rollout_env"}
 # A test this long (seconds) may have built a model: collect and trim after it (cheap beside it).

@@ -17,9 +17,9 @@ from asyncrl.lora_spec import ALL_LINEAR_ALONE
 from asyncrl.spec import (
     CEL_RULES,
     IMMUTABLE_FIELDS,
-    LORA_ENGINE_MESSAGE,
     LORA_SGLANG_MODULES_MESSAGE,
     LORA_TRANSPORT_MESSAGE,
+    LORA_VLLM_RANK_MESSAGE,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,7 +251,7 @@ BREAKERS = {
     "trainer.weightSyncLag must be <= the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))":
         {"trainer": {"weightSyncLag": 99}},
     COLLECTIVE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"weightTransport": "collective"}},
-    LORA_ENGINE_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"lora": {}}},
+    LORA_VLLM_RANK_MESSAGE: {"rollout": {"engine": "vllm"}, "trainer": {"lora": {"rank": 1024}}},
     LORA_SGLANG_MODULES_MESSAGE: {"rollout": {"engine": "sglang"}, "trainer": {"lora": {"targetModules": ["c_attn"]}}},
     LORA_TRANSPORT_MESSAGE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {}, "weightTransport": "collective"}},
     ALL_LINEAR_ALONE: {"rollout": {"engine": "hf"}, "trainer": {"lora": {"targetModules": ["all-linear", "q_proj"]}}},

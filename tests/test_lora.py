@@ -29,9 +29,9 @@ from asyncrl.trainer.checkpoint import (
 from asyncrl.trainer.logprobs import token_logprobs
 from asyncrl.trainer.lora import TargetModulesError, add_adapters, trainable_parameters
 from asyncrl.trainer.publish import write_weights
+from tests.support.lora_models import MODEL, adapted, logprobs, perturbed
 
 pytestmark = pytest.mark.slow
-MODEL = "embedded:SmolLM2-135M-Instruct"
 EXAMPLE = "examples/local.yaml"
 
 
@@ -39,26 +39,6 @@ def job_with(**lora) -> AsyncRLJob:
     job = yaml.safe_load(open(EXAMPLE))
     job["spec"]["trainer"]["lora"] = lora
     return AsyncRLJob.model_validate(job)
-
-
-def adapted(spec: LoraSpec, seed: int = 0):
-    return add_adapters(load_causal_lm(MODEL, "float32", "cpu"), spec, base_model=MODEL, seed=seed)
-
-
-def perturbed(model, seed: int = 1):
-    """A trained-looking adapter: B != 0 (PEFT starts it at 0, which changes nothing)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainable_parameters(model):
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model
-
-
-def logprobs(model, ids: list[int]) -> torch.Tensor:
-    seq = torch.tensor([ids])
-    with torch.no_grad():
-        lp, _ = token_logprobs(model, seq, torch.ones_like(seq), 1.0)
-    return lp[0]
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +67,17 @@ def test_bad_lora_settings_are_refused_naming_the_field(lora, field):
     assert f"spec.trainer.lora.{field}" in str(err.value)
 
 
-def test_lora_is_refused_with_an_engine_that_cannot_hot_load_it_and_modules_sglang_lacks():
+def test_lora_is_refused_where_an_engine_or_the_transport_cannot_serve_it():
     job = yaml.safe_load(open(EXAMPLE))
-    job["spec"]["trainer"]["lora"] = {}
-    job["spec"]["rollout"]["engine"] = "vllm"
-    with pytest.raises(ValidationError, match=r"trainer\.lora needs rollout\.engine hf or sglang: asyncrl does not "
-                                              r"hot-load adapters into vllm yet, got rollout\.engine 'vllm'"):
+    for engine in ("hf", "sglang", "vllm"):  # each engine hot-loads adapters
+        job["spec"]["rollout"]["engine"] = engine
+        job["spec"]["trainer"]["lora"] = {}
+        AsyncRLJob.model_validate(job)
+    job["spec"]["trainer"]["lora"] = {"rank": 1024}
+    with pytest.raises(ValidationError, match=r"trainer\.lora\.rank with rollout\.engine vllm must be at most 512 "
+                                              r"\(vLLM's largest --max-lora-rank\), got 1024"):
         AsyncRLJob.model_validate(job)
     job["spec"]["rollout"]["engine"] = "sglang"  # SGLang serves adapters on its own list of modules
-    AsyncRLJob.model_validate(job)
     job["spec"]["trainer"]["lora"] = {"targetModules": ["q_proj", "c_attn"]}
     with pytest.raises(ValidationError, match=r"targetModules with rollout\.engine sglang must be all-linear or "
                                               r"modules SGLang serves adapters on: q_proj, .*; got c_attn"):

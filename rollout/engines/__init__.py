@@ -27,7 +27,7 @@ def make_engine(kind: str, url: str, *, adapters: bool = False, **kwargs: Any) -
     if kind == "vllm":
         from asyncrl.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(url, **kwargs)
+        return VLLMEngine(url, adapters=adapters, **kwargs)
     raise ValueError(f"unknown engine kind {kind!r}; allowed: {', '.join(ENGINE_KINDS)}")
 
 

@@ -29,25 +29,16 @@ Wire layout (see tests/support/sglang_fake.py for the upstream files it follows)
        "output_token_logprobs": [[logprob, token_id, null], ...]}}
   errors -> HTTP 400 {"error": {"message"}} (or {"object": "error", "message", ...} for validation)
 
-Adapters (LoRA jobs): each version is an adapter loaded under its weight label as its name ("3",
-"5@1"), beside the base model, which never changes. A request names the newest adapter the server
-lists (read at most ADAPTER_REFRESH_S ago, and again after an aborted answer or a refused name), and
-its answer carries that name's version: the adapter it named produced every token. The server's own
-label stays "default" (the base model, version 0, served while no adapter is loaded: a new or
-restarted server). An update loads the new adapter and unloads all of ours but it and the newest
-other one (the pin unloads an adapter only once no running request uses it; a request naming an
-unloaded adapter is refused, or reloaded by the pin from its path: labels stay exact either way).
+Adapters (LoRA jobs, asyncrl.rollout.engines.named_adapters): each version is an adapter loaded under
+its weight label; a request names it in `lora_path`. A name the server does not hold is refused with
+HTTP 400 (a "LoRA adapter" message), or reloaded by the pin from the path it was loaded from.
 
 Our in-process `hf` engine server (asyncrl.rollout.hf_server) speaks the same surface.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -55,10 +46,10 @@ import httpx
 from asyncrl.rollout.engines.base import (
     EngineError,
     GenerateResult,
-    HTTPEngine,
     PauseMode,
     SamplingParams,
 )
+from asyncrl.rollout.engines.named_adapters import NamedAdapterEngine
 from asyncrl.weight_labels import WeightLabel, parse_label
 
 if TYPE_CHECKING:
@@ -69,28 +60,11 @@ PINNED_VERSION = "0.5.10.post1"
 MODEL_INFO_PATH = "/model_info"
 """Readiness and model info; the rollout pod's readinessProbe uses the same path."""
 LEGACY_MODEL_INFO_PATH = "/get_model_info"
-ADAPTER_REFRESH_S = 1.0
-"""How old the list of served adapters may be when a request names the newest (LoRA jobs)."""
-log = logging.getLogger("asyncrl.rollout.engines.sglang")
 
 
-def newest_adapter(names: Iterable[str]) -> str | None:
-    """The adapter name of the newest weight label (a later trainer timeline first, then the higher
-    version); names that are no weight label of ours are not ours to use."""
-    labelled = [(label.timeline, label.version, name) for name in names
-                if (label := parse_label(name)) is not None and label.version > 0]
-    return max(labelled)[2] if labelled else None
-
-
-class SGLangEngine(HTTPEngine):
+class SGLangEngine(NamedAdapterEngine):
     """SGLang (or our hf server) behind the common Engine interface; `adapters`: a LoRA job's versions
-    are adapters the server holds by name (see the module docstring)."""
-
-    def __init__(self, url: str, *, adapters: bool = False, **kw: Any):
-        super().__init__(url, **kw)
-        self.adapters = adapters
-        self._adapter: str | None = None
-        self._adapters_read = -math.inf
+    are adapters the server holds by name."""
 
     def request_body(self, input_ids: list[int], params: SamplingParams) -> dict[str, Any]:
         sampling: dict[str, Any] = {
@@ -110,37 +84,16 @@ class SGLangEngine(HTTPEngine):
 
     async def generate(self, input_ids: list[int], params: SamplingParams) -> GenerateResult:
         body = self.request_body(input_ids, params)
-        adapter = await self._current_adapter() if self.adapters else None
+        adapter = await self.current_adapter() if self.adapters else None
         if adapter is None:
             return self.parse_generate(await self._json("POST", "/generate", json=body))
         try:
             answer = await self._json("POST", "/generate", json={**body, "lora_path": adapter})
         except EngineError as exc:
-            if exc.status == 400 and "LoRA" in str(exc):  # unloaded meanwhile: look again, send again
-                self._adapters_read = -math.inf
-                exc.retryable = True
+            if exc.status == 400 and "LoRA adapter" in str(exc):
+                raise self.refused(exc) from None
             raise
-        result = self.parse_generate(answer)
-        if result.finish_reason == "abort":  # a pause for an update: the next request looks again
-            self._adapters_read = -math.inf
-        label = parse_label(adapter)
-        assert label is not None  # (newest_adapter returns labels only)
-        return dataclasses.replace(result, weight_version=label.version, weight_timeline=label.timeline,
-                                   meta={**result.meta, "weight_label": adapter})
-
-    async def served_adapters(self) -> dict[str, str]:
-        """The adapters the server holds: name -> path (GET /v1/models: the cards with a parent)."""
-        body = await self._json("GET", "/v1/models")
-        try:
-            return {str(c["id"]): str(c.get("root")) for c in body["data"] if c.get("parent")}
-        except (KeyError, TypeError) as exc:
-            raise EngineError(f"GET /v1/models answered an unexpected layout: {str(body)[:300]}", url=self.url) from exc
-
-    async def _current_adapter(self) -> str | None:
-        if time.monotonic() - self._adapters_read > ADAPTER_REFRESH_S:
-            self._adapter = newest_adapter(await self.served_adapters())
-            self._adapters_read = time.monotonic()
-        return self._adapter
+        return self.answered_by(self.parse_generate(answer), adapter)
 
     def parse_generate(self, body: Any) -> GenerateResult:
         if isinstance(body, list):  # a batch answer; we always send one prompt
@@ -173,27 +126,17 @@ class SGLangEngine(HTTPEngine):
 
     async def update_weights(self, path: str, version: WeightLabel | int) -> None:
         if self.adapters:
-            await self._load_adapter(path, str(WeightLabel.of(version)))
+            await self.load_version(path, version)
             return
         await self._succeed("/update_weights_from_disk", {"model_path": str(path),
                                                           "weight_version": str(WeightLabel.of(version)),
                                                           "abort_all_requests": False})
 
-    async def _load_adapter(self, path: str, name: str) -> None:
-        """Load adapter `name` (unless held: a label names one set of weights forever), then unload
-        ours but it and the newest other one. An unload that fails is logged: the next update retries."""
-        served = await self.served_adapters()
-        if name not in served:
-            await self._succeed("/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "pinned": False})
-        others = [n for n in served if n != name]
-        keep = {name, newest_adapter(others)}
-        for old in others:
-            if parse_label(old) is not None and old not in keep:
-                try:
-                    await self._succeed("/unload_lora_adapter", {"lora_name": old})
-                except EngineError as exc:
-                    log.warning("could not unload adapter %s: %s", old, exc)
-        self._adapters_read = -math.inf
+    async def _load_named(self, name: str, path: str) -> None:
+        await self._succeed("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": False})
+
+    async def _unload_named(self, name: str) -> None:
+        await self._succeed("/unload_lora_adapter", {"lora_name": name})
 
     async def _json_lenient(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST and return the JSON body even on HTTP 400 (SGLang reports {success: false} that way)."""
@@ -256,11 +199,7 @@ class SGLangEngine(HTTPEngine):
             raise EngineError(f"GET {MODEL_INFO_PATH} answered non-JSON: {resp.text[:200]!r}", url=self.url) from exc
         if not isinstance(body, dict):
             raise EngineError(f"GET {MODEL_INFO_PATH} answered {str(body)[:200]}", url=self.url)
-        if self.adapters:  # what a request is answered by: the newest adapter, else the base model
-            self._adapter, self._adapters_read = newest_adapter(await self.served_adapters()), time.monotonic()
-            if self._adapter is not None:
-                body = {**body, "base_weight_version": body.get("weight_version"), "weight_version": self._adapter}
-        return body
+        return await self.with_adapter(body) if self.adapters else body
 
     async def _model_info_response(self) -> httpx.Response:
         resp = await self._request("GET", MODEL_INFO_PATH, ok_404=True)

