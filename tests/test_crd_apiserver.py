@@ -9,9 +9,7 @@ rejects a bad or changed job with our messages. Uses the real kubectl and helm.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +24,15 @@ from asyncrl.crd import structural_default
 from tests.support.control_plane import ControlPlane, control_plane_fixture, find_tool, k8s_version, namespace_fixture  # noqa: F401
 from tests.support.jobs import MODEL, JobBuilder
 from tests.support.polling import poll_sync
+from tests.support.real_operator import chart_release_fixture, helm  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parent.parent
 CRD_FILE = REPO / "crds" / "asyncrljob.yaml"
 CRD_NAME = f"{S.PLURAL}.{S.GROUP}"
-CHART = REPO / "charts" / "asyncrl"
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.yaml")
                   if any(d and d.get("kind") == S.KIND for d in yaml.safe_load_all(p.read_text())))
-
-def helm(cp: ControlPlane, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(find_tool("helm")), *args], capture_output=True, text=True,
-                          env=cp.env(), timeout=300)
-
 
 def get_json(cp: ControlPlane, *args: str, kubeconfig: Path | None = None) -> Any:
     return json.loads(cp.kubectl("get", *args, "-o", "json", kubeconfig=kubeconfig, check=True).stdout)
@@ -119,19 +112,6 @@ def test_helm_sees_the_real_server_version(control_plane: ControlPlane, namespac
     assert res.returncode == 0, res.stderr
     seen = get_json(control_plane, "configmap", "helm-saw", "-n", namespace)["data"]["version"]
     assert seen == k8s_version()
-
-
-@pytest.fixture
-def chart_release(control_plane: ControlPlane, crd) -> Iterator[tuple[str, subprocess.CompletedProcess[str]]]:
-    """`helm install asyncrl charts/asyncrl` into a namespace helm creates; uninstalled afterwards
-    (its ClusterRole and ClusterRoleBinding are cluster-wide)."""
-    namespace = f"asyncrl-system-{os.urandom(3).hex()}"
-    res = helm(control_plane, "install", "asyncrl", str(CHART), "-n", namespace, "--create-namespace")
-    try:
-        yield namespace, res
-    finally:
-        helm(control_plane, "uninstall", "asyncrl", "-n", namespace)
-        control_plane.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 def test_helm_install_of_the_chart(control_plane: ControlPlane, chart_release):

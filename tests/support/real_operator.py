@@ -1,5 +1,6 @@
 """The real `asyncrl operator` on the real control plane (tests/support/control_plane.py): the CRD
-installed once per module, the operator as cluster admin watching the test's namespace.
+installed once per module, the operator as cluster admin watching the test's namespace, and the chart
+installed with the real helm (`chart_release`).
 
 Use: `from tests.support.real_operator import crd_fixture, get, operator_fixture  # noqa: F401`
 beside the control plane's own fixtures."""
@@ -7,6 +8,8 @@ beside the control plane's own fixtures."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from tests.support.control_plane import ControlPlane, start_process
+from tests.support.control_plane import ControlPlane, find_tool, start_process
 from tests.support.jobs import JobBuilder
 from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "asyncrl"
 
 
 @pytest.fixture(scope="module", name="crd")
@@ -28,6 +32,26 @@ def crd_fixture(control_plane: ControlPlane) -> None:
                           "crd/asyncrljobs.asyncrl.dev", check=False)
     poll_sync(lambda: control_plane.kubectl("get", "asyncrljobs", "-A").returncode == 0,
               what="the AsyncRLJob API to be served")
+
+
+def helm(cp: ControlPlane, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real helm against the control plane, as its admin."""
+    return subprocess.run([str(find_tool("helm")), *args], capture_output=True, text=True,
+                          env=cp.env(), timeout=300)
+
+
+@pytest.fixture(name="chart_release")
+def chart_release_fixture(control_plane: ControlPlane, crd: None
+                          ) -> Iterator[tuple[str, subprocess.CompletedProcess[str]]]:
+    """`helm install asyncrl charts/asyncrl` into a namespace helm creates: (namespace, helm's result);
+    uninstalled afterwards (its ClusterRole and ClusterRoleBinding are cluster-wide)."""
+    namespace = f"asyncrl-system-{os.urandom(3).hex()}"
+    res = helm(control_plane, "install", "asyncrl", str(CHART), "-n", namespace, "--create-namespace")
+    try:
+        yield namespace, res
+    finally:
+        helm(control_plane, "uninstall", "asyncrl", "-n", namespace)
+        control_plane.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 @pytest.fixture(name="operator")
