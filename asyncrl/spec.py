@@ -927,8 +927,8 @@ class TrainerSpec(SpecModel):
     versions stale. At most the staleness bound (maxHeadOffpolicyness, or ceil(asyncRatio))."""
     lora: LoraSpec | None = None
     """Train LoRA adapters on the frozen base model instead of every weight (present = on): each version
-    published is an adapter directory the engines hot-load. Needs rollout.engine hf and
-    weightTransport disk; cannot change on a running job."""
+    published is an adapter directory the engines hot-load (SGLang, vLLM and hf). Needs weightTransport
+    disk; cannot change on a running job."""
     resources: Resources = Field(default_factory=Resources)
     nccl: NcclSettings | None = None
     """NCCL settings for multi-node training (interfaces, InfiniBand adapters, debug level)."""
