@@ -10,7 +10,9 @@ shows the same job life on the real thing. It shares the job, hook and helpers o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import re
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,10 +39,15 @@ from tests.support.cluster_e2e import (
     unauthenticated_reward_call,
 )
 from tests.support.control_plane import ControlPlane, control_plane_fixture  # noqa: F401
-from tests.support.kube_cluster import RealCluster
+from tests.support.kube_cluster import Launch, RealCluster
 from tests.support.kube_cluster.rest import Reflector
 from tests.support.operator_process import OperatorProcess
-from tests.support.real_operator import crd_fixture  # noqa: F401
+from tests.support.real_operator import (  # noqa: F401
+    chart_release_fixture,
+    crd_fixture,
+    refused_by_rbac,
+    service_account_kubeconfig,
+)
 from tests.support.redis_image import redis_bin_dir
 
 pytestmark = pytest.mark.slow
@@ -49,8 +56,10 @@ pytestmark = pytest.mark.slow
 class RealE2E(E2E):
     """E2E's kubectl, transcript, hook and waits, on the real control plane: reads come from watches."""
 
-    def __init__(self, cp: ControlPlane, tmp: Path):  # not E2E's: no emulator
+    def __init__(self, cp: ControlPlane, tmp: Path, operator_kubeconfig: Path):  # not E2E's: no emulator
         self.cp, self.tmp, self.kubeconfig = cp, tmp, cp.kubeconfig
+        self.operator_kubeconfig = operator_kubeconfig
+        """The chart ServiceAccount's: the operator makes every request with its token."""
         self.hooks = []
         self.operators = []
         self.applied = []
@@ -81,7 +90,8 @@ class RealE2E(E2E):
     async def start_operator(self, job: str) -> OperatorProcess:
         status = f"http://127.0.0.1:{self.cluster.service_port(NS, N.status_service(job), STATUS_PORT)}"
         redis = f"redis://:{{password}}@127.0.0.1:{self.cluster.service_port(NS, N.redis(job), REDIS_PORT)}/0"
-        op = OperatorProcess(self.kubeconfig, self.tmp / "operator.log", interval=0.5, status_url_template=status,
+        op = OperatorProcess(self.operator_kubeconfig, self.tmp / "operator.log", interval=0.5,
+                             status_url_template=status,
                              redis_url_template=redis, extra_args=("--namespace", NS))
         self.operators.append(await op.start())
         return op
@@ -100,18 +110,26 @@ class RealE2E(E2E):
 
 
 @pytest.fixture
-async def e2e(control_plane: ControlPlane, crd: None, tmp_path: Path) -> AsyncIterator[RealE2E]:
+async def e2e(control_plane: ControlPlane, crd: None, chart_release, tmp_path: Path) -> AsyncIterator[RealE2E]:
+    """The job's namespace, the chart installed with helm, and the operator acting as the chart's
+    ServiceAccount: every request of every scenario goes through the apiserver's own RBAC (a 403 in the
+    audit log fails the test)."""
+    release_ns, installed = chart_release
+    assert installed.returncode == 0, installed.stderr
+    user, operator_kubeconfig = service_account_kubeconfig(control_plane, release_ns)
     # the emulator module's NS: its helpers name it; the session's control plane has it to itself
     control_plane.kubectl("create", "namespace", NS, check=True)
-    env = RealE2E(control_plane, tmp_path)
+    env = RealE2E(control_plane, tmp_path, operator_kubeconfig)
     try:
         await env.start()
         yield env
     finally:
         await env.stop()
-        control_plane.kubectl("delete", "namespace", NS, "--wait=false")
+        # (waited for: the next test of the module makes the namespace again)
+        control_plane.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=180s")
     assert not env.cluster.alive_processes(), f"container processes left behind: {env.cluster.alive_processes()}"
     assert not env.cluster.errors, "\n".join(env.cluster.errors)
+    assert not refused_by_rbac(control_plane, user), f"the chart's RBAC refused: {refused_by_rbac(control_plane, user)}"
 
 
 async def test_apply_runs_to_succeeded_releases_and_ttl_deletes_on_the_real_control_plane(e2e: RealE2E) -> None:
@@ -166,3 +184,30 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes_on_the_real_cont
     metrics = [json.loads(line) for line in (shared / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "event" not in m] == list(range(1, steps + 1))
     assert all(m["turns_mean"] == 2.0 and m["tool_calls"] == 4 for m in metrics if "event" not in m), metrics
+
+
+async def test_trainer_crashing_past_backoff_limit_fails_the_job(e2e: RealE2E) -> None:
+    """The trainer exits 3 with a termination message at every start: the kubelet restarts it with
+    back-off, the operator counts the restarts in the pod's status and fails the job past backoffLimit."""
+    job = "e2e-crash"
+    crash = ("import os, sys; open(os.environ['ASYNCRL_TERMINATION_LOG'], 'w').write('RuntimeError: boom');"
+             " sys.exit(3)")
+
+    def crashing_trainer(launch: Launch) -> Launch:
+        if launch.container == "trainer" and launch.pod.startswith(job) and not launch.probe:
+            return dataclasses.replace(launch, argv=["python", "-c", crash])
+        return launch
+
+    e2e.hooks.append(crashing_trainer)
+    await e2e.start_operator(job)
+    await e2e.apply(tiny_job(job, backoffLimit=1))
+    status = await e2e.wait_phase(job, "Failed", timeout=180)
+    assert status["reason"] == "BackoffLimitExceeded", status
+    restarts = re.search(r"restarted (\d+) times \(backoffLimit 1\)", status["message"])
+    assert restarts and int(restarts.group(1)) >= 2, status
+    assert "last exit code 3 (Error): RuntimeError: boom" in status["message"], status
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Failed"]["status"] == "True" and conditions["Complete"]["status"] == "False"
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero, their pods gone")
+    await asyncio.sleep(1.0)
+    assert e2e.phase(job) == "Failed" and released(e2e, job), "a failed job stays failed and released"

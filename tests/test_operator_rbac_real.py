@@ -26,33 +26,23 @@ from tests.support.polling import poll_sync
 from tests.support.real_operator import (  # noqa: F401
     REPO,
     apply_example_job,
+    audit_ref,
+    audited,
     chart_release_fixture,
     crd_fixture,
     get,
+    refused_by_rbac,
+    service_account_kubeconfig,
 )
 
 JOB = "rbac"
-
-
-def audit(cp: ControlPlane, user: str) -> list[dict]:
-    """Every finished request `user` made, as the apiserver's audit log has it."""
-    events = [json.loads(line) for line in cp.audit_log.read_text().splitlines()]
-    return [e for e in events if e["user"]["username"] == user and e.get("stage") == "ResponseComplete"]
-
-
-def ref(event: dict, key: str) -> str | None:
-    """A field of an audit event's objectRef (None for a request on no object, e.g. discovery)."""
-    return (event.get("objectRef") or {}).get(key)
 
 
 def test_the_operator_as_the_charts_service_account_is_refused_nothing(control_plane: ControlPlane, chart_release,
                                                                         namespace: str, tmp_path: Path):
     release_ns, installed = chart_release
     assert installed.returncode == 0, installed.stderr
-    user = f"system:serviceaccount:{release_ns}:asyncrl"
-    token = control_plane.kubectl("create", "token", "asyncrl", "-n", release_ns, "--duration", "1h",
-                                  check=True).stdout.strip()
-    kubeconfig = control_plane.token_kubeconfig(token, name="operator-sa")
+    user, kubeconfig = service_account_kubeconfig(control_plane, release_ns)
     env = {**control_plane.env(kubeconfig), "PYTHONUNBUFFERED": "1"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     proc = start_process("operator-sa", [
@@ -60,9 +50,8 @@ def test_the_operator_as_the_charts_service_account_is_refused_nothing(control_p
         "--leader-elect", "--leader-election-namespace", release_ns, "--operator-namespace", release_ns,
         "--liveness-port", "0", "--metrics-port", "0", "--verbose"], tmp_path, env=env, cwd=REPO)
 
-    def refused() -> list[tuple]:  # (verb, resource, subresource, namespace) the apiserver answered 403
-        return sorted({(e["verb"], ref(e, "resource"), ref(e, "subresource"), ref(e, "namespace"))
-                       for e in audit(control_plane, user) if e["responseStatus"]["code"] == 403}, key=str)
+    def refused() -> list[tuple]:
+        return refused_by_rbac(control_plane, user)
 
     def until(cond, timeout: float, what: str) -> None:
         try:
@@ -98,13 +87,13 @@ def test_the_operator_as_the_charts_service_account_is_refused_nothing(control_p
         proc.stop(grace=15)
 
     assert not refused(), f"the chart's RBAC refused the operator: {refused()}\n{proc.log.read_text()[-3000:]}"
-    requests = audit(control_plane, user)
-    made_as_sa = {(e["verb"], ref(e, "resource"), ref(e, "subresource"))
+    requests = audited(control_plane, user)
+    made_as_sa = {(e["verb"], audit_ref(e, "resource"), audit_ref(e, "subresource"))
                   for e in requests if e["responseStatus"]["code"] < 400}
     expected = {("create", "statefulsets", None), ("create", "deployments", None), ("create", "configmaps", None),
                 ("create", "secrets", None), ("create", "services", None), ("create", "persistentvolumeclaims", None),
                 ("patch", S.PLURAL, "status"), ("create", "events", None), ("watch", S.PLURAL, None)}
     assert expected <= made_as_sa, f"requests not seen as {user}: {sorted(expected - made_as_sa, key=str)}"
-    leases = {e["verb"] for e in requests if ref(e, "resource") == "leases"
-              and ref(e, "namespace") == release_ns}
+    leases = {e["verb"] for e in requests if audit_ref(e, "resource") == "leases"
+              and audit_ref(e, "namespace") == release_ns}
     assert leases & {"create", "update", "patch"}, f"no leader Lease written in {release_ns}: {leases}"

@@ -54,6 +54,30 @@ def chart_release_fixture(control_plane: ControlPlane, crd: None
         control_plane.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
+def service_account_kubeconfig(cp: ControlPlane, namespace: str, name: str = "asyncrl") -> tuple[str, Path]:
+    """(username, kubeconfig) acting as ServiceAccount `namespace/name` with a real token
+    (`kubectl create token`): what RBAC grants it is all it can do."""
+    token = cp.kubectl("create", "token", name, "-n", namespace, "--duration", "2h", check=True).stdout.strip()
+    return f"system:serviceaccount:{namespace}:{name}", cp.token_kubeconfig(token, name=f"{namespace}-{name}")
+
+
+def audit_ref(event: dict[str, Any], key: str) -> str | None:
+    """A field of an audit event's objectRef (None for a request on no object, e.g. discovery)."""
+    return (event.get("objectRef") or {}).get(key)
+
+
+def audited(cp: ControlPlane, user: str) -> list[dict[str, Any]]:
+    """Every finished request `user` made, as the apiserver's audit log has it."""
+    events = [json.loads(line) for line in cp.audit_log.read_text().splitlines()]
+    return [e for e in events if e["user"]["username"] == user and e.get("stage") == "ResponseComplete"]
+
+
+def refused_by_rbac(cp: ControlPlane, user: str) -> list[tuple[Any, ...]]:
+    """(verb, resource, subresource, namespace) of every request of `user` the apiserver answered 403."""
+    return sorted({(e["verb"], audit_ref(e, "resource"), audit_ref(e, "subresource"), audit_ref(e, "namespace"))
+                   for e in audited(cp, user) if e["responseStatus"]["code"] == 403}, key=str)
+
+
 @pytest.fixture(name="operator")
 def operator_fixture(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
     """The real `asyncrl operator`, as cluster admin, watching the test's namespace; yields its log."""
