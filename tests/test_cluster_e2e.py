@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -145,34 +144,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes(e2e: E2E) -> Non
                for m in lines if "event" not in m), lines
 
 
-# ----------------------------------------------------------------------------------- 2. the trainer is killed
-
-
-async def test_sigkilled_trainer_is_restarted_and_trains_each_group_once(e2e: E2E) -> None:
-    job, steps, batch = "e2e-kill", 4, 2
-    await e2e.start_operator(job)
-    await e2e.apply(tiny_job(job, max_steps=steps, checkpoint_interval=2))
-    pod = f"{N.trainer(job)}-0"
-    # Killed after step 3: the checkpoint of step 2 is on the volume, step 3 is lost and trained again.
-    await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 3, "3 steps trained", timeout=300)
-    assert e2e.phase(job) == "Running"
-    killed = e2e.cluster.kill(NS, pod, "trainer")  # torchrun and its worker: the container's process group
-    await e2e.wait(lambda: e2e.cluster.container(NS, pod, "trainer").restart_count == 1
-                   and e2e.cluster.pid(NS, pod, "trainer"), "the kubelet restarted the trainer")
-    status = await e2e.wait_phase(job, "Succeeded")
-    assert (status["reason"], status["trainer"]["step"]) == ("MaxStepsReached", steps), status
-    assert not alive(killed)
-    assert "resumed from" in e2e.cluster.log(NS, pod, "trainer").split(" start #2 ")[1]
-    container = e2e.cluster.container(NS, pod, "trainer").status()
-    assert container["restartCount"] == 1 and container["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
-
-    # No group was trained twice in the surviving lineage, and every one of them was acknowledged.
-    trained = lineage(e2e, job)
-    assert len(trained) == len(set(trained)) == steps * batch, trained
-    state = await redis_state(e2e, job)
-    assert state["trained"] == set(trained) and state["pending"] == 0, state
-    assert metrics_steps(e2e, job) == list(range(1, steps + 1))  # each step's line once (lost ones rewritten)
-    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")
+# (2. a SIGKILLed trainer resumes: tests/test_cluster_e2e_real.py, on the real control plane)
 
 
 # ----------------------------------------------------------------------------------- 3. a trainer after the end

@@ -1,10 +1,12 @@
-"""The happy path of tests/test_cluster_e2e.py on the REAL control plane: the real operator process and
-kubectl as there, but the apiserver, scheduler and controllers (ReplicaSets, StatefulSet pods and claims,
-PV binding, garbage collection of the job's children) are Kubernetes' own, and `RealCluster` is the one
-node that runs every pod as local processes (tests/support/kube_cluster/real_cluster.py).
+"""End-to-end scenarios on the REAL control plane: the real operator process and kubectl as in
+tests/test_cluster_e2e.py, but the apiserver, scheduler and controllers (ReplicaSets, StatefulSet pods
+and claims, PV binding, garbage collection of the job's children) are Kubernetes' own, and `RealCluster`
+is the one node that runs every pod as local processes (tests/support/kube_cluster/real_cluster.py).
 
-The emulator version stays (it also checks the operator's RBAC against every request it made); this one
-shows the same job life on the real thing. It shares the job, hook and helpers of tests/support/cluster_e2e.py.
+The chart is installed with helm and the operator runs with its ServiceAccount's token, so the
+apiserver's own RBAC judges every request of every scenario (a 403 in the audit log fails the test).
+The happy path also stays on the emulator (tests/test_cluster_e2e.py); the SIGKILL and backoff scenarios
+live here only. It shares the job, hook and helpers of tests/support/cluster_e2e.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,7 +35,10 @@ from tests.support.cluster_e2e import (
     PhaseLog,
     alive,
     condensed,
+    lineage,
+    metrics_steps,
     pids,
+    redis_state,
     released,
     tiny_job,
     unauthenticated_engine_calls,
@@ -211,3 +217,30 @@ async def test_trainer_crashing_past_backoff_limit_fails_the_job(e2e: RealE2E) -
     await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero, their pods gone")
     await asyncio.sleep(1.0)
     assert e2e.phase(job) == "Failed" and released(e2e, job), "a failed job stays failed and released"
+
+
+async def test_sigkilled_trainer_is_restarted_and_trains_each_group_once(e2e: RealE2E) -> None:
+    job, steps, batch = "e2e-kill", 4, 2
+    await e2e.start_operator(job)
+    await e2e.apply(tiny_job(job, max_steps=steps, checkpoint_interval=2))
+    pod = f"{N.trainer(job)}-0"
+    # Killed after step 3: the checkpoint of step 2 is on the volume, step 3 is lost and trained again.
+    await e2e.wait(lambda: len(metrics_steps(e2e, job)) >= 3, "3 steps trained", timeout=300)
+    assert e2e.phase(job) == "Running"
+    killed = e2e.cluster.kill(NS, pod, "trainer")  # torchrun and its worker: the container's process group
+    await e2e.wait(lambda: e2e.cluster.container(NS, pod, "trainer").restart_count == 1
+                   and e2e.cluster.pid(NS, pod, "trainer"), "the kubelet restarted the trainer")
+    status = await e2e.wait_phase(job, "Succeeded")
+    assert (status["reason"], status["trainer"]["step"]) == ("MaxStepsReached", steps), status
+    assert not alive(killed)
+    assert "resumed from" in e2e.cluster.log(NS, pod, "trainer").split(" start #2 ")[1]
+    container = e2e.cluster.container(NS, pod, "trainer").status()
+    assert container["restartCount"] == 1 and container["lastState"]["terminated"]["exitCode"] == 128 + signal.SIGKILL
+
+    # No group was trained twice in the surviving lineage, and every one of them was acknowledged.
+    trained = lineage(e2e, job)
+    assert len(trained) == len(set(trained)) == steps * batch, trained
+    state = await redis_state(e2e, job)
+    assert state["trained"] == set(trained) and state["pending"] == 0, state
+    assert metrics_steps(e2e, job) == list(range(1, steps + 1))  # each step's line once (lost ones rewritten)
+    await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")

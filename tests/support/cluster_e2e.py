@@ -23,6 +23,7 @@ import yaml
 from asyncrl.engine_servers import PROXY_READY_PATH
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
+from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 from tests.support.jobs import JobBuilder
@@ -156,8 +157,12 @@ class E2E:
 
     # -- reading the cluster
 
+    def get(self, plural: str, name: str) -> dict[str, Any] | None:
+        """An object of the test's namespace as the API has it (None: not there)."""
+        return self.emu.get(plural, NS, name)
+
     def job(self, name: str) -> dict[str, Any] | None:
-        return self.emu.get(PLURAL, NS, name)
+        return self.get(PLURAL, name)
 
     def status(self, name: str) -> dict[str, Any]:
         return (self.job(name) or {}).get("status") or {}
@@ -170,7 +175,7 @@ class E2E:
         return self.cluster.pods(NS, selector)
 
     def replicas(self, plural: str, name: str) -> int | None:
-        obj = self.emu.get(plural, NS, name)
+        obj = self.get(plural, name)
         return None if obj is None else obj["spec"].get("replicas")
 
     def shared(self, job: str) -> Path:
@@ -242,8 +247,15 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def volume_bound(e2e: E2E, job: str) -> bool:
+    """Whether the job's weights volume is there to read: its claim exists and is Bound (on the real
+    control plane the PV controller binds it a moment after the claim is made)."""
+    claim = e2e.get("persistentvolumeclaims", N.shared_pvc(job))
+    return claim is not None and (claim.get("status") or {}).get("phase") == "Bound"
+
+
 def metrics_steps(e2e: E2E, job: str) -> list[int]:
-    if e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is None:
+    if not volume_bound(e2e, job):
         return []
     path = e2e.shared(job) / "runs" / "metrics.jsonl"
     if not path.exists():
@@ -257,13 +269,13 @@ async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
     from asyncrl.transport.connection import connect
     from asyncrl.transport.names import StreamNames
 
-    secret = e2e.emu.get("secrets", NS, N.redis_secret(job))
-    assert secret is not None
+    password = secret_value(e2e.get("secrets", N.redis_secret(job)), "password")
+    assert password is not None
     port = e2e.cluster.service_port(NS, N.redis(job), REDIS_PORT)
     job_obj = e2e.job(job)
     assert job_obj is not None
     names = StreamNames.for_job(job, job_obj["metadata"]["uid"])
-    client = await connect(f"redis://:{secret['stringData']['password']}@127.0.0.1:{port}/0", timeout=10)
+    client = await connect(f"redis://:{password}@127.0.0.1:{port}/0", timeout=10)
     try:
         return {"trained": await trained_ids(client, names),
                 "pending": (await client.xpending(names.trajectories, names.consumer_group))["pending"],
@@ -282,7 +294,7 @@ def lineage(e2e: E2E, job: str) -> list[str]:
 
 
 def checkpointed(e2e: E2E, job: str) -> bool:
-    if e2e.emu.get("persistentvolumeclaims", NS, N.shared_pvc(job)) is None:
+    if not volume_bound(e2e, job):
         return False
     return any((e2e.shared(job) / "checkpoints").glob("step-*/state.json"))
 
