@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from asyncrl.transport.names import StreamNames
 from asyncrl.transport.versions import EngineRegistry, VersionChannel, VersionEvent
 from asyncrl.transport.wire import decode_group
 from tests.support.polling import poll
-from tests.support.sglang_fake import FakeSGLang
+from tests.support.sglang_fake import FakeSGLang, fake_version
 from tests.support.sglang_fake_lora import NOT_ENABLED, LoraLaunch
 
 JOB = "lora-sglang"
@@ -53,11 +52,6 @@ def adapter_dir(root: Path, version: int, *, rank: int = 16, modules: list[str] 
     (path / ADAPTER_CONFIG).write_text(json.dumps(config))
     (path / ADAPTER_WEIGHTS).write_bytes(b"\0" * 8)
     return path
-
-
-def fake_version(logprob: float) -> int:
-    """The fake's logprob of token i is -0.01 * (i + 1) - version (i < 30 here)."""
-    return math.floor(-logprob)
 
 
 def render(item: PromptItem) -> list[int]:

@@ -5,7 +5,6 @@ engine generating all along, and the trainer-side sync (trainer/weight_sync.py) 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from asyncrl.transport.versions import EngineInfo, EngineRegistry, VersionChanne
 from asyncrl.transport.wire import decode_group
 from tests.support.polling import poll
 from tests.support.rollout_workers import WorkerEngine
-from tests.support.sglang_fake import FakeSGLang
+from tests.support.sglang_fake import FakeSGLang, fake_version
 
 JOB = "wsync"
 VERSIONS = (1, 2, 3)
@@ -60,11 +59,6 @@ def make_worker(redis, names, fake, index: int, *, labelled: bool) -> RolloutWor
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=lambda ids: " ".join(map(str, ids)),
                          admission=admission, names=names)
-
-
-def fake_version(logprob: float) -> int:
-    """The fake's logprob of token i is -0.01 * (i + 1) - version (i < 30 here)."""
-    return math.floor(-logprob)
 
 
 @pytest.mark.parametrize("labelled", [True, False], ids=["sglang-labels", "unlabelled-like-vllm"])

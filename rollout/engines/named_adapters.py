@@ -58,20 +58,27 @@ class NamedAdapterEngine(HTTPEngine):
     async def _unload_named(self, name: str) -> None:
         """Unload adapter `name`."""
 
-    async def served_adapters(self) -> dict[str, str]:
-        """The adapters the server holds: name -> path (GET /v1/models: the cards with a parent)."""
-        body = await self._json("GET", MODELS_PATH)
+    def listed_adapters(self, body: Any) -> dict[str, str]:
+        """The adapters in a GET /v1/models answer: name -> path (the cards with a parent)."""
         try:
             return {str(c["id"]): str(c.get("root")) for c in body["data"] if c.get("parent")}
         except (KeyError, TypeError) as exc:
             raise EngineError(f"GET {MODELS_PATH} answered an unexpected layout: {str(body)[:300]}",
                               url=self.url) from exc
 
+    async def served_adapters(self) -> dict[str, str]:
+        """The adapters the server holds: name -> path."""
+        return self.listed_adapters(await self._json("GET", MODELS_PATH))
+
+    def _remember(self, served: Iterable[str]) -> str | None:
+        """The newest of `served`, now the adapter requests name until the list is read again."""
+        self._adapter, self._adapters_read = newest_adapter(served), time.monotonic()
+        return self._adapter
+
     async def current_adapter(self) -> str | None:
         """The adapter a request names now: the newest listed (None: none loaded, the base model)."""
         if time.monotonic() - self._adapters_read > ADAPTER_REFRESH_S:
-            self._adapter = newest_adapter(await self.served_adapters())
-            self._adapters_read = time.monotonic()
+            return self._remember(await self.served_adapters())
         return self._adapter
 
     def look_again(self) -> None:
@@ -110,10 +117,11 @@ class NamedAdapterEngine(HTTPEngine):
                     log.warning("could not unload adapter %s: %s", old, exc)
         self.look_again()
 
-    async def with_adapter(self, info: dict[str, Any]) -> dict[str, Any]:
+    async def with_adapter(self, info: dict[str, Any], served: dict[str, str] | None = None) -> dict[str, Any]:
         """Model info as a LoRA job reads it: the newest adapter's label is what requests are answered
-        by (`base_weight_version`: the server's own label); without an adapter, the base model's."""
-        self._adapter, self._adapters_read = newest_adapter(await self.served_adapters()), time.monotonic()
-        if self._adapter is None:
+        by (`base_weight_version`: the server's own label); without an adapter, the base model's.
+        `served`: the adapters, when the caller already listed them."""
+        adapter = self._remember(served if served is not None else await self.served_adapters())
+        if adapter is None:
             return info
-        return {**info, "base_weight_version": info.get("weight_version"), "weight_version": self._adapter}
+        return {**info, "base_weight_version": info.get("weight_version"), "weight_version": adapter}

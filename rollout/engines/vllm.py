@@ -176,4 +176,4 @@ class VLLMEngine(NamedAdapterEngine):
         label = (await self._json("GET", "/weight_info")).get("weight_version")
         info = {"model_path": data.get("root") or data.get("id"), "served_model_name": data.get("id"),
                 "max_model_len": data.get("max_model_len"), "weight_version": label, "engine": "vllm"}
-        return await self.with_adapter(info) if self.adapters else info
+        return await self.with_adapter(info, self.listed_adapters(body)) if self.adapters else info

@@ -64,6 +64,7 @@ name and keeps the tensors in `state.received`; the label moves only when the re
 
 
 import asyncio
+import math
 import threading
 import time
 import uuid
@@ -125,6 +126,11 @@ def fake_token(prompt: list[int], i: int) -> int:
 def fake_logprob(i: int, version: str) -> float:
     v = int(version) if version.isdigit() else 0
     return -0.01 * (i + 1) - v
+
+
+def fake_version(logprob: float) -> int:
+    """The version whose weights gave a token `logprob` (fake_logprob's inverse, for i < 100)."""
+    return math.floor(-logprob)
 
 
 def create_app(state: FakeState) -> Any:
