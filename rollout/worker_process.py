@@ -34,6 +34,8 @@ from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect, set_outage_window
 
 log = logging.getLogger("asyncrl.rollout")
+WAIT_LOG_S = 30.0
+"""How often a worker waiting for its engine or reward service says so."""
 
 
 class StartupError(Exception):
@@ -147,10 +149,17 @@ def episode_runner(rollout: RolloutSpec, tokenizer: object, renderer: PromptRend
 
 
 async def wait_until_ready(ready: Callable[[], Awaitable[bool]], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    """Poll `ready` every second; say so when it is not ready at once and every WAIT_LOG_S after, so
+    a worker held by a dependency (a reward service that never answers) shows which one in its log."""
+    start = time.monotonic()
+    said = 0.0
     while not await ready():
-        if time.monotonic() > deadline:
+        waited = time.monotonic() - start
+        if waited > timeout:
             raise StartupError(f"{what} not ready after {timeout:.0f}s")
+        if not said or waited - said >= WAIT_LOG_S:
+            log.info("waiting for %s to be ready (%.0fs so far, giving up after %.0fs)", what, waited, timeout)
+            said = max(waited, 1e-9)
         await asyncio.sleep(1.0)
 
 

@@ -149,6 +149,12 @@ def test_rewriting_rules() -> None:
     assert rw("0.0.0.0:30000") == "0.0.0.0:41000"
     assert rw("30000") == "41000" and rw("--port=30000") == "--port=41000" and rw("300001") == "300001"
     assert rw("other.ns.svc") == "127.0.0.1" and rw("12:30") == "12:30" and rw("unknown:6379") == "unknown:6379"
+    # A URL's short host is a Service the search path finds once it exists: resolved when the client
+    # connects, so mapped now (its proxy refuses connections until the Service has Ready pods).
+    later = net.service_port("rl", "reward", 8100)
+    assert rw("http://reward:8100/score") == f"http://127.0.0.1:{later}/score"
+    assert rw("http://reward.other:8100") == f"http://127.0.0.1:{net.service_port('other', 'reward', 8100)}"
+    assert rw("reward:8100") == "reward:8100"  # not a URL: not taken for a name
 
 
 # ----------------------------------------------------------------------------------- controllers

@@ -73,3 +73,30 @@ async def test_rollout_command_publishes_and_stops_on_sigterm(redis_url, tmp_pat
     assert await EngineRegistry(redis, names).list() == []
     assert "rollout worker stopped" in (tmp_path / "rollout.log").read_text()
     await redis.aclose()
+
+
+async def test_waiting_for_a_dependency_says_which_and_gives_up_with_its_name(caplog, monkeypatch):
+    """A worker held by its engine or reward service names it in its log while it waits, and in the
+    error when it gives up (a silent wait looked like a hung worker)."""
+    from asyncrl.rollout import worker_process as W
+
+    monkeypatch.setattr(W.asyncio, "sleep", _no_sleep)
+    answers = iter([False, False, True])
+
+    async def ready() -> bool:
+        return next(answers)
+
+    caplog.set_level("INFO", logger="asyncrl.rollout")
+    await W.wait_until_ready(ready, "reward service http://reward:8100", timeout=60)
+    said = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(said) == 1 and "reward service http://reward:8100" in said[0], said
+
+    async def never() -> bool:
+        return False
+
+    with pytest.raises(W.StartupError, match="reward service http://reward:8100 not ready after 0s"):
+        await W.wait_until_ready(never, "reward service http://reward:8100", timeout=0)
+
+
+async def _no_sleep(_seconds: float) -> None:
+    return None

@@ -47,7 +47,9 @@ every `env` value of a container (and to exec-probe commands):
    root and `/tmp/pytest-of-*` by default: host data a test hands to a pod) is left alone.
 3. Addresses: `host:port` where `host` is a cluster name is replaced by `127.0.0.1:<host port>`:
    - a Service: `<svc>` (same namespace), `<svc>.<ns>`, `<svc>.<ns>.svc[.cluster.local]` and port = a
-     Service port -> the Service's proxy port (a `.svc` name is rewritten even before the Service exists);
+     Service port -> the Service's proxy port (a `.svc` name, and a short one that is a URL's host
+     (`http://<svc>:<port>`), is rewritten even before the Service exists: a client resolves a URL when it
+     connects, and the operator makes a job's children in no order its pods could wait for);
    - a pod of a headless Service (StatefulSet pod DNS): `<pod>.<svc>[.<ns>[.svc[.cluster.local]]]` ->
      that pod's host port for the container port;
    - `localhost`, `127.0.0.1`, `0.0.0.0` with one of the pod's own ports -> the same host with this pod's

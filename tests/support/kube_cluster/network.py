@@ -74,7 +74,11 @@ class Dns:
         svc = self.services.get((namespace, name))
         return svc is not None and (svc.get("spec") or {}).get("clusterIP") == "None"
 
-    def lookup(self, host: str, namespace: str) -> ServiceName | PodName | None:
+    def lookup(self, host: str, namespace: str, *, in_url: bool = False) -> ServiceName | PodName | None:
+        """`in_url`: the host of a URL (`scheme://host:port`), which a client resolves when it connects,
+        not when its container starts: a short name there (`<svc>`, `<svc>.<ns>`) is taken for a Service
+        the search path will find even before that Service exists (the operator makes children in no
+        order a pod can wait for)."""
         name = host.lower().rstrip(".")
         qualified = False
         for suffix in (".svc.cluster.local", ".svc"):
@@ -87,12 +91,12 @@ class Dns:
                 return ServiceName(labels[1], labels[0])
             return PodName(labels[2], labels[0]) if len(labels) == 3 else None
         if len(labels) == 1:
-            return ServiceName(namespace, name) if (namespace, name) in self.services else None
+            return ServiceName(namespace, name) if in_url or (namespace, name) in self.services else None
         if len(labels) == 2:
             first, second = labels
             if self._headless(namespace, second):
                 return PodName(namespace, first)
-            return ServiceName(second, first) if (second, first) in self.services else None
+            return ServiceName(second, first) if in_url or (second, first) in self.services else None
         if len(labels) == 3 and self._headless(labels[2], labels[1]):
             return PodName(labels[2], labels[0])
         return None
@@ -194,11 +198,14 @@ class Network:
     def service_port(self, namespace: str, service: str, port: int) -> int:
         return self.ports.get(("svc", namespace, service, int(port)))
 
-    def address(self, host: str, port: int, namespace: str, own: Mapping[int, int]) -> str | None:
-        """The local `host:port` standing in for a cluster address, or None when it names nothing known."""
+    def address(self, host: str, port: int, namespace: str, own: Mapping[int, int], *,
+                in_url: bool = False) -> str | None:
+        """The local `host:port` standing in for a cluster address, or None when it names nothing known
+        (`in_url`: see `Dns.lookup`)."""
         if host.lower() in LOOPBACK_HOSTS:
             return f"{host}:{own[port]}" if port in own else None
-        target = self._ip_pods.get(host) or self.dns.cluster_ips.get(host) or self.dns.lookup(host, namespace)
+        target = (self._ip_pods.get(host) or self.dns.cluster_ips.get(host)
+                  or self.dns.lookup(host, namespace, in_url=in_url))
         if isinstance(target, PodName):
             return f"{LOCAL_IP}:{self.pod_port(target.namespace, target.name, port)}"
         if isinstance(target, ServiceName):

@@ -62,7 +62,9 @@ class AddressRewriter:
     def hosts(self, text: str) -> str:
         """Rule 3 only: addresses inside any text (also the files of configMap/secret volumes)."""
         def host_port(m: re.Match[str]) -> str:
-            found = self.network.address(m.group("host"), int(m.group("port")), self.namespace, self.own)
+            in_url = m.string.endswith("://", 0, m.start())
+            found = self.network.address(m.group("host"), int(m.group("port")), self.namespace, self.own,
+                                         in_url=in_url)
             return found or m.group(0)
 
         def host_only(m: re.Match[str]) -> str:
