@@ -475,7 +475,9 @@ def _progressing(spec: AsyncRLJobSpec, prev_phase: JobPhase, obs: Observed, read
     problem = obs.problems[0] if obs.problems else None
     why = problem.describe() if problem else ready.waiting()
     if queued(obs) and prev_phase != "Running":  # not started yet: no startup deadline while Kueue holds it
-        return Verdict("Pending", QUEUED, why)
+        # the held pod first (the reason is its), then what else keeps the job's other pods waiting
+        held = sorted(obs.problems, key=lambda p: p.reason != QUEUED)
+        return Verdict("Pending", QUEUED, "; ".join(p.describe() for p in held))
     if ready.all_ready:
         if ready.outage is not None:  # every pod is up, yet training waits: say on what
             return Verdict("Running", ready.outage.reason, ready.outage.message)

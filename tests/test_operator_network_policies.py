@@ -1,61 +1,57 @@
-"""A reconciled job's NetworkPolicies, as the API server stores them (a real operator process against
-the test cluster's API server, `kubectl get netpol` against it too).
+"""A reconciled job's NetworkPolicies, as the real kube-apiserver stores them (the real operator process
+on the real control plane, `kubectl get netpol` against it too).
 
-Nothing here enforces a policy (the test cluster does not, see tests/support/kube_cluster/): what is shown
-is that the operator creates them with selectors that match the live workloads' pods and ports that
-are the containers' own, that kubectl lists them, and that a hand-opened policy is closed again.
+Nothing here enforces a policy (no network plug-in runs): what is shown is that the apiserver accepts
+them (its own validation and defaulting), that the operator creates them with selectors that match
+the live workloads' pods and ports that are the containers' own, that kubectl lists them, and that a
+hand-opened policy is closed again.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
+import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import kmock
 import pytest
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.operator.kube import allowed
-from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
-from tests.support.kube_cluster import register_kubectl_tables
-from tests.support.kube_emulator import KubeEmulator
-from tests.support.operator_process import OperatorProcess
-from tests.support.polling import poll
+from tests.support.polling import poll_sync
+from tests.support.real_operator import crd_fixture, get, running_operator  # noqa: F401
 
-REPO = Path(__file__).resolve().parent.parent
-KUBECTL = REPO / ".tools" / "bin" / "kubectl"
-NS = "rl"
 JOB = "qwen"
 STATUS_PORT = 8123  # not the default: the trainer policy must follow the spec
-pytestmark = pytest.mark.slow
-
-
-TWO_TRAINERS = JobBuilder.example(**{"trainer.statusPort": STATUS_PORT, "trainer.replicas": 2}).named(JOB, NS)
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture
-async def emu(tmp_path: Path):
-    async with KubeEmulator() as e, kmock.Server(e):
-        register_kubectl_tables(e)
-        e.kubeconfig(tmp_path / "kubeconfig")
-        yield e
+def operator(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    with running_operator(control_plane, namespace, tmp_path, "--operator-namespace", OPERATOR_NS) as log:
+        yield log
 
 
-@pytest.fixture
-async def operator(emu: KubeEmulator, tmp_path: Path):
-    op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
-                               extra_args=("--operator-namespace", OPERATOR_NS)).start()
-    yield op
-    await op.stop()
-    used = {(r.group, r.resource, r.verb) for r in emu.log if not r.agent.startswith(("kmock", "kubectl"))}
-    assert sorted(u for u in used if not allowed(*u)) == [], "calls outside PERMISSIONS"
+def create_job(cp: ControlPlane, namespace: str, doc: dict[str, Any]) -> None:
+    doc["metadata"] = {"name": JOB, "namespace": namespace}
+    cp.kubectl("create", "-f", "-", stdin=json.dumps(doc), check=True)
 
 
-def policies(emu: KubeEmulator) -> dict[str, dict]:
-    return {p["metadata"]["name"]: p for p in emu.all("networkpolicies", NS)}
+def policies(cp: ControlPlane, namespace: str) -> dict[str, dict]:
+    return {p["metadata"]["name"]: p for p in (get(cp, "networkpolicies", "-n", namespace) or {"items": []})["items"]}
+
+
+def wait_for_policies(cp: ControlPlane, namespace: str, operator_log: Path) -> dict[str, dict]:
+    names = {N.redis_network_policy(JOB), N.trainer(JOB), N.rollout(JOB)}
+    try:
+        poll_sync(lambda: set(policies(cp, namespace)) == names
+                  and get(cp, "deployment", N.rollout(JOB), "-n", namespace), timeout=60,
+                  what="the job's three NetworkPolicies")
+    except AssertionError:
+        raise AssertionError(f"operator log:\n{operator_log.read_text()[-4000:]}") from None
+    return policies(cp, namespace)
 
 
 def selects(policy: dict, workload: dict) -> bool:
@@ -92,20 +88,19 @@ def admits_operator(policy: dict, port: int) -> bool:
                for peer in rule.get("from") or [])
 
 
-async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_redis(emu, operator, tmp_path):
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=TWO_TRAINERS.doc()) as resp:
-        assert resp.status == 201, await resp.text()
-    names = {N.redis_network_policy(JOB), N.trainer(JOB), N.rollout(JOB)}
-    await poll(lambda: set(policies(emu)) == names and emu.get("deployments", NS, N.rollout(JOB)),
-                   what="the job's three NetworkPolicies", log=operator.log)
-    stored = policies(emu)
-    uid = emu.get(PLURAL, NS, JOB)["metadata"]["uid"]
+def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_redis(control_plane: ControlPlane,
+                                                                            namespace: str, operator: Path):
+    cp = control_plane
+    create_job(cp, namespace, JobBuilder.example(**{"trainer.statusPort": STATUS_PORT, "trainer.replicas": 2}).doc())
+    stored = wait_for_policies(cp, namespace, operator)
+    uid = get(cp, "asyncrljob", JOB, "-n", namespace)["metadata"]["uid"]
     for p in stored.values():
         assert p["metadata"]["ownerReferences"][0]["uid"] == uid, "the job owns it: it goes with the job"
         assert p["spec"]["policyTypes"] == ["Ingress"]
 
-    redis, trainer, rollout = (emu.get("statefulsets", NS, N.redis(JOB)), emu.get("statefulsets", NS, N.trainer(JOB)),
-                               emu.get("deployments", NS, N.rollout(JOB)))
+    redis, trainer, rollout = (get(cp, "statefulset", N.redis(JOB), "-n", namespace),
+                               get(cp, "statefulset", N.trainer(JOB), "-n", namespace),
+                               get(cp, "deployment", N.rollout(JOB), "-n", namespace))
     workloads = {"redis": redis, "trainer": trainer, "rollout": rollout}
     guards = {"redis": stored[N.redis_network_policy(JOB)], "trainer": stored[N.trainer(JOB)],
               "rollout": stored[N.rollout(JOB)]}
@@ -138,22 +133,13 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
     assert admits_operator(guards["redis"], B.REDIS_PORT) and not admits(guards["redis"], stranger, B.REDIS_PORT)
 
     # Opened by hand (an ingress rule that admits everything): the operator closes it again.
-    url = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/{N.trainer(JOB)}"
-    async with emu.patch(url, json={"spec": {"ingress": [{}]}},
-                         headers={"Content-Type": "application/merge-patch+json"}) as resp:
-        assert resp.status == 200, await resp.text()
+    cp.kubectl("patch", "networkpolicy", N.trainer(JOB), "-n", namespace, "--type=merge",
+               "-p", json.dumps({"spec": {"ingress": [{}]}}), check=True)
     closed = guards["trainer"]["spec"]
-    await poll(lambda: (emu.get("networkpolicies", NS, N.trainer(JOB)) or {}).get("spec") == closed,
-                   what="the opened trainer policy put back", log=operator.log)
+    poll_sync(lambda: (get(cp, "networkpolicy", N.trainer(JOB), "-n", namespace) or {}).get("spec") == closed,
+              timeout=60, what="the opened trainer policy put back")
 
-    if not KUBECTL.exists():
-        pytest.skip("kubectl is not installed (scripts/install-k8s-tools.sh)")
-    proc = await asyncio.create_subprocess_exec(
-        str(KUBECTL), "get", "netpol", "-n", NS, env=dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig")),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    rows = [line.split() for line in out.decode().strip().splitlines()]
+    rows = [line.split() for line in cp.kubectl("get", "netpol", "-n", namespace, check=True).stdout.splitlines()]
     assert rows[0] == ["NAME", "POD-SELECTOR", "AGE"]
     assert sorted(r[:2] for r in rows[1:]) == sorted(
         [name, ",".join(f"{k}={v}" for k, v in sorted(guards[c]["spec"]["podSelector"]["matchLabels"].items()))]
@@ -162,27 +148,27 @@ async def test_reconciled_job_has_policies_that_close_engine_c10d_status_and_red
 
 
 @pytest.mark.parametrize("transport", ["disk", "collective"])
-async def test_collective_weight_sync_opens_trainer_and_rollout_to_each_other_only(emu, operator, transport):
+def test_collective_weight_sync_opens_trainer_and_rollout_to_each_other_only(control_plane: ControlPlane,
+                                                                             namespace: str, operator: Path,
+                                                                             transport: str):
     """trainer.weightTransport collective: the engines dial the weight group's store on trainer pod 0
     (29600) and NCCL/Gloo then connect on ephemeral ports both ways, trainer to engine and engine to
     engine; so the stored policies admit every port between the job's trainer and rollout pods, and
     still nothing from another job or the operator. With disk nothing of that is open."""
-    doc = TWO_TRAINERS.doc()
-    doc["spec"]["trainer"]["weightTransport"] = transport
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
-        assert resp.status == 201, await resp.text()
-    await poll(lambda: len(policies(emu)) == 3 and emu.get("deployments", NS, N.rollout(JOB)),
-                   what="the job's three NetworkPolicies", log=operator.log)
-    stored = policies(emu)
+    cp = control_plane
+    create_job(cp, namespace, JobBuilder.example(**{"trainer.statusPort": STATUS_PORT, "trainer.replicas": 2,
+                                                    "trainer.weightTransport": transport}).doc())
+    stored = wait_for_policies(cp, namespace, operator)
     trainer_policy, rollout_policy = stored[N.trainer(JOB)], stored[N.rollout(JOB)]
-    trainer, rollout = emu.get("statefulsets", NS, N.trainer(JOB)), emu.get("deployments", NS, N.rollout(JOB))
+    trainer = get(cp, "statefulset", N.trainer(JOB), "-n", namespace)
+    rollout = get(cp, "deployment", N.rollout(JOB), "-n", namespace)
     labels = {c: w["spec"]["template"]["metadata"]["labels"] for c, w in (("trainer", trainer), ("rollout", rollout))}
     stranger = {N.LABEL_JOB: "another-job", N.LABEL_COMPONENT: "rollout"}
     collective = transport == "collective"
 
     trainer_container = trainer["spec"]["template"]["spec"]["containers"][0]
     trainer_ports = {p["name"]: p["containerPort"] for p in trainer_container["ports"]}
-    headless = {p["name"]: p["port"] for p in emu.get("services", NS, N.trainer(JOB))["spec"]["ports"]}
+    headless = {p["name"]: p["port"] for p in get(cp, "service", N.trainer(JOB), "-n", namespace)["spec"]["ports"]}
     if collective:
         assert trainer_ports["weight-group"] == B.WEIGHT_GROUP_PORT == 29600
         assert headless == {"rdzv": B.RDZV_PORT, "weight-group": B.WEIGHT_GROUP_PORT}

@@ -1,7 +1,18 @@
-"""The end-to-end cluster scenarios' shared parts (tests/test_cluster_e2e.py on the emulated API,
-tests/test_cluster_e2e_real.py on the real control plane): the tiny job, the `E2E` environment (operator
-processes, kubectl, the transcript, waits), and what the scenarios read from a job's volume, Redis and
-pods. See tests/test_cluster_e2e.py for what stands in for the images.
+"""The end-to-end cluster scenarios' shared parts (tests/test_cluster_e2e.py and
+tests/test_cluster_e2e_recovery.py): the tiny job, the `E2E` environment on the real control plane
+(`RealCluster` as its one node, the chart installed with helm, the operator as the chart's
+ServiceAccount, kubectl, the transcript, waits), and what the scenarios read from a job's volume, Redis
+and pods.
+
+What stands in for the images (tests/support/kube_cluster/ maps paths, Service names and declared ports
+itself): the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local_redis` uses
+(a bin dir on the pods' PATH); the trainer's status port, which it reads from the job file, is given as
+`--status-port <host port>` (the hook); the node's model cache (`ASYNCRL_CACHE`) plays the pre-pulled
+image, so the embedded GGUF is not converted again in every pod.
+
+The operator runs outside the cluster, as it would on a laptop against a real one: it reaches the job's
+status endpoint and Redis through the cluster's Service proxies (`--status-url-template`,
+`--redis-url-template`, what `kubectl port-forward` would give it), so one operator process serves one job.
 """
 
 from __future__ import annotations
@@ -13,27 +24,29 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 
 from asyncrl.engine_servers import PROXY_READY_PATH
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
-from asyncrl.spec import PLURAL
+from asyncrl.spec import API_VERSION, PLURAL
 from asyncrl.transport.streams import trained_ids
+from tests.support.control_plane import ControlPlane, find_tool
 from tests.support.jobs import JobBuilder
-from tests.support.kube_cluster import KubeCluster, Launch, meta
-from tests.support.kube_emulator import KubeEmulator
+from tests.support.kube_cluster import Launch, RealCluster, meta
+from tests.support.kube_cluster.rest import Reflector
 from tests.support.operator_process import OperatorProcess
+from tests.support.real_operator import refused_by_rbac, service_account_kubeconfig
 from tests.support.redis_image import redis_bin_dir
 
 REPO = Path(__file__).resolve().parents[2]
-KUBECTL = REPO / ".tools" / "bin" / "kubectl"
 NS = "rl"
 SCALE = 0.05  # every Kubernetes duration (probe periods, back-off, grace periods) runs 20x faster
 STATUS_PORT, REDIS_PORT = 8000, 6379
@@ -79,23 +92,43 @@ class Transcript:
 
 
 class E2E:
-    """One test's cluster, kubectl and operator."""
+    """One test's namespace on the session's control plane: `RealCluster` as its node, kubectl (as
+    admin), the operator (as the chart's ServiceAccount), and waits; reads come from watches."""
 
-    def __init__(self, emu: KubeEmulator, tmp: Path):
-        self.emu, self.tmp = emu, tmp
-        self.kubeconfig = tmp / "kubeconfig"
-        emu.kubeconfig(self.kubeconfig)
+    def __init__(self, cp: ControlPlane, tmp: Path, operator_kubeconfig: Path):
+        self.cp, self.tmp, self.kubeconfig = cp, tmp, cp.kubeconfig
+        self.operator_kubeconfig = operator_kubeconfig
+        """The chart ServiceAccount's: the operator makes every request with its token."""
         self.hooks: list[Callable[[Launch], Launch]] = []
         self.operators: list[OperatorProcess] = []
         self.applied: list[str] = []
         """The jobs applied, by name (a failed wait prints their status)."""
-        self.cluster = KubeCluster(
-            emu, tmp / "cluster", time_scale=SCALE, hook=self._hook, probe_timeout_floor=3.0,
-            bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
+        self.cluster = RealCluster(
+            cp.kubeconfig, tmp / "cluster", namespaces=[NS], time_scale=SCALE, hook=self._hook,
+            probe_timeout_floor=3.0, bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
             # one torch thread per process (engine and trainer share 2 cores, as in `asyncrl run`); the
             # node's model cache (asyncrl.models; each pod's HOME=/tmp is an emptyDir of its own)
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCRL_TORCH_THREADS": "1",
                  "ASYNCRL_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        self.watches: dict[str, Reflector] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        await self.cluster.start()
+        client = self.cluster.client
+        self.watches = {PLURAL: Reflector(client, PLURAL, path=f"/apis/{API_VERSION}/{PLURAL}"),
+                        **{plural: Reflector(client, plural)
+                           for plural in ("statefulsets", "deployments", "networkpolicies")}}
+        self._tasks = [asyncio.create_task(w.run()) for w in self.watches.values()]
+        await asyncio.gather(*(w.synced.wait() for w in self.watches.values()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for op in self.operators:
+            await op.stop()
+        await self.cluster.stop()
 
     def _hook(self, launch: Launch) -> Launch:
         # The trainer listens on spec.trainer.statusPort, read from the job file (no rule maps a port
@@ -112,8 +145,8 @@ class E2E:
     async def start_operator(self, job: str) -> OperatorProcess:
         status = f"http://127.0.0.1:{self.cluster.service_port(NS, N.status_service(job), STATUS_PORT)}"
         redis = f"redis://:{{password}}@127.0.0.1:{self.cluster.service_port(NS, N.redis(job), REDIS_PORT)}/0"
-        op = OperatorProcess(self.kubeconfig, self.tmp / "operator.log", interval=0.5,
-                             status_url_template=status, redis_url_template=redis)
+        op = OperatorProcess(self.operator_kubeconfig, self.tmp / "operator.log", interval=0.5,
+                             status_url_template=status, redis_url_template=redis, extra_args=("--namespace", NS))
         self.operators.append(await op.start())
         return op
 
@@ -121,8 +154,8 @@ class E2E:
 
     async def kubectl(self, *args: str, check: bool = True) -> str:
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
-        proc = await asyncio.create_subprocess_exec(str(KUBECTL), *args, env=env, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(str(find_tool("kubectl")), *args, env=env,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         if check:
             assert proc.returncode == 0, f"kubectl {' '.join(args)} failed: {err.decode()}"
@@ -132,8 +165,7 @@ class E2E:
         path = self.tmp / f"{doc['metadata']['name']}.yaml"
         self.applied.append(doc["metadata"]["name"])
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
-        # --validate=false: the emulator serves no OpenAPI documents (docs/operator.md, testing)
-        return await self.kubectl("apply", "--validate=false", "-f", str(path))
+        return await self.kubectl("apply", "-f", str(path))
 
     @contextlib.asynccontextmanager
     async def transcript(self, every: float = 0.5):
@@ -158,8 +190,10 @@ class E2E:
     # -- reading the cluster
 
     def get(self, plural: str, name: str) -> dict[str, Any] | None:
-        """An object of the test's namespace as the API has it (None: not there)."""
-        return self.emu.get(plural, NS, name)
+        """An object of the test's namespace as the watches have it (None: not there)."""
+        if plural in self.watches:
+            return self.watches[plural].get(NS, name)
+        return self.cluster.api.get(plural, NS, name)
 
     def job(self, name: str) -> dict[str, Any] | None:
         return self.get(PLURAL, name)
@@ -186,11 +220,11 @@ class E2E:
         try:
             return await self.cluster.wait(check, timeout=timeout, what=what)
         except AssertionError as exc:
-            # the operator's own lines (not its HTTP client's debug lines) first, the cluster's state
+            # the operator's own lines (not its HTTP clients' debug lines) first, the cluster's state
             # (pods, container log tails) last: CI keeps the end of a long failure message
             lines = [line for op in self.operators[-1:] if op.log.exists()
                      for line in op.log.read_text().splitlines() if not line.split("]", 1)[-1].lstrip().startswith(
-                         ("httpx", "httpcore"))]
+                         ("httpx", "httpcore", "urllib3"))]
             jobs = {name: self.status(name) for name in dict.fromkeys(self.applied)}
             raise AssertionError("--- operator log tail ---\n" + "\n".join(lines[-40:])
                                  + f"\n--- job status ---\n{json.dumps(jobs, indent=1)[-3000:]}\n{exc}") from None
@@ -201,6 +235,30 @@ class E2E:
         status = self.status(job)
         assert status["phase"] == phase, status
         return status
+
+
+@pytest.fixture(name="e2e")
+async def e2e_fixture(control_plane: ControlPlane, crd: None, chart_release: tuple[str, Any],
+                      tmp_path: Path) -> AsyncIterator[E2E]:
+    """The job's namespace, the chart installed with helm, and the operator acting as the chart's
+    ServiceAccount: every request of every scenario goes through the apiserver's own RBAC (a 403 in the
+    audit log fails the test). Use beside `control_plane_fixture`, `crd_fixture` and
+    `chart_release_fixture` (imported into the test module)."""
+    release_ns, installed = chart_release
+    assert installed.returncode == 0, installed.stderr
+    user, operator_kubeconfig = service_account_kubeconfig(control_plane, release_ns)
+    control_plane.kubectl("create", "namespace", NS, check=True)  # the session's control plane: ours alone
+    env = E2E(control_plane, tmp_path, operator_kubeconfig)
+    try:
+        await env.start()
+        yield env
+    finally:
+        await env.stop()
+        # (waited for: the next test of the module makes the namespace again)
+        control_plane.kubectl("delete", "namespace", NS, "--wait=true", "--timeout=180s")
+    assert not env.cluster.alive_processes(), f"container processes left behind: {env.cluster.alive_processes()}"
+    assert not env.cluster.errors, "\n".join(env.cluster.errors)
+    assert not refused_by_rbac(control_plane, user), f"the chart's RBAC refused: {refused_by_rbac(control_plane, user)}"
 
 
 class PhaseLog:

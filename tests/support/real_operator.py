@@ -7,6 +7,7 @@ beside the control plane's own fixtures."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -78,18 +79,26 @@ def refused_by_rbac(cp: ControlPlane, user: str) -> list[tuple[Any, ...]]:
                    for e in audited(cp, user) if e["responseStatus"]["code"] == 403}, key=str)
 
 
-@pytest.fixture(name="operator")
-def operator_fixture(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
-    """The real `asyncrl operator`, as cluster admin, watching the test's namespace; yields its log."""
-    env = {**control_plane.env(), "PYTHONUNBUFFERED": "1"}
+@contextlib.contextmanager
+def running_operator(cp: ControlPlane, namespace: str, logs: Path, *extra: str) -> Iterator[Path]:
+    """The real `asyncrl operator`, as cluster admin, watching `namespace` (with `extra` arguments);
+    yields its log."""
+    env = {**cp.env(), "PYTHONUNBUFFERED": "1"}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     proc = start_process("operator", [sys.executable, "-m", "asyncrl.cli", "operator", "--namespace", namespace,
-                                      "--interval", "1", "--liveness-port", "0", "--metrics-port", "0", "--verbose"],
-                         tmp_path, env=env, cwd=REPO)
+                                      "--interval", "1", "--liveness-port", "0", "--metrics-port", "0", "--verbose",
+                                      *extra], logs, env=env, cwd=REPO)
     try:
         yield proc.log
     finally:
         proc.stop(grace=15)
+
+
+@pytest.fixture(name="operator")
+def operator_fixture(control_plane: ControlPlane, crd: None, namespace: str, tmp_path: Path) -> Iterator[Path]:
+    """The real `asyncrl operator`, as cluster admin, watching the test's namespace; yields its log."""
+    with running_operator(control_plane, namespace, tmp_path) as log:
+        yield log
 
 
 def get(cp: ControlPlane, *args: str) -> Any:

@@ -30,6 +30,7 @@ RESOURCES: dict[str, tuple[str, bool]] = {
     "leases": ("/apis/coordination.k8s.io/v1", True), "storageclasses": ("/apis/storage.k8s.io/v1", False),
     "deployments": ("/apis/apps/v1", True), "statefulsets": ("/apis/apps/v1", True),
     "replicasets": ("/apis/apps/v1", True), "endpointslices": ("/apis/discovery.k8s.io/v1", True),
+    "networkpolicies": ("/apis/networking.k8s.io/v1", True),
 }
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "process-kubelet"  # how the apiserver's audit log names our requests
