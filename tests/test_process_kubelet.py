@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ import httpx
 import pytest
 
 from tests.support.control_plane import ControlPlane, control_plane_fixture, namespace_fixture  # noqa: F401
+from tests.support.kube_cluster.network import Network
 from tests.support.kube_cluster.node import LEASE_NAMESPACE
 from tests.support.kube_cluster.objects import Obj, meta
 from tests.support.kube_cluster.provisioner import STORAGE_CLASS
 from tests.support.kube_cluster.real_cluster import POD_NETWORK, RealCluster
+from tests.support.kube_cluster.rewriting import AddressRewriter, PathRewriter, expand_vars
 
 SCALE = 0.05
 PY = "python"  # found on the pod's PATH: the test venv's bin comes first
@@ -88,6 +92,48 @@ def condition(status: Obj, kind: str) -> str | None:
 
 
 # --------------------------------------------------------------------------------------- tests
+
+
+def test_rewriting_rules() -> None:
+    """Variables, mount paths and cluster addresses map as the module doc says."""
+    assert expand_vars("$(A)-$(B)-$$(A)", {"A": "1"}) == "1-$(B)-$(A)"
+
+    paths = PathRewriter({"/etc/app": Path("/x/cm"), "/tmp": Path("/x/tmp"), "/dev/termination-log": Path("/x/t")},
+                         ["/tmp/pytest-of-"])
+    assert paths("--config=/etc/app/job.yaml") == "--config=/x/cm/job.yaml"
+    assert paths("open('/tmp/a'); /tmpfoo /var/tmp /dev/termination-log") == "open('/x/tmp/a'); /tmpfoo /var/tmp /x/t"
+    assert paths("/tmp/pytest-of-me/model") == "/tmp/pytest-of-me/model"  # host data handed to the pod
+
+    net = Network()
+    net.dns.update([
+        {"metadata": {"name": "redis", "namespace": "rl"}, "spec": {"ports": [{"port": 6379}]}},
+        {"metadata": {"name": "trainer", "namespace": "rl"}, "spec": {"clusterIP": "None", "ports": [{"port": 29500}]}},
+    ])
+    own = {30000: 41000}
+    rw = AddressRewriter(net, "rl", own)
+    redis = net.service_port("rl", "redis", 6379)
+    assert rw("redis://:pw@redis.rl.svc:6379/0") == f"redis://:pw@127.0.0.1:{redis}/0"
+    assert rw("redis:6379") == rw("redis.rl:6379") == rw("redis.rl.svc.cluster.local:6379") == f"127.0.0.1:{redis}"
+    assert rw("redis:1234") == "redis:1234"  # not a port of the Service
+    pod0 = net.pod_port("rl", "trainer-0", 29500)
+    assert rw("--rdzv-endpoint=trainer-0.trainer.rl.svc:29500") == f"--rdzv-endpoint=127.0.0.1:{pod0}"
+    assert rw("trainer-0.trainer:29500") == f"127.0.0.1:{pod0}"
+    assert rw("http://127.0.0.1:30000/x") == "http://127.0.0.1:41000/x"
+    assert rw("0.0.0.0:30000") == "0.0.0.0:41000"
+    assert rw("30000") == "41000" and rw("--port=30000") == "--port=41000" and rw("300001") == "300001"
+    assert rw("other.ns.svc") == "127.0.0.1" and rw("12:30") == "12:30" and rw("unknown:6379") == "unknown:6379"
+    # A URL's short host is a Service the search path finds once it exists: resolved when the client
+    # connects, so mapped now (its proxy refuses connections until the Service has Ready pods).
+    later = net.service_port("rl", "reward", 8100)
+    assert rw("http://reward:8100/score") == f"http://127.0.0.1:{later}/score"
+    assert rw("http://reward.other:8100") == f"http://127.0.0.1:{net.service_port('other', 'reward', 8100)}"
+    assert rw("reward:8100") == "reward:8100"  # not a URL: not taken for a name
+
+
+def test_python_on_the_pod_path_is_the_test_venv() -> None:
+    assert (Path(sys.executable).parent / PY).exists()
+
+
 
 
 async def test_the_node_registers_ready_with_gpus_and_renews_its_lease(cluster: RealCluster,
@@ -306,3 +352,180 @@ async def test_stopping_the_cluster_kills_every_process_and_leaves_the_node(
     bound = json.loads(control_plane.kubectl("get", "pods", "-n", ns, "-o", "json", "--field-selector",
                                              f"spec.nodeName={c.node_name}").stdout)["items"]
     assert bound == []
+
+
+# ----------------------------------------------------------------------------------- probes and restarts
+
+
+def http_probe(path: str, **extra: Any) -> Obj:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": 1, **extra}
+
+
+def ready_names(c: RealCluster, namespace: str) -> list[str]:
+    return sorted(meta(p)["name"] for p in c.ready_pods(namespace))
+
+
+async def test_readiness_needs_a_route_that_answers_and_an_exec_probe_sees_the_containers_paths(
+        cluster: RealCluster, namespace: str):
+    ns = namespace
+    await cluster.create(pod("good", ns, [http_server(directory="/tmp", readinessProbe=http_probe("/"))]))
+    await cluster.create(pod("bad", ns, [http_server(directory="/tmp", readinessProbe=http_probe("/missing"))]))
+    # an exec probe sees the container's paths (rule 2): Ready once the file is in its emptyDir
+    flag = container("main", ["sleep", "600"], readinessProbe={"exec": {"command": ["test", "-f", "/flags/ready"]},
+                                                               "periodSeconds": 1},
+                     volumeMounts=[{"name": "flags", "mountPath": "/flags"}])
+    await cluster.create(pod("flag", ns, [flag], volumes=[{"name": "flags", "emptyDir": {}}]))
+    await cluster.wait(lambda: ready_names(cluster, ns) == ["good"] and cluster.pid(ns, "flag", "main"),
+                       timeout=60, what="good Ready")
+    (cluster.volume_path(ns, "flag", "flags") / "ready").write_text("")
+    await cluster.wait(lambda: ready_names(cluster, ns) == ["flag", "good"], timeout=60, what="flag Ready")
+    await cluster.wait(lambda: status_of(cluster, ns, "bad").get("phase") == "Running", what="bad running")
+    await asyncio.sleep(10 * SCALE)  # ten probe periods later: still not Ready, and never restarted
+    assert ready_names(cluster, ns) == ["flag", "good"]
+    assert (container_status(cluster, ns, "bad")["ready"], container_status(cluster, ns, "bad")["restartCount"]) \
+        == (False, 0)
+    ready = {c["type"]: c for c in status_of(cluster, ns, "bad")["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ContainersNotReady"), ready
+
+
+async def test_a_startup_probe_holds_liveness_and_kills_when_it_fails(cluster: RealCluster, namespace: str):
+    ns = namespace
+    # generous thresholds, as a real slow starter sets them (scaled 20x, the defaults give 150 ms)
+    slow = http_server(directory="/tmp", startupProbe=http_probe("/", failureThreshold=200),
+                       livenessProbe=http_probe("/", failureThreshold=10), readinessProbe=http_probe("/"))
+    never = http_server(directory="/tmp", startupProbe=http_probe("/missing", failureThreshold=2),
+                        livenessProbe=http_probe("/"))
+    await cluster.create(pod("slow", ns, [slow]))
+    await cluster.create(pod("never", ns, [never]))
+    await cluster.wait(lambda: ready_names(cluster, ns) == ["slow"], timeout=60, what="slow started and Ready")
+    assert container_status(cluster, ns, "slow")["started"] is True
+    await cluster.wait(lambda: container_status(cluster, ns, "never").get("restartCount", 0) >= 1, timeout=60,
+                       what="never killed by its startup probe")
+    assert container_status(cluster, ns, "never")["started"] is False
+    assert any("startup probe failed" in e for e in cluster.kubelet.events)
+    assert container_status(cluster, ns, "slow")["restartCount"] == 0
+
+
+async def test_restart_policy_never_ends_in_succeeded_or_failed(cluster: RealCluster, namespace: str):
+    ns = namespace
+    await cluster.create(pod("ok", ns, [container("main", ["true"])], restartPolicy="Never"))
+    await cluster.create(pod("ko", ns, [container("main", ["false"])], restartPolicy="Never"))
+    await cluster.create(pod("retry", ns, [container("main", ["false"])], restartPolicy="OnFailure"))
+    await cluster.wait(lambda: status_of(cluster, ns, "ok").get("phase") == "Succeeded"
+                       and status_of(cluster, ns, "ko").get("phase") == "Failed", timeout=60, what="phases")
+    assert container_status(cluster, ns, "ko")["state"]["terminated"]["exitCode"] == 1
+    assert container_status(cluster, ns, "ko")["restartCount"] == 0
+    await cluster.wait(lambda: container_status(cluster, ns, "retry").get("restartCount", 0) >= 1, timeout=60,
+                       what="OnFailure restarts")
+
+
+async def test_a_sigkilled_container_is_restarted_and_a_process_that_left_its_group_dies_with_it(
+        cluster: RealCluster, namespace: str):
+    """torchrun starts its workers in a new session: killing the container must take them along, as a
+    PID namespace does (rule 6)."""
+    ns = namespace
+    script = ("import subprocess, time; c = subprocess.Popen(['sleep', '600'], start_new_session=True);"
+              " print('child', c.pid, flush=True); time.sleep(600)")
+    await cluster.create(pod("escape", ns, [container("main", [PY, "-c", script])]))
+
+    def children() -> list[int]:
+        return [int(line.split()[1]) for line in cluster.log(ns, "escape", "main").splitlines()
+                if line.startswith("child ")]
+
+    (first,) = await cluster.wait(children, timeout=60, what="first child")
+    main = cluster.pid(ns, "escape", "main")
+    assert main is not None and first in cluster.alive_processes() and os.getpgid(first) != main
+    cluster.kill(ns, "escape", "main")
+    await cluster.wait(lambda: len(children()) == 2 and container_status(cluster, ns, "escape").get("ready"),
+                       timeout=60, what="restarted with a second child")
+    assert first not in cluster.alive_processes() and cluster.pid(ns, "escape", "main") not in (None, main)
+    last = container_status(cluster, ns, "escape")
+    assert (last["restartCount"], last["lastState"]["terminated"]["exitCode"]) == (1, 128 + signal.SIGKILL), last
+
+
+async def test_a_pod_that_ignores_sigterm_is_killed_after_its_grace_period(
+        cluster: RealCluster, control_plane: ControlPlane, namespace: str):
+    ns = namespace
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True);"
+                " time.sleep(600)")
+    await cluster.create(pod("stubborn", ns, [container("main", [PY, "-c", stubborn])],
+                             terminationGracePeriodSeconds=40))  # 2 s scaled
+    await cluster.wait(lambda: "up" in cluster.log(ns, "stubborn", "main"), timeout=60, what="stubborn up")
+    pid = cluster.pid(ns, "stubborn", "main")
+    deleted = await asyncio.to_thread(control_plane.kubectl, "delete", "pod", "stubborn", "-n", ns, "--wait=false")
+    assert deleted.returncode == 0, deleted.stderr
+    await cluster.wait(lambda: asyncio.to_thread(lambda: get(control_plane, "pod", "stubborn", "-n", ns) is None),
+                       timeout=60, what="the pod gone after SIGKILL")
+    assert pid is not None and pid not in cluster.alive_processes()
+    assert cluster.container(ns, "stubborn", "main").state["terminated"]["exitCode"] == 128 + signal.SIGKILL
+
+
+# ----------------------------------------------------------------------------------- network and storage
+
+
+async def test_a_service_name_reaches_ready_pods_only(cluster: RealCluster, namespace: str):
+    ns = namespace
+    await cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "site", "namespace": ns},
+                          "data": {"hello.txt": "hi from web"}})
+    web = http_server(readinessProbe=http_probe("/"), volumeMounts=[{"name": "site", "mountPath": "/srv"}])
+    await cluster.create(deployment("web", ns, 1, {"containers": [web],
+                                                   "volumes": [{"name": "site", "configMap": {"name": "site"}}]}))
+    # same labels, serves something else, never Ready: the Service must not send traffic to it
+    impostor = pod("impostor", ns, [http_server(directory="/tmp", readinessProbe=http_probe("/missing"))])
+    impostor["metadata"]["labels"] = {"app": "web"}
+    await cluster.create(impostor)
+    await cluster.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": ns},
+                          "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": "http"}]}})
+    fetch = ("import os, time, urllib.request\n"
+             "for url in [os.environ['LONG']] * 3 + [os.environ['SHORT']] * 3:\n"
+             "    while True:\n"
+             "        try:\n"
+             "            print(urllib.request.urlopen(url, timeout=5).read().decode(), flush=True); break\n"
+             "        except OSError:\n"
+             "            time.sleep(0.05)\n"
+             "time.sleep(600)\n")
+    env = [{"name": "LONG", "value": f"http://web.{ns}.svc.cluster.local:80/hello.txt"},
+           {"name": "HOST", "value": "web"}, {"name": "SHORT", "value": "http://$(HOST):80/hello.txt"}]
+    await cluster.create(pod("client", ns, [container("main", [PY, "-c", fetch], env=env)]))
+    await cluster.wait(lambda: cluster.log(ns, "client", "main").count("hi from web") == 6, timeout=60,
+                       what="6 answers through the Service's names")
+    assert "Directory listing" not in cluster.log(ns, "client", "main")
+
+
+async def test_a_claim_made_after_its_pods_is_shared_by_them_with_secret_and_downward_env(
+        cluster: RealCluster, namespace: str):
+    ns = namespace
+    await cluster.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s", "namespace": ns},
+                          "stringData": {"token": "t0k"}})
+    await cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": ns},
+                          "data": {"conf.yaml": "out: /data/out\nurl: http://db.other.svc:5432\n"}})
+    script = "import os, time; open('/data/' + os.environ['POD'], 'w').write(os.environ['TOKEN']); time.sleep(600)"
+    mounts = [{"name": "data", "mountPath": "/data"}, {"name": "cfg", "mountPath": "/etc/app"}]
+    writer = container("main", [PY, "-c", script], volumeMounts=mounts,
+                       env=[{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}}])
+    volumes = [{"name": "data", "persistentVolumeClaim": {"claimName": "d"}},
+               {"name": "cfg", "configMap": {"name": "cfg"}}]
+    await cluster.create(deployment("w", ns, 2, {"containers": [writer], "volumes": volumes}))
+
+    def waiting_for_the_claim() -> list[Obj]:
+        pods = cluster.pods(ns, "app=w")
+        return pods if len(pods) == 2 and all(
+            any(c["type"] == "PodScheduled" and c["status"] == "False" and '"d" not found' in c.get("message", "")
+                for c in (p.get("status") or {}).get("conditions") or []) for p in pods) else []
+
+    # no claim yet: the scheduler leaves the pods unscheduled, naming it
+    pending = await cluster.wait(waiting_for_the_claim, timeout=60, what="pods held for their claim")
+    names = sorted(meta(p)["name"] for p in pending)
+    await cluster.create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                          "metadata": {"name": "d", "namespace": ns},
+                          "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}})
+    shared = await cluster.wait(lambda: cluster.claim_path(ns, "d") if (cluster.api.get(
+        "persistentvolumeclaims", ns, "d") or {}).get("status", {}).get("phase") == "Bound" else None,
+        timeout=60, what="the claim Bound")
+    await cluster.wait(lambda: shared.is_dir() and sorted(f.name for f in shared.iterdir()) == names
+                       and all((shared / n).read_text() == "t0k" for n in names), timeout=60,
+                       what="both pods wrote into the one claim")
+    # the ConfigMap's file names container paths and a Service: both read right inside the pod
+    conf = (cluster.volume_path(ns, names[0], "cfg") / "conf.yaml").read_text()
+    assert conf == f"out: {shared}/out\nurl: http://127.0.0.1:{cluster.service_port('other', 'db', 5432)}\n"

@@ -1,37 +1,31 @@
-"""A test cluster that runs pods for real, on top of `KubeEmulator` or of a real control plane.
+"""The test cluster's node: pods of a REAL control plane run here as local processes (`RealCluster`).
 
-The parts, one module each: objects (helpers), api (clock, the emulator's API access), network (ports, pod
-IPs, DNS, kube-proxy), rewriting (mapping rules 1-4), env (env and volumes), probes, processes, containers,
-kubelet (pods), controllers (Deployment, StatefulSet, PVC binder), tables (kubectl columns), surface (what
-tests read and do to pods) and cluster (`KubeCluster`, wiring them to an emulator). The kubelet's side is
-backend-neutral (`api.PodApi`): `RealCluster` (real_cluster.py; with rest, real_api, node and provisioner)
-runs the same kubelet as a node of a real kube-apiserver, with the real scheduler and controllers; its
-module docstring says what is real there and what is ours.
+The parts, one module each: objects (helpers), api (the clock, and what the kubelet needs of an API),
+network (ports, pod IPs, DNS, kube-proxy), rewriting (mapping rules 1-4), env (env and volumes), probes,
+processes, containers, kubelet (pods), surface (what tests read and do to pods), and for the real API: rest
+(a small HTTPS client and watch caches), real_api (the kubelet's reads and writes), node (the Node and
+its Lease), provisioner (hostPath PersistentVolumes) and real_cluster (`RealCluster`, wiring them to a
+kube-apiserver from tests/support/control_plane.py). Everything above the node is Kubernetes' own: the
+apiserver, the scheduler and the controller-manager (Deployments, ReplicaSets, StatefulSets, PV binding,
+EndpointSlices, garbage collection); real_cluster.py's docstring says what is real and what is ours.
 
 An API server alone lets a test pass where a cluster would fail: nothing runs the pods, so a trainer that
-can never finish, or a readiness probe on a route the engine lacks, stays green. `KubeCluster` attaches to a
-running `KubeEmulator` (in-process, same event loop) and adds what a cluster does after the API server
-accepts an object:
+can never finish, or a readiness probe on a route the engine lacks, stays green. The node adds what a
+kubelet and kube-proxy do:
 
-- a Deployment controller and a StatefulSet controller (pods, PVCs from `volumeClaimTemplates`, `status`);
-- a PVC binder (every claim is `Bound`, backed by a directory);
-- a kubelet: every container is a real local process, probes are executed, containers restart with
+- every container is a real local process, probes are executed, containers restart with
   CrashLoopBackOff, pod status (`phase`, `conditions`, `containerStatuses`) is written back, pod deletion is
-  graceful (SIGTERM, grace period, SIGKILL);
-- kube-proxy and DNS: Service names resolve to a local TCP proxy that forwards to a Ready pod;
-- `kubectl get pods|deploy|sts|svc|pvc|netpol|pdb|all`: the columns kubectl shows (registered in the
-  emulator's `printers`) and the discovery short names (po, deploy, sts, svc, pvc, cm, netpol, pdb, ...)
-  with the `all` category. NetworkPolicies and PodDisruptionBudgets are stored and listed, not enforced.
+  graceful (SIGTERM, grace period, SIGKILL) and ends with the kubelet's final delete;
+- kube-proxy and DNS: Service names resolve to a local TCP proxy that forwards to a Ready pod.
 
 Usage::
 
-    async with KubeEmulator() as emu, kmock.Server(emu), \
-            KubeCluster(emu, tmp_path / "cluster", time_scale=0.05,
-                        entrypoints={"ghcr.io/asyncrl/trainer:0.1.0": ["asyncrl"]}) as cluster:
-        await cluster.create(deployment)             # or kubectl / the operator, through the emulator
-        await cluster.wait(lambda: cluster.ready_pods("default", "app=web"), what="web Ready")
-        cluster.kill("default", pod_name, "web")     # chaos: SIGKILL the container's processes
-        print(cluster.log("default", pod_name, "web"))
+    async with RealCluster(control_plane.kubeconfig, tmp_path / "cluster", namespaces=[ns],
+                           time_scale=0.05) as cluster:
+        await cluster.create(deployment)             # or kubectl / the operator
+        await cluster.wait(lambda: cluster.ready_pods(ns, "app=web"), what="web Ready")
+        cluster.kill(ns, pod_name, "web")            # chaos: SIGKILL the container's processes
+        print(cluster.log(ns, pod_name, "web"))
 
 Mapping rules
 -------------
@@ -88,43 +82,27 @@ Kubelet behaviour: containers start together (no init containers); readiness is 
 failure (`failureThreshold` in a row) kills the container (SIGTERM, grace, SIGKILL) and restarts it;
 `restartPolicy` Always/OnFailure/Never; restarts back off like kubelet (first at once, then 10 s, 20 s, 40 s
 ... capped at 300 s, reset after 600 s without a crash; `state.waiting.reason: CrashLoopBackOff` while
-waiting); exit codes of signalled processes are 128+signal; `hostIP` is 127.0.0.1, and so is `podIP` on
-the emulator (`RealCluster` gives each pod one from its pod network). When a
-container's main process exits, the rest of its process group is killed (a container's pid namespace).
-Pod deletion: the kubelet holds a finalizer on every pod it runs, so a deleted pod stays `Terminating`
-(deletionTimestamp set) until its processes are gone, as on a real cluster (`RealCluster`: the apiserver
-holds it, and the kubelet's final delete ends it).
-
-Controllers: a Deployment owns its pods directly (no ReplicaSet objects); pods are named
-`<deploy>-<template hash>-<5 chars>` and carry `pod-template-hash`; RollingUpdate honours maxSurge and
-maxUnavailable, Recreate deletes first. A StatefulSet names pods `<sts>-<ordinal>` with hostname/subdomain,
-creates `<claim>-<sts>-<ordinal>` PVCs from `volumeClaimTemplates`, starts OrderedReady pods one at a time
-after the previous is Running and Ready (Parallel: all at once), scales down from the highest ordinal,
-rolls a changed template from the highest ordinal one pod at a time (same names), honours `partition` and
-`OnDelete`, and applies `persistentVolumeClaimRetentionPolicy` (whenDeleted: Delete -> the PVCs are owned
-by the StatefulSet, so the emulator's garbage collector removes them with it; whenScaled: Delete -> the
-claims of removed ordinals are deleted). Status fields are written as the API server serialises them
-(zero-valued `omitempty` fields absent).
+waiting); exit codes of signalled processes are 128+signal; `hostIP` is 127.0.0.1, and each pod gets
+a `podIP` from the pod network. When a container's main process exits, the rest of its process group is
+killed (a container's pid namespace). A deleted pod stays `Terminating` (the apiserver holds a pod bound
+to a node) until its processes are gone and the kubelet's final delete ends it.
 
 Not emulated: images (nothing is pulled or isolated; processes run as the test user with the host's
 filesystem), init and ephemeral containers, lifecycle hooks (postStart/preStop), grpc probes, resource
 limits (no OOMKilled, `resourceFieldRef` env is a config error), ConfigMap/Secret volume updates after
-start, projected service-account tokens (`RealCluster` gets them by TokenRequest), service links env vars
-(`<SVC>_SERVICE_HOST`), Endpoints/EndpointSlice objects, NetworkPolicy enforcement and PodDisruptionBudget
-status, node selection/taints, ReplicaSet/Job/DaemonSet controllers (on the emulator; `RealCluster` has the
-real scheduler and controller-manager), `minReadySeconds`, `kubectl logs/exec/port-forward` (use `log()`,
-`service_port()`), UDP, ports not declared by a pod (they are not remapped, so two pods would collide), a
-process that leaves its container's process group and also drops `KUBE_CLUSTER_CONTAINER` from its
-environment survives container death; if the test process itself is killed (no teardown), container main
-processes die with it (PR_SET_PDEATHSIG) but their children may not.
+start, service links env vars (`<SVC>_SERVICE_HOST`), kube-proxy reading EndpointSlices (the proxies
+follow Services and the pods' labels and readiness; the real controller writes the slices all the same),
+NetworkPolicy enforcement, `kubectl logs/exec/port-forward` (use `log()`, `service_port()`), UDP, ports
+not declared by a pod (they are not remapped, so two pods would collide), a second node; a process that
+leaves its container's process group and also drops `KUBE_CLUSTER_CONTAINER` from its environment
+survives container death; if the test process itself is killed (no teardown), container main processes
+die with it (PR_SET_PDEATHSIG) but their children may not.
 """
 
 from __future__ import annotations
 
-from tests.support.kube_cluster.cluster import KubeCluster
 from tests.support.kube_cluster.objects import meta
 from tests.support.kube_cluster.real_cluster import RealCluster
 from tests.support.kube_cluster.rewriting import Launch
-from tests.support.kube_cluster.tables import register_kubectl_tables
 
-__all__ = ["KubeCluster", "Launch", "RealCluster", "meta", "register_kubectl_tables"]
+__all__ = ["Launch", "RealCluster", "meta"]

@@ -24,7 +24,7 @@ class StartError(Exception):
 
 
 def secret_data(secret: Obj) -> dict[str, bytes]:
-    """A Secret's values; `stringData` too, which the emulator (unlike an API server) stores as sent."""
+    """A Secret's values (`stringData` too, should an object carry it unstored)."""
     out = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
     out.update({k: v.encode() for k, v in (secret.get("stringData") or {}).items()})
     return out

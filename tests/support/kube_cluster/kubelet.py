@@ -221,10 +221,9 @@ class PodRunner:
 class Kubelet:
     """Admits pods, runs them (PodRunner), writes their status, and finishes graceful deletion.
 
-    The API keeps a deleted pod `Terminating` until its processes are gone (`hold_pod`: a finalizer on the
-    emulator; a real apiserver does so for every pod bound to a node), then the kubelet lets it go
-    (`release_pod`: the finalizer removed, or the final delete): the StatefulSet controller waits for that
-    before recreating a pod under the same name, as on a real cluster.
+    The apiserver keeps a deleted pod bound to a node `Terminating` until its processes are gone; then
+    the kubelet lets it go (`release_pod`: the final delete): the StatefulSet controller waits for that
+    before recreating a pod under the same name.
     """
 
     def __init__(self, api: PodApi, network: Network, options: ClusterOptions, clock: Clock):
@@ -254,7 +253,6 @@ class Kubelet:
                     await self.api.release_pod(pod)  # deleted before it ran: nothing to stop
                     continue
                 runner = self._admit(pod)
-                await self.api.hold_pod(pod)
             runner.obj = pod
             if is_terminating(pod):
                 grace = meta(pod).get("deletionGracePeriodSeconds", runner.grace_seconds)

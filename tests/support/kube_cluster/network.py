@@ -172,7 +172,7 @@ class Network:
 
     `pod_network` (a CIDR) gives each pod name its own IP from it, for the pod's status and the downward
     API; nothing listens there: `<pod IP>:<port>` is rewritten like a pod's DNS name (rule 3). Without
-    it every pod's IP is 127.0.0.1 (the emulator's pods; a real EndpointSlice refuses loopback)."""
+    it every pod's IP is 127.0.0.1 (which a real EndpointSlice controller refuses)."""
 
     def __init__(self, pod_network: str | None = None) -> None:
         self.dns = Dns()

@@ -9,21 +9,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tests.support.kube_emulator import STANDARD_RESOURCES
-
 Obj = dict[str, Any]
 
 
-FINALIZER = "kube-cluster.asyncrl.test/kubelet"
 LOCAL_IP = "127.0.0.1"
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "0.0.0.0"})
 DEFAULT_TERMINATION_PATH = "/dev/termination-log"
 TERMINATION_ENV = "ASYNCRL_TERMINATION_LOG"
 CONTAINER_ENV = "KUBE_CLUSTER_CONTAINER"  # marks a container instance's processes (package doc, rule 6)
 BACKOFF_INITIAL, BACKOFF_CAP = 10.0, 300.0
-PLURALS: dict[str, tuple[str, str, str]] = {plural: (group, version, kind)
-                                            for (group, version, plural), (kind, _, _) in STANDARD_RESOURCES.items()}
-KIND_PLURALS = {kind: plural for plural, (_, _, kind) in PLURALS.items()}
 
 
 def rfc3339(when: float | None = None) -> str:

@@ -92,9 +92,6 @@ class RealApi:
 
     # -- the kubelet's part in a pod's life
 
-    async def hold_pod(self, pod: Obj) -> None:
-        """Nothing to do: the apiserver keeps a pod bound to a node Terminating until its kubelet deletes it."""
-
     async def release_pod(self, pod: Obj) -> None:
         """A deleted pod's processes are gone: the final delete, grace 0, of exactly this pod (its uid)."""
         if is_terminating(pod):

@@ -1,14 +1,13 @@
 """RealCluster: the test kubelet (local processes) as a node of a REAL control plane.
 
-`KubeCluster` runs pods of the emulator with our own controllers. `RealCluster` attaches the same kubelet
-to a real kube-apiserver (tests/support/control_plane.py), so everything above the node is Kubernetes'
-own code:
+`RealCluster` attaches the process kubelet to a real kube-apiserver (tests/support/control_plane.py), so
+everything above the node is Kubernetes' own code:
 
 - real: the apiserver (validation of every status we write, defaulting, admission, graceful-deletion
   bookkeeping), the scheduler (binding, resources incl. `nvidia.com/gpu`, waiting for volume binding),
   and the controller-manager (Deployment -> ReplicaSet -> pods, StatefulSet pods and claims, PV binding,
   EndpointSlices, garbage collection, namespace deletion);
-- ours, shared with `KubeCluster` (package doc, rules 1-8): containers as local processes, env and
+- ours (package doc, rules 1-8): containers as local processes, env and
   volumes, probes, restarts with CrashLoopBackOff, termination messages, the address/path/port rewriting,
   DNS names and Service proxies;
 - ours, for the real API: a Node (`node.NodeAgent`: Ready, untainted, capacity with `nvidia.com/gpu`, a
@@ -21,7 +20,7 @@ own code:
 Pod IPs come from `pod_network` (10.244.0.0/16, the usual pod CIDR; the EndpointSlice controller refuses
 loopback addresses, the apiserver accepts them): nothing listens there; `<pod IP>:<port>` and
 `<Service clusterIP>:<port>` are rewritten like DNS names (rule 3). Service names are resolved from the
-Services and the pods this cluster sees (labels and readiness), as in `KubeCluster`, not from the real
+Services and the pods this cluster sees (labels and readiness), not from the real
 EndpointSlices, which the controller-manager writes all the same. `hostIP` is 127.0.0.1.
 
 The kubelet watches all pods and runs those bound to its node (a real kubelet asks the apiserver for
@@ -29,7 +28,7 @@ those only; the test also reads the unscheduled ones), limited to `namespaces` w
 control plane is shared, and an earlier test's pods must not start here. `stop` kills every process,
 deletes the Node and then the pods still bound to it (grace 0), as the pod garbage collector would.
 
-Not emulated, beyond `KubeCluster`'s list: node conditions other than Ready (no pressure, no NotReady
+Not emulated, beyond the package doc's list: node conditions other than Ready (no pressure, no NotReady
 on stop: the Node is deleted), `status.observedGeneration`, kubelet's own API (logs, exec,
 port-forward: use `log()`, `service_port()`), volume reclaim of anything but our PersistentVolumes, and
 a second node.

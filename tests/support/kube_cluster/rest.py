@@ -2,8 +2,7 @@
 
 The process kubelet (real_cluster.py) needs a handful of verbs on a handful of resources; aiohttp
 with the kubeconfig's client certificate does that without a second client library, and the
-reflector keeps an in-memory copy of a resource so the kubelet's parts can read synchronously, as
-they read the emulator.
+reflector keeps an in-memory copy of a resource so the kubelet's parts can read synchronously.
 """
 
 from __future__ import annotations

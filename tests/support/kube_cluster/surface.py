@@ -1,5 +1,5 @@
-"""What a test reads and does to a running test cluster's pods, whichever API it runs against: the part
-`KubeCluster` (emulator) and `RealCluster` (real control plane) share, so a test ports with few changes."""
+"""What a test reads and does to a running test cluster's pods (`RealCluster`'s surface): pods and their
+readiness, container processes, logs, volumes, host ports, and a dump for a failing test."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from tests.support.kube_cluster.env import Volumes
 from tests.support.kube_cluster.kubelet import Kubelet, PodRunner
 from tests.support.kube_cluster.network import Network
 from tests.support.kube_cluster.objects import Obj, is_terminating, labels_match, meta, pod_ready
-from tests.support.kube_cluster.tables import _pod_cells
 from tests.support.polling import poll
 
 
@@ -143,7 +142,7 @@ class ClusterSurface:
         for pod in self.pods():
             status = pod.get("status") or {}
             lines.append(f"pod {meta(pod)['namespace']}/{meta(pod)['name']} phase={status.get('phase')} "
-                         f"terminating={is_terminating(pod)} cells={_pod_cells(pod)}")
+                         f"terminating={is_terminating(pod)} cells={pod_cells(pod)}")
             for cs in status.get("containerStatuses") or []:
                 lines.append(f"  {cs['name']}: state={cs.get('state')} last={cs.get('lastState')}")
                 tail = self.log(meta(pod)["namespace"], meta(pod)["name"], cs["name"])[-1500:]
@@ -151,3 +150,27 @@ class ClusterSurface:
         lines += [f"event {e}" for e in self.kubelet.events[-20:]]
         lines += [f"error {e}" for e in self.errors]
         return "\n".join(lines)
+
+
+def pod_cells(pod: Obj) -> list[Any]:
+    """READY, STATUS, RESTARTS as kubectl computes them for `kubectl get pods`."""
+    status = pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    total = len((pod.get("spec") or {}).get("containers") or [])
+    reason = status.get("reason") or status.get("phase") or "Pending"
+    running = False
+    for cs in reversed(statuses):
+        state = cs.get("state") or {}
+        if (state.get("waiting") or {}).get("reason"):
+            reason = state["waiting"]["reason"]
+        elif "terminated" in state:
+            term = state["terminated"]
+            reason = term.get("reason") or f"ExitCode:{term.get('exitCode')}"
+        elif "running" in state and cs.get("ready"):
+            running = True
+    if reason == "Completed" and running:
+        reason = "Running"
+    if is_terminating(pod):
+        reason = "Terminating"
+    ready = sum(bool(cs.get("ready")) for cs in statuses)
+    return [f"{ready}/{total}", reason, sum(int(cs.get("restartCount") or 0) for cs in statuses)]
