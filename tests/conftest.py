@@ -2,9 +2,10 @@
 
 Every test is in exactly one tier, a marker set here and counted at the end of each run
 (`-m unit`, `-m integration` or `-m cluster` runs one):
-- cluster: against a Kubernetes API: the real control plane, or the emulator with the real operator,
-  kubectl or the test kubelet (tests.support.control_plane, kube_emulator, kube_cluster,
-  operator_process, emulated_jobs);
+- cluster: against a Kubernetes API: the real control plane (with the test kubelet as its node, or a
+  bare apiserver), or the emulator, with the real operator or kubectl (tests.support.control_plane,
+  bare_apiserver, kube_emulator, kube_cluster, operator_process, emulated_jobs); those that start the
+  built binaries are marked `control_plane` as well (scripts/test.sh runs them once they are built);
 - integration: real servers and processes without Kubernetes: a Redis server, the real model, the
   trainer or engine processes, a browser (the `slow`, `browser`, `vllm`, `sglang` markers or a Redis
   fixture);
@@ -31,8 +32,9 @@ settings.register_profile("asyncrl", derandomize=True, print_blob=True)
 settings.load_profile("asyncrl")
 
 TIERS = ("unit", "integration", "cluster")
-CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "kube_emulator", "kube_cluster", "cluster_e2e",
-                                                       "operator_process", "emulated_jobs"))
+CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "bare_apiserver", "kube_emulator",
+                                                       "kube_cluster", "cluster_e2e", "operator_process",
+                                                       "emulated_jobs"))
 INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
                                                            "sglang_fake_lora", "lora_models", "bench_support",
                                                            "reward_services"))
@@ -74,6 +76,17 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+CONTROL_PLANE_FIXTURES = {("tests.support.control_plane", "control_plane"), ("tests.support.bare_apiserver", "api")}
+"""(module, name) of the fixtures that start the built Kubernetes binaries."""
+
+
+def needs_control_plane(item: pytest.Item) -> bool:
+    """Whether the test uses (directly or through another fixture) one of CONTROL_PLANE_FIXTURES."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    return any((fixture.func.__module__, name) in CONTROL_PLANE_FIXTURES
+               for name in getattr(item, "fixturenames", ()) for fixture in defs.get(name, ()))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist, one torch thread per worker and per child process: two workers with two
     threads each on two cores oversubscribe them (a packed train step took 237 s instead of 55 s)."""
@@ -113,7 +126,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
             item.add_marker(getattr(pytest.mark, tier))
-        if "control_plane" in getattr(item, "fixturenames", ()):
+        if needs_control_plane(item):
             item.add_marker(pytest.mark.control_plane)
         file = item.nodeid.split("::", 1)[0]
         heaviness = _weight(item, tier)

@@ -279,6 +279,13 @@ class ControlPlane:
     bin_dir: Path
     processes: list[Process] = field(default_factory=list)
 
+    def client_kubeconfig(self, name: str, subject: str) -> Path:
+        """A kubeconfig with a new client certificate for `subject` (`/O=group/CN=user`): a user of
+        its own, whose requests the audit log names."""
+        client = ["extendedKeyUsage=clientAuth", "keyUsage=critical,digitalSignature,keyEncipherment"]
+        _signed_cert(self.root / "pki", name, subject, client)
+        return _cert_kubeconfig(self.root, self.server, name)
+
     def token_kubeconfig(self, token: str, name: str = "token") -> Path:
         """A kubeconfig that authenticates with a bearer token (e.g. from `kubectl create token`),
         to act as a ServiceAccount: what RBAC grants it is what the test sees."""
@@ -361,8 +368,9 @@ def _controller_manager_argv(bins: Path, root: Path, port: int, kubeconfig: Path
         f"--service-cluster-ip-range={SERVICE_CIDR}"]
 
 
-def start_control_plane(bins: Path, root: Path) -> ControlPlane:
-    """Generate PKI in `root`, start the four processes and wait until each is ready.
+def start_control_plane(bins: Path, root: Path, *, controllers: bool = True) -> ControlPlane:
+    """Generate PKI in `root`, start the four processes (etcd and the apiserver only, without
+    `controllers`) and wait until each is ready.
 
     On failure everything started is stopped and ControlPlaneError carries the failing log's tail."""
     logs = root / "logs"
@@ -374,14 +382,14 @@ def start_control_plane(bins: Path, root: Path) -> ControlPlane:
     cp = ControlPlane(root=root, server=server, kubeconfig=_cert_kubeconfig(root, server, "admin"),
                       audit_log=root / "audit.log", ca_file=root / "pki" / "ca.crt", bin_dir=bins)
     try:
-        _start_all(cp, ports)
+        _start_all(cp, ports, controllers)
     except BaseException:
         cp.stop()
         raise
     return cp
 
 
-def _start_all(cp: ControlPlane, ports: dict[str, int]) -> None:
+def _start_all(cp: ControlPlane, ports: dict[str, int], controllers: bool) -> None:
     bins, root, logs = cp.bin_dir, cp.root, cp.root / "logs"
     admin_tls = ssl.create_default_context(cafile=str(cp.ca_file))
     admin_tls.load_cert_chain(root / "pki" / "admin.crt", root / "pki" / "admin.key")
@@ -396,6 +404,8 @@ def _start_all(cp: ControlPlane, ports: dict[str, int]) -> None:
     apiserver = start_process("kube-apiserver", _apiserver_argv(bins, root, ports["etcd"], ports["apiserver"]), logs)
     cp.processes.append(apiserver)
     wait_ready(apiserver, answers_ok(f"{cp.server}/readyz", admin_tls))
+    if not controllers:
+        return
 
     kcm_config = _cert_kubeconfig(root, cp.server, "kube-controller-manager")
     kcm = start_process("kube-controller-manager",
@@ -411,9 +421,10 @@ def _start_all(cp: ControlPlane, ports: dict[str, int]) -> None:
 
 
 @contextlib.contextmanager
-def running_control_plane(keep: bool = False) -> Iterator[ControlPlane]:
-    """Start a control plane in a fresh temp dir; stop it and remove the dir afterwards (kept if
-    `keep` or when starting failed, so the logs can be read)."""
+def running_control_plane(keep: bool = False, *, controllers: bool = True) -> Iterator[ControlPlane]:
+    """Start a control plane in a fresh temp dir (`controllers`: with the controller-manager and the
+    scheduler); stop it and remove the dir afterwards (kept if `keep` or when starting failed, so the
+    logs can be read)."""
     bins = bin_dir()
     problems = missing_binaries(bins)
     if problems:
@@ -422,7 +433,7 @@ def running_control_plane(keep: bool = False) -> Iterator[ControlPlane]:
     root = Path(tempfile.mkdtemp(prefix="asyncrl-k8s-"))
     error = None
     try:
-        cp = start_control_plane(bins, root)
+        cp = start_control_plane(bins, root, controllers=controllers)
     except ControlPlaneError as err:
         error = str(err)  # failed outside the handler: the report shows the logs, not a chained traceback
     if error is not None:

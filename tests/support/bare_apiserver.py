@@ -1,0 +1,186 @@
+"""A real kube-apiserver with no controllers, scheduler or node (as controller-runtime's envtest does):
+the operator tests that play the kubelet and the controllers themselves (they write the workloads'
+status) run against the apiserver's own validation, defaulting, admission and audit log instead of an
+emulation of them.
+
+Nothing makes pods, binds claims, collects garbage or finishes a namespace's deletion here: a test
+writes the status a controller would, and checks the operator's requests and the objects as the
+apiserver stores them. The scenarios on the full control plane (tests/test_cluster_e2e*.py) show the
+cluster-wide effects.
+
+`BareApiserver` answers the part of `KubeEmulator`'s test surface those tests use (`get`, `all`,
+`patch_status`, `put_object`, `post`/`patch`/`delete`, `kubeconfig`, `log`), so a test file moves over
+by changing its fixture. The operator gets a client certificate of its own (`kubeconfig`), so the
+audit log tells its requests from the test's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from asyncrl.spec import API_VERSION, PLURAL
+from tests.support.control_plane import ControlPlane, running_control_plane
+from tests.support.kube_cluster.rest import RESOURCES
+from tests.support.polling import poll_sync
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_AGENT = "asyncrl-tests"
+OPERATOR_USER = "asyncrl-operator"
+PATHS: dict[str, tuple[str, bool]] = {**RESOURCES, PLURAL: (f"/apis/{API_VERSION}", True),
+                                      "poddisruptionbudgets": ("/apis/policy/v1", True)}
+"""plural -> (API prefix, namespaced) of every kind these tests touch."""
+
+
+@dataclass(frozen=True)
+class AuditedRequest:
+    """One finished request from the audit log (the fields `KubeEmulator.log` has)."""
+
+    verb: str
+    agent: str
+    group: str
+    resource: str  # plural, or plural/subresource
+    namespace: str | None
+    name: str | None
+    user: str
+    code: int
+
+
+class Answer:
+    """An HTTP answer shaped as the tests read aiohttp's (`status`, `await json()`, `await text()`)."""
+
+    def __init__(self, response: httpx.Response):
+        self.status = response.status_code
+        self._response = response
+
+    async def json(self) -> Any:
+        return self._response.json()
+
+    async def text(self) -> str:
+        return self._response.text
+
+
+class BareApiserver:
+    """Reads and writes as cluster admin (user agent `asyncrl-tests`), over HTTPS with a client cert."""
+
+    def __init__(self, cp: ControlPlane):
+        self.cp = cp
+        pki = cp.root / "pki"
+        tls = ssl.create_default_context(cafile=str(cp.ca_file))
+        tls.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        headers = {"User-Agent": TEST_AGENT}
+        self.http = httpx.Client(base_url=cp.server, verify=tls, headers=headers, timeout=30)
+        self.async_http = httpx.AsyncClient(base_url=cp.server, verify=tls, headers=headers, timeout=30)
+
+    async def close(self) -> None:
+        self.http.close()
+        await self.async_http.aclose()
+
+    @staticmethod
+    def path(plural: str, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
+        prefix, namespaced = PATHS[plural]
+        parts = [prefix, *(["namespaces", namespace] if namespaced and namespace else []), plural,
+                 *([name] if name else []), *([sub] if sub else [])]
+        return "/".join(parts)
+
+    # -- reads (synchronous: tests poll them)
+
+    def get(self, plural: str, namespace: str | None, name: str) -> dict | None:
+        resp = self.http.get(self.path(plural, namespace, name))
+        if resp.status_code == 404:
+            return None
+        resp.raise_for_status()
+        return resp.json()
+
+    def all(self, plural: str, namespace: str | None = None) -> list[dict]:
+        resp = self.http.get(self.path(plural, namespace))
+        resp.raise_for_status()
+        return resp.json()["items"]
+
+    # -- writes (what a kubelet or controller would do)
+
+    async def patch_status(self, group: str, version: str, plural: str, namespace: str, name: str,
+                           status: dict) -> dict:
+        """Write `.status` of an object, as its controller would (`group`/`version` as the emulator's)."""
+        resp = await self.async_http.patch(self.path(plural, namespace, name, "status"), json={"status": status},
+                                           headers={"Content-Type": "application/merge-patch+json"})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    async def put_object(self, group: str, version: str, plural: str, obj: dict) -> dict:
+        """Create an object as a controller would (a pod of a workload, for instance)."""
+        resp = await self.async_http.post(self.path(plural, obj["metadata"].get("namespace")), json=obj)
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    @contextlib.asynccontextmanager
+    async def request(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[Answer]:
+        yield Answer(await self.async_http.request(method, url, **kwargs))
+
+    def post(self, url: str, **kwargs: Any) -> contextlib.AbstractAsyncContextManager[Answer]:
+        return self.request("POST", url, **kwargs)
+
+    def patch(self, url: str, **kwargs: Any) -> contextlib.AbstractAsyncContextManager[Answer]:
+        return self.request("PATCH", url, **kwargs)
+
+    def delete(self, url: str, **kwargs: Any) -> contextlib.AbstractAsyncContextManager[Answer]:
+        return self.request("DELETE", url, **kwargs)
+
+    # -- clients and what they did
+
+    def kubeconfig(self, path: Path, *, user: str = OPERATOR_USER) -> None:
+        """Write a kubeconfig for `user` (cluster admin, with a client certificate of its own)."""
+        shutil.copy(self.cp.client_kubeconfig(user, f"/O=system:masters/CN={user}"), path)
+
+    @property
+    def log(self) -> list[AuditedRequest]:
+        """Every finished request, in order, as the apiserver's audit log has it."""
+        out = []
+        for line in self.cp.audit_log.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("stage") != "ResponseComplete":
+                continue
+            ref = event.get("objectRef") or {}
+            resource = ref.get("resource") or ""
+            if ref.get("subresource"):
+                resource += "/" + ref["subresource"]
+            out.append(AuditedRequest(event["verb"], event.get("userAgent", ""), ref.get("apiGroup") or "",
+                                      resource, ref.get("namespace"), ref.get("name"),
+                                      event["user"]["username"], event["responseStatus"]["code"]))
+        return out
+
+    def requests_of(self, user: str = OPERATOR_USER) -> list[AuditedRequest]:
+        return [r for r in self.log if r.user == user and r.resource]
+
+
+@contextlib.contextmanager
+def bare_apiserver(namespace: str) -> Iterator[BareApiserver]:
+    """etcd and kube-apiserver of their own, the CRD installed and `namespace` made (with its `default`
+    ServiceAccount, which no controller makes here)."""
+    with running_control_plane(controllers=False) as cp:
+        cp.kubectl("apply", "-f", str(REPO / "crds" / "asyncrljob.yaml"), check=True)
+        poll_sync(lambda: cp.kubectl("get", PLURAL, "-A").returncode == 0, what="the AsyncRLJob API served")
+        cp.kubectl("create", "namespace", namespace, check=True)
+        cp.kubectl("create", "serviceaccount", "default", "-n", namespace, check=True)
+        yield BareApiserver(cp)
+
+
+@pytest.fixture(name="api")
+async def bare_apiserver_fixture() -> AsyncIterator[BareApiserver]:
+    """A bare apiserver per test, with the emulated tests' namespace (tests.support.emulated_jobs.NS)."""
+    from tests.support.emulated_jobs import NS
+
+    with bare_apiserver(NS) as api:
+        try:
+            yield api
+        finally:
+            await api.close()
