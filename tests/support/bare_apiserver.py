@@ -161,6 +161,13 @@ class BareApiserver:
     def requests_of(self, user: str = OPERATOR_USER) -> list[AuditedRequest]:
         return [r for r in self.log if r.user == user and r.resource]
 
+    def refused(self, user: str = OPERATOR_USER) -> list[tuple[str, str, int]]:
+        """(verb, resource, code) of `user`'s requests the apiserver refused as bad or forbidden. 404 (a
+        child not made yet), 409 (a write that lost a race; it reads again) and 429 are the protocol,
+        a 5xx the server's (a loaded machine's etcd); a 400, 403 or 422 is the client's fault."""
+        return sorted({(r.verb, r.resource, r.code) for r in self.requests_of(user)
+                       if 400 <= r.code < 500 and r.code not in (404, 409, 429)})
+
 
 @contextlib.contextmanager
 def bare_apiserver(namespace: str) -> Iterator[BareApiserver]:

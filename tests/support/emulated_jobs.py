@@ -18,10 +18,13 @@ Api = KubeEmulator | BareApiserver
 
 
 def assert_rbac_covers(api: Api) -> None:
-    """Every request the operator made is in the PERMISSIONS table (which the chart's RBAC equals)."""
+    """Every request the operator made is in the PERMISSIONS table (which the chart's RBAC equals), and
+    a real apiserver refused none as invalid or forbidden."""
     used = operator_requests(api)
     missing = sorted(u for u in used if not allowed(*u))
     assert not missing, f"operator used verbs not declared in PERMISSIONS: {missing}"
+    if isinstance(api, BareApiserver):
+        assert not api.refused(), f"the apiserver refused the operator: {api.refused()}"
 
 
 def operator_requests(api: Api) -> set[tuple[str, str, str]]:
