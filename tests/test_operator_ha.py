@@ -1,15 +1,18 @@
-"""Two real operator processes (`asyncrl operator --leader-elect`) against the test cluster's API
-server (tests/support/kube_emulator.py): exactly one reconciles, and the other takes over when it dies.
+"""Two real operator processes (`asyncrl operator --leader-elect`) against a real kube-apiserver
+(tests/support/bare_apiserver.py): exactly one reconciles, and the other takes over when it dies.
 
-Each process has its own kubeconfig token, so the emulator's request log says which process sent
+Each process has a client certificate of its own, so the apiserver's audit log says which process sent
 every request. "Reconciles" is anything but the Lease: creating children, patching a job's status,
-watching jobs. A standby must send nothing but Lease requests.
+watching jobs. A standby must send nothing but Lease requests. The partition test holds the leader's
+renewals at the API server, which only the emulator (tests/support/kube_emulator.py) can do, and runs
+there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import kmock
@@ -20,6 +23,7 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
 from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
@@ -42,25 +46,32 @@ def children(name: str) -> list[tuple[str, str]]:
     return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in B.build_children(job, ctx)]
 
 
-def reconciled(emu: KubeEmulator, name: str) -> bool:
+Api = KubeEmulator | BareApiserver
+
+
+def reconciled(emu: Api, name: str) -> bool:
     job = emu.get(PLURAL, NS, name) or {}
     return all(emu.get(p, NS, n) for p, n in children(name)) and bool((job.get("status") or {}).get("phase"))
 
 
-def requests_of(emu: KubeEmulator, token: str, *, since: int = 0) -> list[tuple[str, str, str]]:
-    return [(r.verb, r.group, r.resource) for r in emu.log[since:] if r.token == token]
+def requests_of(api: Api, who: str, *, since: int = 0) -> list[tuple[str, str, str]]:
+    """(verb, group, resource) of operator `who`'s requests (its token on the emulator, its user on the
+    apiserver), from the `since`-th request of the log on."""
+    if isinstance(api, BareApiserver):
+        return [(r.verb, r.group, r.resource) for r in api.log[since:] if r.user == f"operator-{who}" and r.resource]
+    return [(r.verb, r.group, r.resource) for r in api.log[since:] if r.token == f"token-{who}"]
 
 
 def not_lease(reqs: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     return [r for r in reqs if r[2] != "leases"]
 
 
-def holder(emu: KubeEmulator) -> str | None:
+def holder(emu: Api) -> str | None:
     lease = emu.get("leases", LEASE_NS, "asyncrl-operator")
     return ((lease or {}).get("spec") or {}).get("holderIdentity")
 
 
-async def create_job(emu: KubeEmulator, name: str) -> None:
+async def create_job(emu: Api, name: str) -> None:
     doc = JobBuilder.example().named(name, NS).doc()
     async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201, await resp.text()
@@ -72,80 +83,99 @@ async def emu():
         yield e
 
 
-@pytest.fixture
-async def pair(emu: KubeEmulator, tmp_path: Path, request: pytest.FixtureRequest):
-    """Operator "a" (started first: it becomes the leader) and operator "b" (the standby), with the
-    Lease settings LEASE (or the test's indirect parameter)."""
-    lease = getattr(request, "param", LEASE)
+async def operator_pair(api: Api, tmp_path: Path, lease: tuple[str, ...]) -> AsyncIterator[dict[str, OperatorProcess]]:
+    """Operator "a" (started first: it becomes the leader) and operator "b" (the standby)."""
     ops = {}
     for who in ("a", "b"):
-        emu.kubeconfig(tmp_path / f"kubeconfig-{who}", token=f"token-{who}")
-        ops[who] = OperatorProcess(tmp_path / f"kubeconfig-{who}", tmp_path / f"operator-{who}.log",
+        config = tmp_path / f"kubeconfig-{who}"
+        if isinstance(api, BareApiserver):
+            api.kubeconfig(config, user=f"operator-{who}")
+        else:
+            api.kubeconfig(config, token=f"token-{who}")
+        ops[who] = OperatorProcess(config, tmp_path / f"operator-{who}.log",
                                    extra_args=(*lease, "--leader-election-identity", f"operator-{who}"))
     await ops["a"].start()
-    await poll(lambda: holder(emu) == "operator-a", what="a holds the Lease", log=ops["a"].log, timeout=60)
+    await poll(lambda: holder(api) == "operator-a", what="a holds the Lease", log=ops["a"].log, timeout=60)
     await ops["b"].start()
     # b is up and polling the Lease (its first requests), and it did not get it.
-    await poll(lambda: requests_of(emu, "token-b"), what="b polls the Lease", log=ops["b"].log, timeout=60)
+    await poll(lambda: requests_of(api, "b"), what="b polls the Lease", log=ops["b"].log, timeout=60)
     yield ops
     for op in ops.values():
         await op.stop()
-    used = {(r.group, r.resource, r.verb) for r in emu.log if r.token.startswith("token-")}
+    used = {(g, res, v) for who in ("a", "b") for v, g, res in requests_of(api, who)}
     assert not [u for u in used if not allowed(*u)], "every request is in PERMISSIONS (and so in the chart)"
+    if isinstance(api, BareApiserver):
+        for who in ("a", "b"):
+            assert not api.refused(f"operator-{who}"), api.refused(f"operator-{who}")
 
 
-async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_killed(emu, pair):
+@pytest.fixture
+async def pair(api: BareApiserver, tmp_path: Path, request: pytest.FixtureRequest):
+    """The operator pair on the real apiserver, with the Lease settings LEASE (or the test's indirect
+    parameter)."""
+    api.cp.kubectl("create", "namespace", LEASE_NS, check=True)
+    async for ops in operator_pair(api, tmp_path, getattr(request, "param", LEASE)):
+        yield ops
+
+
+@pytest.fixture
+async def emulated_pair(emu: KubeEmulator, tmp_path: Path):
+    async for ops in operator_pair(emu, tmp_path, LEASE):
+        yield ops
+
+
+async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_killed(api, pair):
     a, b = pair["a"], pair["b"]
-    await create_job(emu, "first")
-    await poll(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
+    await create_job(api, "first")
+    await poll(lambda: reconciled(api, "first"), what="the job reconciled", log=a.log)
     await asyncio.sleep(2.0)  # several of b's retry periods and a's status passes
-    assert holder(emu) == "operator-a"
-    assert {"create", "patch", "watch"} <= {v for v, _, _ in not_lease(requests_of(emu, "token-a"))}
-    assert not_lease(requests_of(emu, "token-b")) == [], "the standby sent nothing but Lease requests"
-    assert {v for v, _, _ in requests_of(emu, "token-b")} <= {"get"}, "the standby never wrote the held Lease"
+    assert holder(api) == "operator-a"
+    assert {"create", "patch", "watch"} <= {v for v, _, _ in not_lease(requests_of(api, "a"))}
+    assert not_lease(requests_of(api, "b")) == [], "the standby sent nothing but Lease requests"
+    assert {v for v, _, _ in requests_of(api, "b")} <= {"get"}, "the standby never wrote the held Lease"
 
     # SIGKILL: no release. b must wait out the lease duration (from the last renewal it saw).
     killed = time.monotonic()
     await a.stop(kill=True)
     await asyncio.sleep(0.2)  # requests a had already sent when it died may still be read and logged
-    mark = len(emu.log)
-    await poll(lambda: holder(emu) == "operator-b", what="b takes the Lease", log=b.log, timeout=30)
+    mark = len(api.log)
+    await poll(lambda: holder(api) == "operator-b", what="b takes the Lease", log=b.log, timeout=30)
     took = time.monotonic() - killed
     assert took >= 3.0 - 0.3 - 0.1, f"b took an unexpired Lease after {took:.1f}s"
-    lease = emu.get("leases", LEASE_NS, "asyncrl-operator")
+    lease = api.get("leases", LEASE_NS, "asyncrl-operator")
     assert lease["spec"]["leaseTransitions"] == 1
 
     # b reconciles now: a new job gets its children and status from b, and a sent nothing more.
-    await create_job(emu, "second")
-    await poll(lambda: reconciled(emu, "second"), what="b reconciles the new job", log=b.log)
-    writes_b = {(v, res) for v, _, res in not_lease(requests_of(emu, "token-b", since=mark))}
+    await create_job(api, "second")
+    await poll(lambda: reconciled(api, "second"), what="b reconciles the new job", log=b.log)
+    writes_b = {(v, res) for v, _, res in not_lease(requests_of(api, "b", since=mark))}
     assert {("create", "deployments"), ("patch", f"{PLURAL}/status")} <= writes_b
-    assert requests_of(emu, "token-a", since=mark) == []
+    assert requests_of(api, "a", since=mark) == []
 
 
 @pytest.mark.parametrize("pair", [LONG_LEASE], indirect=True, ids=["60s-lease"])
-async def test_a_stopped_leader_hands_the_lease_over_at_once(emu, pair):
+async def test_a_stopped_leader_hands_the_lease_over_at_once(api, pair):
     """With a 60 s Lease, b can hold it within the wait below only if a released it on SIGTERM
     (expiry would take a minute): no clock on our side decides."""
     a, b = pair["a"], pair["b"]
-    await create_job(emu, "first")
-    await poll(lambda: reconciled(emu, "first"), what="the job reconciled", log=a.log)
+    await create_job(api, "first")
+    await poll(lambda: reconciled(api, "first"), what="the job reconciled", log=a.log)
     await a.stop()  # SIGTERM: kopf stops, then the Lease is released
     assert a.proc is not None and a.proc.returncode == 0, a.log.read_text()[-2000:]
-    await poll(lambda: holder(emu) == "operator-b", what="b takes the released Lease", log=b.log, timeout=30)
-    mark = len(emu.log)
-    async with emu.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/{N.rollout('first')}") as resp:
+    await poll(lambda: holder(api) == "operator-b", what="b takes the released Lease", log=b.log, timeout=30)
+    mark = len(api.log)
+    async with api.delete(f"/apis/apps/v1/namespaces/{NS}/deployments/{N.rollout('first')}") as resp:
         assert resp.status == 200
-    await poll(lambda: emu.get("deployments", NS, N.rollout("first")), what="b re-creates the Deployment",
+    await poll(lambda: api.get("deployments", NS, N.rollout("first")), what="b re-creates the Deployment",
                    log=b.log)
-    assert ("create", "deployments") in {(v, res) for v, _, res in requests_of(emu, "token-b", since=mark)}
+    assert ("create", "deployments") in {(v, res) for v, _, res in requests_of(api, "b", since=mark)}
 
 
-async def test_a_leader_that_cannot_renew_exits_before_the_lease_can_expire(emu, pair):
+async def test_a_leader_that_cannot_renew_exits_before_the_lease_can_expire(emu, emulated_pair):
     """The fencing half of "never both": renewals are held at the API server (a partition), and the
     leader must be gone within its renew deadline (2 s), before a standby may take the Lease (3 s
     after the last renewal it saw)."""
-    a, b = pair["a"], pair["b"]
+    a, b = emulated_pair["a"], emulated_pair["b"]
     gate = emu.gates[("update", "leases")] = asyncio.Event()
     held = time.monotonic()
     assert a.proc is not None

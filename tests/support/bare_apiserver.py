@@ -143,20 +143,22 @@ class BareApiserver:
 
     @property
     def log(self) -> list[AuditedRequest]:
-        """Every finished request, in order, as the apiserver's audit log has it."""
-        out = []
+        """Every answered request, in the order the answers began, as the apiserver's audit log has it (a
+        watch is logged when its answer starts streaming, and again when it ends: counted once)."""
+        found: dict[str, AuditedRequest] = {}
         for line in self.cp.audit_log.read_text().splitlines():
             event = json.loads(line)
-            if event.get("stage") != "ResponseComplete":
+            if event.get("stage") not in ("ResponseStarted", "ResponseComplete"):
                 continue
             ref = event.get("objectRef") or {}
             resource = ref.get("resource") or ""
             if ref.get("subresource"):
                 resource += "/" + ref["subresource"]
-            out.append(AuditedRequest(event["verb"], event.get("userAgent", ""), ref.get("apiGroup") or "",
-                                      resource, ref.get("namespace"), ref.get("name"),
-                                      event["user"]["username"], event["responseStatus"]["code"]))
-        return out
+            request = AuditedRequest(event["verb"], event.get("userAgent", ""), ref.get("apiGroup") or "",
+                                     resource, ref.get("namespace"), ref.get("name"), event["user"]["username"],
+                                     (event.get("responseStatus") or {}).get("code", 0))
+            found.setdefault(event["auditID"], request)
+        return list(found.values())
 
     def requests_of(self, user: str = OPERATOR_USER) -> list[AuditedRequest]:
         return [r for r in self.log if r.user == user and r.resource]
