@@ -53,6 +53,8 @@ class AuditedRequest:
     name: str | None
     user: str
     code: int
+    uri: str = ""
+    """The request's path and query (a watch's label selector is there)."""
 
 
 class Answer:
@@ -122,6 +124,21 @@ class BareApiserver:
         assert resp.status_code == 201, resp.text
         return resp.json()
 
+    async def collect_garbage(self, namespace: str, owner_uid: str) -> list[str]:
+        """Play the garbage collector for a deleted owner: delete the objects of `namespace` whose
+        ownerReferences name `owner_uid`; returns `plural/name` of each."""
+        gone = []
+        for plural, (_, namespaced) in PATHS.items():
+            if not namespaced or plural in ("events", "leases", PLURAL):
+                continue
+            for obj in self.all(plural, namespace):
+                if any(ref.get("uid") == owner_uid for ref in obj["metadata"].get("ownerReferences") or []):
+                    name = obj["metadata"]["name"]
+                    resp = await self.async_http.delete(self.path(plural, namespace, name))
+                    assert resp.status_code in (200, 202, 404), resp.text
+                    gone.append(f"{plural}/{name}")
+        return gone
+
     @contextlib.asynccontextmanager
     async def request(self, method: str, url: str, **kwargs: Any) -> AsyncIterator[Answer]:
         yield Answer(await self.async_http.request(method, url, **kwargs))
@@ -156,7 +173,7 @@ class BareApiserver:
                 resource += "/" + ref["subresource"]
             request = AuditedRequest(event["verb"], event.get("userAgent", ""), ref.get("apiGroup") or "",
                                      resource, ref.get("namespace"), ref.get("name"), event["user"]["username"],
-                                     (event.get("responseStatus") or {}).get("code", 0))
+                                     (event.get("responseStatus") or {}).get("code", 0), event.get("requestURI", ""))
             found.setdefault(event["auditID"], request)
         return list(found.values())
 
