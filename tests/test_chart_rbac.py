@@ -5,10 +5,11 @@ Three sets are compared:
   followed through their bindings), per namespace ("*" = every namespace);
 - asyncrl.operator.kube.PERMISSIONS, placed by scope (JOBS: the watched namespaces, OPERATOR: the
   release's namespace);
-- the requests a real operator process (`asyncrl operator --leader-elect --namespace rl`) sends to
-  the test cluster's API server in a scenario that takes every path (create, drift of every kind,
-  a stale trainer gang, a deadline and a TTL deletion, leader election), plus what admission
-  requires of it (`update` on the owner's `finalizers` for children that set blockOwnerDeletion).
+- the requests a real operator process (`asyncrl operator --leader-elect --namespace rl`) sends to a
+  real kube-apiserver (tests/support/bare_apiserver.py; its audit log) in a scenario that takes every
+  path (create, drift of every kind, a stale trainer gang, a deadline and a TTL deletion, leader
+  election), plus what admission requires of it (`update` on the owner's `finalizers` for children
+  that set blockOwnerDeletion).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import asyncio
 import subprocess
 from pathlib import Path
 
-import kmock
 import pytest
 import yaml
 
@@ -26,8 +26,8 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import JOBS, KINDS, OPERATOR, PERMISSIONS
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
@@ -110,28 +110,28 @@ def admission_required() -> set[tuple[str, str, str]]:
     return out
 
 
-async def make_ready(emu: KubeEmulator, name: str) -> None:
+async def make_ready(api: BareApiserver, name: str) -> None:
     n = JobBuilder.example().named(name, NS).doc()["spec"]["rollout"].get("replicas", 1)
-    await emu.patch_status("apps", "v1", "deployments", NS, N.rollout(name), {"replicas": n, "readyReplicas": n})
+    await api.patch_status("apps", "v1", "deployments", NS, N.rollout(name), {"replicas": n, "readyReplicas": n})
     for sts in (N.trainer(name), N.redis(name)):
-        await emu.patch_status("apps", "v1", "statefulsets", NS, sts,
+        await api.patch_status("apps", "v1", "statefulsets", NS, sts,
                                {"replicas": 1, "readyReplicas": 1, "updateRevision": "rev-2"})
 
 
-async def edit(emu: KubeEmulator, url: str, patch: dict) -> None:
-    async with emu.patch(url, json=patch, headers={"Content-Type": "application/merge-patch+json"}) as resp:
+async def edit(api: BareApiserver, url: str, patch: dict) -> None:
+    async with api.patch(url, json=patch, headers={"Content-Type": "application/merge-patch+json"}) as resp:
         assert resp.status == 200, await resp.text()
 
 
-async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
+async def run_scenario(api: BareApiserver, op: OperatorProcess) -> None:
     doc = JobBuilder.example().named("main", NS).doc()
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
+    async with api.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201
     job, ctx = parse_job(doc), B.BuildContext(owner_uid="u", namespace=NS)
-    await poll(lambda: all(emu.get(KINDS[o["kind"]][2], NS, o["metadata"]["name"])
+    await poll(lambda: all(api.get(KINDS[o["kind"]][2], NS, o["metadata"]["name"])
                                for o in B.build_children(job, ctx)), what="every child", log=op.log)
-    await make_ready(emu, "main")
-    await poll(lambda: (emu.get(PLURAL, NS, "main") or {}).get("status", {}).get("phase") == "Running",
+    await make_ready(api, "main")
+    await poll(lambda: (api.get(PLURAL, NS, "main") or {}).get("status", {}).get("phase") == "Running",
                    what="Running", log=op.log)
     # A trainer pod of an older template: the gang is restarted (pods list + delete).
     pod = {"apiVersion": "v1", "kind": "Pod",
@@ -139,8 +139,9 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
                         "labels": {**N.selector_labels("main", "trainer"), N.LABEL_JOB: "main",
                                    "controller-revision-hash": "rev-1"}},
            "spec": {"containers": [{"name": "trainer", "image": "x"}]}}
-    await emu.put_object("", "v1", "pods", pod)
-    await poll(lambda: emu.get("pods", NS, pod["metadata"]["name"]) is None, what="gang restart", log=op.log)
+    await api.put_object("", "v1", "pods", pod)
+    await api.patch_status("", "v1", "pods", NS, pod["metadata"]["name"], {"phase": "Running"})
+    await poll(lambda: api.get("pods", NS, pod["metadata"]["name"]) is None, what="gang restart", log=op.log)
     # A hand edit of every patchable kind is put back (patch).
     drift = {"configmaps": ("", N.config_map("main")), "services": ("", N.status_service("main")),
              "persistentvolumeclaims": ("", N.shared_pvc("main")), "deployments": ("apps", N.rollout("main")),
@@ -149,33 +150,34 @@ async def run_scenario(emu: KubeEmulator, op: OperatorProcess) -> None:
              "poddisruptionbudgets": ("policy", N.trainer("main"))}
     for plural, (group, name) in drift.items():
         base = f"/apis/{group}/v1" if group else "/api/v1"
-        await edit(emu, f"{base}/namespaces/{NS}/{plural}/{name}", {"metadata": {"labels": {N.LABEL_JOB: "edited"}}})
+        await edit(api, f"{base}/namespaces/{NS}/{plural}/{name}", {"metadata": {"labels": {N.LABEL_JOB: "edited"}}})
     for plural, (_, name) in drift.items():
-        await poll(lambda p=plural, n=name: (emu.get(p, NS, n) or {}).get("metadata", {})
+        await poll(lambda p=plural, n=name: (api.get(p, NS, n) or {}).get("metadata", {})
                        .get("labels", {}).get(N.LABEL_JOB) == "main", what=f"{plural} put back", log=op.log)
     # A job past its deadline fails, and its TTL deletes it (delete on asyncrljobs).
     short = JobBuilder.example(activeDeadlineSeconds=1, ttlSecondsAfterFinished=0).named("short", NS).doc()
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=short) as resp:
+    async with api.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=short) as resp:
         assert resp.status == 201
-    await poll(lambda: emu.get("deployments", NS, N.rollout("short")), what="short's children", log=op.log)
-    await make_ready(emu, "short")
-    await poll(lambda: emu.get(PLURAL, NS, "short") is None, what="TTL deletion", log=op.log, timeout=60)
+    await poll(lambda: api.get("deployments", NS, N.rollout("short")), what="short's children", log=op.log)
+    await make_ready(api, "short")
+    await poll(lambda: api.get(PLURAL, NS, "short") is None, what="TTL deletion", log=op.log, timeout=60)
 
 
 @pytest.mark.slow
-async def test_the_operator_calls_exactly_what_the_chart_grants(helm, tmp_path: Path):
-    async with KubeEmulator() as emu, kmock.Server(emu):
-        emu.kubeconfig(tmp_path / "kubeconfig", token="operator")
-        op = OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log", extra_args=(
-            "--namespace", NS, "--leader-elect", "--leader-election-namespace", RELEASE_NS,
-            "--lease-duration", "3", "--renew-deadline", "2", "--retry-period", "0.3"))
-        await op.start()
-        try:
-            await run_scenario(emu, op)
-            await asyncio.sleep(1.0)  # a few more lease renewals and status passes
-        finally:
-            await op.stop()  # the release (update on the Lease) is a call too
-        log = [r for r in emu.log if r.token == "operator"]
+async def test_the_operator_calls_exactly_what_the_chart_grants(helm, api: BareApiserver, tmp_path: Path):
+    api.cp.kubectl("create", "namespace", RELEASE_NS, check=True)
+    api.kubeconfig(tmp_path / "kubeconfig")
+    op = OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log", extra_args=(
+        "--namespace", NS, "--leader-elect", "--leader-election-namespace", RELEASE_NS,
+        "--lease-duration", "3", "--renew-deadline", "2", "--retry-period", "0.3"))
+    await op.start()
+    try:
+        await run_scenario(api, op)
+        await asyncio.sleep(1.0)  # a few more lease renewals and status passes
+    finally:
+        await op.stop()  # the release (update on the Lease) is a call too
+    log = api.requests_of()
+    assert not api.refused(), f"the apiserver refused the operator: {api.refused()}"
     used = {(r.group, r.resource, r.verb) for r in log} | admission_required()
     table = {(p.group, p.resource, v) for p in PERMISSIONS for v in p.verbs}
     assert sorted(used - table) == [], "calls without a rule in PERMISSIONS (and so in the chart)"

@@ -1,11 +1,12 @@
-"""The operator mirrors the trainer's /status (a real HTTP server) into the job's status."""
+"""The operator mirrors the trainer's /status (a real HTTP server) into the job's status, on a real
+kube-apiserver with no controllers (tests/support/bare_apiserver.py: the test writes the workloads'
+status as their controllers would)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import httpx
-import kmock
 import pytest
 
 from asyncrl import runtime as R
@@ -13,10 +14,10 @@ from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
+from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.emulated_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job, make_ready
 from tests.support.job_builds import secret_files
 from tests.support.jobs import JobBuilder
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
 
@@ -30,16 +31,16 @@ def evaluated_report() -> TrainerReport:
     return synthetic_report().model_copy(update={"evaluations": evals})
 
 
-async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
-    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(evaluated_report()) as trainer:
-        emu.kubeconfig(tmp_path / "kubeconfig")
+async def test_trainer_status_is_mirrored_into_job_status(api: BareApiserver, tmp_path: Path):
+    async with TrainerStatusServer(evaluated_report()) as trainer:
+        api.kubeconfig(tmp_path / "kubeconfig")
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
-            await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
-            await poll(lambda: children_exist(emu), what="children", log=op.log)
-            await make_ready(emu)
-            status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
+            await create_job(api, JobBuilder.example().named(JOB, NS).doc())
+            await poll(lambda: children_exist(api), what="children", log=op.log)
+            await make_ready(api)
+            status = lambda: api.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
             # Readiness and the mirror arrive on separate passes: wait for both.
             await poll(lambda: status().get("trainer", {}).get("step") == 42
                            and status().get("phase") == "Running", what="mirrored step, Running", log=op.log)
@@ -77,7 +78,7 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
                                             "reclaimedEntries": 0,
                                             "fencedEngines": 1, "trainerRestarts": 1, "engineRestarts": 0,
                                             "engineResyncs": 2, "ghostGroupsDropped": 3}
-            reasons = lambda: {e.get("reason"): e.get("message") for e in emu.all("events", NS)}  # noqa: E731
+            reasons = lambda: {e.get("reason"): e.get("message") for e in api.all("events", NS)}  # noqa: E731
             await poll(lambda: {"GroupsDeadLettered", "AdmissionDriftRepaired", "LeasesReturned", "RewardsFailed",
                                     "EngineFenced", "TrainerRestarted", "EngineResynced",
                                     "GhostGroupsDropped"} <= set(reasons()),
@@ -95,35 +96,35 @@ async def test_trainer_status_is_mirrored_into_job_status(tmp_path: Path):
             assert s["reason"] == "TrainingComplete" and s["completionTime"]
             assert {c["type"]: c["status"] for c in s["conditions"]}["Complete"] == "True"
             assert s["progress"]["percent"] == 100.0
-            await poll(lambda: emu.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
+            await poll(lambda: api.get("deployments", NS, "qwen-rollout")["spec"]["replicas"] == 0,
                            what="rollout scaled to zero after success", log=op.log)
         finally:
             await op.stop()
-        assert_rbac_covers(emu)
+        assert_rbac_covers(api)
 
 
-async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
+async def test_mirror_sends_the_jobs_generated_status_token(api: BareApiserver, tmp_path: Path):
     """The operator creates the job's status-token Secret (random, owned by the job), the trainer's
     env reads it, and the mirror sends it: a trainer that requires it is still mirrored, while a GET
     without it (or with another token) is refused with 401."""
-    async with KubeEmulator() as emu, kmock.Server(emu), TrainerStatusServer(evaluated_report()) as trainer:
-        emu.kubeconfig(tmp_path / "kubeconfig")
+    async with TrainerStatusServer(evaluated_report()) as trainer:
+        api.kubeconfig(tmp_path / "kubeconfig")
         op = await OperatorProcess(tmp_path / "kubeconfig", tmp_path / "operator.log",
                                    status_url_template=f"http://127.0.0.1:{trainer.port}").start()
         try:
-            job = await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
-            await poll(lambda: children_exist(emu), what="children", log=op.log)
-            secret = emu.get("secrets", NS, N.status_secret("qwen"))
+            job = await create_job(api, JobBuilder.example().named(JOB, NS).doc())
+            await poll(lambda: children_exist(api), what="children", log=op.log)
+            secret = api.get("secrets", NS, N.status_secret("qwen"))
             token = secret_value(secret, "token")
             assert token and len(token) >= 32
             assert secret["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
-            sts = emu.get("statefulsets", NS, N.trainer("qwen"))
+            sts = api.get("statefulsets", NS, N.trainer("qwen"))
             files = secret_files(sts["spec"]["template"]["spec"])
             assert files["trainer"][R.ENV_STATUS_TOKEN] == (N.status_secret("qwen"), "token")
 
             trainer.require_token(token)  # the trainer pod starts with the token in a mounted file
-            await make_ready(emu)
-            status = lambda: emu.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
+            await make_ready(api)
+            status = lambda: api.get(PLURAL, NS, "qwen").get("status", {})  # noqa: E731
             await poll(lambda: status().get("trainer", {}).get("step") == 42, what="mirrored step", log=op.log)
 
             async with httpx.AsyncClient() as client:
@@ -133,7 +134,7 @@ async def test_mirror_sends_the_jobs_generated_status_token(tmp_path: Path):
                 ok = await client.get(url, headers={"Authorization": f"Bearer {token}"})
                 assert ok.status_code == 200 and ok.json()["step"] == 42
             # created once: later passes keep the token (the Secret is create-only)
-            assert secret_value(emu.get("secrets", NS, N.status_secret("qwen")), "token") == token
+            assert secret_value(api.get("secrets", NS, N.status_secret("qwen")), "token") == token
         finally:
             await op.stop()
-        assert_rbac_covers(emu)
+        assert_rbac_covers(api)
