@@ -2,10 +2,10 @@
 
 Every test is in exactly one tier, a marker set here and counted at the end of each run
 (`-m unit`, `-m integration` or `-m cluster` runs one):
-- cluster: against a Kubernetes API: the real control plane (with the test kubelet as its node, or a
-  bare apiserver), or the emulator, with the real operator or kubectl (tests.support.control_plane,
-  bare_apiserver, kube_emulator, kube_cluster, operator_process, emulated_jobs); those that start the
-  built binaries are marked `control_plane` as well (scripts/test.sh runs them once they are built);
+- cluster: against a real Kubernetes API: the control plane (with the test kubelet as its node) or a
+  bare apiserver, with the real operator or kubectl (tests.support.control_plane, bare_apiserver,
+  admission_gate, kube_cluster, cluster_e2e, operator_process, operator_jobs); those that start the
+  built binaries are also marked `control_plane` (scripts/test.sh runs them once they are built);
 - integration: real servers and processes without Kubernetes: a Redis server, the real model, the
   trainer or engine processes, a browser (the `slow`, `browser`, `vllm`, `sglang` markers or a Redis
   fixture);
@@ -32,9 +32,9 @@ settings.register_profile("asyncrl", derandomize=True, print_blob=True)
 settings.load_profile("asyncrl")
 
 TIERS = ("unit", "integration", "cluster")
-CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "bare_apiserver", "kube_emulator",
+CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "bare_apiserver", "admission_gate",
                                                        "kube_cluster", "cluster_e2e", "operator_process",
-                                                       "emulated_jobs"))
+                                                       "operator_jobs"))
 INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
                                                            "sglang_fake_lora", "lora_models", "bench_support",
                                                            "reward_services"))

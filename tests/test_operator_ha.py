@@ -4,18 +4,15 @@
 Each process has a client certificate of its own, so the apiserver's audit log says which process sent
 every request. "Reconciles" is anything but the Lease: creating children, patching a job's status,
 watching jobs. A standby must send nothing but Lease requests. The partition test holds the leader's
-renewals at the API server, which only the emulator (tests/support/kube_emulator.py) can do, and runs
-there.
+renewals at the apiserver with a slow admission webhook (tests/support/admission_gate.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import kmock
 import pytest
 
 from asyncrl.loader import parse_job
@@ -23,9 +20,9 @@ from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
 from asyncrl.spec import GROUP, PLURAL, VERSION
+from tests.support.admission_gate import AdmissionGate, Rule
 from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
@@ -46,52 +43,41 @@ def children(name: str) -> list[tuple[str, str]]:
     return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in B.build_children(job, ctx)]
 
 
-Api = KubeEmulator | BareApiserver
+def reconciled(api: BareApiserver, name: str) -> bool:
+    job = api.get(PLURAL, NS, name) or {}
+    return all(api.get(p, NS, n) for p, n in children(name)) and bool((job.get("status") or {}).get("phase"))
 
 
-def reconciled(emu: Api, name: str) -> bool:
-    job = emu.get(PLURAL, NS, name) or {}
-    return all(emu.get(p, NS, n) for p, n in children(name)) and bool((job.get("status") or {}).get("phase"))
-
-
-def requests_of(api: Api, who: str, *, since: int = 0) -> list[tuple[str, str, str]]:
-    """(verb, group, resource) of operator `who`'s requests (its token on the emulator, its user on the
-    apiserver), from the `since`-th request of the log on."""
-    if isinstance(api, BareApiserver):
-        return [(r.verb, r.group, r.resource) for r in api.log[since:] if r.user == f"operator-{who}" and r.resource]
-    return [(r.verb, r.group, r.resource) for r in api.log[since:] if r.token == f"token-{who}"]
+def requests_of(api: BareApiserver, who: str, *, since: int = 0) -> list[tuple[str, str, str]]:
+    """(verb, group, resource) of operator `who`'s requests, from the `since`-th request of the log on."""
+    return [(r.verb, r.group, r.resource) for r in api.log[since:] if r.user == f"operator-{who}" and r.resource]
 
 
 def not_lease(reqs: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     return [r for r in reqs if r[2] != "leases"]
 
 
-def holder(emu: Api) -> str | None:
-    lease = emu.get("leases", LEASE_NS, "asyncrl-operator")
+def holder(api: BareApiserver) -> str | None:
+    lease = api.get("leases", LEASE_NS, "asyncrl-operator")
     return ((lease or {}).get("spec") or {}).get("holderIdentity")
 
 
-async def create_job(emu: Api, name: str) -> None:
+async def create_job(api: BareApiserver, name: str) -> None:
     doc = JobBuilder.example().named(name, NS).doc()
-    async with emu.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
+    async with api.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
         assert resp.status == 201, await resp.text()
 
 
 @pytest.fixture
-async def emu():
-    async with KubeEmulator() as e, kmock.Server(e):
-        yield e
-
-
-async def operator_pair(api: Api, tmp_path: Path, lease: tuple[str, ...]) -> AsyncIterator[dict[str, OperatorProcess]]:
-    """Operator "a" (started first: it becomes the leader) and operator "b" (the standby)."""
+async def pair(api: BareApiserver, tmp_path: Path, request: pytest.FixtureRequest):
+    """Operator "a" (started first: it becomes the leader) and operator "b" (the standby), each with a
+    client certificate of its own, with the Lease settings LEASE (or the test's indirect parameter)."""
+    lease = getattr(request, "param", LEASE)
+    api.cp.kubectl("create", "namespace", LEASE_NS, check=True)
     ops = {}
     for who in ("a", "b"):
         config = tmp_path / f"kubeconfig-{who}"
-        if isinstance(api, BareApiserver):
-            api.kubeconfig(config, user=f"operator-{who}")
-        else:
-            api.kubeconfig(config, token=f"token-{who}")
+        api.kubeconfig(config, user=f"operator-{who}")
         ops[who] = OperatorProcess(config, tmp_path / f"operator-{who}.log",
                                    extra_args=(*lease, "--leader-election-identity", f"operator-{who}"))
     await ops["a"].start()
@@ -104,24 +90,8 @@ async def operator_pair(api: Api, tmp_path: Path, lease: tuple[str, ...]) -> Asy
         await op.stop()
     used = {(g, res, v) for who in ("a", "b") for v, g, res in requests_of(api, who)}
     assert not [u for u in used if not allowed(*u)], "every request is in PERMISSIONS (and so in the chart)"
-    if isinstance(api, BareApiserver):
-        for who in ("a", "b"):
-            assert not api.refused(f"operator-{who}"), api.refused(f"operator-{who}")
-
-
-@pytest.fixture
-async def pair(api: BareApiserver, tmp_path: Path, request: pytest.FixtureRequest):
-    """The operator pair on the real apiserver, with the Lease settings LEASE (or the test's indirect
-    parameter)."""
-    api.cp.kubectl("create", "namespace", LEASE_NS, check=True)
-    async for ops in operator_pair(api, tmp_path, getattr(request, "param", LEASE)):
-        yield ops
-
-
-@pytest.fixture
-async def emulated_pair(emu: KubeEmulator, tmp_path: Path):
-    async for ops in operator_pair(emu, tmp_path, LEASE):
-        yield ops
+    for who in ("a", "b"):
+        assert not api.refused(f"operator-{who}"), api.refused(f"operator-{who}")
 
 
 async def test_only_the_leader_reconciles_and_the_standby_takes_over_when_it_is_killed(api, pair):
@@ -171,22 +141,22 @@ async def test_a_stopped_leader_hands_the_lease_over_at_once(api, pair):
     assert ("create", "deployments") in {(v, res) for v, _, res in requests_of(api, "b", since=mark)}
 
 
-async def test_a_leader_that_cannot_renew_exits_before_the_lease_can_expire(emu, emulated_pair):
-    """The fencing half of "never both": renewals are held at the API server (a partition), and the
-    leader must be gone within its renew deadline (2 s), before a standby may take the Lease (3 s
-    after the last renewal it saw)."""
-    a, b = emulated_pair["a"], emulated_pair["b"]
-    gate = emu.gates[("update", "leases")] = asyncio.Event()
-    held = time.monotonic()
+async def test_a_leader_that_cannot_renew_exits_before_the_lease_can_expire(api, pair):
+    """The fencing half of "never both": the leader's renewals are held at the apiserver (a slow
+    admission webhook: a partition), and the leader must be gone within its renew deadline (2 s) of
+    the first held renewal, before a standby may take the Lease (3 s after the last renewal it saw)."""
+    a, b = pair["a"], pair["b"]
     assert a.proc is not None
-    await asyncio.wait_for(a.proc.wait(), 10)
-    gone = time.monotonic() - held
-    assert a.proc.returncode == 3, a.log.read_text()[-2000:]
-    assert gone < 2.0 + 0.6, f"the leader ran {gone:.1f}s without renewing"
-    assert "leadership lost" in a.log.read_text()
-    assert holder(emu) == "operator-a", "nobody took the Lease meanwhile (writes are held)"
-    gate.set()
-    del emu.gates[("update", "leases")]
-    await poll(lambda: holder(emu) == "operator-b", what="b takes over", log=b.log, timeout=30)
-    await create_job(emu, "after")
-    await poll(lambda: reconciled(emu, "after"), what="b reconciles", log=b.log)
+    rule = Rule("coordination.k8s.io", "leases", ("UPDATE",))
+    async with AdmissionGate(api.cp, rule, frozenset({"operator-a"})) as gate:
+        await poll(lambda: gate.held, what="a renewal held", log=a.log, timeout=30)
+        held = time.monotonic()
+        await asyncio.wait_for(a.proc.wait(), 10)
+        gone = time.monotonic() - held
+        assert a.proc.returncode == 3, a.log.read_text()[-2000:]
+        assert gone < 2.0 + 0.6, f"the leader ran {gone:.1f}s without renewing"
+        assert "leadership lost" in a.log.read_text()
+        assert holder(api) == "operator-a", "nobody took the Lease meanwhile"
+    await poll(lambda: holder(api) == "operator-b", what="b takes over", log=b.log, timeout=30)
+    await create_job(api, "after")
+    await poll(lambda: reconciled(api, "after"), what="b reconciles", log=b.log)

@@ -16,7 +16,7 @@ from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord
 from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.control_plane import find_tool
-from tests.support.emulated_jobs import assert_rbac_covers
+from tests.support.operator_jobs import assert_rbac_covers
 from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
 

@@ -1,23 +1,24 @@
 """The real kopf operator (`asyncrl operator` subprocess) against a real kube-apiserver with no controllers
 (tests/support/bare_apiserver.py): the test writes the workloads' status as their controllers would, and
 the apiserver validates, defaults and audits every request. Nothing collects garbage there: that
-children go with their job is shown on the full control plane (tests/test_cluster_e2e.py). One test holds
-a request mid-flight, which only the emulator can do, and runs there."""
+children go with their job is shown on the full control plane (tests/test_cluster_e2e.py). A request is
+held mid-flight by a slow admission webhook (tests/support/admission_gate.py)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-import kmock
 import pytest
 
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS
 from asyncrl.spec import GROUP, PLURAL, VERSION
-from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
-from tests.support.emulated_jobs import (
+from tests.support.admission_gate import AdmissionGate, Rule
+from tests.support.bare_apiserver import OPERATOR_USER, BareApiserver, bare_apiserver_fixture  # noqa: F401
+from tests.support.jobs import JobBuilder
+from tests.support.operator_jobs import (
     JOB,
     NS,
     assert_rbac_covers,
@@ -28,19 +29,10 @@ from tests.support.emulated_jobs import (
     patch_job,
     phase,
 )
-from tests.support.jobs import JobBuilder
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def emu(tmp_path: Path):
-    async with KubeEmulator() as e, kmock.Server(e):
-        e.kubeconfig(tmp_path / "kubeconfig")
-        yield e
 
 
 @pytest.fixture
@@ -161,31 +153,32 @@ async def test_startup_deadline_reports_pod_reason_and_is_sticky(api, operator):
     assert phase(api) == "Failed"
 
 
-async def test_restart_mid_reconcile_creates_no_duplicates(emu, tmp_path):
-    gate = asyncio.Event()
-    emu.gates[("create", "statefulsets")] = gate
+async def test_restart_mid_reconcile_creates_no_duplicates(api, tmp_path):
+    """The operator is killed while its create of a StatefulSet waits at admission (a slow webhook);
+    whether or not the apiserver finishes that create, the next operator makes each child once."""
+    api.kubeconfig(tmp_path / "kubeconfig")
     log = tmp_path / "operator.log"
-    first = await OperatorProcess(tmp_path / "kubeconfig", log).start()
-    try:
-        await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
-        await poll(lambda: any(r.verb == "create" and r.resource == "statefulsets" for r in emu.log),
-                       what="the operator blocked creating a StatefulSet", log=log)
-        await first.stop(kill=True)  # killed mid-reconcile, with a create in flight
-    finally:
-        await first.stop(kill=True)
-    gate.set()  # the API server finishes the orphaned request after the client died
-    del emu.gates[("create", "statefulsets")]
+    rule = Rule("apps", "statefulsets", ("CREATE",))
+    async with AdmissionGate(api.cp, rule, frozenset({OPERATOR_USER})) as gate:
+        first = await OperatorProcess(tmp_path / "kubeconfig", log).start()
+        try:
+            await create_job(api, JobBuilder.example().named(JOB, NS).doc())
+            await poll(lambda: gate.held, what="the operator's StatefulSet create held at admission", log=log)
+            await first.stop(kill=True)  # killed mid-reconcile, with a create in flight
+        finally:
+            await first.stop(kill=True)
+        gate.release()  # the apiserver goes on with the orphaned request (or drops it with its client)
     second = await OperatorProcess(tmp_path / "kubeconfig", log).start()
     try:
-        await poll(lambda: children_exist(emu), what="all children after restart", log=log)
-        await poll(lambda: phase(emu) == "Initializing", what="Initializing", log=log)
+        await poll(lambda: children_exist(api), what="all children after restart", log=log)
+        await poll(lambda: phase(api) == "Initializing", what="Initializing", log=log)
     finally:
         await second.stop()
     # every kind the operator can write, not only those it should have written
     kinds = [plural for kind, (_, _, plural) in KINDS.items() if kind not in ("Pod", "Lease", "AsyncRLJob")]
-    owned = [(plural, o["metadata"]["name"]) for plural in kinds for o in emu.all(plural, NS)]
+    owned = [(plural, o["metadata"]["name"]) for plural in kinds for o in api.all(plural, NS)]
     assert sorted(owned) == sorted(expected_children()), "exactly the desired children, each once"
-    assert_rbac_covers(emu)
+    assert_rbac_covers(api)
 
 
 async def test_delete_relies_on_owner_references(api, operator):

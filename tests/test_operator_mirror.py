@@ -15,9 +15,9 @@ from asyncrl.operator.mirror import secret_value
 from asyncrl.spec import PLURAL
 from asyncrl.status_report import EvalRecord, RecoveryReport, TrainerReport
 from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
-from tests.support.emulated_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job, make_ready
 from tests.support.job_builds import secret_files
 from tests.support.jobs import JobBuilder
+from tests.support.operator_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job, make_ready
 from tests.support.operator_process import OperatorProcess, TrainerStatusServer, synthetic_report
 from tests.support.polling import poll
 

@@ -2,15 +2,14 @@
 (tests/support/bare_apiserver.py: the test writes what a kubelet and the controllers would) and a real Redis:
 the trainer's durable outcome record, trainer restarts and configuration errors (pod statuses
 patched in as a kubelet would), activeDeadlineSeconds, a crash-looping rollout (Degraded), and one
-writer with optimistic concurrency (409 on a stale resourceVersion; a terminal phase is never left: that
-test holds a request mid-flight, which only the emulator can do, and runs there)."""
+writer with optimistic concurrency (409 on a stale resourceVersion; a terminal phase is never left, even
+when the operator's status write is held at admission by a slow webhook while another writer ends the job)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
-import kmock
 import pytest
 
 from asyncrl.local_redis import LocalRedis
@@ -22,11 +21,12 @@ from asyncrl.outcome import new_outcome, write_outcome_redis
 from asyncrl.spec import GROUP, PLURAL, VERSION
 from asyncrl.transport.connection import connect
 from asyncrl.transport.names import StreamNames
-from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
-from tests.support.emulated_jobs import (
+from tests.support.admission_gate import AdmissionGate, Rule
+from tests.support.bare_apiserver import OPERATOR_USER, BareApiserver, bare_apiserver_fixture  # noqa: F401
+from tests.support.jobs import JobBuilder
+from tests.support.operator_jobs import (
     JOB,
     NS,
-    Api,
     assert_rbac_covers,
     children_exist,
     create_job,
@@ -35,21 +35,12 @@ from tests.support.emulated_jobs import (
     patch_job,
     phase,
 )
-from tests.support.jobs import JobBuilder
-from tests.support.kube_emulator import KubeEmulator
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 pytestmark = pytest.mark.slow
 UNREACHABLE_STATUS = "http://127.0.0.1:1"  # the trainer's /status cannot be reached in these tests
 JOB_URL = f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}/qwen"
-
-
-@pytest.fixture
-async def emu(tmp_path: Path):
-    async with KubeEmulator() as e, kmock.Server(e):
-        e.kubeconfig(tmp_path / "kubeconfig")
-        yield e
 
 
 async def start_operator(tmp_path: Path, **flags) -> OperatorProcess:
@@ -66,30 +57,22 @@ async def operator(api: BareApiserver, tmp_path: Path):
     assert_rbac_covers(api)
 
 
-@pytest.fixture
-async def emulated_operator(emu: KubeEmulator, tmp_path: Path):
-    op = await start_operator(tmp_path)
-    yield op
-    await op.stop()
-    assert_rbac_covers(emu)
+def status(api: BareApiserver, name: str = "qwen") -> dict:
+    return (api.get(PLURAL, NS, name) or {}).get("status") or {}
 
 
-def status(emu: Api, name: str = "qwen") -> dict:
-    return (emu.get(PLURAL, NS, name) or {}).get("status") or {}
+def conditions(api: BareApiserver) -> dict[str, dict]:
+    return {c["type"]: c for c in status(api).get("conditions", [])}
 
 
-def conditions(emu: Api) -> dict[str, dict]:
-    return {c["type"]: c for c in status(emu).get("conditions", [])}
-
-
-def replicas(emu: Api, plural: str, name: str) -> int | None:
-    obj = emu.get(plural, NS, name)
+def replicas(api: BareApiserver, plural: str, name: str) -> int | None:
+    obj = api.get(plural, NS, name)
     return None if obj is None else obj["spec"]["replicas"]
 
 
-def released(emu: Api, name: str = "qwen") -> bool:
+def released(api: BareApiserver, name: str = "qwen") -> bool:
     """Trainer and rollout scaled to zero (the GPUs are given back)."""
-    return replicas(emu, "deployments", N.rollout(name)) == 0 and replicas(emu, "statefulsets", N.trainer(name)) == 0
+    return replicas(api, "deployments", N.rollout(name)) == 0 and replicas(api, "statefulsets", N.trainer(name)) == 0
 
 
 def trainer_doc(**trainer) -> dict:
@@ -98,7 +81,7 @@ def trainer_doc(**trainer) -> dict:
     return doc
 
 
-async def put_pod(api: Api, name: str, component: str, container: str, *, labels: dict | None = None,
+async def put_pod(api: BareApiserver, name: str, component: str, container: str, *, labels: dict | None = None,
                   **container_status) -> None:
     """Play the workload's controller and kubelet: a pod of the job, then its status with one container's."""
     await api.put_object("", "v1", "pods", {
@@ -110,11 +93,11 @@ async def put_pod(api: Api, name: str, component: str, container: str, *, labels
     await api.patch_status("", "v1", "pods", NS, name, {"phase": "Running", "containerStatuses": [cs]})
 
 
-async def running_job(emu: Api, op: OperatorProcess, doc: dict | None = None) -> dict:
-    job = await create_job(emu, doc or JobBuilder.example().named(JOB, NS).doc())
-    await poll(lambda: children_exist(emu), what="children", log=op.log)
-    await make_ready(emu)
-    await poll(lambda: phase(emu) == "Running", what="Running", log=op.log)
+async def running_job(api: BareApiserver, op: OperatorProcess, doc: dict | None = None) -> dict:
+    job = await create_job(api, doc or JobBuilder.example().named(JOB, NS).doc())
+    await poll(lambda: children_exist(api), what="children", log=op.log)
+    await make_ready(api)
+    await poll(lambda: phase(api) == "Running", what="Running", log=op.log)
     return job
 
 
@@ -270,38 +253,33 @@ async def test_status_write_with_stale_resource_version_gets_409(api):
     assert await patch(JOB_URL + "/status", {"status": {"phase": "Pending"}}) == 200, "no precondition, no check"
 
 
-async def test_terminal_phase_survives_a_racing_status_write(emu, emulated_operator):
-    await create_job(emu, JobBuilder.example().named(JOB, NS).doc())
-    await poll(lambda: children_exist(emu), what="children", log=emulated_operator.log)
-    await poll(lambda: phase(emu) == "Initializing", what="Initializing", log=emulated_operator.log)
+async def test_terminal_phase_survives_a_racing_status_write(api, operator):
+    await create_job(api, JobBuilder.example().named(JOB, NS).doc())
+    await poll(lambda: children_exist(api), what="children", log=operator.log)
+    await poll(lambda: phase(api) == "Initializing", what="Initializing", log=operator.log)
 
-    # Hold the operator's next status write (Running) in flight...
-    gate = asyncio.Event()
-    emu.gates[("patch", f"{PLURAL}/status")] = gate
-    seen = len(emu.log)
-    await make_ready(emu)
-    await poll(lambda: any(r.verb == "patch" and r.resource == f"{PLURAL}/status"
-                               for r in emu.log[seen:] if not r.agent.startswith("kmock")),
-                   what="the operator's status write in flight", log=emulated_operator.log)
-    # ...while another writer finishes the job; then let the operator's stale write through.
-    finished = fmt_time(now_utc())
-    await emu.patch_status(GROUP, VERSION, PLURAL, NS, "qwen", {
-        "phase": "Failed", "reason": "Preempted", "message": "the cluster took the GPUs back",
-        "completionTime": finished})
-    del emu.gates[("patch", f"{PLURAL}/status")]
-    gate.set()
+    # Hold the operator's next status write (Running) at admission (a slow webhook)...
+    rule = Rule(GROUP, f"{PLURAL}/status", ("UPDATE",), version=VERSION)
+    async with AdmissionGate(api.cp, rule, frozenset({OPERATOR_USER})) as gate:
+        await make_ready(api)
+        await poll(lambda: gate.held, what="the operator's status write in flight", log=operator.log)
+        # ...while another writer finishes the job; then let the operator's stale write through.
+        finished = fmt_time(now_utc())
+        await api.patch_status(GROUP, VERSION, PLURAL, NS, "qwen", {
+            "phase": "Failed", "reason": "Preempted", "message": "the cluster took the GPUs back",
+            "completionTime": finished})
+        gate.release()
 
-    await poll(lambda: released(emu), what="GPUs released after the re-read", log=emulated_operator.log)
-    await poll(lambda: "re-reading" in emulated_operator.log.read_text(), what="the conflict in the log",
-               log=emulated_operator.log)
-    seen = len(emu.log)
-    await poll(lambda: len(emu.log) > seen + 40, what="more passes", log=emulated_operator.log)
-    s = status(emu)
+    await poll(lambda: released(api), what="GPUs released after the re-read", log=operator.log)
+    await poll(lambda: "re-reading" in operator.log.read_text(), what="the conflict in the log", log=operator.log)
+    seen = len(api.requests_of())
+    await poll(lambda: len(api.requests_of()) > seen + 40, what="more passes", log=operator.log)
+    s = status(api)
     assert (s["phase"], s["reason"], s["completionTime"]) == ("Failed", "Preempted", finished)
-    assert conditions(emu)["Failed"]["status"] == "True", "the operator's later writes keep the terminal phase"
-    await make_ready(emu)  # children report ready again: still Failed
+    assert conditions(api)["Failed"]["status"] == "True", "the operator's later writes keep the terminal phase"
+    await make_ready(api)  # children report ready again: still Failed
     await asyncio.sleep(1.0)
-    assert phase(emu) == "Failed" and released(emu)
+    assert phase(api) == "Failed" and released(api)
 
 
 async def test_spec_change_is_applied_once_by_one_writer(api, operator):

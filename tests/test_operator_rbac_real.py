@@ -2,10 +2,10 @@
 `asyncrl operator` runs with that ServiceAccount's token (not as admin) through a job's life, and the
 apiserver's own RBAC refuses none of its requests (the audit log has every request and its answer).
 
-tests/test_chart_rbac.py compares the chart's grants with what the operator uses, on the emulated API;
-this is the real authorizer's word. The job's pods never run here (no node): the operator's requests are
-what is checked - create every child, mirror status, correct drift, follow a spec change, post events,
-hold its leader Lease, and clean up when the job is deleted.
+tests/test_chart_rbac.py compares the chart's grants with what the operator uses (on a bare apiserver,
+as cluster admin); this is the real authorizer's word. The job's pods never run here (no node): the
+operator's requests are what is checked - create every child, mirror status, correct drift, follow a
+spec change, post events, hold its leader Lease, and clean up when the job is deleted.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Test support shared by several test modules (a test module is never imported by another): the
-one poll helper, the job builds, the trainer and loss helpers, the oracles' loaders, the Kubernetes
-emulator and the process kubelet's test cluster, the control plane, the fake SGLang server, the
+one poll helper, the job builds, the trainer and loss helpers, the oracles' loaders, the control
+plane (whole, or a bare apiserver) and the process kubelet that is its node, the fake SGLang server, the
 operator and status-server processes. Tests import them as `tests.support.<module>`.
 """

@@ -1,17 +1,15 @@
 """A real kube-apiserver with no controllers, scheduler or node (as controller-runtime's envtest does):
 the operator tests that play the kubelet and the controllers themselves (they write the workloads'
-status) run against the apiserver's own validation, defaulting, admission and audit log instead of an
-emulation of them.
+status) run against the apiserver's own validation, defaulting, admission and audit log.
 
 Nothing makes pods, binds claims, collects garbage or finishes a namespace's deletion here: a test
 writes the status a controller would, and checks the operator's requests and the objects as the
 apiserver stores them. The scenarios on the full control plane (tests/test_cluster_e2e*.py) show the
 cluster-wide effects.
 
-`BareApiserver` answers the part of `KubeEmulator`'s test surface those tests use (`get`, `all`,
-`patch_status`, `put_object`, `post`/`patch`/`delete`, `kubeconfig`, `log`), so a test file moves over
-by changing its fixture. The operator gets a client certificate of its own (`kubeconfig`), so the
-audit log tells its requests from the test's.
+`BareApiserver` is what those tests read and write with (`get`, `all`, `patch_status`, `put_object`,
+`post`/`patch`/`delete`, `collect_garbage`, `kubeconfig`, `log`). The operator gets a client certificate
+of its own (`kubeconfig`), so the audit log tells its requests from the test's.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ PATHS: dict[str, tuple[str, bool]] = {**RESOURCES, PLURAL: (f"/apis/{API_VERSION
 
 @dataclass(frozen=True)
 class AuditedRequest:
-    """One finished request from the audit log (the fields `KubeEmulator.log` has)."""
+    """One answered request, from the audit log."""
 
     verb: str
     agent: str
@@ -112,7 +110,8 @@ class BareApiserver:
 
     async def patch_status(self, group: str, version: str, plural: str, namespace: str, name: str,
                            status: dict) -> dict:
-        """Write `.status` of an object, as its controller would (`group`/`version` as the emulator's)."""
+        """Write `.status` of an object, as its controller would (`group`/`version`: the caller's record
+        of which API it is; the path comes from the plural)."""
         resp = await self.async_http.patch(self.path(plural, namespace, name, "status"), json={"status": status},
                                            headers={"Content-Type": "application/merge-patch+json"})
         assert resp.status_code == 200, resp.text
@@ -202,8 +201,8 @@ def bare_apiserver(namespace: str) -> Iterator[BareApiserver]:
 
 @pytest.fixture(name="api")
 async def bare_apiserver_fixture() -> AsyncIterator[BareApiserver]:
-    """A bare apiserver per test, with the emulated tests' namespace (tests.support.emulated_jobs.NS)."""
-    from tests.support.emulated_jobs import NS
+    """A bare apiserver per test, with the operator tests' namespace (tests.support.operator_jobs.NS)."""
+    from tests.support.operator_jobs import NS
 
     with bare_apiserver(NS) as api:
         try:

@@ -1,10 +1,12 @@
 """A real Kubernetes control plane for tests: etcd, kube-apiserver, kube-controller-manager and
 kube-scheduler as local processes on loopback ports (no nodes, no container runtime).
 
-The in-process emulator (kube_emulator.py) answers what we taught it; this answers what Kubernetes
-does: the apiserver's own OpenAPI validation, defaulting and CEL of our CRD, RBAC, admission, the
-audit log, server-side apply, and the real controllers (garbage collector, Deployment, ReplicaSet,
-StatefulSet, namespace deletion, ServiceAccount tokens, PVC binding). Pods are scheduled nowhere.
+It answers what Kubernetes does, not what a test taught an emulation: the apiserver's own OpenAPI
+validation, defaulting and CEL of our CRD, RBAC, admission, the audit log, server-side apply, and the
+real controllers (garbage collector, Deployment, ReplicaSet, StatefulSet, namespace deletion,
+ServiceAccount tokens, PVC binding). Pods run only where a test adds a node
+(tests/support/kube_cluster/); `controllers=False` starts etcd and the apiserver alone
+(tests/support/bare_apiserver.py).
 
 Binaries come from `scripts/build-k8s-control-plane.sh` (found via ASYNCRL_K8S_BIN or its default
 cache dir). Without them the tests skip, or fail when ASYNCRL_REQUIRE_CONTROL_PLANE=1 (CI).
@@ -285,6 +287,14 @@ class ControlPlane:
         client = ["extendedKeyUsage=clientAuth", "keyUsage=critical,digitalSignature,keyEncipherment"]
         _signed_cert(self.root / "pki", name, subject, client)
         return _cert_kubeconfig(self.root, self.server, name)
+
+    def serving_cert(self, name: str) -> tuple[Path, Path]:
+        """(cert, key) of a new serving certificate for 127.0.0.1 signed by the cluster's CA (which the
+        apiserver trusts when a webhook's caBundle is that CA)."""
+        _signed_cert(self.root / "pki", name, f"/CN={name}", [
+            "subjectAltName=IP:127.0.0.1", "extendedKeyUsage=serverAuth",
+            "keyUsage=critical,digitalSignature,keyEncipherment"])
+        return self.root / "pki" / f"{name}.crt", self.root / "pki" / f"{name}.key"
 
     def token_kubeconfig(self, token: str, name: str = "token") -> Path:
         """A kubeconfig that authenticates with a bearer token (e.g. from `kubectl create token`),

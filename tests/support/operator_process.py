@@ -1,4 +1,4 @@
-"""Processes the operator tests run beside the emulator: `asyncrl operator` as a subprocess, and
+"""Processes the operator tests run beside the apiserver: `asyncrl operator` as a subprocess, and
 the trainer's real status endpoint serving a report the test controls."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent.parent
 
 
 class OperatorProcess:
-    """`asyncrl operator` as a subprocess talking to the emulator through a kubeconfig."""
+    """`asyncrl operator` as a subprocess talking to an apiserver through a kubeconfig."""
 
     def __init__(self, kubeconfig: Path, log: Path, *, interval: float = 0.3, status_url_template: str | None = None,
                  redis_url_template: str | None = None, extra_args: tuple[str, ...] = ()):
