@@ -26,6 +26,7 @@ from tests.support.kube_cluster.node import LEASE_NAMESPACE
 from tests.support.kube_cluster.objects import Obj, meta
 from tests.support.kube_cluster.provisioner import STORAGE_CLASS
 from tests.support.kube_cluster.real_cluster import POD_NETWORK, RealCluster
+from tests.support.kube_cluster.rest import ApiError
 from tests.support.kube_cluster.rewriting import AddressRewriter, PathRewriter, expand_vars
 
 SCALE = 0.05
@@ -33,7 +34,8 @@ PY = "python"  # found on the pod's PATH: the test venv's bin comes first
 
 
 def real_cluster(cp: ControlPlane, namespace: str, root: Path) -> RealCluster:
-    return RealCluster(cp.kubeconfig, root, namespaces=[namespace], time_scale=SCALE)
+    return RealCluster(cp.kubeconfig, root, namespaces=[namespace], time_scale=SCALE,
+                       node_kubeconfig=cp.node_kubeconfig)
 
 
 @pytest.fixture
@@ -436,7 +438,9 @@ async def test_a_sigkilled_container_is_restarted_and_a_process_that_left_its_gr
     main = cluster.pid(ns, "escape", "main")
     assert main is not None and first in cluster.alive_processes() and os.getpgid(first) != main
     cluster.kill(ns, "escape", "main")
-    await cluster.wait(lambda: len(children()) == 2 and container_status(cluster, ns, "escape").get("ready"),
+    # (the log shows the second child before the pod's status shows the restart: wait for both)
+    await cluster.wait(lambda: len(children()) == 2 and container_status(cluster, ns, "escape").get("ready")
+                       and container_status(cluster, ns, "escape").get("restartCount") == 1,
                        timeout=60, what="restarted with a second child")
     assert first not in cluster.alive_processes() and cluster.pid(ns, "escape", "main") not in (None, main)
     last = container_status(cluster, ns, "escape")
@@ -450,7 +454,9 @@ async def test_a_pod_that_ignores_sigterm_is_killed_after_its_grace_period(
                 " time.sleep(600)")
     await cluster.create(pod("stubborn", ns, [container("main", [PY, "-c", stubborn])],
                              terminationGracePeriodSeconds=40))  # 2 s scaled
-    await cluster.wait(lambda: "up" in cluster.log(ns, "stubborn", "main"), timeout=60, what="stubborn up")
+    # the line "up", not the start banner (which quotes the argv): SIGTERM is ignored from then on
+    await cluster.wait(lambda: "up" in cluster.log(ns, "stubborn", "main").splitlines(), timeout=60,
+                       what="stubborn up")
     pid = cluster.pid(ns, "stubborn", "main")
     deleted = await asyncio.to_thread(control_plane.kubectl, "delete", "pod", "stubborn", "-n", ns, "--wait=false")
     assert deleted.returncode == 0, deleted.stderr
@@ -529,3 +535,45 @@ async def test_a_claim_made_after_its_pods_is_shared_by_them_with_secret_and_dow
     # the ConfigMap's file names container paths and a Service: both read right inside the pod
     conf = (cluster.volume_path(ns, names[0], "cfg") / "conf.yaml").read_text()
     assert conf == f"out: {shared}/out\nurl: http://127.0.0.1:{cluster.service_port('other', 'db', 5432)}\n"
+
+
+async def test_the_kubelet_acts_as_its_node_and_the_node_authorizer_allows_only_what_its_pods_name(
+        cluster: RealCluster, control_plane: ControlPlane, namespace: str):
+    """The kubelet's requests are `system:node:<name>`'s: the Node authorizer lets it read the Secret and
+    ConfigMap its pod names and refuses one no pod of the node names; NodeRestriction lets it write
+    its pods' status, delete them and renew its own Lease. Nothing it did was refused."""
+    ns, user = namespace, f"system:node:{cluster.node_name}"
+    for name in ("named", "unnamed"):
+        await cluster.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns},
+                              "stringData": {"token": name}})
+    await cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": ns},
+                          "data": {"a.txt": "from the config map"}})
+    reader = container("main", ["sh", "-c", 'cat /etc/cfg/a.txt; echo " $TOKEN"; exec sleep 600'],
+                       env=[{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "named", "key": "token"}}}],
+                       volumeMounts=[{"name": "cfg", "mountPath": "/etc/cfg"}])
+    await cluster.create(pod("reader", ns, [reader], volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}]))
+    await cluster.wait(lambda: "from the config map named" in cluster.log(ns, "reader", "main"), timeout=60,
+                       what="the pod read its ConfigMap and Secret")
+    deleted = await asyncio.to_thread(control_plane.kubectl, "delete", "pod", "reader", "-n", ns, "--wait=false")
+    assert deleted.returncode == 0, deleted.stderr
+    await cluster.wait(lambda: asyncio.to_thread(lambda: get(control_plane, "pod", "reader", "-n", ns) is None),
+                       timeout=60, what="the pod gone")
+    assert cluster.node_client is not None
+    with pytest.raises(ApiError) as refused:  # no pod of this node names it
+        await cluster.node_client.request("GET", f"/api/v1/namespaces/{ns}/secrets/unnamed")
+    assert refused.value.status == 403
+
+    def by_node() -> set[tuple[str, str, str | None, str | None]]:
+        events = [json.loads(line) for line in control_plane.audit_log.read_text().splitlines()]
+        return {(e["verb"], (e.get("objectRef") or {}).get("resource"), (e.get("objectRef") or {}).get("subresource"),
+                 str(e["responseStatus"]["code"])) for e in events
+                if e["user"]["username"] == user and e.get("stage") == "ResponseComplete"
+                and ((e.get("objectRef") or {}).get("namespace") in (ns, LEASE_NAMESPACE, None))}
+
+    await cluster.wait(lambda: cluster.node.renewals >= 1, timeout=30, what="a Lease renewal")
+    made = by_node()
+    for wanted in [("get", "secrets", None, "200"), ("get", "configmaps", None, "200"),
+                   ("patch", "pods", "status", "200"), ("delete", "pods", None, "200"),
+                   ("list", "pods", None, "200"), ("patch", "leases", None, "200"), ("create", "nodes", None, "201")]:
+        assert wanted in made, (wanted, sorted(made, key=str))
+    assert [m for m in made if m[3] == "403"] == [("get", "secrets", None, "403")], sorted(made, key=str)

@@ -105,6 +105,7 @@ class E2E:
         """The jobs applied, by name (a failed wait prints their status)."""
         self.cluster = RealCluster(
             cp.kubeconfig, tmp / "cluster", namespaces=[NS], time_scale=SCALE, hook=self._hook,
+            node_kubeconfig=cp.node_kubeconfig,
             probe_timeout_floor=3.0, bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
             # one torch thread per process (engine and trainer share 2 cores, as in `asyncrl run`); the
             # node's model cache (asyncrl.models; each pod's HOME=/tmp is an emptyDir of its own)

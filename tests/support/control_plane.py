@@ -288,6 +288,11 @@ class ControlPlane:
         _signed_cert(self.root / "pki", name, subject, client)
         return _cert_kubeconfig(self.root, self.server, name)
 
+    def node_kubeconfig(self, node: str) -> Path:
+        """A kubelet's kubeconfig: user `system:node:<node>` in group `system:nodes`, whom the Node
+        authorizer and NodeRestriction admission judge."""
+        return self.client_kubeconfig(f"node-{node}", f"/O=system:nodes/CN=system:node:{node}")
+
     def serving_cert(self, name: str) -> tuple[Path, Path]:
         """(cert, key) of a new serving certificate for 127.0.0.1 signed by the cluster's CA (which the
         apiserver trusts when a webhook's caBundle is that CA)."""
@@ -351,7 +356,7 @@ def _apiserver_argv(bins: Path, root: Path, etcd: int, port: int) -> list[str]:
             f"--requestheader-client-ca-file={pki / 'ca.crt'}", "--requestheader-allowed-names=front-proxy-client",
             "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
-            "--authorization-mode=RBAC,Node",
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",

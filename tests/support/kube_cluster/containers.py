@@ -122,6 +122,7 @@ class ContainerRunner:
     async def _supervise_loop(self) -> None:
         while not self._stopping.is_set():
             try:
+                await self.pod.kubelet.api.fetch_for(self.pod.obj)  # what the pod names, read at each start
                 launch = self.pod.launch(self, None)
             except ConfigError as exc:
                 self.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
@@ -143,7 +144,10 @@ class ContainerRunner:
                 if self._stopping.is_set():
                     return
             self._backoff_next(time.monotonic())
+            # the next instance is being made: counted, and no longer shown as the terminated one (a status
+            # written meanwhile shows that termination as lastState, beside the new count)
             self.restart_count += 1
+            self.state = {"waiting": {"reason": "ContainerCreating"}}
 
     def _backoff_delay(self, finished: float) -> float:
         """kubelet's CrashLoopBackOff: the first restart is immediate, then 10 s, 20 s, 40 s ... capped at 300 s;

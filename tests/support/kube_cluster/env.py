@@ -6,7 +6,7 @@ import base64
 import re
 from pathlib import Path
 
-from tests.support.kube_cluster.api import PodApi
+from tests.support.kube_cluster.api import ObjectReads
 from tests.support.kube_cluster.objects import LOCAL_IP, Obj, meta
 from tests.support.kube_cluster.rewriting import expand_vars
 
@@ -55,7 +55,7 @@ def field_value(pod: Obj, path: str, pod_ip: str = LOCAL_IP) -> str:
 class EnvResolver:
     """A container's `envFrom` and `env`, resolved against ConfigMaps, Secrets and the pod, as kubelet does."""
 
-    def __init__(self, api: PodApi, pod: Obj, pod_ip: str = LOCAL_IP):
+    def __init__(self, api: ObjectReads, pod: Obj, pod_ip: str = LOCAL_IP):
         self.api, self.pod, self.pod_ip = api, pod, pod_ip
         self.namespace = meta(pod).get("namespace") or "default"
 
@@ -105,7 +105,7 @@ class EnvResolver:
 class Volumes:
     """A pod's volumes as host directories (rule 2): the kubelet's volume manager."""
 
-    def __init__(self, api: PodApi, pod: Obj, pod_dir: Path, claims_root: Path, pod_ip: str = LOCAL_IP):
+    def __init__(self, api: ObjectReads, pod: Obj, pod_dir: Path, claims_root: Path, pod_ip: str = LOCAL_IP):
         self.api, self.pod, self.pod_dir, self.claims_root = api, pod, pod_dir, claims_root
         self.pod_ip = pod_ip
         self.namespace = meta(pod).get("namespace") or "default"

@@ -69,9 +69,12 @@ class PodRunner:
     async def _mount_and_start_containers(self) -> None:
         if self.unsupported:
             return
-        volumes = Volumes(self.kubelet.api, self.obj, self.dir, self.kubelet.options.root / "claims", self.ip)
+        api = self.kubelet.api
         while self.volumes is None:
             try:
+                await api.fetch_for(self.obj)
+                volumes = Volumes(api.reads_for(self.obj), self.obj, self.dir, self.kubelet.options.root / "claims",
+                                  self.ip)
                 self.volumes = volumes.materialize()
                 self.mount_error = None
             except MountError as exc:
@@ -144,7 +147,7 @@ class PodRunner:
         """argv/env/cwd of the container (probe_argv None) or of one of its exec probes (package doc, rules 1-7)."""
         options = self.kubelet.options
         spec = container.spec
-        env = EnvResolver(self.kubelet.api, self.obj, self.ip).resolve(spec)
+        env = EnvResolver(self.kubelet.api.reads_for(self.obj), self.obj, self.ip).resolve(spec)
         if probe_argv is not None:
             argv = probe_argv
         else:

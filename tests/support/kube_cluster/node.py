@@ -25,7 +25,12 @@ def micro_time(when: datetime.datetime | None = None) -> str:
 
 
 class NodeAgent:
-    """Registers the Node (Ready, schedulable, with capacity), renews its Lease, and on `leave` deletes it."""
+    """Registers the Node (Ready, schedulable, with capacity), renews its Lease, and on `leave` deletes it.
+
+    The kubelet's part (the Node, its status, its Lease) is done as the node (`api.node`); lifting the
+    admission's not-ready taint and deleting the Node and its pods on `leave` are the node lifecycle
+    controller's and the pod garbage collector's, done with the cluster's view (NodeRestriction forbids a
+    node to change its own taints)."""
 
     def __init__(self, api: RealApi, name: str, *, capacity: Mapping[str, str] | None = None,
                  pod_cidr: str = "10.244.0.0/16", renew_seconds: float = LEASE_SECONDS / 4,
@@ -60,24 +65,26 @@ class NodeAgent:
     async def register(self) -> None:
         node = await self.api.create({"apiVersion": "v1", "kind": "Node",
                                       "metadata": {"name": self.name, "labels": self._labels()},
-                                      "spec": {"podCIDR": self.pod_cidr, "podCIDRs": [self.pod_cidr]}})
+                                      "spec": {"podCIDR": self.pod_cidr, "podCIDRs": [self.pod_cidr]}},
+                                     client=self.api.node)
         self.uid = node["metadata"]["uid"]
         # TaintNodesByCondition admission taints a new node not-ready; the node lifecycle controller would
         # lift it once the node is Ready, but the test control plane does not run it.
         await self.api.patch("nodes", None, self.name, {"spec": {"taints": None}})
-        await self.api.patch("nodes", None, self.name, {"status": self.status()}, "status")
+        await self.api.patch("nodes", None, self.name, {"status": self.status()}, "status", client=self.api.node)
         await self.api.create({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                                "metadata": {"name": self.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
                                    {"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self.uid}]},
                                "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_SECONDS,
-                                        "renewTime": micro_time()}})
+                                        "renewTime": micro_time()}}, client=self.api.node)
 
     async def renew_forever(self, errors: list[str]) -> None:
         """The node heartbeat: renew the Lease every `renew_seconds` (errors are kept, not raised)."""
         while True:
             await asyncio.sleep(self.renew_seconds)
             try:
-                await self.api.patch("leases", LEASE_NAMESPACE, self.name, {"spec": {"renewTime": micro_time()}})
+                await self.api.patch("leases", LEASE_NAMESPACE, self.name, {"spec": {"renewTime": micro_time()}},
+                                     client=self.api.node)
                 self.renewals += 1
             except (ApiError, OSError) as exc:
                 errors.append(f"lease {self.name}: {exc!r}")

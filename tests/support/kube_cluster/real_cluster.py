@@ -11,11 +11,18 @@ everything above the node is Kubernetes' own code:
   volumes, probes, restarts with CrashLoopBackOff, termination messages, the address/path/port rewriting,
   DNS names and Service proxies;
 - ours, for the real API: a Node (`node.NodeAgent`: Ready, untainted, capacity with `nvidia.com/gpu`, a
-  Lease in kube-node-lease renewed every 10 s, scaled), the kubelet's API side (`real_api.RealApi`:
-  watch caches of pods, Services, ConfigMaps, Secrets, claims and volumes; `pods/status` writes; the final
+  Lease in kube-node-lease renewed every 10 s, scaled), the kubelet's API side (`real_api.RealApi`: the
+  pods bound to the node watched, what they name read per start, `pods/status` writes, the final
   delete, grace 0 with a uid precondition, once a deleted pod's processes are gone), and a hostPath
   provisioner (`provisioner.HostPathProvisioner`: a default StorageClass and one directory-backed
   PersistentVolume pre-bound to each pending claim).
+
+With `node_kubeconfig` (a kubeconfig for `system:node:<name>` in `system:nodes`, given the node's name:
+`ControlPlane.node_kubeconfig`), the kubelet and its Node act as that node, so the apiserver's Node
+authorizer and NodeRestriction admission judge them as they judge a kubelet. The cluster's view
+(`kubeconfig`, the test's) watches everything for the test and plays the parts that are not the
+kubelet's: kube-proxy, the provisioner, the node lifecycle controller's taint lift and the pod
+garbage collector.
 
 Pod IPs come from `pod_network` (10.244.0.0/16, the usual pod CIDR; the EndpointSlice controller refuses
 loopback addresses, the apiserver accepts them): nothing listens there; `<pod IP>:<port>` and
@@ -45,7 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +82,16 @@ class RealCluster(ClusterSurface):
                  entrypoints: Mapping[str, Sequence[str]] | None = None, env: Mapping[str, str] | None = None,
                  hook: Hook | None = None, probe_timeout_floor: float = 0.5, passthrough: Sequence[str] = (),
                  bin_dirs: Sequence[str] = (), tick: float = 0.05, shutdown_grace: float = 2.0,
-                 capacity: Mapping[str, str] | None = None, pod_network: str = POD_NETWORK):
+                 capacity: Mapping[str, str] | None = None, pod_network: str = POD_NETWORK,
+                 node_kubeconfig: Callable[[str], Path] | None = None):
         self.options = ClusterOptions(Path(root), time_scale, dict(entrypoints or {}), dict(env or {}), hook,
                                       probe_timeout_floor, passthrough, bin_dirs, tick)
         self.node_name = node_name or f"process-kubelet-{os.urandom(3).hex()}"
         self.namespaces = set(namespaces) if namespaces is not None else None
         self.client = RestClient(Credentials.from_kubeconfig(Path(kubeconfig)))
-        self.api = RealApi(self.client)
+        self.node_client = (RestClient(Credentials.from_kubeconfig(node_kubeconfig(self.node_name)))
+                            if node_kubeconfig else None)
+        self.api = RealApi(self.client, self.node_client, self.node_name)
         self.clock = Clock(time_scale, probe_timeout_floor)
         self.network = Network(pod_network)
         self.kubelet = Kubelet(self.api, self.network, self.options, self.clock)
@@ -106,6 +116,8 @@ class RealCluster(ClusterSurface):
     async def start(self) -> None:
         self.options.root.mkdir(parents=True, exist_ok=True)
         await self.client.open()
+        if self.node_client is not None:
+            await self.node_client.open()
         await self.api.start()
         await self.provisioner.start()
         await self.kubelet.start()
@@ -127,10 +139,12 @@ class RealCluster(ClusterSurface):
         finally:
             await self.api.stop()
             await self.client.close()
+            if self.node_client is not None:
+                await self.node_client.close()
 
     def own_pods(self) -> list[Obj]:
         """The pods bound to this node (in `namespaces`): the ones its kubelet runs."""
-        return [p for p in self.api.list("pods") if (p.get("spec") or {}).get("nodeName") == self.node_name
+        return [p for p in self.api.node_pods.list() if (p.get("spec") or {}).get("nodeName") == self.node_name
                 and (self.namespaces is None or meta(p).get("namespace") in self.namespaces)]
 
     async def sync_once(self) -> None:
