@@ -24,18 +24,17 @@ import pytest
 from asyncrl.loader import parse_job
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.operator.kube import KINDS, allowed, differences, patch_body, stamp
+from asyncrl.operator.kube import KINDS, differences, patch_body, stamp
 from asyncrl.runtime import ENV_JOB_UID, ENV_REDIS_URL, FILE_SUFFIX
 from asyncrl.spec import GROUP, PLURAL, VERSION
 from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.job_builds import secret_files
 from tests.support.jobs import JobBuilder
+from tests.support.operator_jobs import JOB, NS, assert_rbac_covers, children_exist, create_job
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
-NS = "rl"
-JOB = "qwen"
 CHILD_PLURALS = ("configmaps", "secrets", "services", "persistentvolumeclaims", "deployments", "statefulsets",
                  "networkpolicies")
 
@@ -52,24 +51,6 @@ def child_patches(api: BareApiserver) -> list[Any]:
     return [r for r in api.requests_of() if r.verb == "patch" and r.resource.split("/")[0] in CHILD_PLURALS]
 
 
-def assert_rbac_covers(api: BareApiserver) -> None:
-    used = {(r.group, r.resource, r.verb) for r in api.requests_of()}
-    missing = sorted(u for u in used if not allowed(*u))
-    assert not missing, f"operator used verbs not declared in PERMISSIONS: {missing}"
-    assert not api.refused(), f"the apiserver refused the operator: {api.refused()}"
-
-
-def children_exist(api: BareApiserver, name: str = JOB) -> bool:
-    children = build(JobBuilder.example().named(name, NS).doc())
-    return all(api.get(plural_of(o), NS, o["metadata"]["name"]) for o in children)
-
-
-async def create_job(api: BareApiserver, doc: dict) -> dict:
-    async with api.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
-        assert resp.status == 201, await resp.text()
-        return await resp.json()
-
-
 async def request(api: BareApiserver, method: str, path: str, body: Any = None, status: int = 200) -> Any:
     headers = {"Content-Type": "application/merge-patch+json"} if method == "PATCH" else {}
     kwargs = {"json": body} if body is not None else {}
@@ -79,8 +60,7 @@ async def request(api: BareApiserver, method: str, path: str, body: Any = None, 
 
 
 def path(plural: str, name: str) -> str:
-    group = {"deployments": "/apis/apps/v1", "statefulsets": "/apis/apps/v1"}.get(plural, "/api/v1")
-    return f"{group}/namespaces/{NS}/{plural}/{name}"
+    return BareApiserver.path(plural, NS, name)
 
 
 async def settled(api: BareApiserver, op: OperatorProcess, quiet: float = 0.5) -> None:

@@ -15,19 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.loader import parse_job
-from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.operator.kube import KINDS, allowed
-from asyncrl.spec import GROUP, PLURAL, VERSION
+from asyncrl.operator.kube import allowed
+from asyncrl.spec import PLURAL
+from tests.support import operator_jobs
 from tests.support.admission_gate import AdmissionGate, Rule
 from tests.support.bare_apiserver import BareApiserver, bare_apiserver_fixture  # noqa: F401
 from tests.support.jobs import JobBuilder
+from tests.support.operator_jobs import NS, expected_children
 from tests.support.operator_process import OperatorProcess
 from tests.support.polling import poll
 
 REPO = Path(__file__).resolve().parent.parent
-NS = "rl"
 LEASE_NS = "asyncrl-system"
 LEASE = ("--leader-elect", "--leader-election-namespace", LEASE_NS,
          "--lease-duration", "3", "--renew-deadline", "2", "--retry-period", "0.3")
@@ -37,15 +36,9 @@ LONG_LEASE = ("--leader-elect", "--leader-election-namespace", LEASE_NS,
 pytestmark = pytest.mark.slow
 
 
-def children(name: str) -> list[tuple[str, str]]:
-    job = parse_job(JobBuilder.example().named(name, NS).doc())
-    ctx = B.BuildContext(owner_uid="x", namespace=NS)
-    return [(KINDS[o["kind"]][2], o["metadata"]["name"]) for o in B.build_children(job, ctx)]
-
-
 def reconciled(api: BareApiserver, name: str) -> bool:
     job = api.get(PLURAL, NS, name) or {}
-    return all(api.get(p, NS, n) for p, n in children(name)) and bool((job.get("status") or {}).get("phase"))
+    return all(api.get(p, NS, n) for p, n in expected_children(name)) and bool((job.get("status") or {}).get("phase"))
 
 
 def requests_of(api: BareApiserver, who: str, *, since: int = 0) -> list[tuple[str, str, str]]:
@@ -63,9 +56,7 @@ def holder(api: BareApiserver) -> str | None:
 
 
 async def create_job(api: BareApiserver, name: str) -> None:
-    doc = JobBuilder.example().named(name, NS).doc()
-    async with api.post(f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/{PLURAL}", json=doc) as resp:
-        assert resp.status == 201, await resp.text()
+    await operator_jobs.create_job(api, JobBuilder.example().named(name, NS).doc())
 
 
 @pytest.fixture

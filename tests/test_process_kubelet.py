@@ -28,6 +28,7 @@ from tests.support.kube_cluster.provisioner import STORAGE_CLASS
 from tests.support.kube_cluster.real_cluster import POD_NETWORK, RealCluster
 from tests.support.kube_cluster.rest import ApiError
 from tests.support.kube_cluster.rewriting import AddressRewriter, PathRewriter, expand_vars
+from tests.support.real_operator import audit_ref, audited
 
 SCALE = 0.05
 PY = "python"  # found on the pod's PATH: the test venv's bin comes first
@@ -563,12 +564,9 @@ async def test_the_kubelet_acts_as_its_node_and_the_node_authorizer_allows_only_
         await cluster.node_client.request("GET", f"/api/v1/namespaces/{ns}/secrets/unnamed")
     assert refused.value.status == 403
 
-    def by_node() -> set[tuple[str, str, str | None, str | None]]:
-        events = [json.loads(line) for line in control_plane.audit_log.read_text().splitlines()]
-        return {(e["verb"], (e.get("objectRef") or {}).get("resource"), (e.get("objectRef") or {}).get("subresource"),
-                 str(e["responseStatus"]["code"])) for e in events
-                if e["user"]["username"] == user and e.get("stage") == "ResponseComplete"
-                and ((e.get("objectRef") or {}).get("namespace") in (ns, LEASE_NAMESPACE, None))}
+    def by_node() -> set[tuple[str | None, str | None, str | None, str]]:
+        return {(e["verb"], audit_ref(e, "resource"), audit_ref(e, "subresource"), str(e["responseStatus"]["code"]))
+                for e in audited(control_plane, user) if audit_ref(e, "namespace") in (ns, LEASE_NAMESPACE, None)}
 
     await cluster.wait(lambda: cluster.node.renewals >= 1, timeout=30, what="a Lease renewal")
     made = by_node()

@@ -26,17 +26,14 @@ from typing import Any
 import httpx
 import pytest
 
-from asyncrl.spec import API_VERSION, PLURAL
+from asyncrl.spec import PLURAL
 from tests.support.control_plane import ControlPlane, running_control_plane
-from tests.support.kube_cluster.rest import RESOURCES
+from tests.support.kube_cluster.rest import RESOURCES, path_of
 from tests.support.polling import poll_sync
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_AGENT = "asyncrl-tests"
 OPERATOR_USER = "asyncrl-operator"
-PATHS: dict[str, tuple[str, bool]] = {**RESOURCES, PLURAL: (f"/apis/{API_VERSION}", True),
-                                      "poddisruptionbudgets": ("/apis/policy/v1", True)}
-"""plural -> (API prefix, namespaced) of every kind these tests touch."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +84,7 @@ class BareApiserver:
 
     @staticmethod
     def path(plural: str, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
-        prefix, namespaced = PATHS[plural]
-        parts = [prefix, *(["namespaces", namespace] if namespaced and namespace else []), plural,
-                 *([name] if name else []), *([sub] if sub else [])]
-        return "/".join(parts)
+        return path_of(plural, namespace, name, sub)
 
     # -- reads (synchronous: tests poll them)
 
@@ -127,7 +121,7 @@ class BareApiserver:
         """Play the garbage collector for a deleted owner: delete the objects of `namespace` whose
         ownerReferences name `owner_uid`; returns `plural/name` of each."""
         gone = []
-        for plural, (_, namespaced) in PATHS.items():
+        for plural, (_, namespaced) in RESOURCES.items():
             if not namespaced or plural in ("events", "leases", PLURAL):
                 continue
             for obj in self.all(plural, namespace):

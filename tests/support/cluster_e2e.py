@@ -36,7 +36,7 @@ from asyncrl.engine_servers import PROXY_READY_PATH
 from asyncrl.models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
-from asyncrl.spec import API_VERSION, PLURAL
+from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 from tests.support.control_plane import ControlPlane, find_tool
 from tests.support.jobs import JobBuilder
@@ -117,9 +117,8 @@ class E2E:
     async def start(self) -> None:
         await self.cluster.start()
         client = self.cluster.client
-        self.watches = {PLURAL: Reflector(client, PLURAL, path=f"/apis/{API_VERSION}/{PLURAL}"),
-                        **{plural: Reflector(client, plural)
-                           for plural in ("statefulsets", "deployments", "networkpolicies")}}
+        self.watches = {plural: Reflector(client, plural)
+                        for plural in (PLURAL, "statefulsets", "deployments", "networkpolicies")}
         self._tasks = [asyncio.create_task(w.run()) for w in self.watches.values()]
         await asyncio.gather(*(w.synced.wait() for w in self.watches.values()))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from asyncrl.spec import API_VERSION, PLURAL
 from tests.support.kube_cluster.objects import Obj, meta
 
 # plural -> (API path prefix, namespaced): the resources the process kubelet reads or writes
@@ -29,7 +30,8 @@ RESOURCES: dict[str, tuple[str, bool]] = {
     "leases": ("/apis/coordination.k8s.io/v1", True), "storageclasses": ("/apis/storage.k8s.io/v1", False),
     "deployments": ("/apis/apps/v1", True), "statefulsets": ("/apis/apps/v1", True),
     "replicasets": ("/apis/apps/v1", True), "endpointslices": ("/apis/discovery.k8s.io/v1", True),
-    "networkpolicies": ("/apis/networking.k8s.io/v1", True),
+    "networkpolicies": ("/apis/networking.k8s.io/v1", True), "poddisruptionbudgets": ("/apis/policy/v1", True),
+    PLURAL: (f"/apis/{API_VERSION}", True),
 }
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "process-kubelet"  # how the apiserver's audit log names our requests
