@@ -17,7 +17,7 @@ from asyncrl import __version__
 
 # (name, module, one-line purpose). Order is the order of `asyncrl --help`.
 COMMANDS: list[tuple[str, str, str]] = [
-    ("run", "asyncrl.runner", "run a whole job on this machine: Redis, engine, rollout, trainer, status"),
+    ("run", "asyncrl.local.runner", "run a whole job on this machine: Redis, engine, rollout, trainer, status"),
     ("validate", "asyncrl.commands.validate", "check job files and explain every error"),
     ("crd", "asyncrl.commands.crd", "print the AsyncRLJob CustomResourceDefinition (YAML)"),
     ("docs", "asyncrl.commands.docs", "print the spec reference (Markdown) generated from the models"),
@@ -25,10 +25,10 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("operator", "asyncrl.operator.main", "run the Kubernetes operator (kopf) that reconciles AsyncRLJobs"),
     ("trainer", "asyncrl.trainer.main", "run the trainer: consume trajectories, update, publish weights"),
     ("rollout", "asyncrl.rollout.main", "run a rollout worker: generate, score, publish trajectory groups"),
-    ("engine", "asyncrl.rollout.hf_server", "serve the in-process transformers engine over HTTP"),
-    ("engine-proxy", "asyncrl.rollout.engine_proxy", "guard a rollout pod's engine: every route needs the API key"),
-    ("reward-server", "asyncrl.rollout.reward_server", "serve a reward function over HTTP (spec.reward.service)"),
-    ("eval", "asyncrl.rollout.eval_command", "evaluate a model directory on held-out prompts (table + JSON)"),
+    ("engine", "asyncrl.rollout.engines.hf_server", "serve the in-process transformers engine over HTTP"),
+    ("engine-proxy", "asyncrl.rollout.engines.proxy", "guard a rollout pod's engine: every route needs the API key"),
+    ("reward-server", "asyncrl.rollout.rewards.server", "serve a reward function over HTTP (spec.reward.service)"),
+    ("eval", "asyncrl.rollout.evaluation.command", "evaluate a model directory on held-out prompts (table + JSON)"),
     ("export", "asyncrl.commands.export", "export a policy version as a Hugging Face model (LoRA: --merge)"),
     ("dead-letters", "asyncrl.commands.dead_letters", "list the trajectory groups a job's trainer refused, and why"),
 ]
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from asyncrl.loader import JobFileError
+    from asyncrl.api.loader import JobFileError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(job: Path, eta: int, steps: int, seed: int, run_dir: Path, extra: list[str]) -> list[dict]:
-    from asyncrl.runner import asyncrl_command
+    from asyncrl.local.runner import asyncrl_command
 
     cmd = [*asyncrl_command(), "run", str(job), "--eta", str(eta), "--max-steps", str(steps), "--seed", str(seed),
            "--run-dir", str(run_dir), "--pin", "--no-progress", "--no-evaluation", *extra]
@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=None, help="keep the two run directories here")
     args, extra = parser.parse_known_args()
 
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     batch_size = load_job(args.job).spec.algorithm.batch_size
     base = args.out_dir or Path(tempfile.mkdtemp(prefix="async-vs-sync-"))

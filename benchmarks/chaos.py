@@ -31,7 +31,7 @@ and, against an undisturbed run of the same job in the same invocation, the wall
     .venv/bin/python benchmarks/chaos.py                          # seeds 0 1 2, 12 kills each
     .venv/bin/python benchmarks/chaos.py --seeds 0 --kills 6 --max-steps 30
 
-Prints one JSON object. tests/test_chaos.py runs a short version in the test suite.
+Prints one JSON object. tests/local/test_chaos.py runs a short version in the test suite.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def write_tiny_model(path: Path) -> Path:
 
     import torch
 
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer
 
     if (path / "config.json").exists():
         return path
@@ -154,11 +154,11 @@ class ChaosJob:
     def __init__(self, run_dir: Path, cfg: ChaosConfig, model: Path) -> None:
         import yaml
 
-        from asyncrl.local_redis import LocalRedis
-        from asyncrl.net import free_port
-        from asyncrl.outcome import ENV_TERMINATION_LOG
-        from asyncrl.runner import Child, asyncrl_command, engine_child
-        from asyncrl.runtime import Runtime
+        from asyncrl.api.outcome import ENV_TERMINATION_LOG
+        from asyncrl.api.runtime import Runtime
+        from asyncrl.infra.net import free_port
+        from asyncrl.local.redis_server import LocalRedis
+        from asyncrl.local.runner import Child, asyncrl_command, engine_child
 
         self.cfg, self.run_dir = cfg, run_dir
         self.name = f"chaos-{cfg.seed}"
@@ -243,7 +243,7 @@ class ChaosJob:
         victim.wait(10)
 
     def stop(self) -> None:
-        from asyncrl.runner import _stop_all
+        from asyncrl.local.runner import _stop_all
 
         _stop_all(self.trainer, self.children)
         self.redis.stop()
@@ -265,7 +265,7 @@ class ChaosJob:
     def outcome(self, client: Any) -> Any:
         import redis as redis_lib
 
-        from asyncrl.outcome import read_outcome_redis_sync
+        from asyncrl.api.outcome import read_outcome_redis_sync
 
         if self._redis_down_since is not None:
             return None
@@ -356,10 +356,10 @@ def summarize(job: ChaosJob, cfg: ChaosConfig, outcome: Any, stall: float, wall:
     """What Redis (restarted alone, on the same AOF) and the final checkpoint say about the run."""
     import asyncio
 
-    from asyncrl.trainer.checkpoint import latest_checkpoint, lineage_group_ids, lineage_labels, read_state
+    from asyncrl.api.weight_labels import parse_label
+    from asyncrl.trainer.state.checkpoint import latest_checkpoint, lineage_group_ids, lineage_labels, read_state
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
-    from asyncrl.weight_labels import parse_label
 
     latest = latest_checkpoint(job.runtime.checkpoint_dir)
     state = read_state(latest) if latest is not None else None

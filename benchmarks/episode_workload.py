@@ -17,7 +17,7 @@ import os
 import random
 from typing import Any
 
-from asyncrl.episodes import Episode, EpisodeContext
+from asyncrl.api.episodes import Episode, EpisodeContext
 
 SHAPE = 1.5
 CALL = '<tool_call>\n{"name": "lookup", "arguments": {"key": "the answer"}}\n</tool_call>'

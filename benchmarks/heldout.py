@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def evaluate(model: str, job: Path, extra: list[str]) -> dict[str, Any]:
     """One `asyncrl eval` of `model` under `job`'s evaluation settings: its final JSON line."""
-    from asyncrl.runner import asyncrl_command
+    from asyncrl.local.runner import asyncrl_command
 
     cmd = [*asyncrl_command(), "eval", model, "--config", str(job), *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
@@ -42,7 +42,7 @@ def final_weights(run_dir: Path) -> tuple[str, int]:
     info = json.loads((run_dir / "run.json").read_text())
     if not info.get("final_weights"):
         raise SystemExit(f"{run_dir}: run.json has no final_weights (did the run succeed?)")
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     return info["final_weights"], load_job(run_dir / "job.yaml").spec.seed
 
@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=None, help="override evaluation.prompts")
     args = parser.parse_args()
     extra = ["--prompts", str(args.prompts)] if args.prompts else []
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     base_model = load_job(args.job).spec.model.path
     base = evaluate(base_model, args.job, extra)

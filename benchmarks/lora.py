@@ -8,7 +8,7 @@ packed sequences, decoupled loss with the log-linear proximal, AdamW):
 
 Each mode's steps run in processes of their own (so their memory is their own), in the order full,
 lora, lora, full: one untimed warm-up step, then `--reps` timed ones each. Then each mode publishes
-versions with the trainer's writer (trainer/publish.py `write_weights`: the whole model, or the PEFT
+versions with the trainer's writer (trainer/weights/files.py `write_weights`: the whole model, or the PEFT
 adapter) and loads them into a real hf engine server of its own (`asyncrl engine`, as a rollout pod
 runs it) with the trainer's `update_engines` (pause, load, label, resume); modes alternate which goes
 first. Figures are
@@ -72,7 +72,7 @@ def lora_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def adapted(model: Any, args: argparse.Namespace) -> Any:
-    from asyncrl.lora_spec import LoraSpec
+    from asyncrl.api.spec.lora import LoraSpec
     from asyncrl.trainer.lora import add_adapters
 
     return add_adapters(model, LoraSpec(**lora_fields(args)), base_model=args.arch or args.model, seed=args.seed)
@@ -154,10 +154,10 @@ async def sync_figures(args: argparse.Namespace, work: Path) -> dict[str, dict[s
     """Each mode: bytes of a version, seconds to write it, seconds to load it into its engine."""
     import torch
 
-    from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, torch_dtype
     from asyncrl.trainer.lora import trainable_parameters
-    from asyncrl.trainer.publish import weights_path, write_weights
-    from asyncrl.trainer.weight_sync import update_engines
+    from asyncrl.trainer.weights.engine_update import update_engines
+    from asyncrl.trainer.weights.files import weights_path, write_weights
     from asyncrl.transport.versions import EngineInfo
     from rollout import start_engine
 

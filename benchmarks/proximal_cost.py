@@ -59,7 +59,7 @@ def build_model(path: str, arch: str | None, dtype: str, device: str, seed: int 
     from `seed`, so every device gets the same weights, then moved)."""
     import torch
 
-    from asyncrl.models import load_causal_lm, torch_dtype
+    from asyncrl.infra.hf_models import load_causal_lm, torch_dtype
 
     if arch is None:
         return load_causal_lm(path, dtype=dtype, device=device)
@@ -75,8 +75,8 @@ def build_model(path: str, arch: str | None, dtype: str, device: str, seed: int 
 def make_batch(args: argparse.Namespace, vocab: int, current_version: int) -> Any:
     import torch
 
-    from asyncrl.trainer.batch import build_batch
-    from asyncrl.trainer.losses import compute_advantages
+    from asyncrl.trainer.step.batch import build_batch
+    from asyncrl.trainer.step.losses import compute_advantages
 
     gen = torch.Generator().manual_seed(args.seed)
     sequences = []
@@ -99,8 +99,8 @@ def run_step(model: Any, optimizer: Any, minibatches: list[Any], proximal: str, 
     """One training step; returns (step seconds, proximal seconds)."""
     import torch
 
-    from asyncrl.trainer.logprobs import token_logprobs
-    from asyncrl.trainer.losses import LossConfig, policy_loss
+    from asyncrl.trainer.step.logprobs import token_logprobs
+    from asyncrl.trainer.step.losses import LossConfig, policy_loss
 
     config = LossConfig(loss="decoupled", proximal=proximal)
     device = next(model.parameters()).device
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from asyncrl.trainer.batch import split_minibatches
+    from asyncrl.trainer.step.batch import split_minibatches
 
     load_start = load_average()
     model = load_model(args)

@@ -9,7 +9,7 @@ the engine adapter, "worker" is the full RolloutWorker (admission leases in a re
 wire encoding, XADD). `worker_over_engine` = worker tokens/s / direct tokens/s (aim: >= 0.9).
 The two passes alternate their order from round to round (direct first in even rounds, worker
 first in odd ones), so neither always runs on the warmer (or the more loaded) engine.
-A last worker pass ("sync") runs while the trainer-side weight sync (trainer/weight_sync.py)
+A last worker pass ("sync") runs while the trainer-side weight sync (trainer/weights/engine_update.py)
 updates the engine `--updates` times, spread over the pass: pause with abort, load (the same
 weights, labelled 1, 2, ...), continue; the worker resumes every aborted sample from its partial
 output. It reports its tokens/s (`sync_over_worker`: vs the plain worker passes), the samples
@@ -34,15 +34,15 @@ from typing import Any
 
 import httpx
 
-from asyncrl.net import free_port
+from asyncrl.infra.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "embedded:SmolLM2-135M-Instruct"
 
 
 def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
-    from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
-    from asyncrl.models import resolve_model_path
+    from asyncrl.api.engine_servers import VLLM_SERVER_ENV, vllm_server_command
+    from asyncrl.infra.hf_models import resolve_model_path
 
     port = free_port()
     log = (workdir / f"{kind}.log").open("wb")
@@ -92,13 +92,13 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
                      prompts: int, concurrency: int, during: Any = None) -> tuple[int, float, Any]:
     """The worker over `prompts` groups; `during(redis, names)`, if given, runs beside it (the sync pass).
     Returns (tokens, seconds, worker)."""
-    from asyncrl.rollout.mixture import Mixture
-    from asyncrl.rollout.rewards import RewardScorer
-    from asyncrl.rollout.worker import RolloutWorker
-    from asyncrl.rollout.worker_config import WorkerConfig
+    from asyncrl.api.stream_names import StreamNames
+    from asyncrl.rollout.data.mixture import Mixture
+    from asyncrl.rollout.generation.config import WorkerConfig
+    from asyncrl.rollout.rewards.functions import RewardScorer
+    from asyncrl.rollout.worker.worker import RolloutWorker
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
 
     redis = await connect(redis_url)
     names = StreamNames.for_job(job)
@@ -122,8 +122,8 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
 
 async def versions_served(redis_url: str, job: str) -> list[int]:
     """Every version a token of `job`'s published groups was tagged with."""
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from asyncrl.transport.wire import decode_group
 
     redis = await connect(redis_url)
@@ -139,10 +139,10 @@ async def versions_served(redis_url: str, job: str) -> list[int]:
 
 
 async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
-    from asyncrl.models import load_tokenizer
-    from asyncrl.rollout.datasets import ArithmeticSource
+    from asyncrl.infra.hf_models import load_tokenizer
+    from asyncrl.rollout.data.datasets import ArithmeticSource
+    from asyncrl.rollout.data.prompts import PromptRenderer
     from asyncrl.rollout.engines import SamplingParams, make_engine
-    from asyncrl.rollout.prompts import PromptRenderer
 
     tok = load_tokenizer(MODEL)
     renderer = PromptRenderer(tok)
@@ -184,8 +184,8 @@ async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
 async def sync_pass(args: argparse.Namespace, engine, url: str, redis_url: str, source, renderer, params,
                     concurrency: int, *, spacing: float, plain: float) -> dict:
     """The worker while the trainer-side sync updates the engine `args.updates` times (pause, load, continue)."""
-    from asyncrl.models import resolve_model_path
-    from asyncrl.trainer.weight_sync import update_engines
+    from asyncrl.infra.hf_models import resolve_model_path
+    from asyncrl.trainer.weights.engine_update import update_engines
     from asyncrl.transport.versions import EngineRegistry
 
     weights = Path(resolve_model_path(MODEL))  # the same weights again: what is measured is the cycle
@@ -243,7 +243,7 @@ def main() -> None:
                         help="weight updates (pause/abort, load, continue) during the sync pass; 0: no sync pass")
     args = parser.parse_args()
 
-    from asyncrl.local_redis import LocalRedis
+    from asyncrl.local.redis_server import LocalRedis
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         workdir = Path(tmp)

@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.loader import load_job
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.api.loader import load_job
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer
+    from asyncrl.rollout.data.prompts import PromptRenderer
     from asyncrl.rollout.engines.base import SamplingParams
-    from asyncrl.rollout.hf_engine import HFEngine
-    from asyncrl.rollout.prompts import PromptRenderer
-    from asyncrl.rollout.rewards import resolve_reward
+    from asyncrl.rollout.engines.hf_engine import HFEngine
+    from asyncrl.rollout.rewards.functions import resolve_reward
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -178,7 +178,7 @@ def derive(document: dict[str, Any], stabiliser: str, level: int, device: str | 
 
 def validation_error(document: dict[str, Any], source: str) -> str | None:
     """The loader's error for a derived job (None: valid), so a bad combination is named by the spec."""
-    from asyncrl.loader import JobFileError, parse_job
+    from asyncrl.api.loader import JobFileError, parse_job
 
     try:
         parse_job(document, source=source)
@@ -204,7 +204,7 @@ def write_job(document: dict[str, Any], dest: Path) -> Path:
     """Write a derived job and load it back with the loader (what `asyncrl run` will read)."""
     import yaml
 
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(yaml.safe_dump(document, sort_keys=False))
@@ -399,7 +399,7 @@ def evaluate_final_policy(cell_dir: Path, prompts: int) -> dict[str, Any]:
 def run_cell(out: Path, stabiliser: str, level: int, seed: int, steps: int, job: Path,
              document: dict[str, Any], keep_weights: bool = False, heldout_prompts: int = HELDOUT_PROMPTS) -> None:
     """Train one cell afresh (a partial attempt's clock means nothing) and store result.json."""
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     d = run_dir(out, cell_name(stabiliser, level), seed)
     if d.exists():

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def job_for(args: argparse.Namespace, parallelism: str) -> Any:
-    from asyncrl.spec import AsyncRLJob
+    from asyncrl.api.spec import AsyncRLJob
 
     return AsyncRLJob.model_validate({
         "apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob", "metadata": {"name": "scale"},
@@ -132,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from asyncrl.models import torch_dtype
+    from asyncrl.infra.hf_models import torch_dtype
     from asyncrl.trainer import distributed as D
     from asyncrl.trainer.loop import RunConfig, Trainer
 
@@ -185,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, parallelism: str, out: Path) -> list[dict[str, Any]]:
     """One torchrun launch of `parallelism`; each rank's figures."""
-    from asyncrl.net import free_port
+    from asyncrl.infra.net import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.world}",
            f"--master-port={free_port()}", __file__, *sys.argv[1:], "--worker", parallelism, "--out", str(out)]

@@ -9,7 +9,7 @@ model and AdamW optimizer:
   padding   `Trainer.train_step` with `packSequences: false` (plan, micro-batches, decoupled loss
             with the log-linear proximal, metrics, clipping, AdamW)
   packing   the same with `packSequences: true` (the layout the model's attention takes:
-            `trainer/logprobs.py` `packing_layout`)
+            `trainer/step/logprobs.py` `packing_layout`)
 
 and with `--one-row` also `packing-one-row`: the trainer packing every micro-batch into one row
 (flash attention's layout), forced, to show what it costs attention that computes every pair of
@@ -81,7 +81,7 @@ def check_step_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def make_job(args: argparse.Namespace, pack: bool, trainer: dict[str, Any] | None = None) -> Any:
     """The job of these steps (`trainer`: more spec.trainer fields, e.g. lora)."""
-    from asyncrl.spec import AsyncRLJob
+    from asyncrl.api.spec import AsyncRLJob
 
     return AsyncRLJob.model_validate({
         "apiVersion": "asyncrl.dev/v1alpha1", "kind": "AsyncRLJob", "metadata": {"name": "trainer-step"},
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
-    from asyncrl.trainer.plan import plan_microbatches, sequences_with_advantages
+    from asyncrl.trainer.step.plan import plan_microbatches, sequences_with_advantages
 
     torch.set_num_threads(args.threads)
     load_start = load_average()

@@ -52,8 +52,8 @@ def make_group(job: str, gid: str, samples: int, response_tokens: int, prompt_to
 async def produce(args: argparse.Namespace) -> None:
     import dataclasses
 
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from asyncrl.transport.streams import TrajectoryProducer
     from asyncrl.transport.wire import encode_group
 
@@ -77,8 +77,8 @@ async def produce(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------- one run
 
 async def run_once(url: str, role: str, job: str, args: argparse.Namespace) -> dict:
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from asyncrl.transport.streams import TrajectoryConsumer
 
     r = await connect(url)
@@ -135,7 +135,7 @@ def micro(args: argparse.Namespace) -> tuple[float, float, int]:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    from asyncrl.local_redis import LocalRedis
+    from asyncrl.local.redis_server import LocalRedis
 
     server = None
     tmp = None

@@ -1,7 +1,7 @@
 """The TRL peer of benchmarks/vs_trl.py: Hugging Face TRL's synchronous GRPOTrainer on an asyncrl job.
 
 Trains, with TRL 1.16's `GRPOTrainer`, exactly the work that `asyncrl run JOB` trains: the same
-model weights (asyncrl.models.resolve_model_path: for `embedded:SmolLM2-135M-Instruct` the HF
+model weights (asyncrl.infra.hf_models.resolve_model_path: for `embedded:SmolLM2-135M-Instruct` the HF
 directory asyncrl converts the embedded GGUF into), the same prompts in the same order (the job's
 dataset, positions 0, 1, 2, ... as asyncrl's rollout worker takes them, rendered by asyncrl's
 PromptRenderer: the token ids are checked to be identical), the same reward function, and the
@@ -202,8 +202,8 @@ def build_rows(spec: Any, tokenizer: Any) -> list[dict[str, str]]:
     """One dataset row per prompt, in asyncrl's order; the prompt is the rendered text whose token ids
     (as TRL tokenizes it: processing_class(text=...), grpo_trainer.py _tokenize_prompts) must equal
     asyncrl's PromptRenderer.render ids."""
-    from asyncrl.rollout.datasets import load_source
-    from asyncrl.rollout.prompts import PromptRenderer
+    from asyncrl.rollout.data.datasets import load_source
+    from asyncrl.rollout.data.prompts import PromptRenderer
 
     source = load_source(spec.dataset)
     renderer = PromptRenderer(tokenizer, spec.dataset.prompt_template, spec.dataset.system_prompt)
@@ -221,7 +221,7 @@ def build_rows(spec: Any, tokenizer: Any) -> list[dict[str, str]]:
 def make_reward(name: str, batches: list[list[str]] | None = None) -> Any:
     """TRL reward function around asyncrl's: fn(completion, answer); a raising call scores 0.
     Each call's prompt ids (in order, once per group) are appended to `batches`."""
-    from asyncrl.rollout.rewards import resolve_reward
+    from asyncrl.rollout.rewards.functions import resolve_reward
 
     fn = resolve_reward(name)
 
@@ -253,9 +253,9 @@ def train(job_path: Path, seed: int | None, steps: int | None, out: Path, thread
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.loader import load_job
-    from asyncrl.models import load_causal_lm, load_tokenizer, resolve_model_path
-    from asyncrl.rollout.prompts import PromptRenderer
+    from asyncrl.api.loader import load_job
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, resolve_model_path
+    from asyncrl.rollout.data.prompts import PromptRenderer
 
     job = load_job(job_path)
     spec = with_overrides(job.spec, seed=seed, steps=steps)
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the GRPOConfig settings for the job as JSON and exit (imports no trl)")
     args = parser.parse_args(argv)
     if args.print_settings:
-        from asyncrl.loader import load_job
+        from asyncrl.api.loader import load_job
 
         spec = with_overrides(load_job(args.job).spec, seed=args.seed, steps=args.steps)
         try:

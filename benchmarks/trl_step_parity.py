@@ -37,12 +37,12 @@ from trl_peer import DEFAULT_JOB, build_rows, make_reward, trl_settings  # noqa:
 def sample_batch(spec: Any, tokenizer: Any, start: int,
                  seed: int) -> tuple[list[list[int]], list[Any], list[float], bool]:
     """B prompts x G samples from asyncrl's hf engine; (prompt ids per sample, results, rewards, synthetic)."""
-    from asyncrl.models import load_causal_lm
-    from asyncrl.rollout.datasets import load_source
+    from asyncrl.infra.hf_models import load_causal_lm
+    from asyncrl.rollout.data.datasets import load_source
+    from asyncrl.rollout.data.prompts import PromptRenderer
     from asyncrl.rollout.engines.base import SamplingParams
-    from asyncrl.rollout.hf_engine import HFEngine
-    from asyncrl.rollout.prompts import PromptRenderer
-    from asyncrl.rollout.rewards import resolve_reward
+    from asyncrl.rollout.engines.hf_engine import HFEngine
+    from asyncrl.rollout.rewards.functions import resolve_reward
 
     algo = spec.algorithm
     renderer = PromptRenderer(tokenizer, spec.dataset.prompt_template, spec.dataset.system_prompt)
@@ -76,9 +76,9 @@ def asyncrl_gradient(model: Any, spec: Any, pad_id: int, prompts: list[list[int]
     """The gradient of asyncrl's loss on the batch (the trainer's functions, synchronous: staleness 0)."""
     import torch
 
-    from asyncrl.trainer.batch import build_batch
-    from asyncrl.trainer.logprobs import token_logprobs
-    from asyncrl.trainer.losses import LossConfig, compute_advantages, policy_loss
+    from asyncrl.trainer.step.batch import build_batch
+    from asyncrl.trainer.step.logprobs import token_logprobs
+    from asyncrl.trainer.step.losses import LossConfig, compute_advantages, policy_loss
 
     algo = spec.algorithm
     seqs = [{"prompt_ids": p, "response_ids": r.output_ids, "behav_logprobs": r.logprobs,
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from asyncrl.loader import load_job
-    from asyncrl.models import load_causal_lm, load_tokenizer
+    from asyncrl.api.loader import load_job
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -317,7 +317,7 @@ def derived_job(job: Path, proximal: str | None, dest: Path) -> Path:
     """The job file with algorithm.proximal set (validated by asyncrl's loader); `job` when unchanged."""
     import yaml
 
-    from asyncrl.loader import load_job
+    from asyncrl.api.loader import load_job
 
     if proximal is None or load_job(job).spec.algorithm.proximal == proximal:
         return job
@@ -364,7 +364,7 @@ def run_asyncrl(job: Path, eta: int, seed: int, steps: int, d: Path) -> dict[str
     t0 = time.monotonic()
     metrics = run(job, eta, steps, seed, d / "run", [])
     process_s = time.monotonic() - t0
-    procs = d / "run" / "processes.json"  # rewritten when the rollout workers start (asyncrl/runner.py)
+    procs = d / "run" / "processes.json"  # rewritten when the rollout workers start (asyncrl/local/runner.py)
     rollout_start = procs.stat().st_mtime if procs.exists() else None
     records = records_from_metrics(metrics, rollout_start)
     with (d / "steps.jsonl").open("w") as fh:

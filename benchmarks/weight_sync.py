@@ -2,7 +2,7 @@
 
 Real hf engine servers (`asyncrl engine`, one process each, as rollout pods are) serve the model;
 this process is the trainer's rank 0. Each repetition publishes a new version (every parameter
-shifted) with the trainer's own writer (trainer/publish.py `write_weights`), then loads it into
+shifted) with the trainer's own writer (trainer/weights/files.py `write_weights`), then loads it into
 every engine through the trainer's own `update_engines` (pause, load, label, resume), once per
 transport on the same directory:
 
@@ -86,11 +86,11 @@ def raw_write_read(tensors: dict[str, Any], folder: Path) -> tuple[float, float]
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
-    from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
-    from asyncrl.net import free_port
-    from asyncrl.trainer.collective_sync import CollectiveSync
-    from asyncrl.trainer.publish import published_tensors, weights_path, write_weights
-    from asyncrl.trainer.weight_sync import update_engines
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, torch_dtype
+    from asyncrl.infra.net import free_port
+    from asyncrl.trainer.weights.broadcast import CollectiveSync
+    from asyncrl.trainer.weights.engine_update import update_engines
+    from asyncrl.trainer.weights.files import published_tensors, weights_path, write_weights
 
     procs: list[subprocess.Popen] = []
     sync = CollectiveSync(address="127.0.0.1", port=free_port(), backend="gloo", timeout_s=300,

@@ -10,7 +10,7 @@
 # Base (both stages: the venv links to the base's interpreter and uses SGLang's packages):
 # lmsysorg/sglang:v0.5.10.post1-cu126, SGLang 0.5.10.post1 = rollout/engines/sglang.py PINNED_VERSION =
 # requirements/rollout-base.in, and RolloutSpec's default engine image. BY TAG ONLY: no public source
-# we could cite gives this tag's digest, so it is the one known exception in tests/test_images.py.
+# we could cite gives this tag's digest, so it is the one known exception in tests/packaging/test_images.py.
 # To pin it: `docker buildx imagetools inspect lmsysorg/sglang:v0.5.10.post1-cu126`, then append
 # `@sha256:<its "Digest:">` to both FROM lines and to RolloutSpec.image's default, and drop the exception.
 FROM lmsysorg/sglang:v0.5.10.post1-cu126 AS build

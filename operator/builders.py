@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from asyncrl import runtime as R
-from asyncrl.engine_servers import (
+from asyncrl.api import runtime as R
+from asyncrl.api.engine_servers import (
     ENGINE_KEY_DIR,
     ENGINE_KEY_VOLUME,
     PROXY_LIVE_PATH,
@@ -30,13 +30,13 @@ from asyncrl.engine_servers import (
     engine_proxy_command,
     vllm_server_command,
 )
-from asyncrl.lora_spec import VLLM_LORA_ENV, sglang_lora_args, vllm_lora_args
+from asyncrl.api.spec import API_VERSION, KIND, AsyncRLJob, Resources, RewardDeploymentSpec
+from asyncrl.api.spec.base import SpecModel, parse_quantity
+from asyncrl.api.spec.lora import VLLM_LORA_ENV, sglang_lora_args, vllm_lora_args
+from asyncrl.api.spec.pod_template import PodTemplateOverlay
 from asyncrl.operator import multinode as MN
 from asyncrl.operator import names as N
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE
-from asyncrl.pod_template import PodTemplateOverlay
-from asyncrl.spec import API_VERSION, KIND, AsyncRLJob, Resources, RewardDeploymentSpec
-from asyncrl.spec_base import SpecModel, parse_quantity
 
 Obj = dict[str, Any]
 
@@ -205,7 +205,7 @@ _SECRET_FILES = {R.ENV_REDIS_URL: "redis-url", R.ENV_ENGINE_API_KEY: "engine-api
 
 
 def _secret_file_env(var: str) -> Obj:
-    """`<var>_FILE`: where the process finds the secret (asyncrl.runtime.secret_env), never its value."""
+    """`<var>_FILE`: where the process finds the secret (asyncrl.api.runtime.secret_env), never its value."""
     return {"name": var + R.FILE_SUFFIX, "value": f"{R.SECRETS_DIR}/{_SECRET_FILES[var]}"}
 
 
@@ -235,7 +235,7 @@ def _secret_file_volume(volume: str, secret: str, key: str) -> Obj:
 
 
 def _common_env(job: AsyncRLJob, ctx: BuildContext) -> list[Obj]:
-    """The asyncrl.runtime variables every rollout worker and trainer process reads; secrets as files
+    """The asyncrl.api.runtime variables every rollout worker and trainer process reads; secrets as files
     (the container mounts _JOB_SECRETS_MOUNT)."""
     return [
         _secret_file_env(R.ENV_REDIS_URL),
@@ -515,7 +515,7 @@ def _from_job(name: str) -> Obj:
 
 def _from_operator(ctx: BuildContext) -> Obj:
     """A NetworkPolicy peer: the operator's pod (its labels: charts/asyncrl/templates/deployment.yaml,
-    checked by tests/test_helm_chart.py) in the operator's namespace only. The namespace is named by
+    checked by tests/packaging/test_helm_chart.py) in the operator's namespace only. The namespace is named by
     the label the apiserver sets on every namespace (kubernetes.io/metadata.name): an empty selector
     would admit any pod anywhere that carries those two labels."""
     return {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: ctx.operator_namespace}},
@@ -678,7 +678,7 @@ def engine_proxy_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     Readiness must hold while the trainer pauses generation for a weight update: SGLang's /health
     generates a token (it waits behind the pause, then answers 503) unless
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false, as engine_container sets it; vLLM's and our hf
-    server's /health only read state (checked against the pins by tests/test_sglang_routes.py).
+    server's /health only read state (checked against the pins by tests/rollout/engines/test_sglang_routes.py).
     """
     return {
         "name": ENGINE_PROXY_CONTAINER,

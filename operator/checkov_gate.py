@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.loader import load_job
+from asyncrl.api.loader import load_job
 from asyncrl.operator.render import render
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +83,7 @@ class AcceptedList:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class ScanVerdict:
     """What the scan found against the accepted list."""
 
     new: tuple[Finding, ...]
@@ -166,7 +166,7 @@ def report_summary(report: Any) -> dict[str, Any]:
     return out
 
 
-def judge(findings: Iterable[Finding], accepted: Sequence[Acceptance]) -> Verdict:
+def judge(findings: Iterable[Finding], accepted: Sequence[Acceptance]) -> ScanVerdict:
     """Split findings into new and accepted; list accepted (check, pattern) pairs that match nothing."""
     new: list[Finding] = []
     covered: list[Finding] = []
@@ -177,10 +177,10 @@ def judge(findings: Iterable[Finding], accepted: Sequence[Acceptance]) -> Verdic
         (covered if hits else new).append(finding)
         used.update(hits)
     stale = tuple((a.check, p) for a in accepted for p in a.resources if (a.check, p) not in used)
-    return Verdict(tuple(new), tuple(covered), stale)
+    return ScanVerdict(tuple(new), tuple(covered), stale)
 
 
-def format_verdict(verdict: Verdict, origins: dict[str, str], accepted_file: str) -> str:
+def format_verdict(verdict: ScanVerdict, origins: dict[str, str], accepted_file: str) -> str:
     """The lines scan.sh prints: every new finding with its file and where that came from, every stale entry."""
     lines = [f"NEW    {f.check}  {f.resource}  in {f.file} ({origins.get(f.file, 'extra file')}): {f.title}"
              for f in verdict.new]
@@ -267,7 +267,7 @@ def default_helm() -> Path | None:
     return Path(found) if found else None
 
 
-def scan(checkov: Path, helm: Path, accepted_path: Path, extra: Sequence[Path], work: Path) -> tuple[Verdict, str]:
+def scan(checkov: Path, helm: Path, accepted_path: Path, extra: Sequence[Path], work: Path) -> tuple[ScanVerdict, str]:
     """Render everything into `work`, run checkov there and judge; returns the verdict and its report text."""
     try:
         accepted = parse_accepted(yaml.safe_load(accepted_path.read_text()))

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from asyncrl import __version__
-from asyncrl.spec_base import check_image
+from asyncrl.api.spec.base import check_image
 
 DEFAULT_TRAINER_IMAGE = f"ghcr.io/asyncrl/trainer:{__version__}"
 DEFAULT_ROLLOUT_IMAGE = f"ghcr.io/asyncrl/rollout:{__version__}"

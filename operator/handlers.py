@@ -39,7 +39,9 @@ from typing import Any, cast
 
 import kopf
 
-from asyncrl.loader import JobFileError, parse_job
+from asyncrl.api.loader import JobFileError, parse_job
+from asyncrl.api.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, AsyncRLJob
+from asyncrl.api.stream_names import StreamNames
 from asyncrl.operator import builders as B
 from asyncrl.operator import metrics
 from asyncrl.operator import names as N
@@ -67,8 +69,6 @@ from asyncrl.operator.status import (
     ttl_expired,
     workload_problems,
 )
-from asyncrl.spec import GROUP, PLURAL, TERMINAL_PHASES, VERSION, AsyncRLJob
-from asyncrl.transport.names import StreamNames
 
 Obj = dict[str, Any]
 JobKey = tuple[str, str]  # (namespace, name)

@@ -1,7 +1,7 @@
 """The operator's only door to the API server: a small generic REST client plus idempotent apply.
 
 Every call is checked against PERMISSIONS, the single table the Helm chart's ClusterRole is
-compared with (tests/test_helm_chart.py), so the RBAC is exactly what the code uses. The
+compared with (tests/packaging/test_helm_chart.py), so the RBAC is exactly what the code uses. The
 `kubernetes` client does authentication (in-cluster token or KUBECONFIG); calls run in a thread so
 kopf's event loop never blocks.
 """
@@ -18,10 +18,10 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
-from asyncrl.errors import OperatorError
+from asyncrl.api.spec import GROUP, PLURAL, VERSION, parse_quantity
+from asyncrl.infra.errors import OperatorError
 from asyncrl.operator import names as N
 from asyncrl.operator.builders import secret_hash, stable_hash
-from asyncrl.spec import GROUP, PLURAL, VERSION, parse_quantity
 
 Obj = dict[str, Any]
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Rule:
 # posting Events), and what admission requires of it: `update` on asyncrljobs/finalizers, because
 # the children's ownerReferences set blockOwnerDeletion (refused without it where the
 # OwnerReferencesPermissionEnforcement admission plugin runs, e.g. OpenShift). The chart's RBAC is
-# exactly this table (tests/test_chart_rbac.py, also against the requests of a real operator).
+# exactly this table (tests/cluster/test_chart_rbac.py, also against the requests of a real operator).
 # list/watch on the owned kinds: kopf watches the children (server-side label selector
 # names.owned_selector()) so a hand edit or deletion is corrected within seconds.
 PERMISSIONS: tuple[Rule, ...] = (

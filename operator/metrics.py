@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from asyncrl.spec import PHASES
+from asyncrl.api.spec import PHASES
 
 REGISTRY = CollectorRegistry()
 JOBS_BY_PHASE = Gauge("asyncrl_jobs", "AsyncRLJobs by phase", ["phase"], registry=REGISTRY)

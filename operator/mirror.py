@@ -1,9 +1,9 @@
 """What the trainer says about itself, read into the job's status: its live `GET /status`
-(asyncrl.status_report.TrainerReport) and its durable outcome record (asyncrl.outcome).
+(asyncrl.api.status_report.TrainerReport) and its durable outcome record (asyncrl.api.outcome).
 
 The trainer knows step, policy version, staleness and reward; Kubernetes users look at
 `kubectl get asyncrljobs`. The operator's status pass fetches the report and this module maps it
-onto the status models (asyncrl.spec.AsyncRLJobStatus) whose fields the printer columns show.
+onto the status models (asyncrl.api.spec.AsyncRLJobStatus) whose fields the printer columns show.
 
 How a job ended is not left to the report alone: the trainer records a TrainerOutcome in the job's
 Redis (keyed by the job's uid) and stays up serving it. `OutcomeReader` reads that record with one
@@ -25,9 +25,8 @@ import httpx
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from asyncrl.errors import OperatorError
-from asyncrl.outcome import TrainerOutcome
-from asyncrl.spec import (
+from asyncrl.api.outcome import TrainerOutcome
+from asyncrl.api.spec import (
     AsyncRLJobSpec,
     AsyncRLJobStatus,
     EvaluationStatus,
@@ -36,9 +35,10 @@ from asyncrl.spec import (
     StalenessStatus,
     TrainerStatus,
 )
-from asyncrl.status_report import EvalRecord, TrainerReport
+from asyncrl.api.status_report import EvalRecord, TrainerReport
+from asyncrl.api.stream_names import StreamNames
+from asyncrl.infra.errors import OperatorError
 from asyncrl.transport.connection import make_client
-from asyncrl.transport.names import StreamNames
 
 DEFAULT_REDIS_URL_TEMPLATE = "redis://:{password}@{service}.{namespace}.svc:{port}/0"
 """How the operator reaches a job's managed Redis: its Service, with the password of its Secret."""

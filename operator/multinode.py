@@ -9,8 +9,8 @@ import math
 import re
 from typing import Any
 
+from asyncrl.api.spec import AsyncRLJob, NcclSettings, RdmaSettings
 from asyncrl.operator import names as N
-from asyncrl.spec import AsyncRLJob, NcclSettings, RdmaSettings
 
 Obj = dict[str, Any]
 
@@ -29,7 +29,7 @@ GRACE_MARGIN_SECONDS = 60
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _COPIES = 4
 """What the last checkpoint writes per parameter, in the model's dtype: the weights and AdamW's two
-moments (trainer/checkpoint.py: model.pt + optimizer.pt), plus the published weights of the last step."""
+moments (trainer/state/checkpoint.py: model.pt + optimizer.pt), plus the published weights of the last step."""
 _SIZE_IN_NAME = re.compile(r"(?<![A-Za-z0-9.])(?:(\d+)x)?(\d+(?:\.\d+)?)([BbMm])(?![A-Za-z0-9])")
 
 

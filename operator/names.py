@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from asyncrl.spec import GROUP
+from asyncrl.api.spec import GROUP
 
 MAX_NAME = 63
 MAX_STATEFULSET = 52

@@ -16,10 +16,10 @@ import uuid
 
 import yaml
 
-from asyncrl.loader import load_job
+from asyncrl.api.loader import load_job
+from asyncrl.api.spec import AsyncRLJob
 from asyncrl.operator import builders as B
 from asyncrl.operator.config import DEFAULT_OPERATOR_NAMESPACE, DEFAULT_ROLLOUT_IMAGE, DEFAULT_TRAINER_IMAGE, image_arg
-from asyncrl.spec import AsyncRLJob
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

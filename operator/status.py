@@ -9,7 +9,7 @@ Everything here is a function of its inputs (the clock is a parameter), so tests
 How a job ends, in the order `compute_status` asks:
 1. a terminal phase already written stays (sticky);
 2. an invalid spec: Failed InvalidSpec;
-3. the trainer's durable outcome record (asyncrl.outcome, read from Redis): its phase and reason;
+3. the trainer's durable outcome record (asyncrl.api.outcome, read from Redis): its phase and reason;
 4. the trainer's live /status saying Succeeded/Failed: its reason (else TrainingComplete / TrainerFailed);
 5. suspended: Suspended (no pod rule applies to a job that has no pods);
 6. the trainer's containers (`trainer_failure`): a last exit code 78 fails at once
@@ -23,7 +23,7 @@ A crash-looping rollout (or trainer, below its backoff limit) pod only sets the 
 and so does a trainer that reports it is waiting out an outage of Redis or an engine (its /status
 `degraded`, `dependency_outage`): the job rides it out, and the condition says what and since when.
 
-The status is built as `asyncrl.spec.AsyncRLJobStatus`, the model the CRD's status schema is
+The status is built as `asyncrl.api.spec.AsyncRLJobStatus`, the model the CRD's status schema is
 generated from, and written as its camelCase dump: one definition of what `.status` holds.
 """
 
@@ -36,12 +36,8 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from asyncrl.health import REASONS, dependency_name
-from asyncrl.operator import builders as B
-from asyncrl.operator import names as N
-from asyncrl.operator.mirror import mirror_outcome, mirror_report
-from asyncrl.outcome import EXIT_CONFIG_ERROR, TrainerOutcome, is_config_error
-from asyncrl.spec import (
+from asyncrl.api.outcome import EXIT_CONFIG_ERROR, TrainerOutcome, is_config_error
+from asyncrl.api.spec import (
     CONDITION_TYPES,
     TERMINAL_PHASES,
     AsyncRLJobSpec,
@@ -53,7 +49,11 @@ from asyncrl.spec import (
     RolloutStatus,
     StalenessStatus,
 )
-from asyncrl.status_report import TrainerReport
+from asyncrl.api.status_report import TrainerReport
+from asyncrl.infra.health import REASONS, dependency_name
+from asyncrl.operator import builders as B
+from asyncrl.operator import names as N
+from asyncrl.operator.mirror import mirror_outcome, mirror_report
 
 # Container waiting reasons that mean "this will not start by itself".
 BLOCKING_WAITING_REASONS = (

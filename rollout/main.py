@@ -1,13 +1,13 @@
 """Run a rollout worker: generate with an engine server, score, publish trajectory groups to Redis.
 
-Where things are comes from the environment (asyncrl.runtime: ASYNCRL_REDIS_URL,
+Where things are comes from the environment (asyncrl.api.runtime: ASYNCRL_REDIS_URL,
 ASYNCRL_ENGINE_URL, ASYNCRL_POD_NAME, ASYNCRL_ROLLOUT_INDEX/REPLICAS); flags override it.
 ASYNCRL_ENGINE_ADVERTISE_URL (or --advertise-url) is the engine URL registered for the trainer
 when it differs from the one the worker uses (e.g. http://$POD_IP:30000 vs http://127.0.0.1:30000).
 The trainer pauses, updates and resumes the engine at that URL for every new version; the worker
 only generates with it and reports the version it observes.
 With spec.evaluation the worker also serves the trainer's held-out evaluation requests on the same
-engine (rollout/evaluator.py); its dataset and reward are loaded before anything else, so
+engine (rollout/evaluation/service.py); its dataset and reward are loaded before anything else, so
 a bad one ends the worker at once with the reason (exit status 1).
 Outages of Redis (--redis-outage-s, or ASYNCRL_REDIS_OUTAGE_S) and of the engine
 (--engine-outage-s) are waited out, Degraded in the log meanwhile, instead of ending the worker
@@ -44,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from asyncrl.rollout.worker_process import run_worker
+    from asyncrl.rollout.worker.process import run_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return asyncio.run(run_worker(args))

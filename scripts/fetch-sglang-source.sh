@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cache the pinned SGLang release's own HTTP route table and request models (idempotent).
 #
-# tests/test_sglang_routes.py checks every route and request field we use (readiness probe, the
+# tests/rollout/engines/test_sglang_routes.py checks every route and request field we use (readiness probe, the
 # sglang adapter, tests/support/sglang_fake.py) against these files, so a probe or call the pinned server
 # does not have fails in CI instead of on a cluster. The version is the single constant
 # asyncrl.rollout.engines.sglang.PINNED_VERSION. The wheel is pure Python: we only download it

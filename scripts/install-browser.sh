@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the headless Chromium used by the dashboard browser test (tests/test_dashboard_browser.py).
+# Installs the headless Chromium used by the dashboard browser test (tests/trainer/report/test_dashboard_browser.py).
 # Idempotent: does nothing when /usr/bin/chromium already exists. Needs root (or sudo) and apt.
 set -euo pipefail
 

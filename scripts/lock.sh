@@ -26,7 +26,7 @@
 #        bash scripts/lock.sh --upgrade             move every pin to the newest allowed release
 #        bash scripts/lock.sh --upgrade-package X   move one package (any `uv pip compile` option passes)
 # Needs PyPI (about two minutes). uv, pinned and hash-checked by requirements/tools.lock, is installed into a
-# throwaway venv. tests/test_images.py checks the locks and that setup.sh and the images use them.
+# throwaway venv. tests/packaging/test_images.py checks the locks and that setup.sh and the images use them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in -h|--help) sed -n '2,29p' "$0"; exit 0 ;; esac

@@ -64,7 +64,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# verl's own loss code, the oracle of tests/test_objectives_vs_verl.py (read from the wheel by
+# verl's own loss code, the oracle of tests/trainer/step/test_objectives_vs_verl.py (read from the wheel by
 # tests/support/verl_oracle.py, never installed: importing verl pulls ray and its config system)
 fetch_verl() {
   if [ ! -f .tools/peers/verl-0.9.1-py3-none-any.whl ]; then

@@ -30,8 +30,8 @@ wait_for_control_plane() {
 export ASYNCRL_REQUIRE_CONTROL_PLANE="${ASYNCRL_REQUIRE_CONTROL_PLANE:-1}"
 export PATH="$PWD/.tools/bin:$PATH"
 # Convert the embedded model once, before tests that load it run.
-.venv/bin/python -c "from asyncrl.models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
-# Static checks first (seconds): lint and types over the whole tree, as the README promises.
+.venv/bin/python -c "from asyncrl.infra.hf_models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+# Static checks first (seconds): lint, types, dead code and the import layers, as the README promises.
 if [ "$#" = 0 ]; then
   echo "test.sh: ruff"
   .venv/bin/ruff check .
@@ -39,6 +39,8 @@ if [ "$#" = 0 ]; then
   .venv/bin/mypy
   echo "test.sh: vulture"
   .venv/bin/vulture
+  echo "test.sh: import layers (import-linter)"
+  .venv/bin/python scripts/check_imports.py
 fi
 # Some tests write whole checkpoints (GBs while they run): say how much room there is, so a
 # "No space left on device" failure reads as the machine's, not the code's.

@@ -2,10 +2,12 @@
 
 Every test is in exactly one tier, a marker set here and counted at the end of each run
 (`-m unit`, `-m integration` or `-m cluster` runs one):
-- cluster: against a real Kubernetes API: the control plane (with the test kubelet as its node) or a
-  bare apiserver, with the real operator or kubectl (tests.support.control_plane, bare_apiserver,
-  admission_gate, kube_cluster, cluster_e2e, operator_process, operator_jobs); those that start the
-  built binaries are also marked `control_plane` (scripts/test.sh runs them once they are built);
+- cluster: every test under tests/cluster/, and only those: against a real Kubernetes API, the
+  control plane (with the test kubelet as its node) or a bare apiserver, with the real operator or
+  kubectl (tests.support.control_plane, bare_apiserver, admission_gate, kube_cluster, cluster_e2e,
+  operator_process, operator_jobs; a test elsewhere that uses them stops the run); those that
+  start the built binaries are also marked `control_plane` (scripts/test.sh runs them once they are
+  built);
 - integration: real servers and processes without Kubernetes: a Redis server, the real model, the
   trainer or engine processes, a browser (the `slow`, `browser`, `vllm`, `sglang` markers or a Redis
   fixture);
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from asyncrl.local_redis import LocalRedis
+from asyncrl.local.redis_server import LocalRedis
 
 # Property tests draw the same examples on every run: a CI failure is then reproducible, never luck.
 settings.register_profile("asyncrl", derandomize=True, print_blob=True)
@@ -37,7 +39,7 @@ CLUSTER_SUPPORT = tuple(f"tests.support.{m}" for m in ("control_plane", "bare_ap
                                                        "operator_jobs"))
 INTEGRATION_SUPPORT = tuple(f"tests.support.{m}" for m in ("trainer_support", "rollout_workers", "sglang_fake",
                                                            "sglang_fake_lora", "lora_models", "bench_support",
-                                                           "reward_services"))
+                                                           "reward_services", "tools"))
 INTEGRATION_MARKERS = ("slow", "browser", "vllm", "sglang")
 INTEGRATION_FIXTURES = {"redis_server", "redis_url", "transport_redis", "rollout_env"}
 # A test this long (seconds) may have built a model: collect and trim after it (cheap beside it).
@@ -59,9 +61,23 @@ def _modules_used(func: object) -> set[str]:
     return found
 
 
+CLUSTER_TESTS = Path(__file__).resolve().parent / "cluster"
+
+
+def in_cluster_folder(item: pytest.Item) -> bool:
+    return CLUSTER_TESTS in Path(str(item.path)).resolve().parents
+
+
 def tier_of(item: pytest.Item) -> str:
-    """The tier of a collected test (module docstring): from its markers, its fixtures and what the
-    test function and its fixtures call."""
+    """The tier of a collected test (module docstring): its folder for tests/cluster/, else from its
+    markers, its fixtures and what the test function and its fixtures call."""
+    if in_cluster_folder(item):
+        return "cluster"
+    return tier_by_use(item)
+
+
+def tier_by_use(item: pytest.Item) -> str:
+    """The tier the test's markers, fixtures and calls say (cluster: it needs a Kubernetes API)."""
     fixtures = set(getattr(item, "fixturenames", ()))
     defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
     used = _modules_used(getattr(item, "function", None))
@@ -122,6 +138,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     --no-loadscope-reorder` in scripts/test.sh), so a file of a few long tests started last would
     keep one worker busy while the other idles."""
     weight: dict[str, int] = {}
+    misplaced = sorted({item.nodeid.split("::", 1)[0] for item in items
+                        if not in_cluster_folder(item) and tier_by_use(item) == "cluster"})
+    if misplaced:
+        raise pytest.UsageError("tests against a Kubernetes API belong under tests/cluster/: " + ", ".join(misplaced))
     for item in items:
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
@@ -217,8 +237,8 @@ def make_trajectory_group():
 @pytest.fixture
 async def rollout_env(redis_url: str):
     """(a client of a real Redis, a fake SGLang server, the names of tests.support.rollout_workers.JOB)."""
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from tests.support.rollout_workers import JOB
     from tests.support.sglang_fake import FakeSGLang
 

@@ -107,7 +107,7 @@ def transformer_blocks(model: Any) -> list[torch.nn.Module]:
 def shard_model(model: Any, ctx: DistContext, compute_dtype: torch.dtype | None = None) -> Any:
     """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm, a
     tied LM head) in the root unit, which stays gathered from its forward to its backward (so the
-    LM head applied outside the forward, trainer/logprobs.py, uses whole weights)."""
+    LM head applied outside the forward, trainer/step/logprobs.py, uses whole weights)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -136,7 +136,7 @@ def load_sharded_model(path: str, ctx: DistContext, compute_dtype: torch.dtype |
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from asyncrl.models import load_causal_lm, resolve_model_path
+    from asyncrl.infra.hf_models import load_causal_lm, resolve_model_path
 
     source = load_causal_lm(path, "float32", "cpu", revision=revision) if ctx.is_main else None
     resolved = resolve_model_path(path)
@@ -176,13 +176,13 @@ def is_sharded(model: Any) -> bool:
 
 def runs_own_forward(model: Any) -> bool:
     """True when the model's own forward must run for every use (DDP prepares its all-reduce there;
-    FSDP gathers the root's parameters there): trainer/logprobs.py then captures the hidden states."""
+    FSDP gathers the root's parameters there): trainer/step/logprobs.py then captures the hidden states."""
     return unwrap(model) is not model or is_sharded(model)
 
 
 def unwrap(model: Any) -> Any:
     """The underlying module: for the HF attributes a DDP wrapper hides (`base_model_prefix`, the
-    LM head: trainer/logprobs.py). An FSDP2 model is its own module."""
+    LM head: trainer/step/logprobs.py). An FSDP2 model is its own module."""
     return getattr(model, "module", model)
 
 

@@ -15,11 +15,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.spec import EvaluationSpec
-from asyncrl.status_report import EvalRecord
+from asyncrl.api.spec import EvaluationSpec
+from asyncrl.api.status_report import EvalRecord
 from asyncrl.trainer.inbox import EvalInbox, merge_evaluations
-from asyncrl.trainer.reporter import Reporter, Trackers
-from asyncrl.trainer.step_metrics import append_eval_line
+from asyncrl.trainer.report.metrics_file import append_eval_line
+from asyncrl.trainer.report.reporter import Reporter, TrackerSink
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -35,7 +35,7 @@ class Evaluations:
     """Asks for evaluations of published versions and collects their results (rank 0)."""
 
     def __init__(self, inbox: EvalInbox | None, evaluation: EvaluationSpec | None, *, max_steps: int,
-                 reporter: Reporter, metrics_path: Path | None, trackers: Trackers | None):
+                 reporter: Reporter, metrics_path: Path | None, trackers: TrackerSink | None):
         self.inbox = inbox
         self.evaluation = evaluation
         self.max_steps = max_steps

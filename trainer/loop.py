@@ -8,7 +8,7 @@ One step:
      groups with signal are buffered, or `dynamicSampling.maxDraws` were drawn (then the step
      trains on the fewer it has, with a warning: `next_batch`);
   2. the batch is broadcast, so every rank computes the same advantages and token counts;
-  3-4. the step (trainer/step.py, the objective from trainer/objectives/):
+  3-4. the step (trainer/step/update.py, the objective from trainer/step/objectives/):
   3. proximal log-probs: `recompute` runs a no-grad forward over the batch (timed), `loglinear`
      is A-3PO's interpolation inside the loss (timed too);
   4. for each minibatch, each rank forwards/backwards its shard in micro-batches under a token
@@ -19,7 +19,8 @@ One step:
      gradient clipping; AdamW, skipped when the gradient norm is not finite (weights and optimizer
      state untouched, counted); `maxNonFiniteSteps` steps in a row whose every update was skipped
      end training (NonFiniteGradientsError);
-  5. rank 0 publishes version+1 (trainer/publishing.py: weights dir, event, engines paused/updated/resumed, admission),
+  5. rank 0 publishes version+1 (trainer/weights/publisher.py: weights dir, event, engines
+     paused/updated/resumed, admission),
      also after a step whose updates were all skipped (same weights, next version: the groups were
      consumed, and admission's budget grows with the version); non-finite weights are never
      published: they end training (NonFiniteWeightsError), which stops every rank; an engine whose
@@ -28,7 +29,7 @@ One step:
      since the previous checkpoint (its window) acknowledged; a resumed trainer first acknowledges
      the window of the checkpoint it resumed from, so a kill between a checkpoint and its ack
      trains nothing twice (checkpoint.py says why this holds wherever the kill lands).
-The report (served at /status) and metrics.jsonl (step_metrics.py) are updated after each step,
+The report (served at /status) and metrics.jsonl (report/metrics_file.py) are updated after each step,
 and the step's figures go to the experiment trackers (spec.logging), if any.
 With spec.evaluation, rank 0 also asks the rollout workers for a held-out evaluation of the
 starting version (after startup_sync), of every published version that is a multiple of
@@ -49,37 +50,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.errors import TrainerError
-from asyncrl.lora_spec import named_adapters
-from asyncrl.runtime import Runtime
-from asyncrl.spec import AsyncRLJob
-from asyncrl.status_report import AdmissionReport, RecoveryReport, StepMetrics, TrainerReport
+from asyncrl.api.runtime import Runtime
+from asyncrl.api.spec import AsyncRLJob
+from asyncrl.api.spec.lora import named_adapters
+from asyncrl.api.status_report import AdmissionReport, RecoveryReport, StepMetrics, TrainerReport
+from asyncrl.infra.errors import TrainerError
 from asyncrl.trainer import distributed as D
-from asyncrl.trainer.batch import Layout
-from asyncrl.trainer.checkpoint import (
+from asyncrl.trainer.evaluation import ENGINE_REFRESH_S, Evaluations
+from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, labels_of
+from asyncrl.trainer.report.metrics_file import append_metrics_line, written_evaluations
+from asyncrl.trainer.report.reporter import Reporter, TrackerSink
+from asyncrl.trainer.report.step_report import report_step
+from asyncrl.trainer.state.checkpoint import (
     TrainerState,
     append_trained,
     model_identity,
     save_checkpoint,
     truncate_trained_log,
 )
-from asyncrl.trainer.collective_sync import CollectiveSync
-from asyncrl.trainer.engine_watch import EngineWatch
-from asyncrl.trainer.evaluation import ENGINE_REFRESH_S, Evaluations
-from asyncrl.trainer.forward import ModelForward
-from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, labels_of
-from asyncrl.trainer.logprobs import packing_layout
-from asyncrl.trainer.objectives import build_objective
-from asyncrl.trainer.publish import (
+from asyncrl.trainer.state.timelines import start_timeline
+from asyncrl.trainer.step.batch import Layout
+from asyncrl.trainer.step.forward import ModelForward
+from asyncrl.trainer.step.logprobs import packing_layout
+from asyncrl.trainer.step.objectives import build_objective
+from asyncrl.trainer.step.replay import ReplayedGroup, StepReplay
+from asyncrl.trainer.step.stats import summarize_step
+from asyncrl.trainer.step.update import step_data, train_updates
+from asyncrl.trainer.weights.broadcast import CollectiveSync
+from asyncrl.trainer.weights.files import (
     drop_versions_after,
 )
-from asyncrl.trainer.publishing import Publisher, on_every_rank, refuse_non_finite_weights
-from asyncrl.trainer.replay import ReplayedGroup, StepReplay
-from asyncrl.trainer.reporter import Reporter, Trackers
-from asyncrl.trainer.step import step_data, train_updates
-from asyncrl.trainer.step_metrics import append_metrics_line, summarize_step, written_evaluations
-from asyncrl.trainer.step_report import report_step
-from asyncrl.trainer.timelines import start_timeline
+from asyncrl.trainer.weights.publisher import Publisher, on_every_rank, refuse_non_finite_weights
+from asyncrl.trainer.weights.watch import EngineWatch
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -97,14 +99,14 @@ class NonFiniteGradientsError(TrainerError, RuntimeError):
 class RunConfig:
     """What the loop needs that the job spec does not say; everything about training is `job.spec`.
 
-    Paths come from the deployment (`asyncrl.runtime.Runtime`), the waits are process settings,
+    Paths come from the deployment (`asyncrl.api.runtime.Runtime`), the waits are process settings,
     and `engine_kind` is the weight-update protocol to speak to the engines: in a deployment it is
     `spec.rollout.engine` as the runner or operator finally chose it (`from_runtime`).
     """
 
     engine_kind: str
     engine_adapters: bool = False
-    """A LoRA job's versions are named adapters on the engines (asyncrl.lora_spec.named_adapters)."""
+    """A LoRA job's versions are named adapters on the engines (asyncrl.api.spec.lora.named_adapters)."""
     weights_dir: Path = Path("weights")
     checkpoint_dir: Path = Path("checkpoints")
     metrics_path: Path | None = None
@@ -140,7 +142,7 @@ class Trainer:
 
     def __init__(self, job: AsyncRLJob, cfg: RunConfig, ctx: D.DistContext, model: Any, optimizer: Any,
                  tokenizer: Any, *, io: StreamIO | None = None, state: TrainerState | None = None,
-                 report: TrainerReport | None = None, trackers: Trackers | None = None,
+                 report: TrainerReport | None = None, trackers: TrackerSink | None = None,
                  reference_model: Any = None):
         self.spec = job.spec  # what to train: algorithm, staleness limit, steps, checkpoint interval
         self.cfg = cfg        # what the spec does not say: paths, waits, engine protocol
@@ -321,7 +323,7 @@ class Trainer:
         self.state.start_window()
 
     async def startup_sync(self) -> None:
-        """Start this life's timeline (trainer/timelines.py); after a resume, put the engines back on
+        """Start this life's timeline (trainer/state/timelines.py); after a resume, put the engines back on
         this lineage's weights (newer ones were lost). Rank 0 decides; every rank takes part in
         writing them (a sharded model is gathered)."""
         lineage = (await start_timeline(self.cfg.checkpoint_dir, self.engines.recovery, self.state)
@@ -454,7 +456,7 @@ class Trainer:
     # ------------------------------------------------------------------ one update
 
     def train_step(self, groups: list[Any], replayed: list[ReplayedGroup] | None = None) -> StepMetrics:
-        """One training step (trainer/step.py) on the fresh `groups` and the `replayed` ones (identical
+        """One training step (trainer/step/update.py) on the fresh `groups` and the `replayed` ones (identical
         on every rank); returns the step's figures (rewards, tokens and staleness: of the fresh
         groups; `finish_step` adds the clock's and the draw's)."""
         algo, version = self.spec.algorithm, self.state.version

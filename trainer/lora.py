@@ -4,9 +4,9 @@ The adapters are injected into the Hugging Face model itself (PEFT's `inject_ada
 model keeps its class, config, LM head and forward, so the log-prob code, DDP and FSDP2 see the same
 model as in full fine-tuning, with every base weight frozen (`requires_grad` False) and only the
 adapter matrices trained. The optimizer is built over the trainable parameters only, and a
-checkpoint holds only those and their optimizer state (trainer/checkpoint.py leaves frozen ones out).
+checkpoint holds only those and their optimizer state (trainer/state/checkpoint.py leaves frozen ones out).
 
-A published version `weights/v{N}` is then a PEFT adapter directory (asyncrl/adapters.py), written
+A published version `weights/v{N}` is then a PEFT adapter directory (asyncrl/infra/peft_adapters.py), written
 atomically like a full version; its config names the base model (and revision) it belongs to.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from asyncrl.adapters import ADAPTER_NAME, ADAPTER_WEIGHTS, adapter_tensors, inject
-from asyncrl.errors import SpecError
-from asyncrl.files import atomic_directory
-from asyncrl.lora_spec import ALL_LINEAR, LoraSpec
+from asyncrl.api.spec.lora import ALL_LINEAR, LoraSpec
+from asyncrl.infra.errors import SpecError
+from asyncrl.infra.files import atomic_directory
+from asyncrl.infra.peft_adapters import ADAPTER_NAME, ADAPTER_WEIGHTS, adapter_tensors, inject
 from asyncrl.trainer.distributed import DistContext, full_tensor, unwrap
 
 

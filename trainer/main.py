@@ -33,9 +33,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.errors import SpecError, TrainerError
-from asyncrl.loader import JobFileError, load_job
-from asyncrl.outcome import (
+from asyncrl.api.loader import JobFileError, load_job
+from asyncrl.api.outcome import (
     EXIT_CONFIG_ERROR,
     TrainerOutcome,
     new_outcome,
@@ -45,9 +44,10 @@ from asyncrl.outcome import (
     write_outcome_redis,
     write_termination_message,
 )
-from asyncrl.runtime import Runtime
-from asyncrl.spec import AsyncRLJob
-from asyncrl.transport.names import StreamNames
+from asyncrl.api.runtime import Runtime
+from asyncrl.api.spec import AsyncRLJob
+from asyncrl.api.stream_names import StreamNames
+from asyncrl.infra.errors import SpecError, TrainerError
 
 if TYPE_CHECKING:
     from asyncrl.trainer.loop import Trainer
@@ -124,7 +124,7 @@ def with_overrides(job: AsyncRLJob, args: argparse.Namespace) -> AsyncRLJob:
 
 def config_reason(exc: BaseException) -> str:
     """The Failed reason of a configuration error (one of outcome.CONFIG_ERROR_REASONS)."""
-    from asyncrl.models import ModelNotFoundError
+    from asyncrl.infra.hf_models import ModelNotFoundError
 
     if isinstance(exc, JobFileError):
         return "InvalidJobFile"
@@ -292,7 +292,7 @@ class OutcomeRecord:
 def outcome_of(trainer: Any, job: AsyncRLJob, runtime: Runtime, phase: str, reason: str,
                message: str) -> TrainerOutcome:
     """The outcome of this run as the trainer ends it, with its last report (history left out)."""
-    from asyncrl.trainer.publish import weights_path
+    from asyncrl.trainer.weights.files import weights_path
 
     state = trainer.state
     weights = weights_path(trainer.cfg.weights_dir, state.version)
@@ -308,7 +308,7 @@ def report_of(outcome: TrainerOutcome, job: AsyncRLJob) -> Any:
     """The /status document of a trainer that found its outcome recorded at start."""
     import time
 
-    from asyncrl.status_report import TrainerReport
+    from asyncrl.api.status_report import TrainerReport
 
     base = TrainerReport.model_validate(outcome.report) if outcome.report else \
         TrainerReport(job=job.metadata.name, max_steps=job.spec.trainer.max_steps)
@@ -321,17 +321,17 @@ def report_of(outcome: TrainerOutcome, job: AsyncRLJob) -> Any:
 def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, ctx: Any, io: Any = None, *,
                   trackers: Any = None) -> Any:
     """Model, optimizer and state (restored from a checkpoint when there is one) around the loop;
-    `trackers` (rank 0's experiment trackers, trainer/loop.py `Trackers`) get the step figures and
+    `trackers` (rank 0's experiment trackers, report/reporter.py `TrackerSink`) get the step figures and
     evaluation results, and are closed when the run ends."""
     import torch  # (heavy: see the note at the top)
 
-    from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
-    from asyncrl.status_report import TrainerReport
+    from asyncrl.api.status_report import TrainerReport
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, torch_dtype
     from asyncrl.trainer import distributed as D
-    from asyncrl.trainer.checkpoint import latest_checkpoint, load_checkpoint, model_identity
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.lora import trainable_parameters
-    from asyncrl.trainer.step_metrics import truncate_metrics
+    from asyncrl.trainer.report.metrics_file import truncate_metrics
+    from asyncrl.trainer.state.checkpoint import latest_checkpoint, load_checkpoint, model_identity
 
     job = with_overrides(job, args)
     spec = job.spec
@@ -394,7 +394,7 @@ def adapters_for(spec: Any) -> Any:
 async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> Any:
     """Rank 0's Redis side: consumer (stable name = pod name), admission, versions, engine registry,
     evaluation requests and results (on `redis` when given, else a new client)."""
-    from asyncrl.models import vocab_size
+    from asyncrl.infra.hf_models import vocab_size
     from asyncrl.trainer.inbox import StreamIO  # (Redis clients: see the note at the top)
     from asyncrl.transport.admission import Admission
     from asyncrl.transport.connection import connect
@@ -419,7 +419,7 @@ async def connect_io(job: AsyncRLJob, runtime: Runtime, redis: Any = None) -> An
 
 def start_status(get_report: Any, job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime) -> Any:
     """Rank 0's status endpoint (in a helper thread: the loop is busy with compute while training)."""
-    from asyncrl.trainer.status_api import StatusServer, create_app  # (web server: see the top)
+    from asyncrl.trainer.report.status_api import StatusServer, create_app  # (web server: see the top)
 
     port = job.spec.trainer.status_port if args.status_port is None else args.status_port
     server = StatusServer(create_app(get_report, token=runtime.status_token), args.status_host, port)
@@ -515,7 +515,7 @@ async def _build_or_record_failure(job: AsyncRLJob, args: argparse.Namespace, ru
                                    io: Any, record: OutcomeRecord | None) -> Trainer | int:
     """The trainer (with rank 0's experiment trackers, spec.logging); or, when the spec cannot be used
     here (the model, a missing tracker package), the job's Failed outcome recorded and the exit code."""
-    from asyncrl.trainer.trackers import Trackers
+    from asyncrl.trainer.report.trackers import Trackers
 
     trackers = None
     try:
@@ -536,7 +536,7 @@ async def _train(trainer: Trainer, job: AsyncRLJob, runtime: Runtime) -> Trainer
     """Run training to its outcome: Succeeded, or Failed on a fatal error (retrying cannot help);
     None when a signal stopped it (the restarted pod resumes)."""
     from asyncrl.trainer.loop import SUCCEEDED_REASON
-    from asyncrl.trainer.publishing import failure_reason
+    from asyncrl.trainer.weights.publisher import failure_reason
 
     try:
         phase = await trainer.run()

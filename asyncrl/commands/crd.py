@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from asyncrl.crd import render_crd_yaml
+from asyncrl.api.crd import render_crd_yaml
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     if args.count < 1:
         print("error: --count must be >= 1", file=sys.stderr)
         return 2
-    from asyncrl.errors import TransportError
+    from asyncrl.infra.errors import TransportError
 
     try:
         found = asyncio.run(read(args.redis_url or os.environ.get("ASYNCRL_REDIS_URL") or DEFAULT_REDIS_URL,
@@ -72,8 +72,8 @@ def main(args: argparse.Namespace) -> int:
 
 async def read(url: str, job: str, uid: str, count: int) -> tuple[int, list[dict[str, Any]]]:
     """(how many dead letters the job has, the oldest `count` of them as plain dicts)."""
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
     from asyncrl.transport.streams import read_dead_letters
 
     names = StreamNames.for_job(job, uid)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from asyncrl.reference import render_reference
+from asyncrl.api.reference import render_reference
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

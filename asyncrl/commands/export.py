@@ -41,7 +41,7 @@ class ExportError(RuntimeError):
 
 def version_dir(source: Path) -> Path:
     """The version directory `source` names: itself, or a run directory's newest weights/vN."""
-    from asyncrl.adapters import ADAPTER_CONFIG, is_adapter_dir
+    from asyncrl.infra.peft_adapters import ADAPTER_CONFIG, is_adapter_dir
 
     if is_adapter_dir(source) or (source / "config.json").is_file():
         return source
@@ -56,8 +56,8 @@ def version_dir(source: Path) -> Path:
 
 def export(source: Path, out: Path, *, merge: bool = False, dtype: str = "float32") -> Path:
     """Write the version `source` names to `out` (module docstring); the version directory exported."""
-    from asyncrl.adapters import is_adapter_dir
-    from asyncrl.files import atomic_directory
+    from asyncrl.infra.files import atomic_directory
+    from asyncrl.infra.peft_adapters import is_adapter_dir
 
     version = version_dir(source)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -76,8 +76,8 @@ def export(source: Path, out: Path, *, merge: bool = False, dtype: str = "float3
 
 
 def _copy_adapter(version: Path, tmp: Path) -> None:
-    from asyncrl.adapters import ADAPTER_CONFIG, base_of
-    from asyncrl.models import resolve_model_path
+    from asyncrl.infra.hf_models import resolve_model_path
+    from asyncrl.infra.peft_adapters import ADAPTER_CONFIG, base_of
 
     shutil.copytree(version, tmp, dirs_exist_ok=True)
     base, _ = base_of(version)
@@ -90,8 +90,8 @@ def _merge(version: Path, tmp: Path, dtype: str) -> None:
     """PEFT itself reads the adapter onto the base and merges it (the same files any PEFT user loads)."""
     from peft import PeftModel
 
-    from asyncrl.adapters import base_of
-    from asyncrl.models import load_causal_lm, load_tokenizer, torch_dtype
+    from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, torch_dtype
+    from asyncrl.infra.peft_adapters import base_of
 
     base, revision = base_of(version)
     model: Any = load_causal_lm(base, "float32", "cpu", revision=revision)
@@ -101,8 +101,8 @@ def _merge(version: Path, tmp: Path, dtype: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from asyncrl.adapters import AdapterError
-    from asyncrl.models import ModelNotFoundError
+    from asyncrl.infra.hf_models import ModelNotFoundError
+    from asyncrl.infra.peft_adapters import AdapterError
 
     try:
         version = export(Path(args.source), args.out, merge=args.merge, dtype=args.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from asyncrl.loader import JobFileError, load_jobs
+from asyncrl.api.loader import JobFileError, load_jobs
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -4,10 +4,11 @@ See docs/transport.md. Submodules: wire (format), content (is a group trainable?
 connection, streams, versions, admission.
 """
 
+from asyncrl.api.stream_names import StreamNames
+
 from .admission import Admission, AdmissionSnapshot, admission_capacity, is_too_stale
 from .connection import RedisUnavailableError, connect
 from .content import GroupLimits, check_group
-from .names import StreamNames
 from .streams import Delivery, TrajectoryConsumer, TrajectoryProducer
 from .versions import EngineInfo, EngineRegistry, VersionChannel, VersionEvent
 from .wire import SCHEMA_VERSION, TrajectoryGroup, TrajectorySample, WireFormatError, decode_group, encode_group

@@ -6,7 +6,7 @@ A rollout group may start iff
 
 where `version` is the trainer's policy version, `B` the train batch size in groups, `running`
 the live leases of all pods, `accepted` the groups produced for training so far and `ahead` the
-groups the policy lets rollout run ahead (asyncrl/staleness_policy.py): eta * B for the
+groups the policy lets rollout run ahead (asyncrl/api/staleness.py): eta * B for the
 global-budget policy (AReaL's `(eta + version + 1) * B`), ceil(alpha * B) for the per-sample policy
 (ROLL Flash's asynchronous ratio alpha; fractional alpha admits a fraction of a batch). Each check
 and its lease grant happen in one Lua script, so N pods together never exceed the bound; there
@@ -56,13 +56,13 @@ from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as aioredis
 
-from asyncrl.staleness_policy import groups_ahead, version_bound
+from asyncrl.api.staleness import groups_ahead, version_bound
+from asyncrl.api.stream_names import StreamNames
 
-from .names import StreamNames
 from .wire import TrajectoryGroup
 
 if TYPE_CHECKING:  # (the spec imports the runtime, which imports this package)
-    from asyncrl.spec import AsyncRLJobSpec
+    from asyncrl.api.spec import AsyncRLJobSpec
 
 RELEASED_RETENTION_MS = 3_600_000
 """How long released lease ids are remembered, to make a retried release a no-op."""

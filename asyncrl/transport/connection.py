@@ -9,10 +9,10 @@ the components' `--redis-outage-s`), with capped exponential backoff and jitter:
 during an outage blocks until Redis answers again instead of raising, and only an outage longer
 than the window fails it (the pod then restarts: the backstop, not the plan).
 
-While a command waits, the process is *Degraded*: the process-wide board (`asyncrl.health.HEALTH`) records which
+While a command waits, the process is *Degraded*: the process-wide board (`asyncrl.infra.health.HEALTH`) records which
 dependency is unreachable, since when and why (rollout workers log it and show it in their
-progress line; the trainer serves it on /status, trainer/status_api.py). The engine clients of the
-rollout worker report to the same board (rollout/worker.py).
+progress line; the trainer serves it on /status, trainer/report/status_api.py). The engine clients of the
+rollout worker report to the same board (rollout/worker/worker.py).
 
 At start-up, an unreachable Redis still fails with RedisUnavailableError naming the host, port and
 what was tried, after `connect`'s own short timeout, instead of a bare socket error deep inside a
@@ -36,8 +36,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import AbstractBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
 
-from asyncrl.errors import TransportError
-from asyncrl.health import BACKOFF_BASE_S, BACKOFF_CAP_S, HEALTH, Health, backoff_delay
+from asyncrl.infra.errors import TransportError
+from asyncrl.infra.health import BACKOFF_BASE_S, BACKOFF_CAP_S, HEALTH, Health, backoff_delay
 
 log = logging.getLogger("asyncrl.transport.connection")
 

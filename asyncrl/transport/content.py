@@ -2,7 +2,7 @@
 
 Why: the wire format (wire.py) checks shape (fields, dtypes, byte lengths, counts) but not the
 numbers inside. A group whose behaviour logprob is NaN decodes fine and then makes the training
-step raise (trainer/batch.py); the trainer exits, Redis re-delivers the still-pending group first
+step raise (trainer/step/batch.py); the trainer exits, Redis re-delivers the still-pending group first
 after the restart, and the trainer crashes again, forever. So the rollout worker checks
 each group before it publishes it, and the trainer's consumer checks each group it decodes and
 dead-letters a failure with the reason, before the group can reach a batch.

@@ -26,9 +26,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from asyncrl.status_report import EvalRecord
-
-from .names import StreamNames
+from asyncrl.api.status_report import EvalRecord
+from asyncrl.api.stream_names import StreamNames
 
 EVALUATORS_GROUP = "evaluators"
 DATA_FIELD = b"data"

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from .names import StreamNames
+from asyncrl.api.stream_names import StreamNames
 
 FIELDS = ("trainer_starts", "engine_restarts", "engine_resyncs")
 TIMELINE_FIELD = "timeline"
-"""Beside the counters: the trainer timeline started last (trainer/timelines.py)."""
+"""Beside the counters: the trainer timeline started last (trainer/state/timelines.py)."""
 
 
 @dataclass
@@ -38,7 +38,7 @@ class RecoveryCounters:
         return int(await self.redis.hincrby(self.key, field, n))
 
     async def last_timeline(self) -> int | None:
-        """The trainer timeline started last (asyncrl.weight_labels; None: none recorded)."""
+        """The trainer timeline started last (asyncrl.api.weight_labels; None: none recorded)."""
         raw = await self.redis.hget(self.key, TIMELINE_FIELD)
         return None if raw is None else int(raw)
 

@@ -14,7 +14,7 @@ Guarantees (with one consumer group per stream, `names.consumer_group`):
   (and ack) any copy whose group id is already trained, already in flight in this consumer, or
   repeated within the same read (a producer that retried a publish after a lost reply leaves two
   copies). A trainer resumed from a checkpoint that was written but whose ack never ran hands the
-  checkpoint's window to `ack_committed` (same script) before reading: trainer/checkpoint.py says
+  checkpoint's window to `ack_committed` (same script) before reading: trainer/state/checkpoint.py says
   why that closes the commit window;
 - memory stays bounded: acked entries are XDEL'd and the stream is XTRIM'd by MINID up to the
   oldest pending entry; MAXLEN is never used (it would drop delivered-but-unacked entries). The
@@ -45,8 +45,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from asyncrl.api.stream_names import StreamNames
+
 from .content import GroupLimits, check_group
-from .names import StreamNames
 from .wire import TrajectoryGroup, WireFormatError, decode_group, encode_group
 
 log = logging.getLogger("asyncrl.transport.streams")
@@ -319,7 +320,7 @@ class TrajectoryConsumer:
         (already acked, or pending under another consumer name) is marked trained only, so whoever
         reads or reclaims it later skips it. Call before the first `read`. Returns how many pending
         entries it acknowledged (0 unless the previous life was killed between its checkpoint and
-        its ack; trainer/checkpoint.py).
+        its ack; trainer/state/checkpoint.py).
         """
         wanted = set(group_ids)
         if not wanted:

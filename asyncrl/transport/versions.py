@@ -8,11 +8,11 @@ the newest VERSION_HISTORY events (these are notifications, not training data).
 
 The registry has two writers with separate keys: rollout workers register their engine (and what
 they observe of it) every few seconds; the trainer, the only one that updates engine weights
-(trainer/weight_sync.py), records per engine what it loaded (`EngineWeights`). That record is the
+(trainer/weights/engine_update.py), records per engine what it loaded (`EngineWeights`). That record is the
 weight label of engines whose server reports none.
 
 Engines restart. Each registration carries the engine server's incarnation (an id that changes when
-the server restarts, see rollout/engine_view.py), and the trainer's record names the incarnation it
+the server restarts, see rollout/generation/engine_view.py), and the trainer's record names the incarnation it
 loaded into: a record of an earlier incarnation says nothing about what the server serves now (a
 restarted server serves the weights it was launched with, whatever the trainer loaded before), so
 it is ignored and the version stays what the worker observed, or unknown (None). An engine whose
@@ -29,9 +29,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from asyncrl.weight_labels import WeightLabel
-
-from .names import StreamNames
+from asyncrl.api.stream_names import StreamNames
+from asyncrl.api.weight_labels import WeightLabel
 
 VERSION_HISTORY = 1000
 MAX_BLOCK_MS = 5000  # stays below the client's socket timeout
@@ -120,14 +119,14 @@ class EngineInfo:
     """When the worker observed the engine (Unix seconds)."""
     incarnation: str = ""
     """The engine server's current life: the server's own id when it reports one (our hf server),
-    else minted by its worker when it sees the server restart (rollout/engine_view.py)."""
+    else minted by its worker when it sees the server restart (rollout/generation/engine_view.py)."""
     label: str | None = None
     """The weight label exactly as the server last reported it ("default", "7"; None: the server
     reports none (vLLM), or it could not be read)."""
     fenced: str = ""
     """From `EngineRegistry.list()`: why the trainer fenced this engine ("" = not fenced)."""
     weight_timeline: int = 0
-    """The trainer timeline of `weight_version` (asyncrl.weight_labels)."""
+    """The trainer timeline of `weight_version` (asyncrl.api.weight_labels)."""
 
     def weights(self) -> WeightLabel | None:
         """The label of the weights it serves (None: unknown)."""
@@ -141,7 +140,7 @@ class EngineWeights:
     version: int | None = None
     """The version the trainer last loaded (None: never; the engine serves its initial weights, 0)."""
     timeline: int = 0
-    """The trainer timeline of `version` (asyncrl.weight_labels)."""
+    """The trainer timeline of `version` (asyncrl.api.weight_labels)."""
     updating: int | None = None
     """The version being loaded while the trainer holds the engine paused, else None."""
     updating_timeline: int = 0
@@ -156,7 +155,7 @@ class EngineWeights:
     """The engine incarnation (EngineInfo.incarnation) the trainer last loaded `version` into."""
     fenced: str = ""
     """Why the last update failed ("" = the engine is not fenced): a fenced engine is left out of
-    pushes and retried by catch-up from `retry_at` on (trainer/weight_sync.py)."""
+    pushes and retried by catch-up from `retry_at` on (trainer/weights/engine_update.py)."""
     failures: int = 0
     """Updates of this engine that failed in a row (sets the catch-up backoff)."""
     retry_at: float = 0.0
@@ -264,7 +263,7 @@ class EngineRegistry:
         worker finds its engine's weights still described."""
         await self.redis.hdel(self.names.engines, engine_id)
 
-    # -- the trainer's record (trainer/weight_sync.py writes, rollout workers read) --------------
+    # -- the trainer's record (trainer/weights/engine_update.py writes, rollout workers read) --------------
 
     async def weights(self, engine_id: str) -> EngineWeights | None:
         """The trainer's record for one engine (None: the trainer never updated it)."""

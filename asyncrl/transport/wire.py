@@ -20,7 +20,7 @@ size costs a constant number of fields (decode = a few `np.frombuffer` plus slic
      "es": bin(float32: per sample seconds in tools, in generation)  only; both or neither)}
 
 "ver" and "tl" label each token with the weights that produced it: policy version and trainer
-timeline (asyncrl.weight_labels). "tl" came after schema version 1 was set: a payload without it
+timeline (asyncrl.api.weight_labels). "tl" came after schema version 1 was set: a payload without it
 is timeline 0 throughout, as every payload written before timelines existed. So did "src" (str),
 the mixture source the prompt was drawn from (spec.datasets): absent for a job's only dataset.
 
@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncrl.errors import TransportError
+from asyncrl.infra.errors import TransportError
 
 SCHEMA_VERSION = 1
 FINISH_REASONS = ("stop", "length", "abort")
@@ -75,7 +75,7 @@ class TrajectorySample:
     reward: float
     finish_reason: str
     timelines: np.ndarray | None = None
-    """Per token, the trainer timeline of its version (asyncrl.weight_labels); None: all 0."""
+    """Per token, the trainer timeline of its version (asyncrl.api.weight_labels); None: all 0."""
     loss_mask: np.ndarray | None = None
     """Per token, True where the model generated it (trained), False where it is context inside the
     response (an observation, a tool's output: no behaviour log-prob, never in the loss); None: all True."""

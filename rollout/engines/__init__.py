@@ -2,14 +2,14 @@
 
 `make_engine(kind, url)`: "sglang" and "hf" (our transformers server speaks SGLang's native HTTP
 surface) use the SGLang adapter; "vllm" uses the OpenAI-server adapter. `adapters=True`: a LoRA job's
-versions are named adapters on the server (SGLang; asyncrl.lora_spec.named_adapters says when).
+versions are named adapters on the server (SGLang; asyncrl.api.spec.lora.named_adapters says when).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.lora_spec import NAMED_ADAPTER_ENGINES
+from asyncrl.api.spec.lora import NAMED_ADAPTER_ENGINES
 from asyncrl.rollout.engines.base import Engine, EngineError, GenerateResult, SamplingParams
 
 ENGINE_KINDS = ("sglang", "vllm", "hf")

@@ -3,7 +3,7 @@
 The rollout worker and the trainer's weight sync only ever see `Engine`: generate with per-token
 logprobs, pause, update weights from a directory with a version label, resume, readiness and
 model info. Adapters translate it to one server's HTTP surface (SGLang native, vLLM OpenAI).
-Only the trainer (trainer/weight_sync.py) calls pause / update_weights / resume; a rollout worker
+Only the trainer (trainer/weights/engine_update.py) calls pause / update_weights / resume; a rollout worker
 generates and reads the labels.
 """
 
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import httpx
 
-from asyncrl.errors import RolloutError
+from asyncrl.api.weight_labels import WeightLabel
+from asyncrl.infra.errors import RolloutError
 from asyncrl.rollout.engines.auth import auth_header
-from asyncrl.weight_labels import WeightLabel
 
 if TYPE_CHECKING:
-    from asyncrl.weight_group import TensorSpec
+    from asyncrl.rollout.engines.weight_group import TensorSpec
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract"]
@@ -53,7 +53,7 @@ class GenerateResult:
     """The version of the server's weight label when it answered (None if it reports none)."""
     meta: dict[str, Any] = field(default_factory=dict)
     weight_timeline: int = 0
-    """The trainer timeline of that label (asyncrl.weight_labels)."""
+    """The trainer timeline of that label (asyncrl.api.weight_labels)."""
 
 
 class EngineError(RolloutError, RuntimeError):

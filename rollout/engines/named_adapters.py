@@ -24,8 +24,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from asyncrl.api.weight_labels import WeightLabel, parse_label
 from asyncrl.rollout.engines.base import EngineError, GenerateResult, HTTPEngine
-from asyncrl.weight_labels import WeightLabel, parse_label
 
 ADAPTER_REFRESH_S = 1.0
 """How old the list of served adapters may be when a request names the newest."""

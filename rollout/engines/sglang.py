@@ -6,18 +6,18 @@ Why that version: it is the one AReaL (the async-RL reference) pins and our defa
 update path we use.
 
 Routes used, all present in the pin's `sglang/srt/entrypoints/http_server.py` with these methods
-(tests/test_sglang_routes.py checks them, and the request fields, against the pinned source):
+(tests/rollout/engines/test_sglang_routes.py checks them, and the request fields, against the pinned source):
   POST /generate  /pause_generation {mode}  /continue_generation {}
   POST /update_weights_from_disk {model_path, weight_version, abort_all_requests}
   POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend}
        /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache,
        abort_all_requests, weight_version}  /destroy_weights_update_group {group_name}
-       (collective weight sync: the trainer broadcasts one tensor per name, in order; trainer/collective_sync.py)
+       (collective weight sync: the trainer broadcasts one tensor per name, in order; trainer/weights/broadcast.py)
   LoRA jobs (`adapters=True`): POST /load_lora_adapter {lora_name, lora_path, pinned}
        /unload_lora_adapter {lora_name} (answers {success, error_message, loaded_adapters}, HTTP 400 on
        failure), GET /v1/models (the base model's card, then one per adapter: id = its name, root = its
        path, parent = the base), and `lora_path` on /generate naming the adapter a request uses. The
-       server needs --enable-lora --max-lora-rank --lora-target-modules (asyncrl.lora_spec.sglang_lora_args).
+       server needs --enable-lora --max-lora-rank --lora-target-modules (asyncrl.api.spec.lora.sglang_lora_args).
   GET  /model_info (falls back to the deprecated /get_model_info on 404): readiness, model path and
        weight version. The pin has no `/ready`; its `/health` generates a token, so it blocks while
        generation is paused and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s); its
@@ -33,7 +33,7 @@ Adapters (LoRA jobs, asyncrl.rollout.engines.named_adapters): each version is an
 its weight label; a request names it in `lora_path`. A name the server does not hold is refused with
 HTTP 400 (a "LoRA adapter" message), or reloaded by the pin from the path it was loaded from.
 
-Our in-process `hf` engine server (asyncrl.rollout.hf_server) speaks the same surface.
+Our in-process `hf` engine server (asyncrl.rollout.engines.hf_server) speaks the same surface.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from asyncrl.api.weight_labels import WeightLabel, parse_label
 from asyncrl.rollout.engines.base import (
     EngineError,
     GenerateResult,
@@ -50,10 +51,9 @@ from asyncrl.rollout.engines.base import (
     SamplingParams,
 )
 from asyncrl.rollout.engines.named_adapters import NamedAdapterEngine
-from asyncrl.weight_labels import WeightLabel, parse_label
 
 if TYPE_CHECKING:
-    from asyncrl.weight_group import TensorSpec
+    from asyncrl.rollout.engines.weight_group import TensorSpec
 
 PINNED_VERSION = "0.5.10.post1"
 """The SGLang release we speak to; scripts/fetch-sglang-source.sh reads it, tests check images use it."""

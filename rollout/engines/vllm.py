@@ -15,14 +15,14 @@ logprobs *before* temperature, which are not the behaviour policy's when T != 1.
 
 Weight versions are the server's own, as with SGLang (`reports_weight_version = True`): each
 answer says which label produced its tokens ("default" = the launch weights = version 0, parsed
-by `asyncrl.weight_labels.parse_label`), never the client's guess. An answer whose tokens span two labels (weights
+by `asyncrl.api.weight_labels.parse_label`), never the client's guess. An answer whose tokens span two labels (weights
 changed while it ran without an abort) keeps the first span and is returned as "abort", so the
 worker continues it on the new weights like any interrupted segment. An answer whose tokens carry
 no label has an unknown version (the worker generates it again once the weights are known).
 
 Adapters (LoRA jobs, asyncrl.rollout.engines.named_adapters): each version is an adapter loaded with
 POST /v1/load_lora_adapter {lora_name, lora_path} and unloaded with POST /v1/unload_lora_adapter
-{lora_name} (both need VLLM_ALLOW_RUNTIME_LORA_UPDATING and --enable-lora: asyncrl.lora_spec); a
+{lora_name} (both need VLLM_ALLOW_RUNTIME_LORA_UPDATING and --enable-lora: asyncrl.api.spec.lora); a
 request names it as its `model`. vLLM answers a name it does not hold with HTTP 404 ("The model `N`
 does not exist"); unloading only removes the name (running requests keep their adapter). The
 `weight_versions` of an answer stay the base model's label.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from asyncrl.api.weight_labels import WeightLabel, parse_label
 from asyncrl.rollout.engines.base import (
     EngineError,
     FinishReason,
@@ -45,7 +46,6 @@ from asyncrl.rollout.engines.base import (
     SamplingParams,
 )
 from asyncrl.rollout.engines.named_adapters import NamedAdapterEngine
-from asyncrl.weight_labels import WeightLabel, parse_label
 
 _PAUSE_MODES = {"abort": "abort", "retract": "keep"}
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}

@@ -26,12 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
-from asyncrl.spec import PLURAL
+from asyncrl.api.spec import PLURAL
 from tests.support.control_plane import ControlPlane, running_control_plane
 from tests.support.kube_cluster.rest import RESOURCES, path_of
+from tests.support.paths import REPO
 from tests.support.polling import poll_sync
 
-REPO = Path(__file__).resolve().parents[2]
 TEST_AGENT = "asyncrl-tests"
 OPERATOR_USER = "asyncrl-operator"
 

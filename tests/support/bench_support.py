@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
-BENCHMARKS = Path(__file__).resolve().parent.parent.parent / "benchmarks"
+from tests.support.paths import REPO
+
+BENCHMARKS = REPO / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:

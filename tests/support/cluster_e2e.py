@@ -1,11 +1,11 @@
-"""The end-to-end cluster scenarios' shared parts (tests/test_cluster_e2e.py and
-tests/test_cluster_e2e_recovery.py): the tiny job, the `E2E` environment on the real control plane
+"""The end-to-end cluster scenarios' shared parts (tests/cluster/test_cluster_e2e.py and
+tests/cluster/test_cluster_e2e_recovery.py): the tiny job, the `E2E` environment on the real control plane
 (`RealCluster` as its one node, the chart installed with helm, the operator as the chart's
 ServiceAccount, kubectl, the transcript, waits), and what the scenarios read from a job's volume, Redis
 and pods.
 
 What stands in for the images (tests/support/kube_cluster/ maps paths, Service names and declared ports
-itself): the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local_redis` uses
+itself): the redis image's `redis-server`/`redis-cli` are the valkey binaries `asyncrl.local.redis_server` uses
 (a bin dir on the pods' PATH); the trainer's status port, which it reads from the job file, is given as
 `--status-port <host port>` (the hook); the node's model cache (`ASYNCRL_CACHE`) plays the pre-pulled
 image, so the embedded GGUF is not converted again in every pod.
@@ -32,21 +32,21 @@ import httpx
 import pytest
 import yaml
 
-from asyncrl.engine_servers import PROXY_READY_PATH
-from asyncrl.models import cache_dir
+from asyncrl.api.engine_servers import PROXY_READY_PATH
+from asyncrl.api.spec import PLURAL
+from asyncrl.infra.hf_models import cache_dir
 from asyncrl.operator import names as N
 from asyncrl.operator.mirror import secret_value
-from asyncrl.spec import PLURAL
 from asyncrl.transport.streams import trained_ids
 from tests.support.control_plane import ControlPlane, find_tool
 from tests.support.jobs import JobBuilder
 from tests.support.kube_cluster import Launch, RealCluster, meta
 from tests.support.kube_cluster.rest import Reflector
 from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
 from tests.support.real_operator import refused_by_rbac, service_account_kubeconfig
 from tests.support.redis_image import redis_bin_dir
 
-REPO = Path(__file__).resolve().parents[2]
 NS = "rl"
 SCALE = 0.05  # every Kubernetes duration (probe periods, back-off, grace periods) runs 20x faster
 STATUS_PORT, REDIS_PORT = 8000, 6379
@@ -108,7 +108,7 @@ class E2E:
             node_kubeconfig=cp.node_kubeconfig,
             probe_timeout_floor=3.0, bin_dirs=[str(Path(sys.executable).parent), str(redis_bin_dir(tmp))],
             # one torch thread per process (engine and trainer share 2 cores, as in `asyncrl run`); the
-            # node's model cache (asyncrl.models; each pod's HOME=/tmp is an emptyDir of its own)
+            # node's model cache (asyncrl.infra.hf_models; each pod's HOME=/tmp is an emptyDir of its own)
             env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "ASYNCRL_TORCH_THREADS": "1",
                  "ASYNCRL_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         self.watches: dict[str, Reflector] = {}
@@ -323,9 +323,9 @@ def metrics_steps(e2e: E2E, job: str) -> list[int]:
 
 async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
     """The job's Redis as a client reaches it through its Service: trained group ids, pending entries, outcome."""
-    from asyncrl.outcome import read_outcome_redis
+    from asyncrl.api.outcome import read_outcome_redis
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.transport.connection import connect
-    from asyncrl.transport.names import StreamNames
 
     password = secret_value(e2e.get("secrets", N.redis_secret(job)), "password")
     assert password is not None
@@ -345,7 +345,7 @@ async def redis_state(e2e: E2E, job: str) -> dict[str, Any]:
 
 def lineage(e2e: E2E, job: str) -> list[str]:
     """Group ids trained in the lineage of the newest checkpoint on the job's volume."""
-    from asyncrl.trainer.checkpoint import latest_checkpoint, lineage_group_ids
+    from asyncrl.trainer.state.checkpoint import latest_checkpoint, lineage_group_ids
 
     assert latest_checkpoint(e2e.shared(job) / "checkpoints") is not None, "no checkpoint on the weights volume"
     return lineage_group_ids(e2e.shared(job) / "checkpoints")

@@ -36,14 +36,14 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent.parent
+from tests.support.paths import REPO
+from tests.support.tools import find_tool, unavailable
+
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
-REQUIRE_ENV = "ASYNCRL_REQUIRE_CONTROL_PLANE"
 BIN_ENV = "ASYNCRL_K8S_BIN"
 SERVICE_CIDR = "10.96.0.0/12"
 SERVICE_IP = "10.96.0.1"  # the first address of SERVICE_CIDR: the `kubernetes` Service
@@ -103,24 +103,6 @@ def missing_binaries(directory: Path) -> list[str]:
                          timeout=30).stdout.strip()
     want = f"Kubernetes {k8s_version()}"
     return [] if out == want else [f"kube-apiserver says {out!r}, not {want!r}"]
-
-
-def unavailable(what: str) -> NoReturn:
-    """Skip the test, or fail it where CI requires the real control plane (REQUIRE_ENV=1)."""
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{what} ({REQUIRE_ENV}=1)", pytrace=False)
-    pytest.skip(what)
-
-
-def find_tool(name: str) -> Path:
-    """A client binary (kubectl, helm): .tools/bin (scripts/install-k8s-tools.sh) first, then PATH."""
-    local = REPO / ".tools" / "bin" / name
-    if os.access(local, os.X_OK):
-        return local
-    found = shutil.which(name)
-    if not found:
-        unavailable(f"{name} not found: run bash scripts/install-k8s-tools.sh")
-    return Path(found)
 
 
 # ----------------------------------------------------------------------------------------- PKI

@@ -1,7 +1,7 @@
 """The route tables of the pinned engines, read from their own source.
 
 SGLang 0.5.10.post1: the wheel's `http_server.py` and the routers it includes, cached by
-scripts/fetch-sglang-source.sh into .tools/sglang-<PINNED_VERSION>/ (tests/test_sglang_routes.py
+scripts/fetch-sglang-source.sh into .tools/sglang-<PINNED_VERSION>/ (tests/rollout/engines/test_sglang_routes.py
 checks our calls and the fake against it). vLLM 0.32: every route declared anywhere under the
 installed wheel's `vllm/entrypoints/` (.venv-vllm), a superset of what one server serves, which is
 what a test of "every route is closed" wants.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.rollout.engines.sglang import PINNED_VERSION
+from tests.support.paths import REPO
 from tests.support.vllm_server import VLLM_PYTHON
 
-REPO = Path(__file__).resolve().parents[2]
 PIN_DIR = REPO / ".tools" / f"sglang-{PINNED_VERSION}"
 HTTP_SERVER = "sglang/srt/entrypoints/http_server.py"
 FETCH_HINT = "run `bash scripts/fetch-sglang-source.sh` (scripts/setup.sh --tests does)"

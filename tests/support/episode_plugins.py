@@ -1,4 +1,4 @@
-"""Episode functions written only against asyncrl.episodes, as a user's plug-in would be
+"""Episode functions written only against asyncrl.api.episodes, as a user's plug-in would be
 (spec.rollout.episode: tests.support.episode_plugins:<name>)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.episodes import Episode, EpisodeContext
+from asyncrl.api.episodes import Episode, EpisodeContext
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 TRIES: dict[str, int] = {}

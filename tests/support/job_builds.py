@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 
-from asyncrl.loader import parse_job
+from asyncrl.api.loader import parse_job
+from asyncrl.api.runtime import FILE_SUFFIX
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
-from asyncrl.runtime import FILE_SUFFIX
 
 OPERATOR_NS = "ops"
 OPERATOR_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NS}},

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from asyncrl.spec import API_VERSION, KIND, AsyncRLJob
+from asyncrl.api.spec import API_VERSION, KIND, AsyncRLJob
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent.parent
 MODEL = "embedded:SmolLM2-135M-Instruct"
 
 

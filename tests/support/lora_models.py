@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from asyncrl.lora_spec import LoraSpec
-from asyncrl.models import load_causal_lm
-from asyncrl.trainer.logprobs import token_logprobs
+from asyncrl.api.spec.lora import LoraSpec
+from asyncrl.infra.hf_models import load_causal_lm
 from asyncrl.trainer.lora import add_adapters, trainable_parameters
+from asyncrl.trainer.step.logprobs import token_logprobs
 
 MODEL = "embedded:SmolLM2-135M-Instruct"
 

@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from asyncrl.trainer.distributed import DistContext
-from asyncrl.trainer.losses import LossConfig, policy_loss
-from asyncrl.trainer.plan import TrainSequence
-from asyncrl.trainer.step_metrics import StepStats, append_metrics_line, metrics_line, summarize_step
+from asyncrl.trainer.report.metrics_file import append_metrics_line, metrics_line
+from asyncrl.trainer.step.losses import LossConfig, policy_loss
+from asyncrl.trainer.step.plan import TrainSequence
+from asyncrl.trainer.step.stats import StepStats, summarize_step
 
 
 def step_over_micro_batches(path: Path, lp: torch.Tensor, lp_b: torch.Tensor, adv: torch.Tensor,

@@ -4,10 +4,10 @@ workloads' controllers would write (the operator under test is a real `asyncrl o
 
 from __future__ import annotations
 
+from asyncrl.api.spec import GROUP, PLURAL, VERSION
 from asyncrl.operator import builders as B
 from asyncrl.operator import names as N
 from asyncrl.operator.kube import KINDS, allowed
-from asyncrl.spec import GROUP, PLURAL, VERSION
 from tests.support.bare_apiserver import BareApiserver
 from tests.support.jobs import JobBuilder
 
@@ -35,7 +35,7 @@ def phase(api: BareApiserver, name: str = JOB) -> str | None:
 
 
 def expected_children(name: str = JOB, **spec_changes) -> list[tuple[str, str]]:
-    from asyncrl.loader import parse_job
+    from asyncrl.api.loader import parse_job
 
     job = parse_job(JobBuilder.example(**spec_changes).named(name, NS).doc())
     objs = B.build_children(job, B.BuildContext(owner_uid="x", namespace=NS))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent.parent
+from tests.support.paths import REPO
 
 
 class OperatorProcess:
@@ -59,7 +59,7 @@ class OperatorProcess:
 
 def synthetic_report() -> Any:
     """A trainer report with recognisable figures (what the trainer's GET /status would return)."""
-    from asyncrl.status_report import EngineReport, StalenessReport, StepMetrics, TrainerReport
+    from asyncrl.api.status_report import EngineReport, StalenessReport, StepMetrics, TrainerReport
 
     return TrainerReport(
         job="qwen", phase="Training", step=42, policy_version=42, max_steps=400,
@@ -81,11 +81,11 @@ class _AsgiDelegate:
 
 
 class TrainerStatusServer:
-    """The trainer's real status endpoint (asyncrl.trainer.status_api) on a free local port,
+    """The trainer's real status endpoint (asyncrl.trainer.report.status_api) on a free local port,
     serving whatever `report` currently holds."""
 
     def __init__(self, report: Any, token: str | None = None):
-        from asyncrl.trainer.status_api import StatusServer
+        from asyncrl.trainer.report.status_api import StatusServer
 
         self.report = report
         self._app = _AsgiDelegate()
@@ -94,7 +94,7 @@ class TrainerStatusServer:
 
     def require_token(self, token: str | None) -> None:
         """Serve from now on as a trainer started with ASYNCRL_STATUS_TOKEN=token (None: open)."""
-        from asyncrl.trainer.status_api import create_app
+        from asyncrl.trainer.report.status_api import create_app
 
         self._app.app = create_app(lambda: self.report, token=token)
 

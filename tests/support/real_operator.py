@@ -20,9 +20,9 @@ import pytest
 
 from tests.support.control_plane import ControlPlane, find_tool, start_process
 from tests.support.jobs import JobBuilder
+from tests.support.paths import REPO
 from tests.support.polling import poll_sync
 
-REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "asyncrl"
 
 

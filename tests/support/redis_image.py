@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from asyncrl.local_redis import find_server_binary
+from asyncrl.local.redis_server import find_server_binary
 
 
 def redis_bin_dir(root: Path) -> Path:

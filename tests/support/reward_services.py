@@ -9,10 +9,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from asyncrl.net import free_port
+from asyncrl.infra.net import free_port
+from tests.support.paths import REPO
 from tests.support.served import served
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def digit_sum_reward(completion: str, answer: str) -> float:

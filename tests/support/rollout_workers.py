@@ -3,13 +3,13 @@ the way the rollout tests need it, and the worker-side engine adapter that recor
 
 from __future__ import annotations
 
-from asyncrl.rollout.datasets import ArithmeticSource, PromptItem
+from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
+from asyncrl.rollout.data.mixture import Mixture
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
 from asyncrl.rollout.engines.sglang import SGLangEngine
-from asyncrl.rollout.mixture import Mixture
-from asyncrl.rollout.rewards import RewardScorer, exact_number_reward
-from asyncrl.rollout.worker import RolloutWorker
-from asyncrl.rollout.worker_config import WorkerConfig
+from asyncrl.rollout.generation.config import WorkerConfig
+from asyncrl.rollout.rewards.functions import RewardScorer, exact_number_reward
+from asyncrl.rollout.worker.worker import RolloutWorker
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.wire import decode_group
 

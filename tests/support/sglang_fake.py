@@ -34,7 +34,7 @@ field layout of the pinned release, written from reading these upstream files (n
     client gives up) and the later one reads whichever reply arrives first. `update_delay`
     (seconds a load takes) makes updates long enough to overlap.
 
-At least as strict as the pin (tests/test_sglang_routes.py checks this against the pinned source):
+At least as strict as the pin (tests/rollout/engines/test_sglang_routes.py checks this against the pinned source):
 every route is one the pin has, with only methods the pin allows (any other path is 404, another
 method 405; no `/ready`, no docs or OpenAPI routes), and request bodies accept only fields the
 pin's request models declare (an unknown field, or a sampling parameter the pin's SamplingParams
@@ -57,7 +57,7 @@ LoRA (`lora=LoraLaunch(...)`, the pin's --enable-lora flags): /load_lora_adapter
 describes; `state.adapters` holds what is loaded and the adapter calls in order.
 
 Collective weight sync (the pin's ModelRunner with tp 1): `/init_weights_update_group` really joins
-the trainer's group (asyncrl/weight_group.py, the pin's construction) over gloo, and refuses nccl as
+the trainer's group (rollout/engines/weight_group.py, the pin's construction) over gloo, and refuses nccl as
 the pin would without a GPU; `/update_weights_from_distributed` really receives one broadcast per
 name and keeps the tensors in `state.received`; the label moves only when the request succeeds.
 """
@@ -71,7 +71,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.net import free_port
+from asyncrl.infra.net import free_port
 from asyncrl.rollout.engines.auth import require_api_key
 from tests.support.sglang_fake_lora import LoraLaunch, LoraServing, LoraState, add_routes
 
@@ -189,7 +189,7 @@ def create_app(state: FakeState) -> Any:
     class DestroyWeightsUpdateGroupReqInput(BaseReq):
         group_name: str = "weight_update_group"
 
-    # No docs or OpenAPI routes: every route here is one the pin has (tests/test_sglang_routes.py).
+    # No docs or OpenAPI routes: every route here is one the pin has (tests/rollout/engines/test_sglang_routes.py).
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     require_api_key(app, state.api_key)  # the pin's decide_request_auth with only api_key set
     app.state.request_models = {"/generate": GenerateReqInput, "/pause_generation": PauseGenerationReqInput,
@@ -384,7 +384,7 @@ def create_app(state: FakeState) -> Any:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> Any:
         """The pin's ModelRunner.init_weights_update_group (tp 1): join as rank_offset, blocking."""
-        from asyncrl.weight_group import open_group
+        from asyncrl.rollout.engines.weight_group import open_group
 
         state.control_calls.append(f"init_group:{obj.group_name}")
         if obj.backend == "nccl":  # the pin then needs CUDA, which the fake has not
@@ -400,7 +400,7 @@ def create_app(state: FakeState) -> Any:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> Any:
         """Receive one tensor per name from rank 0, in order; the label moves only on success."""
-        from asyncrl.weight_group import TensorSpec, receive
+        from asyncrl.rollout.engines.weight_group import TensorSpec, receive
 
         state.control_calls.append(f"group_update:{obj.weight_version}")
         if obj.group_name not in state.groups:  # (the pin asserts; the scheduler's error reaches the caller)
@@ -421,7 +421,7 @@ def create_app(state: FakeState) -> Any:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> Any:
-        from asyncrl.weight_group import close_group
+        from asyncrl.rollout.engines.weight_group import close_group
 
         state.control_calls.append(f"destroy_group:{obj.group_name}")
         group = state.groups.pop(obj.group_name, None)

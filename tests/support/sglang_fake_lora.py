@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from asyncrl.infra.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 _NORMALISED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",

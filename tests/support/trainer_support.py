@@ -25,7 +25,7 @@ _cache: dict[str, Any] = {}
 
 def model_and_tokenizer() -> tuple[Any, Any]:
     if "model" not in _cache:
-        from asyncrl.models import load_causal_lm, load_tokenizer
+        from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer
 
         _cache["model"] = load_causal_lm(MODEL)
         _cache["tokenizer"] = load_tokenizer(MODEL)
@@ -37,7 +37,7 @@ def make_groups(job: str, count: int, *, group_size: int = 4, version: int = 0, 
     """`count` groups with deterministic ids/contents; rewards vary within each group."""
     import torch
 
-    from asyncrl.trainer.logprobs import token_logprobs
+    from asyncrl.trainer.step.logprobs import token_logprobs
     from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 
     model, tok = model_and_tokenizer()
@@ -65,8 +65,8 @@ def make_groups(job: str, count: int, *, group_size: int = 4, version: int = 0, 
 
 def publish(redis_url: str, job: str, groups: list[Any], uid: str = "") -> None:
     async def go() -> None:
+        from asyncrl.api.stream_names import StreamNames
         from asyncrl.transport.connection import connect
-        from asyncrl.transport.names import StreamNames
         from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 
         r = await connect(redis_url)
@@ -97,8 +97,8 @@ def redis_query(redis_url: str, fn: Any) -> Any:
 def trainer_env(tmp: Path, redis_url: str, pod: str = "trainer-0", uid: str = "") -> dict[str, str]:
     """The trainer's environment as the operator sets it; its termination message goes to
     tmp/termination-log (/dev/termination-log is Kubernetes')."""
-    from asyncrl.outcome import ENV_TERMINATION_LOG
-    from asyncrl.runtime import Runtime
+    from asyncrl.api.outcome import ENV_TERMINATION_LOG
+    from asyncrl.api.runtime import Runtime
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCRL_") or k == "ASYNCRL_CACHE"}
     env.update(Runtime(redis_url=redis_url, weights_dir=tmp / "weights", checkpoint_dir=tmp / "checkpoints",
@@ -113,8 +113,8 @@ def wait_for_outcome(redis_url: str, job: str, proc: Any, uid: str = "", timeout
     """Poll the job's outcome record in Redis (as the operator does) while the trainer runs."""
     import time
 
-    from asyncrl.outcome import read_outcome_redis
-    from asyncrl.transport.names import StreamNames
+    from asyncrl.api.outcome import read_outcome_redis
+    from asyncrl.api.stream_names import StreamNames
 
     names = StreamNames.for_job(job, uid)
     deadline = time.monotonic() + timeout
@@ -188,7 +188,7 @@ def own_behaviour_groups(model: Any, job: str, count: int, *, noise: float = 0.0
 
     import torch
 
-    from asyncrl.trainer.logprobs import token_logprobs
+    from asyncrl.trainer.step.logprobs import token_logprobs
 
     rng = np.random.default_rng(seed)
     groups = []
@@ -215,11 +215,11 @@ def run_trainer_on_groups(tmp_path: Path, redis_url: str, job: Any, groups: list
 
     import torch
 
-    from asyncrl.runtime import Runtime
+    from asyncrl.api.runtime import Runtime
+    from asyncrl.api.stream_names import StreamNames
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import RunConfig, Trainer
     from asyncrl.trainer.main import connect_io
-    from asyncrl.transport.names import StreamNames
 
     name = job.metadata.name
     publish(redis_url, name, groups)

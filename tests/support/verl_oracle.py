@@ -1,4 +1,4 @@
-"""verl 0.9.1's own policy-loss functions, read from its wheel, as a numeric oracle for trainer/losses.py.
+"""verl 0.9.1's own policy-loss functions, read from its wheel, as a numeric oracle for trainer/step/losses.py.
 
 Importing verl pulls ray, omegaconf, transformers, tensordict and its config system, so we do not
 import it (and never copy its code into ours). `scripts/setup.sh --tests` downloads the wheel
@@ -16,14 +16,14 @@ import types
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 
+from tests.support.paths import REPO
+
 VERL_VERSION = "0.9.1"
-REPO = Path(__file__).resolve().parent.parent.parent
 WHEEL = REPO / ".tools" / "peers" / f"verl-{VERL_VERSION}-py3-none-any.whl"
 SETUP_HINT = (f"run `bash scripts/setup.sh --tests` (its step `pip download verl=={VERL_VERSION} --no-deps "
               "-d .tools/peers` fetches the wheel)")

