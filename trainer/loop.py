@@ -24,7 +24,7 @@ One step:
      also after a step whose updates were all skipped (same weights, next version: the groups were
      consumed, and admission's budget grows with the version); non-finite weights are never
      published: they end training (NonFiniteWeightsError), which stops every rank; an engine whose
-     weight update fails is fenced and reported (weight_sync.py), training goes on;
+     weight update fails is fenced and reported (weights/engine_update.py), training goes on;
   6. every K steps (and at the end) a checkpoint is written and only then are the groups trained
      since the previous checkpoint (its window) acknowledged; a resumed trainer first acknowledges
      the window of the checkpoint it resumed from, so a kill between a checkpoint and its ack

@@ -1,6 +1,6 @@
 """How an inference engine server is started: one place for the operator's pod specs, the local
 runner, benchmarks and tests. Core, not rollout: the operator renders these commands but must not
-import the rollout component (tests/packaging/test_import_contract.py).
+import the rollout component (tests/packaging/test_import_layers.py).
 """
 
 from __future__ import annotations

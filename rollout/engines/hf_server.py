@@ -44,7 +44,7 @@ from asyncrl.rollout.engines.base import SamplingParams
 
 # Lazy imports (inside functions): fastapi and uvicorn (no core dependency: the operator image lacks
 # them) and torch with what imports it (hf_engine, weight_group), because the CLI imports this module
-# to build `asyncrl --help` and the operator's parser (tests/packaging/test_import_contract.py, asyncrl/cli.py).
+# to build `asyncrl --help` and the operator's parser (tests/packaging/test_import_layers.py, asyncrl/cli.py).
 if TYPE_CHECKING:
     from asyncrl.rollout.engines.weight_group import TensorSpec
 

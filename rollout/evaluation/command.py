@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from asyncrl.api.spec import EvaluationSpec, RolloutSpec
+    from asyncrl.api.status_report import EvalRecord
+    from asyncrl.rollout.data.prompts import PromptRenderer
+    from asyncrl.rollout.engines.hf_engine import HFEngine
+    from asyncrl.rollout.episodes.runner import EpisodeRunner
     from asyncrl.rollout.evaluation.run_pass import EvalPart
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -257,27 +263,48 @@ def _device(requested: str) -> str:
 
 def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threads: int) -> dict[str, Any]:
     """Load everything (dataset and reward first: they fail fast), answer, and return the result."""
-    import asyncio
-
     import torch
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from asyncrl.api.spec import AlgorithmSpec, DatasetSpec
-    from asyncrl.rollout.data.prompts import PromptRenderer
-    from asyncrl.rollout.engines.hf_engine import HFEngine
-    from asyncrl.rollout.episodes.runner import EpisodeError, episodes_for, tool_schemas
-    from asyncrl.rollout.evaluation.run_pass import (
-        EvalSettings,
-        EvaluationError,
-        eval_prompt_format,
-        eval_sources,
-        evaluate_parts,
-    )
+    from asyncrl.rollout.evaluation.run_pass import eval_sources
 
     spec = plan.spec
-    parts = _load_parts(plan)
+    parts, episodes, renderer, model_dir, adapter = _prepare(plan)
     device = _device(device)
+    if threads:
+        torch.set_num_threads(threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # ours is the only bar on stderr
+    dtype = dtype or ("float32" if device == "cpu" else plan.job_dtype or "bfloat16")
+    err = Console(stderr=True)
+    prompts, data = sum(len(part.items) for part in parts), _datasets_named(spec)
+    err.print(f"asyncrl eval: {plan.model} ({dtype} on {device}), {prompts} prompts x {spec.samples_per_prompt} "
+              f"from {data}", highlight=False, soft_wrap=True)
+    engine = _load_engine(plan, model_dir, adapter, dtype=dtype, device=device, seed=seed)
+    try:
+        record = _answer(plan, engine, parts, renderer, episodes, device=device, console=err)
+    finally:
+        engine.close()
+        if episodes is not None:
+            episodes.close()
+        for scorer in {id(part.scorer): part.scorer for part in parts}.values():
+            scorer.close()
+    first = eval_sources(spec)[0][1]
+    if len(parts) > 1:  # (`data` names each source and its split)
+        return {**record.model_dump(), "model": plan.model, "dataset": data, "split": ""}
+    return {**record.model_dump(), "model": plan.model, "dataset": first.source, "split": first.split}
+
+
+def _prepare(plan: EvalPlan) -> tuple[list[EvalPart], EpisodeRunner | None, PromptRenderer, str, str | None]:
+    """The evaluation's parts with their prompt rendering, the job's episodes (None: single-turn),
+    the renderer and the model: everything that can fail on the user's input, before the model loads."""
+    from asyncrl.api.spec import DatasetSpec
+    from asyncrl.rollout.data.prompts import PromptRenderer
+    from asyncrl.rollout.episodes.runner import EpisodeError, episodes_for, tool_schemas
+    from asyncrl.rollout.evaluation.run_pass import eval_prompt_format, eval_sources
+
+    parts = _load_parts(plan)
     model_dir, adapter = check_model_dir(plan.model)
     tokenizer = _load_tokenizer(plan, model_dir)
     training = DatasetSpec(prompt_template=plan.prompt_template, system_prompt=plan.system_prompt)
@@ -289,19 +316,17 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     tools = tool_schemas(episodes)
     try:
         parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training), tools).render)
-                 for part, (_, dataset) in zip(parts, eval_sources(spec), strict=True)]
+                 for part, (_, dataset) in zip(parts, eval_sources(plan.spec), strict=True)]
     except ValueError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
-    if threads:
-        torch.set_num_threads(threads)
-    from transformers.utils import logging as hf_logging
+    return parts, episodes, renderer, model_dir, adapter
 
-    hf_logging.disable_progress_bar()  # ours is the only bar on stderr
-    dtype = dtype or ("float32" if device == "cpu" else plan.job_dtype or "bfloat16")
-    err = Console(stderr=True)
-    prompts, data = sum(len(part.items) for part in parts), _datasets_named(spec)
-    err.print(f"asyncrl eval: {plan.model} ({dtype} on {device}), {prompts} prompts x {spec.samples_per_prompt} "
-              f"from {data}", highlight=False, soft_wrap=True)
+
+def _load_engine(plan: EvalPlan, model_dir: str, adapter: str | None, *, dtype: str, device: str,
+                 seed: int) -> HFEngine:
+    """The in-process engine on the model (and its adapter), or an error naming MODEL_DIR."""
+    from asyncrl.rollout.engines.hf_engine import HFEngine
+
     try:
         engine = HFEngine(model_dir, dtype=dtype, device=device, max_batch_size=ENGINE_BATCH, seed=seed)
     except Exception as exc:  # transformers: OSError, ValueError (unknown architecture), safetensors errors
@@ -312,28 +337,33 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
         except Exception as exc:  # WeightUpdateError: the adapter does not fit its base
             engine.close()
             raise EvalCommandError(f"MODEL_DIR {plan.model}: cannot load the adapter: {exc}") from None
+    return engine
+
+
+def _answer(plan: EvalPlan, engine: HFEngine, parts: list[EvalPart], renderer: PromptRenderer,
+            episodes: EpisodeRunner | None, *, device: str, console: Console) -> EvalRecord:
+    """One evaluation pass over every part, with a progress bar of answers on stderr."""
+    import asyncio
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from asyncrl.api.spec import AlgorithmSpec
+    from asyncrl.rollout.evaluation.run_pass import EvalSettings, EvaluationError, evaluate_parts
+
+    spec = plan.spec
     settings = EvalSettings.from_spec(spec, AlgorithmSpec(), renderer.stop_token_ids())
     settings = EvalSettings(settings.samples_per_prompt, settings.sampling, ENGINE_BATCH)
     columns = (TextColumn("answers"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    prompts = sum(len(part.items) for part in parts)
     try:
-        with Progress(*columns, console=err) as progress:
+        with Progress(*columns, console=console) as progress:
             task = progress.add_task("answers", total=prompts * spec.samples_per_prompt)
-            record = asyncio.run(evaluate_parts(
+            return asyncio.run(evaluate_parts(
                 engine, parts, render=renderer.render, decode=renderer.decode, settings=settings,
                 version=plan.version, engine_id=f"asyncrl-eval/{device}",
                 on_answer=lambda: progress.advance(task), episodes=episodes))
     except EvaluationError as exc:
         raise EvalCommandError(str(exc)) from None
-    finally:
-        engine.close()
-        if episodes is not None:
-            episodes.close()
-        for scorer in {id(part.scorer): part.scorer for part in parts}.values():
-            scorer.close()
-    first = eval_sources(spec)[0][1]
-    if len(parts) > 1:  # (`data` names each source and its split)
-        return {**record.model_dump(), "model": plan.model, "dataset": data, "split": ""}
-    return {**record.model_dump(), "model": plan.model, "dataset": first.source, "split": first.split}
 
 
 def _datasets_named(spec: EvaluationSpec) -> str:

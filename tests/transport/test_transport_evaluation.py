@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -14,8 +13,11 @@ from asyncrl.transport.evaluation import EVALUATORS_GROUP, EvalChannel
 
 NO_TAKEOVER_MS = 3_600_000
 """An idle time no request reaches in a test: claims made with it never take over."""
-IDLE_MS = 1000
-"""How long a request is left idle before the takeover tests (the margin of touch vs takeover)."""
+LEFT_IDLE_MS = 60_000
+"""How long a dead worker has left its request, set on Redis's own clock (XCLAIM IDLE): no waiting."""
+TAKEOVER_MS = 30_000
+"""The idle time the takeover tests claim with: half of LEFT_IDLE_MS, so a touched request stays
+untakeable unless 30 s pass between the touch and the claim (no machine is that loaded)."""
 
 
 @pytest.fixture
@@ -48,10 +50,11 @@ async def idle_ms(ch: EvalChannel, version: int) -> int:
     return int(rows[0]["time_since_delivered"])
 
 
-async def wait_idle(ch: EvalChannel, version: int, at_least_ms: int) -> int:
-    while (idle := await idle_ms(ch, version)) < at_least_ms:
-        await asyncio.sleep(0.05)
-    return idle
+async def left_idle(ch: EvalChannel, version: int, consumer: str, ms: int) -> int:
+    """Make `consumer`'s pending request look untouched for `ms` (its owner unchanged); its idle time."""
+    await ch.redis.xclaim(ch.names.eval_requests, EVALUATORS_GROUP, consumer, min_idle_time=0,
+                          message_ids=[f"{version}-1"], idle=ms, justid=True)
+    return await idle_ms(ch, version)
 
 
 async def test_requests_are_idempotent_and_in_version_order(channel):
@@ -83,9 +86,10 @@ async def test_a_dead_workers_idle_request_is_taken_over(channel):
     await channel.request(4)
     taken = await claim(channel, "pod-0")
     assert taken is not None
-    idle = await wait_idle(channel, 4, IDLE_MS)  # pod-0 died: nobody touches the request
+    idle = await left_idle(channel, 4, "pod-0", LEFT_IDLE_MS)  # pod-0 died: nobody touches the request
+    assert idle >= LEFT_IDLE_MS
     assert await claim(channel, "pod-1", min_idle_ms=idle + NO_TAKEOVER_MS) is None  # not idle that long
-    over = await claim(channel, "pod-1", min_idle_ms=IDLE_MS)
+    over = await claim(channel, "pod-1", min_idle_ms=TAKEOVER_MS)
     assert over == taken
     assert await pending(channel) == {4: "pod-1"}
 
@@ -94,10 +98,10 @@ async def test_touch_keeps_a_request_from_being_taken_over(channel):
     await channel.request(7)
     request = await claim(channel, "pod-0")
     assert request is not None
-    before = await wait_idle(channel, 7, IDLE_MS)
-    await channel.touch("pod-0", request)  # pod-0 is working on it
-    assert await idle_ms(channel, 7) < before
-    assert await claim(channel, "pod-1", min_idle_ms=IDLE_MS) is None
+    assert await left_idle(channel, 7, "pod-0", LEFT_IDLE_MS) >= LEFT_IDLE_MS  # takeable now...
+    await channel.touch("pod-0", request)  # ...but pod-0 is working on it
+    assert await idle_ms(channel, 7) < TAKEOVER_MS
+    assert await claim(channel, "pod-1", min_idle_ms=TAKEOVER_MS) is None
     assert await pending(channel) == {7: "pod-0"}
 
 

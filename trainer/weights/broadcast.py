@@ -1,6 +1,6 @@
 """Collective weight sync: the trainer's rank 0 broadcasts each version to every engine at once.
 
-With `trainer.weightTransport: collective`, step 3 of a weight update (weight_sync.py: the engines
+With `trainer.weightTransport: collective`, step 3 of a weight update (engine_update.py: the engines
 are paused) is one broadcast instead of every engine reading the version from the shared volume:
 
   - the group: rank 0 is this process, ranks 1..N the engines (each SGLang engine takes
@@ -9,7 +9,7 @@ are paused) is one broadcast instead of every engine reading the version from th
     hosts the rendezvous at `address:port` while every engine is asked, concurrently, to
     `init_weights_update_group` (rollout/engines/weight_group.py; the name is new for every group, so an
     engine never mistakes a stale group for the current one);
-  - the broadcast: the version's safetensors files (publish.py wrote them: rank 0 reads them back
+  - the broadcast: the version's safetensors files (files.py wrote them: rank 0 reads them back
     from its page cache, and a lagged engine gets exactly the version it is told to serve) go out
     in buckets of at most `bucket_bytes`, one `update_weights_from_distributed` request per engine
     per bucket, the last one carrying the version label; the engine answers once it has loaded it;

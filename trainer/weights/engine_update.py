@@ -1,6 +1,6 @@
 """Weight sync: the trainer is the one owner of every rollout engine's weights.
 
-After publish.py wrote `weights/v{N}` and the version event went out, `update_engines` updates
+After files.py wrote `weights/v{N}` and the version event went out, `update_engines` updates
 every engine registered for the job, concurrently, each under one timeout, in this order (as
 AReaL does: pause -> update -> set version -> continue):
 

@@ -1,7 +1,7 @@
 """Rank 0's watch over the engines: the registry into the report, catch-up of engines behind, and
 the job-wide recovery counters (trainer starts, engine restarts and resyncs).
 
-The trainer is the only one that updates engine weights (weight_sync.py), so an engine that joined
+The trainer is the only one that updates engine weights (engine_update.py), so an engine that joined
 or restarted since the last publish serves another version until a refresh here loads the
 current one into it.
 """
