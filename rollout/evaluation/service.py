@@ -143,7 +143,8 @@ class Evaluator:
         prompts = sum(len(part.items) for part in ev.parts)
         progress = EvalProgress(request.version, prompts * ev.settings.samples_per_prompt)
         self.progress = progress
-        fresh = asyncio.create_task(self._keep_fresh(request), name="evaluation-touch")
+        done = asyncio.Event()
+        fresh = asyncio.create_task(self._keep_fresh(request, done), name="evaluation-touch")
         log.info("evaluating version %d: %d prompts x %d answers", request.version, prompts,
                  ev.settings.samples_per_prompt)
         try:
@@ -157,6 +158,7 @@ class Evaluator:
                         "%s: %s", request.version, progress.done, progress.total, type(exc).__name__, exc)
             return False
         finally:
+            done.set()  # (the loop's own check: a cancellation redis-py loses must not keep it touching)
             fresh.cancel()
             self.progress = None
         redis_failures = 0
@@ -179,10 +181,15 @@ class Evaluator:
                  "" if entry is not None else " (not published: another worker completed it first)")
         return True
 
-    async def _keep_fresh(self, request: EvalRequest) -> None:
-        """Touch the request while it is evaluated, so no other worker takes it over."""
-        while True:
+    async def _keep_fresh(self, request: EvalRequest, done: asyncio.Event) -> None:
+        """Touch the request while it is evaluated (until `done`), so no other worker takes it over.
+        `done` ends it even when its cancellation is lost (redis-py on Python 3.11 can swallow one
+        that lands as a command completes, CPython gh-86296): a touch loop outliving its evaluation
+        would keep a stopped worker's request from every other worker."""
+        while not done.is_set():
             await asyncio.sleep(self.evaluation.touch_s)
+            if done.is_set():
+                return
             try:
                 await self.channel.touch(self.cfg.engine_id, request)
             except Exception as exc:

@@ -354,6 +354,42 @@ async def test_a_worker_stopped_mid_evaluation_leaves_it_to_another_worker(rollo
     assert await channel.outstanding() == [] and second.stats.evaluations == 1
 
 
+async def test_a_stopped_evaluation_stops_touching_its_request_even_when_a_cancellation_is_lost(
+        rollout_env, monkeypatch):
+    """Found chasing the flake of the takeover test above: redis-py on Python 3.11 can lose a
+    cancellation that lands as a command completes (CPython gh-86296). A touch loop that lost its
+    cancellation kept touching a stopped worker's request, so no other worker could take it over."""
+    redis, fake, names = rollout_env
+    touches: list[str] = []
+    lost: list[int] = []
+    in_touch: list[int] = []
+    original = EvalChannel.touch
+
+    async def touch(self, consumer, request):
+        touches.append(consumer)
+        in_touch.append(1)
+        try:
+            await asyncio.sleep(0.2)  # a slow round trip: the stop lands in it
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost.append(1)  # swallowed, and the command completes, as redis-py sometimes does
+        finally:
+            in_touch.pop()
+        await original(self, consumer, request)
+
+    monkeypatch.setattr(EvalChannel, "touch", touch)
+    channel = EvalChannel(redis, names)
+    worker = serving(make_worker(redis, fake, names, engine=GatedEngine(fake.url)), evaluation(held_out(3)))
+    async with running(worker):
+        assert await channel.request(5)
+        await poll(lambda: _true(len(touches) >= 2 and in_touch), what="the evaluation touching its request")
+    assert lost == [1]
+    stopped_at = len(touches)
+    await asyncio.sleep(0.5)  # a live touch loop would have touched twice by now
+    assert len(touches) == stopped_at
+
+
 class LosesOneCancellation(Admission):
     """Admission whose wait for a lease loses the first cancellation, as redis-py's commands do on
     Python 3.11 when it lands just as one completes (asyncio.wait_for, CPython gh-86296)."""
