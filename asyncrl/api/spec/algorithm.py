@@ -8,7 +8,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from asyncrl.api import staleness as staleness_policy
 from asyncrl.api.spec.base import CelRule, SpecModel
 from asyncrl.api.spec.families import (
     BapoSpec,
@@ -19,6 +18,7 @@ from asyncrl.api.spec.families import (
     TbSpec,
     VcpoSpec,
 )
+from asyncrl.api.staleness import StalenessPolicy
 
 OPOB_AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
 """The aggregations VCPO's baseline composes with (per-sequence, as the authors' code asserts)."""
@@ -460,13 +460,10 @@ class StalenessSpec(SpecModel):
                              "leave maxHeadOffpolicyness unset")
         return self
 
-    def groups_ahead(self, batch_size: int) -> int:
-        """Groups admitted beyond the current version's batch: eta x B, or ceil(alpha x B)."""
-        return staleness_policy.groups_ahead(batch_size, max_head_offpolicyness=self.max_head_offpolicyness,
-                                             async_ratio=self.async_ratio)
-
-    @property
-    def version_bound(self) -> int:
-        """The largest version lag a trained group may have: eta, or ceil(alpha)."""
-        return staleness_policy.version_bound(max_head_offpolicyness=self.max_head_offpolicyness,
-                                              async_ratio=self.async_ratio)
+    def as_policy(self) -> StalenessPolicy:
+        """The policy these settings choose: the one object admission, the trainer's inbox, the
+        engines' view and the operator read the bound and the groups ahead from."""
+        if self.policy == "per-sample":
+            assert self.async_ratio is not None  # (_policy_consistent)
+            return StalenessPolicy.per_sample(self.async_ratio)
+        return StalenessPolicy.global_budget(self.max_head_offpolicyness)

@@ -145,7 +145,7 @@ class AsyncRLJobSpec(SpecModel):
 
     @model_validator(mode="after")
     def _sync_lag_within_bound(self) -> AsyncRLJobSpec:
-        lag, bound = self.trainer.weight_sync_lag, self.staleness.version_bound
+        lag, bound = self.trainer.weight_sync_lag, self.staleness.as_policy().version_bound
         if lag > bound:
             raise ValueError(f"trainer.weightSyncLag {lag} exceeds the staleness bound {bound} "
                              "(staleness.maxHeadOffpolicyness, or ceil(asyncRatio) for policy 'per-sample'): "
@@ -213,7 +213,7 @@ class AsyncRLJobSpec(SpecModel):
         s = self.staleness
         if s.max_concurrent_groups is not None:
             return s.max_concurrent_groups
-        return self.algorithm.batch_size + s.groups_ahead(self.algorithm.batch_size)
+        return self.algorithm.batch_size + s.as_policy().groups_ahead(self.algorithm.batch_size)
 
 
 class ObjectMeta(SpecModel):
