@@ -356,6 +356,7 @@ def summarize(job: ChaosJob, cfg: ChaosConfig, outcome: Any, stall: float, wall:
     """What Redis (restarted alone, on the same AOF) and the final checkpoint say about the run."""
     import asyncio
 
+    from asyncrl.api.staleness import StalenessPolicy
     from asyncrl.api.weight_labels import parse_label
     from asyncrl.trainer.state.checkpoint import latest_checkpoint, lineage_group_ids, lineage_labels, read_state
     from asyncrl.transport.admission import Admission
@@ -374,8 +375,8 @@ def summarize(job: ChaosJob, cfg: ChaosConfig, outcome: Any, stall: float, wall:
     async def admission() -> tuple[Any, Any]:
         redis = await connect(job.redis.url, timeout=10, outage_s=5, health=None)
         try:
-            adm = Admission(redis, job.names, batch_size=cfg.batch_size, max_head_offpolicyness=cfg.eta,
-                            max_concurrent=64)
+            adm = Admission(redis, job.names, batch_size=cfg.batch_size,
+                            staleness=StalenessPolicy.global_budget(cfg.eta), max_concurrent=64)
             return await adm.snapshot(), await adm.reconcile(trained_acked)
         finally:
             await redis.aclose()

@@ -92,6 +92,7 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
                      prompts: int, concurrency: int, during: Any = None) -> tuple[int, float, Any]:
     """The worker over `prompts` groups; `during(redis, names)`, if given, runs beside it (the sync pass).
     Returns (tokens, seconds, worker)."""
+    from asyncrl.api.staleness import StalenessPolicy
     from asyncrl.api.stream_names import StreamNames
     from asyncrl.rollout.data.mixture import Mixture
     from asyncrl.rollout.generation.config import WorkerConfig
@@ -104,7 +105,8 @@ async def run_worker(engine, url: str, redis_url: str, job: str, source, render,
     names = StreamNames.for_job(job)
     cfg = WorkerConfig(job=job, engine_id="bench", group_size=n, sampling=params, engine_url=url,
                        max_concurrent_requests=concurrency, max_groups=prompts, log_every_s=3600)
-    admission = Admission(redis, names, batch_size=prompts, max_head_offpolicyness=0, max_concurrent=prompts)
+    admission = Admission(redis, names, batch_size=prompts, staleness=StalenessPolicy.global_budget(0),
+                          max_concurrent=prompts)
     prompts = Mixture.single(source, render, RewardScorer.from_name("exact-number"))
     worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
                            names=names)

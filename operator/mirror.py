@@ -145,7 +145,7 @@ def mirror_report(status: AsyncRLJobStatus, report: TrainerReport, spec: AsyncRL
     last, s = report.last_step, report.staleness
     status.staleness = StalenessStatus(mean=round(last.staleness_mean, 6) if last else 0.0,
                                        max=last.staleness_max if last else 0, dropped=s.dropped,
-                                       limit=s.limit or spec.staleness.version_bound)
+                                       limit=s.limit or spec.staleness.as_policy().version_bound)
     total = report.max_steps or spec.trainer.max_steps
     status.progress = ProgressStatus(
         percent=round(min(100.0, 100.0 * report.step / total), 2) if total else 0.0,

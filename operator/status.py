@@ -562,8 +562,8 @@ def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: Trainer
     if outcome is not None and spec is not None:
         mirror_outcome(status, outcome, spec)
     if "staleness" not in status.model_fields_set:
-        eta = spec.staleness.version_bound if spec is not None else 0
-        status.staleness = StalenessStatus(mean=0.0, max=0, limit=eta, dropped=0)
+        bound = spec.staleness.as_policy().version_bound if spec is not None else 0
+        status.staleness = StalenessStatus(mean=0.0, max=0, limit=bound, dropped=0)
 
 
 def previous_status(prev: Mapping[str, Any] | None) -> AsyncRLJobStatus:

@@ -3,11 +3,13 @@
 Groups are read (this consumer's own pending entries first after a restart, then new ones) into a
 buffer; once B fresh groups are buffered, the B oldest (by oldest token version, then creation time
 and id) form the batch and the rest stay buffered, still pending in Redis, for the next step. A
-group more than `version_bound` (eta, or ceil(alpha)) versions behind the trainer is dropped: admission
-gets its capacity back and it is acknowledged at once. Under the per-sample policy (`async_ratio`,
-ROLL's alpha) the bound is ceil(alpha) versions and, for a fractional alpha, of the groups exactly
-ceil(alpha) versions old the oldest floor(frac(alpha) x B) stay and the rest are dropped the same
-way (asyncrl/api/staleness.py; one count, `dropped`, for both policies). A group that cannot be
+group more than the staleness policy's `version_bound` (eta, or ceil(alpha)) versions behind the
+trainer is dropped: admission gets its capacity back and it is acknowledged at once. The policy is
+admission's own (`Admission.staleness`), so the inbox drops by the rule producers were admitted by.
+Under the per-sample policy (ROLL's alpha) the bound is ceil(alpha) versions and, for a fractional
+alpha, of the groups exactly ceil(alpha) versions old the oldest floor(frac(alpha) x B)
+(`boundary_quota`) stay and the rest are dropped the same way (asyncrl/api/staleness.py; one
+count, `dropped`, for both policies). A group that cannot be
 trained (it does not decode, or fails `asyncrl.transport.content.check_group`: a NaN logprob,
 lengths that disagree, ...) never reaches the buffer: the consumer dead-letters it with the reason
 and acknowledges it, also when it was still pending from before a restart, so it cannot crash-loop
@@ -49,10 +51,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.api.staleness import boundary_quota
 from asyncrl.api.status_report import EvalRecord
 from asyncrl.api.weight_labels import Lineage, WeightLabel
-from asyncrl.transport.admission import Admission, Drift, is_too_stale
+from asyncrl.transport.admission import Admission, Drift
 from asyncrl.transport.streams import Delivery, TrajectoryConsumer
 from asyncrl.transport.wire import TrajectoryGroup
 
@@ -76,19 +77,16 @@ class GroupInbox:
     """The groups rank 0 has read but not yet acknowledged, and the reads and acks that move them."""
 
     def __init__(self, consumer: TrajectoryConsumer, admission: Admission, *, batch_size: int,
-                 version_bound: int, lineage: Lineage | None = None, read_block_ms: int = 1000,
-                 pending_check_s: float = 30.0,
+                 lineage: Lineage | None = None, read_block_ms: int = 1000, pending_check_s: float = 30.0,
                  reclaim_idle_ms: int = 600_000, dynamic_sampling: bool = False,
-                 max_draws: int | None = None, async_ratio: float | None = None) -> None:
+                 max_draws: int | None = None) -> None:
         self.consumer = consumer
         self.admission = admission
         self.batch_size = batch_size
-        self.version_bound = version_bound
-        """The largest version lag kept: eta, or ceil(alpha) under the per-sample policy."""
+        self.staleness = admission.staleness
+        """The job's staleness policy (admission's): the version bound and, per-sample, the boundary quota."""
         self.lineage = lineage if lineage is not None else Lineage()
         """The trainer's lineage: a group with a token of weights outside it is dropped (drop_ghosts)."""
-        self.boundary_quota = boundary_quota(batch_size, async_ratio)
-        """Per-sample policy, fractional alpha: groups exactly `version_bound` old kept."""
         self.read_block_ms = read_block_ms
         self.pending_check_s = pending_check_s
         """How often a read also re-reads the own pending list and reclaims idle entries."""
@@ -128,12 +126,12 @@ class GroupInbox:
         are past the bound; called before each `take_batch`, no batch holds more than the quota."""
         keep: list[Delivery] = []
         stale: list[Delivery] = []
-        lag, quota = self.version_bound, self.boundary_quota
+        lag, quota = self.staleness.version_bound, self.staleness.boundary_quota(self.batch_size)
         if quota is not None:
             self._sort_buffer()
         at_bound = 0
         for d in self.buffer:
-            if is_too_stale(d.group, version, lag):
+            if self.staleness.too_stale(d.group.oldest_version(), version):
                 stale.append(d)
             elif quota is not None and 0 <= d.group.oldest_version() == version - lag:
                 (keep if at_bound < quota else stale).append(d)

@@ -161,14 +161,13 @@ class Trainer:
         engines' catch-up put on versions, and what the inbox keeps. One object, updated in place."""
         self.inbox = None if io is None else GroupInbox(
             io.consumer, io.admission, lineage=self.lineage, batch_size=self.spec.algorithm.batch_size,
-            version_bound=self.spec.staleness.version_bound, read_block_ms=cfg.read_block_ms,
-            pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
+            read_block_ms=cfg.read_block_ms, pending_check_s=cfg.pending_check_s, reclaim_idle_ms=cfg.reclaim_idle_ms,
             dynamic_sampling=self.spec.algorithm.dynamic_sampling is not None,
-            max_draws=self.spec.algorithm.dynamic_sampling_draws, async_ratio=self.spec.staleness.async_ratio)
+            max_draws=self.spec.algorithm.dynamic_sampling_draws)
         max_steps = self.spec.trainer.max_steps
         report = report or TrainerReport(job=job.metadata.name, max_steps=max_steps, started_at=time.time())
         report.max_steps = max_steps
-        report.staleness.limit = self.spec.staleness.version_bound
+        report.staleness.limit = self.spec.staleness.as_policy().version_bound
         report.staleness.policy = self.spec.staleness.policy
         report.staleness.async_ratio = self.spec.staleness.async_ratio
         self.reporter = Reporter(report)
@@ -408,9 +407,7 @@ class Trainer:
         self._draw.dropped += count
         with self.reporter.edit() as report:
             report.staleness.dropped = self.state.dropped
-        s = self.spec.staleness
-        log.info("dropped %d over-stale group(s) (%s)", count, f"maxHeadOffpolicyness={s.max_head_offpolicyness}"
-                 if s.async_ratio is None else f"asyncRatio={s.async_ratio}, bound {s.version_bound} version(s)")
+        log.info("dropped %d over-stale group(s) (%s)", count, self.spec.staleness.as_policy().describe())
 
     def _count_ghosts(self, count: int) -> None:
         if not count:

@@ -6,7 +6,7 @@ connection, streams, versions, admission.
 
 from asyncrl.api.stream_names import StreamNames
 
-from .admission import Admission, AdmissionSnapshot, admission_capacity, is_too_stale
+from .admission import Admission, AdmissionSnapshot, admission_capacity
 from .connection import RedisUnavailableError, connect
 from .content import GroupLimits, check_group
 from .streams import Delivery, TrajectoryConsumer, TrajectoryProducer
@@ -35,5 +35,4 @@ __all__ = [
     "connect",
     "decode_group",
     "encode_group",
-    "is_too_stale",
 ]

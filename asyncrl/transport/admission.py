@@ -6,7 +6,8 @@ A rollout group may start iff
 
 where `version` is the trainer's policy version, `B` the train batch size in groups, `running`
 the live leases of all pods, `accepted` the groups produced for training so far and `ahead` the
-groups the policy lets rollout run ahead (asyncrl/api/staleness.py): eta * B for the
+groups the staleness policy lets rollout run ahead (`StalenessPolicy.groups_ahead`,
+asyncrl/api/staleness.py): eta * B for the
 global-budget policy (AReaL's `(eta + version + 1) * B`), ceil(alpha * B) for the per-sample policy
 (ROLL Flash's asynchronous ratio alpha; fractional alpha admits a fraction of a batch). Each check
 and its lease grant happen in one Lua script, so N pods together never exceed the bound; there
@@ -56,10 +57,8 @@ from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as aioredis
 
-from asyncrl.api.staleness import groups_ahead, version_bound
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
-
-from .wire import TrajectoryGroup
 
 if TYPE_CHECKING:  # (the spec imports the runtime, which imports this package)
     from asyncrl.api.spec import AsyncRLJobSpec
@@ -173,11 +172,10 @@ return out
 """
 
 
-def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int,
-                       max_head_offpolicyness: int, max_concurrent: int, async_ratio: float | None = None) -> int:
-    """How many more groups may start now (the rule above; <= 0: none). `async_ratio` set selects the
-    per-sample policy (alpha; `max_head_offpolicyness` is then unused), None the global budget (eta)."""
-    ahead = groups_ahead(batch_size, max_head_offpolicyness=max_head_offpolicyness, async_ratio=async_ratio)
+def admission_capacity(version: int, accepted: int, running: int, *, batch_size: int, staleness: StalenessPolicy,
+                       max_concurrent: int) -> int:
+    """How many more groups may start now (the rule above; <= 0: none)."""
+    ahead = staleness.groups_ahead(batch_size)
     return min(max_concurrent - running, (version + 1) * batch_size + ahead - (accepted + running))
 
 
@@ -214,28 +212,18 @@ class Drift:
 class Admission:
     """One pod's handle on its job's global admission state.
 
-    `async_ratio` (alpha) selects the per-sample policy, else `max_head_offpolicyness` (eta) the
-    global budget; `version_bound` is the largest version lag either keeps (eta, or ceil(alpha)):
-    what a producer checks a group's age against."""
+    `staleness` is the job's policy, whole: admission counts its groups ahead, and the trainer's
+    inbox and the engines' view read their bound from it here, so the three never disagree."""
 
-    def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int,
-                 max_head_offpolicyness: int, max_concurrent: int, lease_seconds: float = 120,
-                 async_ratio: float | None = None) -> None:
-        eta = max_head_offpolicyness
-        if (batch_size < 1 or eta < 0 or max_concurrent < 1 or lease_seconds <= 0
-                or (async_ratio is not None and not async_ratio >= 0)):
+    def __init__(self, redis: aioredis.Redis, names: StreamNames, *, batch_size: int, staleness: StalenessPolicy,
+                 max_concurrent: int, lease_seconds: float = 120) -> None:
+        if batch_size < 1 or max_concurrent < 1 or lease_seconds <= 0:
             raise ValueError(f"invalid admission settings: batch_size={batch_size}, "
-                             f"max_head_offpolicyness={eta}, async_ratio={async_ratio}, "
                              f"max_concurrent={max_concurrent}, lease_seconds={lease_seconds}")
         self.redis = redis
         self.names = names
         self.batch_size = batch_size
-        self.async_ratio = async_ratio
-        self.eta = eta
-        self.version_bound = version_bound(max_head_offpolicyness=eta, async_ratio=async_ratio)
-        """The largest version lag kept: eta, or ceil(alpha) under the per-sample policy."""
-        self.groups_ahead = groups_ahead(batch_size, max_head_offpolicyness=eta, async_ratio=async_ratio)
-        """Groups the policy lets rollout produce beyond the current version's batch."""
+        self.staleness = staleness
         self.max_concurrent = max_concurrent
         self.lease_ms = max(int(lease_seconds * 1000), 1)
         self._keys = [names.admission, names.admission_leases, names.admission_released]
@@ -253,7 +241,8 @@ class Admission:
         lease_id = f"{holder}/{uuid.uuid4().hex}"
         granted, *_ = await self._acquire(
             keys=self._keys,
-            args=[lease_id, self.max_concurrent, self.groups_ahead, self.batch_size, self.lease_ms])
+            args=[lease_id, self.max_concurrent, self.staleness.groups_ahead(self.batch_size), self.batch_size,
+                  self.lease_ms])
         return lease_id if int(granted) == 1 else None
 
     async def acquire(self, holder: str, poll_s: float = 0.05, timeout: float | None = None) -> str:
@@ -318,28 +307,16 @@ class Admission:
     @classmethod
     def for_job(cls, redis: aioredis.Redis, names: StreamNames, spec: AsyncRLJobSpec) -> Admission:
         """The job's admission as its spec sets it (batch size, staleness policy, concurrency)."""
-        return cls(redis, names, batch_size=spec.algorithm.batch_size,
-                   max_head_offpolicyness=spec.staleness.max_head_offpolicyness,
-                   max_concurrent=spec.max_concurrent_groups(), async_ratio=spec.staleness.async_ratio)
+        return cls(redis, names, batch_size=spec.algorithm.batch_size, staleness=spec.staleness.as_policy(),
+                   max_concurrent=spec.max_concurrent_groups())
 
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
         version, accepted, running, dropped, dead, lost, found, returned, reward_failures, episode_failures = (
             int(x) for x in await self._snapshot(keys=self._keys, args=[]))
-        cap = admission_capacity(version, accepted, running, batch_size=self.batch_size,
-                                 max_head_offpolicyness=self.eta,
-                                 max_concurrent=self.max_concurrent, async_ratio=self.async_ratio)
+        cap = admission_capacity(version, accepted, running, batch_size=self.batch_size, staleness=self.staleness,
+                                 max_concurrent=self.max_concurrent)
         return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
                                  dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
                                  leases_returned=returned, reward_failures=reward_failures,
                                  episode_failures=episode_failures)
-
-
-def is_too_stale(group: TrajectoryGroup, current_version: int, version_bound: int) -> bool:
-    """Trainer side: drop a group when current_version - (its oldest token version) exceeds the
-    bound (eta, or ceil(alpha) under the per-sample policy: `Admission.version_bound`).
-
-    A group without generated tokens has no staleness and is never too stale.
-    """
-    oldest = group.oldest_version()
-    return oldest >= 0 and current_version - oldest > version_bound

@@ -250,7 +250,7 @@ class EngineView:
     def usable(self, weights: WeightLabel | None) -> bool:
         """Whether tokens of `weights` may be generated: known, and within the admission bound of
         the current policy version (older ones would only be dropped by the trainer)."""
-        return weights is not None and self.version - weights.version <= self.admission.version_bound
+        return weights is not None and self.version - weights.version <= self.admission.staleness.version_bound
 
     async def wait_for_weights(self) -> bool:
         """Return once the engine serves usable weights (`usable`); until then the worker is
@@ -268,9 +268,10 @@ class EngineView:
                     counted = True
                     self.stats.weight_waits += 1
                 serves = "unknown weights" if self.engine_weights is None else f"v{self.engine_weights}"
+                bound = self.admission.staleness.version_bound
                 self.health.failing("engine-weights", self.engine.url,
                                     f"engine serves {serves} (label {self.engine_label!r}), policy v{self.version}, "
-                                    f"version bound {self.admission.version_bound}: waiting for the trainer's catch-up",
+                                    f"version bound {bound}: waiting for the trainer's catch-up",
                                     self.cfg.engine_outage_s)
                 await asyncio.sleep(WEIGHTS_POLL_S)
         self.health.recovered("engine-weights", self.engine.url)

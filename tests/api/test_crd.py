@@ -5,9 +5,9 @@ from __future__ import annotations
 import kubernetes_validate
 import yaml
 
-from asyncrl.api.crd import build_crd, immutable_rules, render_crd_yaml
+from asyncrl.api.crd import build_crd, declared_cel_rules, immutable_rules, render_crd_yaml
 from asyncrl.api.reference import render_reference
-from asyncrl.api.spec import CEL_RULES, IMMUTABLE_FIELDS
+from asyncrl.api.spec import IMMUTABLE_FIELDS
 from tests.support.paths import REPO
 
 
@@ -53,7 +53,7 @@ def test_every_rule_and_immutable_field_is_attached():
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     rules = [v["rule"] for _, node in _walk(schema) if isinstance(node, dict)
              for v in node.get("x-kubernetes-validations", [])]
-    assert all(rule in rules for _, rule, _ in CEL_RULES)
+    assert all(rule in rules for _, rule, _ in declared_cel_rules())
     immutable = immutable_rules(schema)
     assert len(immutable) == len(IMMUTABLE_FIELDS) and all(rule in rules for _, rule, _ in immutable)
 

@@ -11,9 +11,8 @@ import jsonschema
 import pytest
 import yaml
 
-from asyncrl.api.crd import build_crd, immutable_rules, structural_default
+from asyncrl.api.crd import build_crd, declared_cel_rules, immutable_rules, structural_default
 from asyncrl.api.spec import (
-    CEL_RULES,
     IMMUTABLE_FIELDS,
     LORA_SGLANG_MODULES_MESSAGE,
     LORA_TRANSPORT_MESSAGE,
@@ -23,6 +22,8 @@ from asyncrl.api.spec.lora import ALL_LINEAR_ALONE
 from tests.support.paths import REPO
 
 SCHEMA = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+CEL_RULES = declared_cel_rules()
+"""(path, rule, message) of every CEL rule the models declare."""
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 

@@ -226,11 +226,12 @@ def test_bapo_rules_name_the_field_and_the_allowed_values(algorithm, says):
 
 def test_staleness_policy_defaults_to_the_global_budget():
     s = AsyncRLJobSpec(model={"path": "m"})
-    assert (s.staleness.policy, s.staleness.async_ratio, s.staleness.version_bound) == ("global-budget", None, 4)
+    assert (s.staleness.policy, s.staleness.async_ratio, s.staleness.as_policy().version_bound) == (
+        "global-budget", None, 4)
     per_sample = AsyncRLJobSpec.model_validate({"model": {"path": "m"}, "algorithm": {"batchSize": 32},
                                                 "staleness": {"policy": "per-sample", "asyncRatio": 0.5}})
-    assert (per_sample.staleness.async_ratio, per_sample.staleness.version_bound) == (0.5, 1)
-    assert per_sample.staleness.groups_ahead(32) == 16
+    assert (per_sample.staleness.async_ratio, per_sample.staleness.as_policy().version_bound) == (0.5, 1)
+    assert per_sample.staleness.as_policy().groups_ahead(32) == 16
     assert per_sample.max_concurrent_groups() == 32 + 16  # B + ceil(alpha B), not B (eta + 1)
     assert "asyncRatio" in per_sample.model_dump(by_alias=True)["staleness"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.api.staleness import boundary_quota, groups_ahead, version_bound
+from asyncrl.api.spec import AsyncRLJobSpec
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
@@ -26,25 +27,59 @@ NAMES = StreamNames.for_job("job")
     (0.25, 3, 1, 1, 0),      # the bound's version contributes nothing when floor(frac B) = 0
 ])
 def test_per_sample_arithmetic(alpha, batch, ahead, bound, quota):
-    assert groups_ahead(batch, max_head_offpolicyness=99, async_ratio=alpha) == ahead
-    assert version_bound(max_head_offpolicyness=99, async_ratio=alpha) == bound
-    assert boundary_quota(batch, alpha) == quota
+    policy = StalenessPolicy.per_sample(alpha)
+    assert policy.groups_ahead(batch) == ahead
+    assert policy.version_bound == bound
+    assert policy.boundary_quota(batch) == quota
+    # eta is the global budget's: a per-sample policy given another eta computes the same
+    assert StalenessPolicy("per-sample", eta=99, alpha=alpha).groups_ahead(batch) == ahead
 
 
 def test_global_budget_arithmetic_is_eta():
-    assert groups_ahead(4, max_head_offpolicyness=3) == 12
-    assert version_bound(max_head_offpolicyness=3) == 3
-    assert boundary_quota(4, None) is None
+    policy = StalenessPolicy.global_budget(3)
+    assert policy.groups_ahead(4) == 12
+    assert policy.version_bound == 3
+    assert policy.boundary_quota(4) is None
     with pytest.raises(ValueError, match="asyncRatio"):
-        groups_ahead(4, max_head_offpolicyness=0, async_ratio=-0.5)
+        StalenessPolicy.per_sample(-0.5)
+
+
+@pytest.mark.parametrize("kind, eta, alpha, says", [
+    ("per-sample", 4, None, "needs asyncRatio"),
+    ("global-budget", 4, 0.5, "needs policy 'per-sample'"),
+    ("global-budget", -1, None, "maxHeadOffpolicyness"),
+    ("per-sample", 4, float("inf"), "asyncRatio"),
+])
+def test_a_policy_is_consistent_or_refused(kind, eta, alpha, says):
+    with pytest.raises(ValueError, match=says):
+        StalenessPolicy(kind, eta=eta, alpha=alpha)
+
+
+@pytest.mark.parametrize("oldest, current, bound, dropped", [
+    (3, 5, 1, True),     # 5 - 3 = 2 > 1
+    (3, 5, 2, False),
+    (3, 6, 2, True),
+    (-1, 100, 0, False),  # no generated tokens: no staleness
+])
+def test_too_stale_compares_the_oldest_token_with_the_bound(oldest, current, bound, dropped):
+    assert StalenessPolicy.global_budget(bound).too_stale(oldest, current) is dropped
+
+
+@pytest.mark.parametrize("staleness, policy", [
+    ({}, StalenessPolicy.global_budget(4)),
+    ({"maxHeadOffpolicyness": 0}, StalenessPolicy.global_budget(0)),
+    ({"policy": "per-sample", "asyncRatio": 0.5}, StalenessPolicy.per_sample(0.5)),
+])
+def test_the_spec_chooses_the_policy(staleness, policy):
+    assert AsyncRLJobSpec(model={"path": "m"}, staleness=staleness).staleness.as_policy() == policy
 
 
 def setup(redis, *, batch: int, eta: int = 4, alpha: float | None = None) -> tuple[Admission, GroupInbox]:
-    adm = Admission(redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=64,
-                    async_ratio=alpha)
+    policy = StalenessPolicy.global_budget(eta) if alpha is None else StalenessPolicy.per_sample(alpha)
+    adm = Admission(redis, NAMES, batch_size=batch, staleness=policy, max_concurrent=64)
     consumer = TrajectoryConsumer(redis, NAMES, "trainer-0")
-    inbox = GroupInbox(consumer, adm, batch_size=batch, version_bound=adm.version_bound,
-                       read_block_ms=50, async_ratio=alpha)
+    inbox = GroupInbox(consumer, adm, batch_size=batch, read_block_ms=50)
+    assert inbox.staleness is adm.staleness  # the inbox drops by the policy admission admits by
     return adm, inbox
 
 
@@ -146,7 +181,8 @@ async def test_fractional_alpha_trains_its_fraction_of_a_batch_at_the_bound(tran
 async def test_a_run_of_steps_keeps_to_the_bound(transport_redis, alpha, batch):
     steps = 6
     batches, drops = await run_steps(transport_redis, batch=batch, alpha=alpha, steps=steps)
-    bound, quota = version_bound(max_head_offpolicyness=0, async_ratio=alpha), boundary_quota(batch, alpha)
+    policy = StalenessPolicy.per_sample(alpha)
+    bound, quota = policy.version_bound, policy.boundary_quota(batch)
     for version, versions in enumerate(batches):
         assert len(versions) == batch
         assert version - min(versions) <= bound
@@ -191,7 +227,9 @@ def test_the_trainer_drops_by_alpha_and_reports_it(tmp_path, redis_url):
 
     async def go():
         io = await connect_io(job, runtime)
-        assert io.admission.groups_ahead == 1 and io.admission.version_bound == 1
+        assert io.admission.staleness == StalenessPolicy.per_sample(0.5)
+        assert io.admission.staleness.groups_ahead(io.admission.batch_size) == 1
+        assert io.admission.staleness.version_bound == 1
         trainer = build_trainer(job, argparse.Namespace(max_steps=4, no_resume=True), runtime, DistContext(), io)
         trainer.state = TrainerState(step=3, version=3)
         phase = await trainer.run()

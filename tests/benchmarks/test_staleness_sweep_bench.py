@@ -97,7 +97,7 @@ def test_forced_staleness_global_budget(local):
     for level in LEVELS:
         spec = parse_job(sw.derive(local, "default", level)).spec
         assert spec.staleness.policy == "global-budget"
-        assert spec.staleness.max_head_offpolicyness == level and spec.staleness.version_bound == level
+        assert spec.staleness.max_head_offpolicyness == level and spec.staleness.as_policy().version_bound == level
         assert spec.trainer.weight_sync_lag == level
         assert spec.trainer.max_steps == 28 and spec.algorithm.proximal == "loglinear"  # the rest untouched
     with pytest.raises(ValueError, match="staleness must be >= 0"):
@@ -110,7 +110,7 @@ def test_forced_staleness_roll_alpha_is_per_sample_without_eta(local):
         assert "maxHeadOffpolicyness" not in doc["spec"]["staleness"]  # per-sample rejects it (local.yaml has 2)
         spec = parse_job(doc).spec
         assert spec.staleness.policy == "per-sample" and spec.staleness.async_ratio == level
-        assert spec.staleness.version_bound == level and spec.trainer.weight_sync_lag == level
+        assert spec.staleness.as_policy().version_bound == level and spec.trainer.weight_sync_lag == level
 
 
 def test_written_job_is_the_derived_one_and_loads(local, tmp_path):

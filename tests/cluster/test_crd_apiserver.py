@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from asyncrl.api import spec as S
-from asyncrl.api.crd import structural_default
+from asyncrl.api.crd import declared_cel_rules, structural_default
 from tests.support.control_plane import ControlPlane, control_plane_fixture, find_tool, k8s_version, namespace_fixture  # noqa: F401
 from tests.support.jobs import MODEL, JobBuilder
 from tests.support.paths import REPO
@@ -58,7 +58,7 @@ def create(cp: ControlPlane, obj: dict[str, Any]) -> subprocess.CompletedProcess
 
 def cel_message(rule_fragment: str) -> str:
     """The message of the one CEL rule whose expression contains `rule_fragment`."""
-    (message,) = [m for _, rule, m in S.CEL_RULES if rule_fragment in rule]
+    (message,) = [m for _, rule, m in declared_cel_rules() if rule_fragment in rule]
     return message
 
 

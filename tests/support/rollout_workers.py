@@ -3,6 +3,7 @@ the way the rollout tests need it, and the worker-side engine adapter that recor
 
 from __future__ import annotations
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.data.mixture import Mixture
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
@@ -33,7 +34,7 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
                        max_retries=max_retries, backoff_s=0.01, heartbeat_s=0.2, log_every_s=5,
                        max_groups=max_groups, rollout_index=index, rollout_replicas=replicas,
                        max_response_tokens=max_response_tokens)
-    admission = Admission(redis, names, batch_size=batch, max_head_offpolicyness=eta,
+    admission = Admission(redis, names, batch_size=batch, staleness=StalenessPolicy.global_budget(eta),
                           max_concurrent=max_concurrent, lease_seconds=30)
     prompts = prompts or Mixture.single(source or ArithmeticSource(seed=0, difficulty=1), render,
                                         scorer or RewardScorer(exact_number_reward, 5.0))

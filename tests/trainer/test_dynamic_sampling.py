@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.transport.streams import trained_ids
 from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import chat_groups, read_jsonl, redis_query, run_trainer_on_groups
@@ -63,7 +64,8 @@ def admission_drift(redis_url: str, trained_acked: int) -> int:
     from asyncrl.transport.admission import Admission
 
     async def q(r: Any) -> int:
-        admission = Admission(r, StreamNames.for_job(JOB), batch_size=2, max_head_offpolicyness=8, max_concurrent=18)
+        admission = Admission(r, StreamNames.for_job(JOB), batch_size=2, staleness=StalenessPolicy.global_budget(8),
+                              max_concurrent=18)
         return (await admission.reconcile(trained_acked)).drift
 
     return redis_query(redis_url, q)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.transport.admission import Admission
@@ -19,10 +20,10 @@ NAMES = StreamNames.for_job("job")
 
 
 def setup(redis, *, batch: int = 2, eta: int = 0, lease_seconds: float = 30) -> tuple[Admission, GroupInbox]:
-    adm = Admission(redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=16,
+    adm = Admission(redis, NAMES, batch_size=batch, staleness=StalenessPolicy.global_budget(eta), max_concurrent=16,
                     lease_seconds=lease_seconds)
     consumer = TrajectoryConsumer(redis, NAMES, "trainer-0")
-    return adm, GroupInbox(consumer, adm, batch_size=batch, version_bound=eta, read_block_ms=50)
+    return adm, GroupInbox(consumer, adm, batch_size=batch, read_block_ms=50)
 
 
 async def produce(adm: Admission, redis, group, holder: str = "rollout-0") -> str:
@@ -112,7 +113,8 @@ async def test_trained_dropped_and_buffered_groups_are_no_drift(transport_redis,
 
 
 async def test_a_restarted_worker_returns_its_predecessors_leases_and_no_one_elses(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=100, max_head_offpolicyness=1, max_concurrent=4,
+    adm = Admission(transport_redis, NAMES, batch_size=100, staleness=StalenessPolicy.global_budget(1),
+                    max_concurrent=4,
                     lease_seconds=600)
     dead = [await adm.try_acquire("rollout-1") for _ in range(2)]
     other = await adm.try_acquire("rollout-10")  # a name that only starts with the dead worker's

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.api.spec import AlgorithmSpec
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.trainer.inbox import GroupInbox
 from asyncrl.trainer.step.batch import build_batch
@@ -234,7 +235,7 @@ async def _pending_ids(r) -> list[str]:
 
 async def test_poison_group_pending_before_a_restart_is_dead_lettered_and_training_goes_on(transport_redis):
     r = transport_redis
-    admission = Admission(r, NAMES, batch_size=1, max_head_offpolicyness=0, max_concurrent=4)
+    admission = Admission(r, NAMES, batch_size=1, staleness=StalenessPolicy.global_budget(0), max_concurrent=4)
     await admission.set_version(1)  # B=1, eta=0: room for exactly the two groups below
     poison = with_logprob(group(), 1, 2, NAN)
     poison.group_id = "poison"
@@ -252,7 +253,7 @@ async def test_poison_group_pending_before_a_restart_is_dead_lettered_and_traini
 
     # The restarted trainer: a fresh consumer with the same (pod) name, its inbox, B = 1.
     consumer = TrajectoryConsumer(r, NAMES, "trainer-0")
-    inbox = GroupInbox(consumer, admission, batch_size=1, version_bound=0, read_block_ms=100)
+    inbox = GroupInbox(consumer, admission, batch_size=1, read_block_ms=100)
     batch = None
     for _ in range(5):
         await inbox.read()

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.local.redis_server import LocalRedis
 from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
@@ -127,7 +128,7 @@ def make_worker(redis: Any, engine_url: str, *, max_groups: int, engine_outage_s
                        sampling=SamplingParams(max_new_tokens=4), max_concurrent_requests=4,
                        max_retries=2, backoff_s=0.01, backoff_max_s=0.5, heartbeat_s=0.2, log_every_s=60,
                        max_groups=max_groups, engine_outage_s=engine_outage_s)
-    admission = Admission(redis, NAMES, batch_size=4, max_head_offpolicyness=100, max_concurrent=4,
+    admission = Admission(redis, NAMES, batch_size=4, staleness=StalenessPolicy.global_budget(100), max_concurrent=4,
                           lease_seconds=60)
     extra = {} if health is None else {"health": health}
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
-from asyncrl.transport.admission import Admission, admission_capacity, is_too_stale
+from asyncrl.transport.admission import Admission, admission_capacity
 from asyncrl.transport.streams import TrajectoryConsumer
 from tests.support.paths import REPO
 from tests.support.polling import poll
@@ -18,13 +19,14 @@ NAMES = StreamNames.for_job("job")
 
 def test_capacity_rule():
     # AReaL: min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))
-    assert admission_capacity(0, 0, 0, batch_size=4, max_head_offpolicyness=2, max_concurrent=100) == 12
-    assert admission_capacity(1, 10, 2, batch_size=4, max_head_offpolicyness=2, max_concurrent=100) == 4
-    assert admission_capacity(0, 0, 3, batch_size=4, max_head_offpolicyness=2, max_concurrent=3) == 0
+    eta_2 = StalenessPolicy.global_budget(2)
+    assert admission_capacity(0, 0, 0, batch_size=4, staleness=eta_2, max_concurrent=100) == 12
+    assert admission_capacity(1, 10, 2, batch_size=4, staleness=eta_2, max_concurrent=100) == 4
+    assert admission_capacity(0, 0, 3, batch_size=4, staleness=eta_2, max_concurrent=3) == 0
 
 
 async def test_eta_zero_is_synchronous(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=2, staleness=StalenessPolicy.global_budget(0), max_concurrent=10)
     a, b = await adm.try_acquire("pod-a"), await adm.try_acquire("pod-b")
     assert a and b
     assert await adm.try_acquire("pod-a") is None  # B groups of version 0 are running
@@ -41,7 +43,8 @@ async def test_eta_zero_is_synchronous(transport_redis):
 
 
 async def test_max_concurrent_limits_running(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=100, max_head_offpolicyness=4, max_concurrent=2)
+    adm = Admission(transport_redis, NAMES, batch_size=100, staleness=StalenessPolicy.global_budget(4),
+                    max_concurrent=2)
     leases = [await adm.try_acquire(f"p{i}") for i in range(3)]
     assert leases[0] and leases[1] and leases[2] is None
     await adm.release(leases[0], accepted=True)
@@ -49,10 +52,12 @@ async def test_max_concurrent_limits_running(transport_redis):
 
 
 async def test_expired_leases_are_released(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=1, lease_seconds=0.2)
+    adm = Admission(transport_redis, NAMES, batch_size=4, staleness=StalenessPolicy.global_budget(0),
+                    max_concurrent=1, lease_seconds=0.2)
     # The same job's admission with long leases, for pod-b: its lease must outlive the checks below
     # on a loaded machine (with 0.2 s it expired too, and `running` read 0).
-    patient = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=1,
+    patient = Admission(transport_redis, NAMES, batch_size=4, staleness=StalenessPolicy.global_budget(0),
+                        max_concurrent=1,
                         lease_seconds=60)
     crashed = await adm.try_acquire("crashed-pod")
     assert crashed and await patient.try_acquire("pod-b") is None
@@ -67,7 +72,8 @@ async def test_expired_leases_are_released(transport_redis):
 
 
 async def test_renew_extends_the_lease(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=0, max_concurrent=4, lease_seconds=60)
+    adm = Admission(transport_redis, NAMES, batch_size=4, staleness=StalenessPolicy.global_budget(0),
+                    max_concurrent=4, lease_seconds=60)
     lease = await adm.try_acquire("pod")
     before = await transport_redis.zscore(NAMES.admission_leases, lease)
     await poll(lambda: _renewed_later(adm, lease, before))  # server clock moved: expiry moved
@@ -80,7 +86,7 @@ async def _renewed_later(adm: Admission, lease: str, before: float) -> bool:
 
 
 async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=2, staleness=StalenessPolicy.global_budget(0), max_concurrent=10)
     a = await adm.try_acquire("p")
     b = await adm.try_acquire("p")
     assert await adm.release(a, accepted=True)
@@ -95,7 +101,7 @@ async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_r
 
 
 async def test_a_reward_or_episode_failure_is_counted_and_its_unaccepted_lease_gives_the_slot_back(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=1, max_head_offpolicyness=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=1, staleness=StalenessPolicy.global_budget(0), max_concurrent=10)
     for counter in ("reward_failures", "episode_failures", "episode_failures"):
         lease = await adm.try_acquire("p")
         assert await adm.try_acquire("p") is None  # eta 0, B 1: one group per version
@@ -109,7 +115,7 @@ async def test_a_reward_or_episode_failure_is_counted_and_its_unaccepted_lease_g
 async def test_a_group_dropped_before_its_lease_is_released_is_not_counted_twice(transport_redis):
     # A producer XADDs, then releases its lease (accepted + 1). The trainer may read and drop the
     # group in between, at job start while accepted is still 0: the give-back must not be lost.
-    adm = Admission(transport_redis, NAMES, batch_size=2, max_head_offpolicyness=0, max_concurrent=10)
+    adm = Admission(transport_redis, NAMES, batch_size=2, staleness=StalenessPolicy.global_budget(0), max_concurrent=10)
     lease = await adm.try_acquire("p")
     assert await adm.record_dropped(1) == -1  # (published, dropped, not yet released)
     await adm.release(lease, accepted=True)
@@ -119,15 +125,16 @@ async def test_a_group_dropped_before_its_lease_is_released_is_not_counted_twice
     assert await adm.record_dropped(1) == 0
 
 
-def test_is_too_stale_uses_the_oldest_token(make_trajectory_group):
+def test_too_stale_uses_the_oldest_token(make_trajectory_group):
     g = make_trajectory_group("g", version=5)
     g.samples[1].versions[0] = 3  # one token from an older policy (partial rollout)
     assert g.oldest_version() == 3
-    assert is_too_stale(g, current_version=5, version_bound=1)  # 5 - 3 = 2 > 1
-    assert not is_too_stale(g, current_version=5, version_bound=2)
-    assert is_too_stale(g, current_version=6, version_bound=2)
+    assert StalenessPolicy.global_budget(1).too_stale(g.oldest_version(), 5)  # 5 - 3 = 2 > 1
+    assert not StalenessPolicy.global_budget(2).too_stale(g.oldest_version(), 5)
+    assert StalenessPolicy.global_budget(2).too_stale(g.oldest_version(), 6)
+    assert StalenessPolicy.per_sample(1.5).too_stale(g.oldest_version(), 6)  # bound ceil(1.5) = 2
     empty = make_trajectory_group("e", n_tokens=0)
-    assert not is_too_stale(empty, current_version=100, version_bound=0)
+    assert not StalenessPolicy.global_budget(0).too_stale(empty.oldest_version(), 100)
 
 
 PRODUCER_SCRIPT = r"""
@@ -135,6 +142,7 @@ import asyncio, random, sys
 import numpy as np
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
@@ -142,8 +150,9 @@ from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
 async def main(url, holder, events, stop, ratio=""):
     r = await connect(url)
     names = StreamNames.for_job("job")
-    alpha = float(ratio) if ratio else None  # per-sample policy (ROLL's alpha), else eta = 2
-    adm = Admission(r, names, batch_size=4, max_head_offpolicyness=2, max_concurrent=6, async_ratio=alpha)
+    # per-sample policy (ROLL's alpha), else eta = 2
+    policy = StalenessPolicy.per_sample(float(ratio)) if ratio else StalenessPolicy.global_budget(2)
+    adm = Admission(r, names, batch_size=4, staleness=policy, max_concurrent=6)
     producer = TrajectoryProducer(r, names)
     rng = random.Random(holder)
     n = 0
@@ -201,7 +210,8 @@ def check_records(events: list, *, eta: int, batch_size: int, max_concurrent: in
 @pytest.mark.slow
 async def test_three_producer_processes_never_exceed_the_bound(transport_redis, redis_url):
     eta, batch, versions = 2, 4, 6
-    adm = Admission(transport_redis, NAMES, batch_size=batch, max_head_offpolicyness=eta, max_concurrent=6)
+    adm = Admission(transport_redis, NAMES, batch_size=batch, staleness=StalenessPolicy.global_budget(eta),
+                    max_concurrent=6)
     events = await run_three_producers(transport_redis, redis_url, adm, versions=versions)
     peaks = check_records(events, eta=eta, batch_size=batch, max_concurrent=6)
     # not vacuous: the producers filled the bound at every version the trainer saw saturated
@@ -259,21 +269,20 @@ async def run_three_producers(r, redis_url: str, adm: Admission, *, versions: in
 def test_capacity_rule_per_sample():
     # ROLL: ceil(alpha * B) groups ahead of (version + 1) * B; eta is not used
     def cap(version: int, accepted: int, running: int, alpha: float, b: int = 4) -> int:
-        return admission_capacity(version, accepted, running, batch_size=b, max_head_offpolicyness=7,
-                                  max_concurrent=100, async_ratio=alpha)
+        return admission_capacity(version, accepted, running, batch_size=b,
+                                  staleness=StalenessPolicy("per-sample", eta=7, alpha=alpha), max_concurrent=100)
     assert cap(0, 0, 0, 0.5) == 6      # half a batch ahead
     assert cap(0, 0, 0, 1.5) == 10
     assert cap(0, 0, 0, 0.0) == 4      # synchronous
     assert cap(2, 10, 1, 0.5) == 3     # 3 * 4 + 2 - (10 + 1)
     assert cap(0, 0, 0, 0.1, b=30) == 33  # the decimal 0.1, not the float: ceil(3.0000000000000004) would be 4
-    assert cap(1, 8, 0, 1.0) == admission_capacity(1, 8, 0, batch_size=4, max_head_offpolicyness=1,
+    assert cap(1, 8, 0, 1.0) == admission_capacity(1, 8, 0, batch_size=4, staleness=StalenessPolicy.global_budget(1),
                                                    max_concurrent=100)  # integer alpha = eta
 
 
 async def test_fractional_alpha_admits_half_a_batch_ahead(transport_redis):
-    adm = Admission(transport_redis, NAMES, batch_size=4, max_head_offpolicyness=4, max_concurrent=100,
-                    async_ratio=0.5)
-    assert adm.version_bound == 1  # the version bound a producer checks: ceil(0.5)
+    adm = Admission(transport_redis, NAMES, batch_size=4, staleness=StalenessPolicy.per_sample(0.5), max_concurrent=100)
+    assert adm.staleness.version_bound == 1  # the version bound a producer checks: ceil(0.5)
     leases = [await adm.try_acquire("pod") for _ in range(7)]
     assert all(leases[:6]) and leases[6] is None  # B + ceil(0.5 * 4) = 6 of version 0
     for lease in leases[:6]:
@@ -287,8 +296,8 @@ async def test_fractional_alpha_admits_half_a_batch_ahead(transport_redis):
 @pytest.mark.parametrize("ratio, ahead", [("1.5", 6), ("0.5", 2), ("1", 4)])
 async def test_three_producer_processes_keep_to_the_per_sample_bound(transport_redis, redis_url, ratio, ahead):
     batch, versions = 4, 4
-    adm = Admission(transport_redis, NAMES, batch_size=batch, max_head_offpolicyness=2, max_concurrent=6,
-                    async_ratio=float(ratio))
+    adm = Admission(transport_redis, NAMES, batch_size=batch, staleness=StalenessPolicy.per_sample(float(ratio)),
+                    max_concurrent=6)
     events = await run_three_producers(transport_redis, redis_url, adm, versions=versions, ratio=ratio)
     peaks = check_records(events, eta=0, batch_size=batch, max_concurrent=6, ahead=ahead)
     for v in range(versions):  # not vacuous: filled to exactly the bound at every version

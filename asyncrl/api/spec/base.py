@@ -1,14 +1,16 @@
-"""What every model of the AsyncRLJob API shares: the API group, the base models and quantities.
+"""What every model of the AsyncRLJob API shares: the API group, the base models, quantities and
+the CEL rules a model declares for the CRD.
 
-Its own module so that the spec (asyncrl.api.spec) and the pod template overlays it embeds
-(asyncrl.api.spec.pod_template) build on one base without importing each other.
+Its own module so that the spec's parts (asyncrl.api.spec.*) and the pod template overlays they
+embed (asyncrl.api.spec.pod_template) build on one base without importing each other.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -55,6 +57,38 @@ ImageRef = Annotated[str, AfterValidator(check_image), Field(json_schema_extra={
 """A str field holding a container image: validated by `check_image` here and by `pattern` in the CRD."""
 
 
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def builtin_or_plugin(v: str, builtins: tuple[str, ...], what: str) -> str:
+    """`v` when it names a builtin or a `package.module:function` plug-in."""
+    if v in builtins or _PLUGIN.fullmatch(v):
+        return v
+    raise ValueError(f"{v!r} is not a {what}; allowed: {', '.join(builtins)}, or module:function")
+
+
+@dataclass(frozen=True)
+class CelRule:
+    """One CEL rule of the CRD (an `x-kubernetes-validations` entry): the API server's copy of a
+    model's validator, so that `kubectl apply` refuses what `asyncrl validate` refuses.
+
+    A model declares its rules in `__cel_rules__`, beside the validator each one restates; the CRD
+    generator (asyncrl.api.crd) walks the models and puts them at every place the model is used."""
+
+    rule: str
+    """The CEL expression, on `self` = the object at `at`."""
+    message: str
+    """What the API server answers when the rule is false (the validator's message, or its gist)."""
+    at: str = ""
+    """Where the rule sits, relative to the declaring model: "" = on the model itself; a field's wire
+    name (dotted for a nested object, `name[]` for a list's items) for a rule on a list, or on a
+    nested object only where this model holds it."""
+
+    def under(self, at: str) -> CelRule:
+        """The same rule, placed at `at` (relative to the model that declares it)."""
+        return replace(self, at=at)
+
+
 class SpecModel(BaseModel):
     """Base: camelCase aliases, unknown keys are errors, assignment re-validates."""
 
@@ -65,6 +99,10 @@ class SpecModel(BaseModel):
         validate_assignment=True,
         use_attribute_docstrings=True,
     )
+
+    __cel_rules__: ClassVar[tuple[CelRule, ...]] = ()
+    """The model's CEL rules, in the order the CRD lists them (a subclass inherits its base's unless
+    it declares its own)."""
 
     def to_wire(self) -> dict[str, Any]:
         """The camelCase dict as it appears in YAML/the API server (defaults included)."""

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from asyncrl.api.spec.base import SpecModel
+from asyncrl.api.spec.base import CelRule, SpecModel
 
 TB_BETA = 0.012
 TB_BETA_ANNEAL_STEPS = 500
@@ -66,9 +66,15 @@ class BapoSpec(SpecModel):
     step: float = Field(default=0.05, gt=0)
     """Step of both bounds in the search (ratio_lower_step and ratio_upper_step)."""
 
+    __cel_rules__ = (CelRule("(has(self.clipLowStart) ? self.clipLowStart : 0.6)"
+                             " <= (has(self.clipLowMax) ? self.clipLowMax : 0.8)"
+                             " && (has(self.clipHighStart) ? self.clipHighStart : 1.2)"
+                             " <= (has(self.clipHighMax) ? self.clipHighMax : 2.0)",
+                             "each bapo.clip*Start must be <= its bapo.clip*Max"),)
+
     @model_validator(mode="after")
     def _ordered(self) -> BapoSpec:
-        # (the same rule as CEL_RULES' spec.algorithm.bapo entry)
+        # (the same rule as __cel_rules__)
         for side, start, top in (("Low", self.clip_low_start, self.clip_low_max),
                                  ("High", self.clip_high_start, self.clip_high_max)):
             if start > top:
@@ -95,9 +101,13 @@ class VcpoSpec(SpecModel):
     extra backward per trajectory per update; needs aggregation seq-mean-token-mean or
     seq-mean-token-sum-norm, advantageEstimator grpo and one trainer process."""
 
+    __cel_rules__ = (CelRule("(has(self.essScaling) && self.essScaling) || ((!has(self.baseEssRatio)"
+                             " || self.baseEssRatio == 1.0) && (!has(self.scaling) || self.scaling == 'sqrt'))",
+                             "vcpo.baseEssRatio and vcpo.scaling only apply with vcpo.essScaling true"),)
+
     @model_validator(mode="after")
     def _scaling_needs_ess(self) -> VcpoSpec:
-        # (the same rule as CEL_RULES' spec.algorithm.vcpo entry)
+        # (the same rule as __cel_rules__)
         if not self.ess_scaling and (self.base_ess_ratio != 1.0 or self.scaling != "sqrt"):
             raise ValueError(f"vcpo.baseEssRatio {self.base_ess_ratio!r} and vcpo.scaling {self.scaling!r} only "
                              "apply with vcpo.essScaling true; allowed: essScaling true, or baseEssRatio 1.0 and "

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator
 
-from asyncrl.api.spec.base import SpecModel
+from asyncrl.api.spec.base import CelRule, SpecModel
 
 ALL_LINEAR = "all-linear"
 """targetModules' shorthand (PEFT's): every linear layer of the transformer blocks, not the LM head."""
@@ -57,10 +57,13 @@ class LoraSpec(SpecModel):
     ["all-linear"]: every linear layer but the LM head. Checked against the model at start: a name no
     module has fails the job, naming it."""
 
+    __cel_rules__ = (CelRule(f"!has(self.targetModules) || !('{ALL_LINEAR}' in self.targetModules)"
+                             " || size(self.targetModules) == 1", ALL_LINEAR_ALONE),)
+
     @field_validator("target_modules")
     @classmethod
     def _module_names(cls, names: list[str]) -> list[str]:
-        # (the same rules as the CRD: list-type set, and CEL_RULES' entry on spec.trainer.lora)
+        # (the same rules as the CRD: list-type set, and __cel_rules__)
         if ALL_LINEAR in names and len(names) > 1:
             raise ValueError(ALL_LINEAR_ALONE)
         if len(set(names)) != len(names):

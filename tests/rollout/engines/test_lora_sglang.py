@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.api.spec.lora import SGLANG_ALL_LINEAR
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.infra.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
@@ -74,7 +75,7 @@ def make_worker(redis, names, fake, index: int, *, bound: int = 1000) -> Rollout
     cfg = WorkerConfig(job=JOB, engine_id=f"pod-{index}", group_size=2, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=30), max_concurrent_requests=4, backoff_s=0.01,
                        heartbeat_s=0.1, log_every_s=60, rollout_index=index, rollout_replicas=2)
-    admission = Admission(redis, names, batch_size=4, max_head_offpolicyness=bound, max_concurrent=8,
+    admission = Admission(redis, names, batch_size=4, staleness=StalenessPolicy.global_budget(bound), max_concurrent=8,
                           lease_seconds=30)
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=make_engine("sglang", fake.url, adapters=True), redis=redis, prompts=prompts,
@@ -150,7 +151,8 @@ async def test_a_restarted_engine_serves_the_base_until_catch_up_loads_the_curre
     redis, fakes, names = env
     registry = EngineRegistry(redis, names)
     path = adapter_dir(tmp_path / "weights", 2)
-    await Admission(redis, names, batch_size=4, max_head_offpolicyness=0, max_concurrent=8).set_version(2)
+    await Admission(redis, names, batch_size=4, staleness=StalenessPolicy.global_budget(0),
+                    max_concurrent=8).set_version(2)
     await VersionChannel(redis, names).publish(VersionEvent(version=2, weights_path=str(path), time=time.time()))
     worker = make_worker(redis, names, fakes[0], 0, bound=0)
     run = asyncio.create_task(worker.run())

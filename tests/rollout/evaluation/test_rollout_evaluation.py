@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.engines import GenerateResult, SamplingParams
@@ -411,7 +412,8 @@ async def test_a_stopping_worker_is_not_held_by_a_lost_cancellation(rollout_env)
     for a lease for good. The wait is cancelled again until it ends."""
     redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=2, batch=1, eta=0)
-    worker.admission = admission = LosesOneCancellation(redis, names, batch_size=1, max_head_offpolicyness=0,
+    worker.admission = admission = LosesOneCancellation(redis, names, batch_size=1,
+                                                        staleness=StalenessPolicy.global_budget(0),
                                                         max_concurrent=8, lease_seconds=30)
     run = asyncio.create_task(worker.run())
 

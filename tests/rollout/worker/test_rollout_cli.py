@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import connect
@@ -68,7 +69,8 @@ async def test_rollout_command_publishes_and_stops_on_sigterm(redis_url, tmp_pat
         if proc.poll() is None:
             proc.kill()
         fake.stop()
-    snap = await Admission(redis, names, batch_size=2, max_head_offpolicyness=1, max_concurrent=4).snapshot()
+    snap = await Admission(redis, names, batch_size=2, staleness=StalenessPolicy.global_budget(1),
+                           max_concurrent=4).snapshot()
     assert snap.running == 0 and snap.accepted == 4
     assert await EngineRegistry(redis, names).list() == []
     assert "rollout worker stopped" in (tmp_path / "rollout.log").read_text()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.transport.streams import trained_ids
 from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import chat_groups, model_and_tokenizer, publish, redis_query, tiny_model
@@ -220,8 +221,8 @@ async def test_a_lost_read_reply_is_recovered_and_trained_exactly_once(transport
     r, names = transport_redis, _names()
     producer = TrajectoryProducer(r, names)
     consumer = TrajectoryConsumer(r, names, "trainer-0")
-    admission = Admission(r, names, batch_size=2, max_head_offpolicyness=10, max_concurrent=8)
-    inbox = GroupInbox(consumer, admission, batch_size=2, version_bound=10, read_block_ms=50)
+    admission = Admission(r, names, batch_size=2, staleness=StalenessPolicy.global_budget(10), max_concurrent=8)
+    inbox = GroupInbox(consumer, admission, batch_size=2, read_block_ms=50)
     inbox.pending_check_s = 0.0  # the periodic pass at every read
     await producer.publish(make_trajectory_group("a"))
     await inbox.read()
@@ -260,8 +261,8 @@ async def test_entries_a_dead_consumer_left_idle_are_reclaimed_periodically(tran
         await producer.publish(make_trajectory_group(gid))
     assert len(await TrajectoryConsumer(r, names, "trainer-gone").read(2, 100)) == 2  # then it died
     consumer = TrajectoryConsumer(r, names, "trainer-0")
-    admission = Admission(r, names, batch_size=2, max_head_offpolicyness=10, max_concurrent=8)
-    inbox = GroupInbox(consumer, admission, batch_size=2, version_bound=10, read_block_ms=50)
+    admission = Admission(r, names, batch_size=2, staleness=StalenessPolicy.global_budget(10), max_concurrent=8)
+    inbox = GroupInbox(consumer, admission, batch_size=2, read_block_ms=50)
     await inbox.read()
     assert inbox.buffer == []  # not idle long enough yet / not time for a pass
     inbox.pending_check_s, inbox.reclaim_idle_ms = 0.0, 0

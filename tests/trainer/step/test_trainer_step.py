@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.transport.streams import trained_ids
 from tests.support.jobs import JobBuilder
 from tests.support.trainer_support import make_groups, model_and_tokenizer, publish, redis_query
@@ -55,7 +56,8 @@ def test_steps_publish_versions_write_weights_and_ack(tmp_path: Path, redis_url:
 
     async def inspect(r):
         latest = await VersionChannel(r, names).latest()
-        snap = await Admission(r, names, batch_size=2, max_head_offpolicyness=1, max_concurrent=4).snapshot()
+        snap = await Admission(r, names, batch_size=2, staleness=StalenessPolicy.global_budget(1),
+                               max_concurrent=4).snapshot()
         trained = await trained_ids(r, names)
         pending = (await r.xpending(names.trajectories, names.consumer_group))["pending"]
         length = await r.xlen(names.trajectories)

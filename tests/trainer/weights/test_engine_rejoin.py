@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.api.weight_labels import WeightLabel
 from asyncrl.rollout.data.datasets import ArithmeticSource
@@ -49,7 +50,7 @@ def make_worker(redis, names, fake, *, eta: int, max_groups=None, outage_s=180.0
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=4, backoff_s=0.01,
                        backoff_max_s=0.05, engine_outage_s=outage_s, heartbeat_s=0.1, log_every_s=60,
                        max_groups=max_groups)
-    admission = Admission(redis, names, batch_size=100, max_head_offpolicyness=eta, max_concurrent=8,
+    admission = Admission(redis, names, batch_size=100, staleness=StalenessPolicy.global_budget(eta), max_concurrent=8,
                           lease_seconds=30)
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1),
                              lambda item: [ord(c) % 200 + 3 for c in item.question],

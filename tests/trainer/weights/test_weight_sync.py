@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.rollout.data.datasets import ArithmeticSource, PromptItem
 from asyncrl.rollout.data.mixture import Mixture
@@ -55,7 +56,8 @@ def make_worker(redis, names, fake, index: int, *, labelled: bool) -> RolloutWor
     cfg = WorkerConfig(job=JOB, engine_id=f"pod-{index}", group_size=2, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=30), max_concurrent_requests=4, backoff_s=0.01,
                        heartbeat_s=0.1, log_every_s=60, rollout_index=index, rollout_replicas=2)
-    admission = Admission(redis, names, batch_size=4, max_head_offpolicyness=1000, max_concurrent=8, lease_seconds=30)
+    admission = Admission(redis, names, batch_size=4, staleness=StalenessPolicy.global_budget(1000), max_concurrent=8,
+                          lease_seconds=30)
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), render, RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=lambda ids: " ".join(map(str, ids)),
                          admission=admission, names=names)
@@ -86,7 +88,8 @@ async def test_one_update_per_engine_per_version_and_none_from_workers(env, tmp_
         assert result.engines == 2
         for fake in fakes:
             fake.state.token_delay = TOKEN_S
-        await Admission(redis, names, batch_size=4, max_head_offpolicyness=1000, max_concurrent=8).set_version(v)
+        await Admission(redis, names, batch_size=4, staleness=StalenessPolicy.global_budget(1000),
+                        max_concurrent=8).set_version(v)
 
     async def tagged_latest():  # groups generated on the newest weights are being published
         groups = [decode_group(f[b"data"]) for _, f in await redis.xrange(names.trajectories)]
