@@ -92,8 +92,9 @@ def step_worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.lora import trainable_parameters
+    from asyncrl.trainer.run_config import RunConfig
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

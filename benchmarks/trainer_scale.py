@@ -134,7 +134,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from asyncrl.infra.hf_models import torch_dtype
     from asyncrl.trainer import distributed as D
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     torch.set_num_threads(args.threads)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

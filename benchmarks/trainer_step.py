@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.step.plan import plan_microbatches, sequences_with_advantages
 
     torch.set_num_threads(args.threads)

@@ -328,9 +328,10 @@ def build_trainer(job: AsyncRLJob, args: argparse.Namespace, runtime: Runtime, c
     from asyncrl.api.status_report import TrainerReport
     from asyncrl.infra.hf_models import load_causal_lm, load_tokenizer, torch_dtype
     from asyncrl.trainer import distributed as D
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.lora import trainable_parameters
     from asyncrl.trainer.report.metrics_file import truncate_metrics
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.state.checkpoint import latest_checkpoint, load_checkpoint, model_identity
 
     job = with_overrides(job, args)

@@ -3,7 +3,8 @@ fail on a forbidden import; and the operator (a small image without torch) never
 
 The contracts (scripts/check_imports.py runs them; scripts/test.sh before the tests):
   packages   cli > local | commands > operator | trainer | rollout > transport > api > infra
-  trainer    main > loop > weights > evaluation > inbox | lora | report > state | step > distributed,
+  trainer    main > loop > weights > evaluation > inbox | lora | report > state | step >
+             distributed | run_config,
              and of rollout only rollout.engines (it owns weight sync to the engines)
   rollout    main > worker > evaluation > episodes > generation > data > rewards > engines
   operator   never torch, transformers or safetensors

@@ -218,8 +218,9 @@ def run_trainer_on_groups(tmp_path: Path, redis_url: str, job: Any, groups: list
     from asyncrl.api.runtime import Runtime
     from asyncrl.api.stream_names import StreamNames
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
 
     name = job.metadata.name
     publish(redis_url, name, groups)

@@ -87,8 +87,9 @@ class Life:
     def __init__(self, tmp: Path, job: AsyncRLJob, io: Any, trackers: RecordingTrackers | None = None) -> None:
         from asyncrl.api.status_report import TrainerReport
         from asyncrl.trainer.distributed import DistContext
-        from asyncrl.trainer.loop import RunConfig, Trainer
+        from asyncrl.trainer.loop import Trainer
         from asyncrl.trainer.report.metrics_file import truncate_metrics
+        from asyncrl.trainer.run_config import RunConfig
         from asyncrl.trainer.state.checkpoint import latest_checkpoint, load_checkpoint
 
         _, tok = model_and_tokenizer()

@@ -22,7 +22,8 @@ JOB = "t-numerics"
 def _trainer(tmp_path: Path, job: Any) -> Any:
     """A single-process Trainer on a fresh copy of the model with AdamW (no Redis: batches are fed)."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     base, tok = model_and_tokenizer()
     model = type(base)(base.config)
@@ -215,7 +216,8 @@ def test_a_non_finite_loss_is_shown_as_zero_in_the_strict_json_report() -> None:
     """A step whose loss was NaN (its updates were skipped) must not break /status (strict JSON)."""
     from asyncrl.api.status_report import StepMetrics
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     trainer = Trainer(JobBuilder.small(name=JOB).job(), RunConfig(engine_kind="hf"), DistContext(), None, None, None)
     nan = float("nan")

@@ -156,8 +156,9 @@ async def test_a_resumed_trainer_counts_what_its_checkpoint_trained_and_reports_
 
     from asyncrl.api.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.state.checkpoint import TrainerState
     from tests.support.trainer_support import model_and_tokenizer, tiny_model
 

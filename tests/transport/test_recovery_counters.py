@@ -29,8 +29,9 @@ async def test_counters_add_up_and_refuse_unknown_names(transport_redis):
 async def test_the_trainer_counts_its_restarts_and_engines_coming_back(tmp_path, redis_url):
     from asyncrl.api.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
 
     job = JobBuilder.small(name="counted", batch_size=2).job()
     runtime = Runtime(redis_url=redis_url, weights_dir=tmp_path / "w", checkpoint_dir=tmp_path / "c",

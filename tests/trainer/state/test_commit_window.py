@@ -43,7 +43,8 @@ def _runtime(tmp_path: Path, redis_url: str) -> Any:
 def _trainer(tmp_path: Path, job: Any, io: Any) -> Any:
     """What `trainer.main.build_trainer` does, on the tiny model: resume from the newest checkpoint."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.state.checkpoint import latest_checkpoint, load_checkpoint
 
     _, tok = model_and_tokenizer()

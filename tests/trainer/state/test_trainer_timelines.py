@@ -48,8 +48,9 @@ def _resume(tmp_path: Path, redis_url: str, groups: list[Any], state: TrainerSta
 
     from asyncrl.api.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
 
     job = JobBuilder.small(name=JOB, batch_size=2, max_steps=max_steps, checkpoint_interval=1).job()
     publish(redis_url, JOB, groups)

@@ -152,7 +152,8 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(impl: str, monkeypa
 def _trainer(job: Any) -> Any:
     """A single-process Trainer on a fresh copy of the model; SGD at lr 0 keeps the weights."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     base, tok = model_and_tokenizer()
     model = type(base)(base.config)

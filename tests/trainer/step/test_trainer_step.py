@@ -154,7 +154,8 @@ def test_over_stale_groups_are_dropped_counted_and_acked(tmp_path: Path, redis_u
 def test_micro_batches_give_the_exact_token_mean(tmp_path: Path) -> None:
     """Splitting a minibatch into small micro-batches changes neither the loss nor the gradient."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.step.plan import plan_step, sequences_with_advantages
 
     groups = make_groups(JOB, 2, version=0, max_len=12)
@@ -232,7 +233,8 @@ def test_each_objective_trains(tmp_path: Path, objective: str) -> None:
     import numpy as np
 
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
     from tests.support.trainer_support import own_behaviour_groups, tiny_model
 
     _, tok = model_and_tokenizer()

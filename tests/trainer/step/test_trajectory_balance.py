@@ -195,7 +195,8 @@ def test_tb_settings_need_tb_and_one_trainer_process() -> None:
 
 def _trainer(model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer, **algorithm: object):
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     _, tok = model_and_tokenizer()
     job = JobBuilder.small(name=JOB, batch_size=2,

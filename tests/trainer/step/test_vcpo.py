@@ -106,7 +106,8 @@ def _stale_groups(model: torch.nn.Module) -> list:
 def test_trainer_step_takes_the_scaled_step() -> None:
     """With plain SGD, VCPO's update is the plain update times the reported scale; the lr is restored."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     _, tok = model_and_tokenizer()
     deltas, records, optimizers = [], [], []
@@ -135,8 +136,9 @@ def test_trainer_step_takes_the_scaled_step() -> None:
 def test_two_real_steps_with_vcpo_adamw(tmp_path: Path) -> None:
     """Two AdamW steps with vcpo on train, and the scale reaches the step's metrics.jsonl line."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.report.metrics_file import append_metrics_line
+    from asyncrl.trainer.run_config import RunConfig
 
     _, tok = model_and_tokenizer()
     model = tiny_model()
@@ -208,7 +210,8 @@ def test_trainer_step_uses_the_gradient_weighted_baseline() -> None:
     at advantage 1 is -grad sum_t log pi): the advantages the trainer trains with are the OPOB ones
     computed here independently from the model's per-sequence gradient norms."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.trainer.step.logprobs import token_logprobs
 
     _, tok = model_and_tokenizer()
@@ -252,7 +255,8 @@ def test_baseline_with_the_decoupled_loss_and_stale_data(proximal: str) -> None:
     """Stale behaviour log-probs (weights away from 1) under the decoupled loss, with VCPO's lr scale
     too: the step trains (finite loss and weights), and the baselines moved off the plain means."""
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
+    from asyncrl.trainer.run_config import RunConfig
 
     _, tok = model_and_tokenizer()
     model = tiny_model()

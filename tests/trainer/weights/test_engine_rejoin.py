@@ -201,8 +201,9 @@ async def test_a_failing_engine_is_fenced_and_training_goes_on(tmp_path: Path, r
 
     from asyncrl.api.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
     from tests.support.trainer_support import model_and_tokenizer, tiny_model
 
     _, _, fakes = env

@@ -28,8 +28,9 @@ async def _lagged_run(tmp_path: Path, redis_url: str, lag: int, fake: FakeSGLang
     """STEPS trainer steps; before each, the "rollout" makes a batch on the version the engine serves."""
     from asyncrl.api.runtime import Runtime
     from asyncrl.trainer.distributed import DistContext
-    from asyncrl.trainer.loop import RunConfig, Trainer
+    from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.main import connect_io
+    from asyncrl.trainer.run_config import RunConfig
     from asyncrl.transport.streams import TrajectoryConsumer, TrajectoryProducer
 
     job = JobBuilder.small(name=f"lag{lag}", batch_size=2, eta=2, max_steps=STEPS, trainer={"weightSyncLag": lag}).job()
