@@ -6,8 +6,9 @@ heavy-tailed time (Pareto, shape 1.5: most calls are quick, a few are many times
 shape of search, code execution and web tools. The call is written by the episode, not parsed from
 the model (a 135M model rarely writes one), so every episode spends the same share in tools.
 
-Settings from the environment (the rollout worker's): ASYNCRL_BENCH_TOOL_MEDIAN_S (default 1.5),
-ASYNCRL_BENCH_TOOL_CAP_S (default 20).
+Settings from the environment (the rollout worker's): BENCH_EPISODE_TOOL_MEDIAN_S (default 1.5),
+BENCH_EPISODE_TOOL_CAP_S (default 20). (Not ASYNCRL_-prefixed: `asyncrl run` does not pass those on
+to the processes it starts.)
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ async def lookup(key: str) -> str:
     Args:
         key: What to look up.
     """
-    median = float(os.environ.get("ASYNCRL_BENCH_TOOL_MEDIAN_S", "1.5"))
-    cap = float(os.environ.get("ASYNCRL_BENCH_TOOL_CAP_S", "20"))
+    median = float(os.environ.get("BENCH_EPISODE_TOOL_MEDIAN_S", "1.5"))
+    cap = float(os.environ.get("BENCH_EPISODE_TOOL_CAP_S", "20"))
     await asyncio.sleep(tool_delay(_RNG, median, cap))
     return f"{key}: see the question"
 

@@ -89,10 +89,10 @@ def main() -> int:
     job, batch, group = workload_job(args.job, base / "job.yaml", args.group_size)
     # (the rollout worker imports episode_workload, and reads the tool's latency, from its environment)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), os.environ.get("PYTHONPATH", "")) if p)
-    os.environ["ASYNCRL_BENCH_TOOL_MEDIAN_S"] = str(args.tool_median_s)
+    os.environ["BENCH_EPISODE_TOOL_MEDIAN_S"] = str(args.tool_median_s)
     sync = episode_figures(run(job, 0, args.steps, args.seed, base / "sync", extra), batch, group)
     asyn = episode_figures(run(job, args.async_eta, args.steps, args.seed, base / "async", extra), batch, group)
-    out: dict[str, Any] = {"job": "examples/local-agent.yaml + benchmarks/episode_workload.py", "steps": args.steps,
+    out: dict[str, Any] = {"job": f"{args.job} + benchmarks/episode_workload.py", "steps": args.steps,
                            "seed": args.seed, "async_eta": args.async_eta, "tool_median_s": args.tool_median_s,
                            "batch_size": batch, "group_size": group}
     for name, figs in (("sync", sync), ("async", asyn)):

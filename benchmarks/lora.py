@@ -167,7 +167,7 @@ async def sync_figures(args: argparse.Namespace, work: Path) -> dict[str, dict[s
         models, urls = {}, {}
         for mode in MODES:
             (work / mode).mkdir()
-            proc, urls[mode] = start_engine("hf", work / mode)
+            proc, urls[mode] = start_engine("hf", work / mode, args.model)
             procs.append(proc)
             model = load_causal_lm(args.model, dtype="float32", device="cpu")
             models[mode] = adapted(model, args) if mode == "lora" else model

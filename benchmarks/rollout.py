@@ -1,6 +1,6 @@
 """Rollout worker throughput vs the same engine driven directly, in one run (prints one JSON object).
 
-    .venv/bin/python benchmarks/rollout.py [--engine hf|vllm] [--prompts 4] [--group-size 4]
+    .venv/bin/python benchmarks/rollout.py [--engine hf|vllm] [--model M] [--prompts 4] [--group-size 4]
         [--max-new-tokens 16] [--rounds 2] [--updates 2]
 
 Both paths send the same rendered prompts (builtin:arithmetic, chat template) with the same
@@ -40,21 +40,21 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL = "embedded:SmolLM2-135M-Instruct"
 
 
-def start_engine(kind: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(kind: str, workdir: Path, model: str = MODEL) -> tuple[subprocess.Popen, str]:
     from asyncrl.api.engine_servers import VLLM_SERVER_ENV, vllm_server_command
     from asyncrl.infra.hf_models import resolve_model_path
 
     port = free_port()
     log = (workdir / f"{kind}.log").open("wb")
     if kind == "hf":
-        cmd = [sys.executable, "-m", "asyncrl.cli", "engine", "--model", MODEL, "--port", str(port),
+        cmd = [sys.executable, "-m", "asyncrl.cli", "engine", "--model", model, "--port", str(port),
                "--max-batch-size", "64"]
         env = dict(os.environ)
     else:
         python = REPO / ".venv-vllm" / "bin" / "python"
         if not python.exists():
             raise SystemExit("vLLM is not installed: bash scripts/install-vllm.sh")
-        cmd = vllm_server_command(str(python), resolve_model_path(MODEL), host="127.0.0.1", port=port,
+        cmd = vllm_server_command(str(python), resolve_model_path(model), host="127.0.0.1", port=port,
                                   dtype="bfloat16", eager=True,
                                   extra=["--max-model-len", "1024", "--served-model-name", "smol"])
         env = dict(os.environ, **VLLM_SERVER_ENV, VLLM_CPU_KVCACHE_SPACE="1")
@@ -146,7 +146,7 @@ async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
     from asyncrl.rollout.data.prompts import PromptRenderer
     from asyncrl.rollout.engines import SamplingParams, make_engine
 
-    tok = load_tokenizer(MODEL)
+    tok = load_tokenizer(args.model)
     renderer = PromptRenderer(tok)
     source = ArithmeticSource(seed=0, difficulty=1)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0,
@@ -170,7 +170,7 @@ async def bench(args: argparse.Namespace, url: str, redis_url: str) -> dict:
                                                    concurrency)
                 worker.append(tokens / secs)
     d, w = statistics.mean(direct), statistics.mean(worker)
-    result = {"engine": args.engine, "prompts": args.prompts, "group_size": args.group_size,
+    result = {"engine": args.engine, "model": args.model, "prompts": args.prompts, "group_size": args.group_size,
               "max_new_tokens": args.max_new_tokens, "concurrency": concurrency, "rounds": args.rounds,
               "direct_tokens_per_s": round(d, 1), "worker_tokens_per_s": round(w, 1),
               "worker_over_engine": round(w / d, 3),
@@ -190,7 +190,7 @@ async def sync_pass(args: argparse.Namespace, engine, url: str, redis_url: str, 
     from asyncrl.trainer.weights.engine_update import update_engines
     from asyncrl.transport.versions import EngineRegistry
 
-    weights = Path(resolve_model_path(MODEL))  # the same weights again: what is measured is the cycle
+    weights = Path(resolve_model_path(args.model))  # the same weights again: what is measured is the cycle
     durations: list[float] = []
     during_pass = 0
 
@@ -237,6 +237,7 @@ class _Offset:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--model", default=MODEL, help=f"model the engine serves (default {MODEL})")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -250,7 +251,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="asyncrl-bench-") as tmp:
         workdir = Path(tmp)
         redis = LocalRedis(workdir / "redis").start()
-        proc, url = start_engine(args.engine, workdir)
+        proc, url = start_engine(args.engine, workdir, args.model)
         try:
             result = asyncio.run(bench(args, url, redis.url))
         finally:

@@ -176,10 +176,10 @@ def worker(args: argparse.Namespace) -> None:
         record = trainer.train_step(groups)
         sync()
         seconds.append(time.perf_counter() - t0)
-        losses.append(record["loss"])
+        losses.append(record.loss)
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else _cpu_memory("VmHWM") - baseline
     figures = {"rank": rank, "peak_bytes": peak, "held_bytes": held_bytes(model, optimizer),
-               "step_s": seconds, "losses": losses, "tokens": record["tokens"]}
+               "step_s": seconds, "losses": losses, "tokens": record.tokens}
     Path(args.out, f"{args.worker}-{rank}.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
 

@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_micro = plan_microbatches(lengths, args.micro_batch_tokens)  # (the trainer's padded plan)
     steps: dict[str, Callable[[], float]] = {
         "bare": lambda: bare_step(model, optimizer, seqs, bare_micro, args.device),
-        **{mode: (lambda t=t: float(t.train_step(groups)["padding_fraction"])) for mode, t in trainers.items()}}
+        **{mode: (lambda t=t: t.train_step(groups).padding_fraction) for mode, t in trainers.items()}}
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     for mode, step in steps.items():  # warm-up: allocator, AdamW state, kernels

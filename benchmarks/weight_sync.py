@@ -47,6 +47,7 @@ from rollout import MODEL, start_engine
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=1, help="hf engine servers to update")
+    p.add_argument("--model", default=MODEL, help=f"model served and published (default {MODEL})")
     p.add_argument("--reps", type=int, default=3, help="timed versions per transport (median)")
     p.add_argument("--bucket-mb", type=int, default=256, help="collective bucket size (MiB)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -98,12 +99,12 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         urls = []
         for i in range(args.engines):
-            proc, url = start_engine("hf", work)
+            proc, url = start_engine("hf", work, args.model)
             procs.append(proc)
             urls.append(url)
             log(f"engine {i} at {url}")
-        model = load_causal_lm(MODEL, dtype="float32", device="cpu")
-        tokenizer = load_tokenizer(MODEL)
+        model = load_causal_lm(args.model, dtype="float32", device="cpu")
+        tokenizer = load_tokenizer(args.model)
         dtype = torch_dtype(args.dtype)
         weights = work / "weights"
         tensors = {name: t.detach().to(dtype).contiguous() for name, t in published_tensors(model)}
@@ -150,7 +151,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         med = {k: statistics.median(v) for k, v in times.items()}
         med["raw"] = med["raw_write"] + med["raw_read"] * args.engines  # one write, one read per engine
         return {
-            "model": MODEL, "dtype": args.dtype, "bytes": nbytes, "engines": args.engines, "reps": args.reps,
+            "model": args.model, "dtype": args.dtype, "bytes": nbytes, "engines": args.engines, "reps": args.reps,
             "bucket_mb": args.bucket_mb, "write_s": round(med["write"], 4), "disk_update_s": round(med["disk"], 4),
             "collective_update_s": round(med["collective"], 4), "raw_write_s": round(med["raw_write"], 4),
             "raw_read_s": round(med["raw_read"], 4), "raw_write_read_s": round(med["raw"], 4),

@@ -159,6 +159,15 @@ def tiny_model() -> Any:
     return model
 
 
+def write_tiny_model(path: Path) -> Path:
+    """`tiny_model()` with the real tokenizer as an HF directory at `path`, for what loads a model by
+    path (`asyncrl run`, `asyncrl engine`, the benchmarks' `--model`)."""
+    _, tok = model_and_tokenizer()
+    tiny_model().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def chat_groups(job: str, count: int) -> list[Any]:
     """`count` small groups (a chat prompt, 2-6 random response tokens per sample; rewards vary)."""
     from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
