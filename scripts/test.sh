@@ -5,22 +5,42 @@
 # tests (about 2 minutes on 2 cores once set up; no control plane, no test tools, no vLLM).
 #
 # Without arguments every test that needs no control-plane binaries runs first (unit, integration
-# and the cluster tests on the emulator), on two pytest-xdist workers, while the control plane
+# and the cluster tests that start no binaries), on two pytest-xdist workers, while the control plane
 # compiles from source at the lowest CPU priority (cold: ~23 CPU-minutes, soaked up by whatever
 # CPU those tests leave); the tests marked `control_plane` run once it is built. With arguments,
 # pytest waits for the build and runs once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# One pytest run; exit code 5 (nothing collected) is a failure here, never a vacuous pass.
+# --durations: the 30 slowest tests at the end, so where CI time goes is on record in every run.
+# Two pytest-xdist workers, a whole test file each at a time (--dist loadfile: a module's fixtures
+# are built once), heaviest files first (the order tests/conftest.py gives, which xdist would
+# otherwise replace by "most tests first"); ASYNCRL_TEST_WORKERS=0 runs in one process.
+workers="${ASYNCRL_TEST_WORKERS:-2}"
+run_pytest() {
+  local rc=0
+  .venv/bin/python -m pytest -ra --durations=30 -n "$workers" --dist loadfile --no-loadscope-reorder "$@" \
+    || rc=$?
+  if [ "$rc" = 5 ]; then
+    echo "test.sh: pytest collected no tests ($*): that is a failure here" >&2
+    rc=1
+  fi
+  return "$rc"
+}
+
+# Convert the embedded model once, before tests that load it run.
+convert_model() {
+  .venv/bin/python -c "from asyncrl.infra.hf_models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+}
+
 if [ "${1:-}" = "--fast" ]; then
   shift
   bash scripts/setup.sh
-  .venv/bin/python -c "from asyncrl.infra.hf_models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+  convert_model
   bash scripts/static-checks.sh
-  rc=0
-  .venv/bin/python -m pytest -q -n "${ASYNCRL_TEST_WORKERS:-2}" -m unit "$@" || rc=$?
-  if [ "$rc" = 5 ]; then echo "test.sh: pytest collected no tests: that is a failure here" >&2; rc=1; fi
-  exit "$rc"
+  run_pytest -m unit "$@"
+  exit
 fi
 
 k8s_log=$(mktemp)
@@ -42,8 +62,7 @@ wait_for_control_plane() {
 # The cluster tests run against the control plane just built: missing, they fail (not skip).
 export ASYNCRL_REQUIRE_CONTROL_PLANE="${ASYNCRL_REQUIRE_CONTROL_PLANE:-1}"
 export PATH="$PWD/.tools/bin:$PATH"
-# Convert the embedded model once, before tests that load it run.
-.venv/bin/python -c "from asyncrl.infra.hf_models import resolve_model_path as r; r('embedded:SmolLM2-135M-Instruct')"
+convert_model
 # Static checks first (seconds): lint, types, dead code and the import layers, as the README promises.
 if [ "$#" = 0 ]; then
   bash scripts/static-checks.sh
@@ -56,23 +75,6 @@ echo "test.sh: ${free_mb} MB free in $tmp"
 if [ "$free_mb" -lt 8000 ]; then
   echo "test.sh: warning: under 8 GB free in $tmp; the trainer tests write up to ~4 GB at once" >&2
 fi
-
-# One pytest run; exit code 5 (nothing collected) is a failure here, never a vacuous pass.
-# --durations: the 30 slowest tests at the end, so where CI time goes is on record in every run.
-# Two pytest-xdist workers, a whole test file each at a time (--dist loadfile: a module's fixtures
-# are built once), heaviest files first (the order tests/conftest.py gives, which xdist would
-# otherwise replace by "most tests first"); ASYNCRL_TEST_WORKERS=0 runs in one process.
-workers="${ASYNCRL_TEST_WORKERS:-2}"
-run_pytest() {
-  local rc=0
-  .venv/bin/python -m pytest -ra --durations=30 -n "$workers" --dist loadfile --no-loadscope-reorder "$@" \
-    || rc=$?
-  if [ "$rc" = 5 ]; then
-    echo "test.sh: pytest collected no tests ($*): that is a failure here" >&2
-    rc=1
-  fi
-  return "$rc"
-}
 
 if [ "$#" = 0 ]; then
   rc=0

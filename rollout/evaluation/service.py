@@ -32,7 +32,7 @@ from asyncrl.rollout.rewards.functions import Scorer
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.evaluation import EvalChannel, EvalRequest
 
-log = logging.getLogger("asyncrl.rollout.worker.worker")
+log = logging.getLogger("asyncrl.rollout.worker")
 
 
 @dataclass

@@ -53,7 +53,7 @@ from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.versions import EngineInfo, EngineRegistry, EngineWeights, VersionChannel
 
-log = logging.getLogger("asyncrl.rollout.worker.worker")
+log = logging.getLogger("asyncrl.rollout.worker")
 
 WEIGHTS_POLL_S = 0.5
 """How often a worker waiting for usable weights (wait_for_weights) looks at its engine again."""

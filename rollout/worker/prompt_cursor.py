@@ -20,7 +20,7 @@ from typing import Any
 from asyncrl.api.stream_names import StreamNames
 from asyncrl.rollout.data.datasets import ShardCursor
 
-log = logging.getLogger("asyncrl.rollout.worker.worker")
+log = logging.getLogger("asyncrl.rollout.worker")
 
 
 def cursor_key(names: StreamNames, index: int, replicas: int) -> str:

@@ -59,7 +59,7 @@ from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.versions import EngineRegistry, VersionChannel
 
-log = logging.getLogger("asyncrl.rollout.worker.worker")
+log = logging.getLogger("asyncrl.rollout.worker")
 
 SIDE_TASK_STOP_S = 10.0
 """How long a stopping worker waits for its heartbeat, progress, version-following and evaluator tasks."""

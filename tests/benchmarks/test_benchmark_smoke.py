@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.bench_support import BENCHMARKS
 from tests.support.jobs import JobBuilder
 from tests.support.paths import REPO
 
-BENCHMARKS = REPO / "benchmarks"
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 NO_TRL = f"needs Hugging Face TRL in {TRL_PYTHON.parent.parent} (bash scripts/setup-trl.sh)"
 

@@ -11,10 +11,9 @@ import pytest
 import yaml
 
 from asyncrl.api.loader import load_job, parse_job
-from tests.support.bench_support import load_benchmark
+from tests.support.bench_support import BENCHMARKS, load_benchmark
 from tests.support.paths import REPO
 
-BENCHMARKS = REPO / "benchmarks"
 LOCAL = REPO / "examples" / "local.yaml"
 LEVELS = [0, 2, 8]
 

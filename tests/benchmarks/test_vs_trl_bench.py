@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.api.loader import load_job, load_jobs_text
-from tests.support.bench_support import load_benchmark
+from tests.support.bench_support import BENCHMARKS, load_benchmark
 from tests.support.paths import REPO
-
-BENCHMARKS = REPO / "benchmarks"
-
 
 vs = load_benchmark("vs_trl")
 peer = load_benchmark("trl_peer")

@@ -244,7 +244,7 @@ async def test_the_worker_serves_an_evaluation_beside_training(rollout_env, capl
     async def groups() -> int:
         return await redis.xlen(names.trajectories)
 
-    caplog.set_level("INFO", logger="asyncrl.rollout.worker.worker")
+    caplog.set_level("INFO", logger="asyncrl.rollout.worker")
     async with running(worker):
         await poll(lambda: _at_least(groups, 2), what="the first two groups")
         assert await channel.request(0)

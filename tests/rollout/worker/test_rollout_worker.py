@@ -135,7 +135,7 @@ async def test_untrainable_groups_are_dropped_not_published(rollout_env, caplog)
     passed over), so it can neither crash the trainer nor hold an admission slot."""
     redis, fake, names = rollout_env
     worker = make_worker(redis, fake, names, n=2, max_groups=2, engine=NaNLogprobEngine(fake.url))
-    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker.worker"):
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
         stats = await asyncio.wait_for(worker.run(), 30)
     assert stats.groups_published == 0 and stats.groups_dropped == stats.groups_invalid == 2
     assert await redis.xlen(names.trajectories) == 0
@@ -161,7 +161,7 @@ async def test_a_group_whose_reward_fails_is_dead_lettered_never_published(rollo
 
     scorer = RewardScorer(verifier, 5.0, name="verifier", retries=1, on_error="drop")
     worker = make_worker(redis, fake, names, n=2, max_groups=6, scorer=scorer)
-    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker.worker"):
+    with caplog.at_level("WARNING", logger="asyncrl.rollout.worker"):
         stats = await asyncio.wait_for(worker.run(), 30)
     items = [worker.prompts.pick(i)[1] for i in range(6)]
     answers = {item.prompt_id: item.answer for item in items}
