@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -46,10 +46,10 @@ from asyncrl.rollout.generation.groups import (
     FailedEpisodes,
     GroupGenerator,
     InvalidGroup,
-    Sample,
     UnscoredGroup,
     all_or_none,
 )
+from asyncrl.rollout.generation.producer import Answer, GroupProducer, SingleTurn, Turns
 from asyncrl.rollout.rewards.functions import RewardFailed, Scorer
 from asyncrl.transport.content import check_group
 from asyncrl.transport.wire import EpisodeStats, TrajectoryGroup, TrajectorySample
@@ -110,6 +110,15 @@ class EpisodeRunner:
     def close(self) -> None:
         if self.toolbox is not None:
             self.toolbox.close()
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        return self.toolbox.schemas if self.toolbox is not None else None
+
+    async def answer(self, turns: Turns, item: PromptItem, render: Callable[[PromptItem], list[int]],
+                     scorer: Scorer) -> Answer:
+        """One evaluation episode (tried once: what its turns raise, e.g. an abort, ends it)."""
+        ep = await self.run(WorkerEpisodeContext(self, turns, item, render, scorer))
+        return Answer(len(ep.ids), float(ep.reward or 0.0))
 
     async def group(self, generator: GroupGenerator, item: PromptItem, lane: Lane) -> TrajectoryGroup:
         """The prompt's trainable group of episodes; raises Dropped (the engine failed past its budget),
@@ -217,16 +226,6 @@ def _filled(labels: list[int | None], fallback: int) -> list[int]:
     return out
 
 
-class Turns(Protocol):
-    """Where an episode's model turns come from: the rollout worker's GroupGenerator (continued across
-    aborts, labelled per token), or an evaluation's engine (rollout/evaluation/run_pass.py)."""
-
-    max_new_tokens: int
-    """One turn's budget (algorithm.maxNewTokens, or the evaluation's)."""
-
-    async def sample(self, prompt_ids: list[int], budget: int | None = None) -> Sample: ...
-
-
 class WorkerEpisodeContext(EpisodeContext):
     """One episode's context on a rollout worker: its turns' source, its prompt's rendering and reward."""
 
@@ -300,15 +299,10 @@ class WorkerEpisodeContext(EpisodeContext):
         return results
 
 
-def tool_schemas(episodes: EpisodeRunner | None) -> list[dict[str, Any]] | None:
-    """The JSON schemas of the job's tools, for its prompts (None: no tools)."""
-    return episodes.toolbox.schemas if episodes is not None and episodes.toolbox is not None else None
-
-
-def episodes_for(rollout: RolloutSpec, tokenizer: object, renderer: PromptRenderer) -> EpisodeRunner | None:
-    """The job's multi-turn episode (None: single-turn); raises EpisodeError naming the field at fault."""
+def group_producer(rollout: RolloutSpec, tokenizer: object, renderer: PromptRenderer) -> GroupProducer:
+    """The job's producer: its multi-turn episode, or SingleTurn; raises EpisodeError naming the field at fault."""
     if not rollout.multi_turn():
-        return None
+        return SingleTurn(renderer.decode)
     try:
         fn = resolve_episode(rollout.episode)
     except EpisodeError as exc:

@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from asyncrl.api.status_report import EvalRecord
     from asyncrl.rollout.data.prompts import PromptRenderer
     from asyncrl.rollout.engines.hf_engine import HFEngine
-    from asyncrl.rollout.episodes.runner import EpisodeRunner
     from asyncrl.rollout.evaluation.run_pass import EvalPart
+    from asyncrl.rollout.generation.producer import GroupProducer
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -269,7 +269,7 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     from asyncrl.rollout.evaluation.run_pass import eval_sources
 
     spec = plan.spec
-    parts, episodes, renderer, model_dir, adapter = _prepare(plan)
+    parts, producer, renderer, model_dir, adapter = _prepare(plan)
     device = _device(device)
     if threads:
         torch.set_num_threads(threads)
@@ -283,11 +283,10 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
               f"from {data}", highlight=False, soft_wrap=True)
     engine = _load_engine(plan, model_dir, adapter, dtype=dtype, device=device, seed=seed)
     try:
-        record = _answer(plan, engine, parts, renderer, episodes, device=device, console=err)
+        record = _answer(plan, engine, parts, renderer, producer, device=device, console=err)
     finally:
         engine.close()
-        if episodes is not None:
-            episodes.close()
+        producer.close()
         for scorer in {id(part.scorer): part.scorer for part in parts}.values():
             scorer.close()
     first = eval_sources(spec)[0][1]
@@ -296,13 +295,14 @@ def run_plan(plan: EvalPlan, *, device: str, dtype: str | None, seed: int, threa
     return {**record.model_dump(), "model": plan.model, "dataset": first.source, "split": first.split}
 
 
-def _prepare(plan: EvalPlan) -> tuple[list[EvalPart], EpisodeRunner | None, PromptRenderer, str, str | None]:
-    """The evaluation's parts with their prompt rendering, the job's episodes (None: single-turn),
+def _prepare(plan: EvalPlan) -> tuple[list[EvalPart], GroupProducer, PromptRenderer, str, str | None]:
+    """The evaluation's parts with their prompt rendering, how an answer is made (the job's episode),
     the renderer and the model: everything that can fail on the user's input, before the model loads."""
     from asyncrl.api.spec import DatasetSpec
     from asyncrl.rollout.data.prompts import PromptRenderer
-    from asyncrl.rollout.episodes.runner import EpisodeError, episodes_for, tool_schemas
+    from asyncrl.rollout.episodes.runner import EpisodeError, group_producer
     from asyncrl.rollout.evaluation.run_pass import eval_prompt_format, eval_sources
+    from asyncrl.rollout.generation.producer import SingleTurn
 
     parts = _load_parts(plan)
     model_dir, adapter = check_model_dir(plan.model)
@@ -310,16 +310,17 @@ def _prepare(plan: EvalPlan) -> tuple[list[EvalPart], EpisodeRunner | None, Prom
     training = DatasetSpec(prompt_template=plan.prompt_template, system_prompt=plan.system_prompt)
     renderer = PromptRenderer(tokenizer)
     try:
-        episodes = episodes_for(plan.rollout, tokenizer, renderer) if plan.rollout is not None else None
+        producer = (group_producer(plan.rollout, tokenizer, renderer) if plan.rollout is not None
+                    else SingleTurn(renderer.decode))
     except EpisodeError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
-    tools = tool_schemas(episodes)
+    tools = producer.tool_schemas()
     try:
         parts = [replace(part, render=PromptRenderer(tokenizer, *eval_prompt_format(dataset, training), tools).render)
                  for part, (_, dataset) in zip(parts, eval_sources(plan.spec), strict=True)]
     except ValueError as exc:
         raise EvalCommandError(f"--config: {exc}") from None
-    return parts, episodes, renderer, model_dir, adapter
+    return parts, producer, renderer, model_dir, adapter
 
 
 def _load_engine(plan: EvalPlan, model_dir: str, adapter: str | None, *, dtype: str, device: str,
@@ -341,7 +342,7 @@ def _load_engine(plan: EvalPlan, model_dir: str, adapter: str | None, *, dtype: 
 
 
 def _answer(plan: EvalPlan, engine: HFEngine, parts: list[EvalPart], renderer: PromptRenderer,
-            episodes: EpisodeRunner | None, *, device: str, console: Console) -> EvalRecord:
+            producer: GroupProducer, *, device: str, console: Console) -> EvalRecord:
     """One evaluation pass over every part, with a progress bar of answers on stderr."""
     import asyncio
 
@@ -361,7 +362,7 @@ def _answer(plan: EvalPlan, engine: HFEngine, parts: list[EvalPart], renderer: P
             return asyncio.run(evaluate_parts(
                 engine, parts, render=renderer.render, decode=renderer.decode, settings=settings,
                 version=plan.version, engine_id=f"asyncrl-eval/{device}",
-                on_answer=lambda: progress.advance(task), episodes=episodes))
+                on_answer=lambda: progress.advance(task), producer=producer))
     except EvaluationError as exc:
         raise EvalCommandError(str(exc)) from None
 

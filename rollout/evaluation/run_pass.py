@@ -31,8 +31,8 @@ from asyncrl.api.spec import AlgorithmSpec, DatasetSpec, EvalDatasetSpec, Evalua
 from asyncrl.api.status_report import EvalRecord
 from asyncrl.rollout.data.datasets import ListSource, PromptItem, PromptSource, load_source
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
-from asyncrl.rollout.episodes.runner import EpisodeRunner, WorkerEpisodeContext
 from asyncrl.rollout.generation.groups import Sample
+from asyncrl.rollout.generation.producer import GroupProducer, SingleTurn
 from asyncrl.rollout.rewards.functions import Scorer
 
 CORRECT_REWARD = 1.0
@@ -170,7 +170,7 @@ async def evaluate_parts(engine: Generator, parts: list[EvalPart], *, render: Ca
                          decode: Callable[[list[int]], str], settings: EvalSettings, version: int = 0,
                          version_of: VersionOf | None = None, engine_id: str = "",
                          on_answer: Callable[[], None] | None = None,
-                         episodes: EpisodeRunner | None = None) -> EvalRecord:
+                         producer: GroupProducer | None = None) -> EvalRecord:
     """`evaluate` each part in turn (each within the settings' request bound) and merge the records;
     `render` is the default of a part without its own."""
     records = {}
@@ -178,7 +178,7 @@ async def evaluate_parts(engine: Generator, parts: list[EvalPart], *, render: Ca
         records[part.name] = await evaluate(engine, part.items, render=part.render or render, decode=decode,
                                             scorer=part.scorer, settings=settings, version=version,
                                             version_of=version_of or _labelled, engine_id=engine_id,
-                                            on_answer=on_answer, episodes=episodes)
+                                            on_answer=on_answer, producer=producer)
     return merge_records(records)
 
 
@@ -187,12 +187,12 @@ async def _labelled(result: GenerateResult) -> int | None:
 
 
 class Aborted(Exception):
-    """A turn of an evaluation episode was cut short by a weight update."""
+    """A turn of an evaluation answer was cut short by a weight update."""
 
 
 class EvalTurns:
-    """An evaluation episode's model turns: one request each with the evaluation's sampling, no
-    continuation across an abort (Aborted: the episode starts again); records who produced each."""
+    """An evaluation answer's model turns: one request each with the evaluation's sampling, no
+    continuation across an abort (Aborted: the answer starts again); records who produced each."""
 
     def __init__(self, engine: Generator, settings: EvalSettings, slots: asyncio.Semaphore,
                  version_of: VersionOf) -> None:
@@ -214,9 +214,9 @@ class EvalTurns:
 async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callable[[PromptItem], list[int]],
                    decode: Callable[[list[int]], str], scorer: Scorer, settings: EvalSettings,
                    version: int = 0, version_of: VersionOf = _labelled, engine_id: str = "",
-                   on_answer: Callable[[], None] | None = None, episodes: EpisodeRunner | None = None) -> EvalRecord:
-    """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass
-    (with `episodes`: run the job's episode instead of one answer).
+                   on_answer: Callable[[], None] | None = None, producer: GroupProducer | None = None) -> EvalRecord:
+    """Answer every item `samples_per_prompt` times on `engine` and summarise as `version`'s pass,
+    each answer made by `producer` (default: one completion; the job's episode for a multi-turn job).
 
     `version_of` names the weights behind an answer (default: the engine's label; an engine
     without labels and no registry, e.g. `asyncrl eval`'s own, answers None = `version`).
@@ -224,40 +224,28 @@ async def evaluate(engine: Generator, items: list[PromptItem], *, render: Callab
     if not items:
         raise EvaluationError("no held-out prompts to evaluate")
     slots = asyncio.Semaphore(settings.max_concurrent_requests)
+    producer = producer or SingleTurn(decode)
     started = time.monotonic()
     lengths: list[int] = []
     on: list[bool] = []
 
-    async def answer(prompt_ids: list[int], item: PromptItem) -> float:
+    async def answer(item: PromptItem) -> float:
         for _ in range(MAX_ABORTS + 1):
-            if episodes is not None:
-                turns = EvalTurns(engine, settings, slots, version_of)
-                try:
-                    ep = await episodes.run(WorkerEpisodeContext(episodes, turns, item, render, scorer))
-                except Aborted:  # a turn cut short by a weight update: start the episode again
-                    continue
-                on.append(all(v is None or v == version for v in turns.produced_by))
-                lengths.append(len(ep.ids))
-                reward = float(ep.reward or 0.0)
-            else:
-                async with slots:
-                    result = await engine.generate(prompt_ids, replace(settings.sampling))
-                if result.finish_reason == "abort":  # cut short by a weight update: start again
-                    continue
-                produced_by = await version_of(result)
-                on.append(produced_by is None or produced_by == version)
-                lengths.append(len(result.output_ids))
-                reward = await scorer.score(decode(result.output_ids), item.answer, item.question,
-                                            metadata=item.metadata)
+            turns = EvalTurns(engine, settings, slots, version_of)
+            try:
+                made = await producer.answer(turns, item, render, scorer)
+            except Aborted:  # a turn cut short by a weight update: start the answer again
+                continue
+            on.append(all(v is None or v == version for v in turns.produced_by))
+            lengths.append(made.length)
             if on_answer is not None:
                 on_answer()
-            return reward
+            return made.reward
         raise EvaluationError(f"prompt {item.prompt_id}: aborted {MAX_ABORTS + 1} times in a row")
 
     # One flat set of tasks: when an answer fails, every other one is cancelled, not left generating.
     k = settings.samples_per_prompt
-    rendered = [(render(item), item) for item in items]
-    answers = [asyncio.ensure_future(answer(ids, item)) for ids, item in rendered for _ in range(k)]
+    answers = [asyncio.ensure_future(answer(item)) for item in items for _ in range(k)]
     try:
         flat = await asyncio.gather(*answers)
     finally:

@@ -24,10 +24,10 @@ from asyncrl.api.stream_names import StreamNames
 from asyncrl.infra.health import backoff_delay
 from asyncrl.rollout.data.datasets import PromptItem
 from asyncrl.rollout.engines.base import GenerateResult, SamplingParams
-from asyncrl.rollout.episodes.runner import EpisodeRunner
 from asyncrl.rollout.evaluation.run_pass import EvalPart, EvalSettings, evaluate_parts
 from asyncrl.rollout.generation.config import WorkerConfig, WorkerStats
 from asyncrl.rollout.generation.engine_view import EngineView, RequestBudget
+from asyncrl.rollout.generation.producer import GroupProducer
 from asyncrl.rollout.rewards.functions import Scorer
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.evaluation import EvalChannel, EvalRequest
@@ -94,10 +94,10 @@ class Evaluator:
 
     def __init__(self, evaluation: WorkerEvaluation, cfg: WorkerConfig, *, redis: Any, names: StreamNames,
                  view: EngineView, render: Callable[[PromptItem], list[int]], decode: Callable[[list[int]], str],
-                 stats: WorkerStats, episodes: EpisodeRunner | None = None) -> None:
+                 stats: WorkerStats, producer: GroupProducer) -> None:
         self.evaluation = evaluation
-        self.episodes = episodes
-        """The job's multi-turn episode, run as the evaluation's answer (None: single answers)."""
+        self.producer = producer
+        """How an answer is made: the worker's (one completion, or the job's episode)."""
         self.cfg = cfg
         self.channel = EvalChannel(redis, names)
         self.engine = _LabelledEngine(view)
@@ -151,7 +151,7 @@ class Evaluator:
             record = await evaluate_parts(self.engine, ev.parts, render=self.render, decode=self.decode,
                                           settings=ev.settings, version=request.version,
                                           version_of=_tagged_version, engine_id=self.cfg.engine_id,
-                                          on_answer=progress.answered, episodes=self.episodes)
+                                          on_answer=progress.answered, producer=self.producer)
         except Exception as exc:  # EvaluationError, Dropped (engine failing past its budget), ...
             self.stats.evaluations_failed += 1
             log.warning("evaluation of version %d failed after %d/%d answers (left pending, tried again): "

@@ -22,7 +22,7 @@ from asyncrl.rollout.data.mixture import Lane, Mixture
 from asyncrl.rollout.data.prompts import PromptRenderer
 from asyncrl.rollout.engines import make_engine
 from asyncrl.rollout.engines.base import SamplingParams
-from asyncrl.rollout.episodes.runner import EpisodeError, episodes_for, tool_schemas
+from asyncrl.rollout.episodes.runner import EpisodeError, group_producer
 from asyncrl.rollout.evaluation.run_pass import (
     EvalPart,
     EvalSettings,
@@ -175,7 +175,7 @@ async def run_worker(args: argparse.Namespace) -> int:
         sources = training_inputs(spec, rt.reward_url)
         tokenizer = load_tokenizer(spec.model.path, spec.model.tokenizer, spec.model.revision)
         renderer = PromptRenderer(tokenizer)  # (the chat format's stop tokens and decoding: every source's)
-        episodes = episodes_for(spec.rollout, tokenizer, renderer)
+        producer = group_producer(spec.rollout, tokenizer, renderer)
         await wait_until_ready(engine.ready, f"engine at {engine_url}", args.ready_timeout)
         # (a reward service started with the job may come up after the engine: no group is scored before it)
         for scorer in {id(i.scorer): i.scorer for i in sources}.values():
@@ -187,7 +187,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     redis = await connect(args.redis_url or rt.redis_url)
     names = rt.stream_names(job.metadata.name)
     cfg = worker_config(args, spec, job.metadata.name, rt, engine_url, renderer.stop_token_ids())
-    tools = tool_schemas(episodes)
+    tools = producer.tool_schemas()
     evaluation = None
     if spec.evaluation is not None and eval_inputs is not None:
         parts = [replace(i.part, render=PromptRenderer(tokenizer, *eval_prompt_format(i.dataset, i.training),
@@ -197,7 +197,7 @@ async def run_worker(args: argparse.Namespace) -> int:
     prompts = training_prompts(sources, tokenizer, spec.seed, tools)
     worker = RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=renderer.decode,
                            admission=Admission.for_job(redis, names, spec), names=names, evaluation=evaluation,
-                           episodes=episodes)
+                           producer=producer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)

@@ -1,6 +1,7 @@
 """The rollout worker: prompts in, version-tagged trajectory groups out, never waiting for training.
 
 The worker is the executor of its parts:
+  rollout/generation/producer.py     how a prompt becomes a group: single-turn, or the job's episode
   rollout/generation/groups.py       one prompt's group: samples generated across aborts, scored, checked
   rollout/generation/engine_view.py  the engine's weights as the worker observes them, and labelled requests
   rollout/evaluation/service.py    held-out evaluation requests served on the same engine (spec.evaluation)
@@ -48,11 +49,11 @@ from asyncrl.api.stream_names import StreamNames
 from asyncrl.infra.health import HEALTH, Health
 from asyncrl.rollout.data.mixture import Mixture
 from asyncrl.rollout.engines.base import Engine
-from asyncrl.rollout.episodes.runner import EpisodeRunner
 from asyncrl.rollout.evaluation.service import Evaluator, WorkerEvaluation
 from asyncrl.rollout.generation.config import WorkerConfig, WorkerStats
 from asyncrl.rollout.generation.engine_view import Dropped, EngineView
 from asyncrl.rollout.generation.groups import GroupGenerator, InvalidGroup, RefusedGroup, UnscoredGroup
+from asyncrl.rollout.generation.producer import GroupProducer, SingleTurn
 from asyncrl.rollout.worker.prompt_cursor import PromptCursor
 from asyncrl.transport.admission import Admission
 from asyncrl.transport.connection import reraise_if_cancelled
@@ -90,7 +91,7 @@ class RolloutWorker:
     def __init__(self, cfg: WorkerConfig, *, engine: Engine, redis: Any, prompts: Mixture,
                  decode: Callable[[list[int]], str], admission: Admission, names: StreamNames | None = None,
                  health: Health = HEALTH, evaluation: WorkerEvaluation | None = None,
-                 episodes: EpisodeRunner | None = None):
+                 producer: GroupProducer | None = None):
         self.cfg = cfg
         self.health = health
         """Where outages are recorded (the process's board: the Redis client reports to it too)."""
@@ -101,10 +102,10 @@ class RolloutWorker:
         self.admission = admission
         self.evaluation = evaluation
         """Held-out evaluation to serve (read when run() starts); None: none."""
-        self.episodes = episodes
-        """The job's multi-turn episode (spec.rollout.episode); None: single-turn groups."""
+        self.producer = producer or SingleTurn(decode)
+        """How a prompt becomes a group: the job's episode (spec.rollout.episode; default single-turn)."""
         self.names = names or StreamNames.for_job(cfg.job)
-        self.producer = TrajectoryProducer(redis, self.names)
+        self.trajectories = TrajectoryProducer(redis, self.names)
         self.registry = EngineRegistry(redis, self.names)
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
@@ -148,7 +149,7 @@ class RolloutWorker:
         if self.evaluation is not None:
             self.evaluator = Evaluator(self.evaluation, self.cfg, redis=self.redis, names=self.names, view=self.view,
                                        render=self.prompts.lanes[0].render, decode=self.decode, stats=self.stats,
-                                       episodes=self.episodes)
+                                       producer=self.producer)
         side = [asyncio.create_task(self.view.heartbeat(), name="heartbeat"),
                 asyncio.create_task(self._log_progress(), name="progress"),
                 asyncio.create_task(self.view.follow_versions(self._stop), name="versions")]
@@ -221,8 +222,7 @@ class RolloutWorker:
             scorer.close()
         if self.evaluator is not None:
             self.evaluator.close(scorers)
-        if self.episodes is not None:
-            self.episodes.close()
+        self.producer.close()
         log.info("rollout worker stopped: %s", self.summary())
 
     async def _run_requeued(self) -> None:
@@ -265,10 +265,7 @@ class RolloutWorker:
         try:
             lane, item = self.prompts.pick(position)
             try:
-                if self.episodes is None:
-                    group = await self.groups.group(item, lane.render(item), lane.scorer, lane.name)
-                else:
-                    group = await self.episodes.group(self.groups, item, lane)
+                group = await self.producer.group(self.groups, item, lane)
             except Dropped as exc:
                 if exc.retry:
                     requeued = True
@@ -287,7 +284,7 @@ class RolloutWorker:
             except RefusedGroup as exc:
                 await self._drop_refused(item.prompt_id, exc)
                 return
-            await self.producer.publish(group)
+            await self.trajectories.publish(group)
             published = True
             self.stats.groups_published += 1
             self.stats.samples += len(group.samples)
@@ -314,7 +311,7 @@ class RolloutWorker:
             self.stats.groups_failed += 1
         log.warning("dropped group for prompt %s (not published): %s", prompt_id, exc)
         try:
-            await self.producer.dead_letter_refused(exc.group, exc.kind, str(exc), self.cfg.engine_id)
+            await self.trajectories.dead_letter_refused(exc.group, exc.kind, str(exc), self.cfg.engine_id)
             await self.admission.record_refusal("reward_failures" if unscored else "episode_failures")
         except Exception as err:  # Redis gone past its outage window: the drop stands, only its record is lost
             reraise_if_cancelled(err)

@@ -27,7 +27,7 @@ def decode(ids: list[int]) -> str:
 
 def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4, eta=1, max_concurrent=8,
                 index=0, replicas=1, max_retries=2, engine_id="pod-0", engine=None, scorer=None, source=None,
-                prompts=None, episodes=None, decode=decode, max_response_tokens=None):
+                prompts=None, producer=None, decode=decode, max_response_tokens=None):
     engine = engine or SGLangEngine(fake.url)
     cfg = WorkerConfig(job=JOB, engine_id=engine_id, group_size=n, engine_url=fake.url,
                        sampling=SamplingParams(max_new_tokens=max_new), max_concurrent_requests=8,
@@ -39,7 +39,7 @@ def make_worker(redis, fake, names, *, n=2, max_new=6, max_groups=None, batch=4,
     prompts = prompts or Mixture.single(source or ArithmeticSource(seed=0, difficulty=1), render,
                                         scorer or RewardScorer(exact_number_reward, 5.0))
     return RolloutWorker(cfg, engine=engine, redis=redis, prompts=prompts, decode=decode, admission=admission,
-                         names=names, episodes=episodes)
+                         names=names, producer=producer)
 
 
 async def published(redis, names):

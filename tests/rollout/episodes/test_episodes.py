@@ -175,7 +175,7 @@ def _episode_worker(env, tokenizer, fn: str, *, n=2, max_new=5, max_groups=2, eo
     prompts = Mixture.single(ArithmeticSource(seed=0, difficulty=1), renderer.render,
                              scorer or RewardScorer(exact_number_reward, 5.0, on_error="drop"))
     return make_worker(redis, fake, names, n=n, max_new=max_new, max_groups=max_groups, prompts=prompts,
-                       episodes=runner, decode=renderer.decode, max_response_tokens=limits.max_tokens)
+                       producer=runner, decode=renderer.decode, max_response_tokens=limits.max_tokens)
 
 
 async def test_an_episode_plugin_publishes_masked_multi_turn_groups(rollout_env, tokenizer):
@@ -183,7 +183,7 @@ async def test_an_episode_plugin_publishes_masked_multi_turn_groups(rollout_env,
     stats = await asyncio.wait_for(worker.run(), 60)
     groups = await published(rollout_env[0], rollout_env[2])
     assert stats.groups_published == 2 and len(groups) == 2
-    chat = worker.episodes.chat
+    chat = worker.producer.chat
     for g in groups:
         for s in g.samples:
             ids, mask, lps = list(s.response_ids), list(s.token_mask()), list(s.behav_logprobs)
@@ -237,7 +237,7 @@ async def test_an_episode_that_raises_is_never_trained_with_a_made_up_reward(rol
     assert all(s.reward == 0.5 for g in groups for s in g.samples)
     assert (stats.groups_failed, stats.groups_dropped, stats.groups_published) == (2, 2, 2)
     # each failed group: one episode failed both its tries; the first to give up cancels its sibling
-    assert 2 * 2 <= worker.episodes.failures <= 2 * 2 * 2
+    assert 2 * 2 <= worker.producer.failures <= 2 * 2 * 2
     snap = await worker.admission.snapshot()
     assert (snap.episode_failures, snap.running, snap.accepted) == (2, 0, 2)
     letters = await read_dead_letters(redis, names)
@@ -249,7 +249,7 @@ async def test_an_episode_that_fails_once_is_tried_again(rollout_env, tokenizer)
     episode_plugins.TRIES.clear()
     worker = _episode_worker(rollout_env, tokenizer, "tests.support.episode_plugins:flaky_once", n=1, max_groups=2)
     stats = await asyncio.wait_for(worker.run(), 60)
-    assert stats.groups_published == 2 and stats.groups_failed == 0 and worker.episodes.failures == 2
+    assert stats.groups_published == 2 and stats.groups_failed == 0 and worker.producer.failures == 2
     assert set(episode_plugins.TRIES.values()) == {2}
 
 
@@ -380,7 +380,7 @@ async def test_the_evaluator_runs_the_jobs_episode_and_restarts_one_a_weight_upd
     record = await evaluate(engine, items, render=renderer.render, decode=renderer.decode,
                             scorer=RewardScorer(exact_number_reward, 5.0), version=3,
                             settings=EvalSettings(1, SamplingParams(max_new_tokens=8, temperature=0.0)),
-                            episodes=runner)
+                            producer=runner)
     # every episode: "5" (wrong), feedback, "7" (right on the second attempt): reward 0.5, not a pass
     assert (record.reward_mean, record.pass_at_1, record.on_version, record.prompts) == (0.5, 0.0, 1.0, 3)
     assert engine.calls == 1 + 3 * 2 and all(budget == 8 for _, budget in engine.turns)
