@@ -191,6 +191,16 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixture
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-layer model of SmolLM2's architecture with the real tokenizer, as an HF directory
+    (trainer_support.write_tiny_model): for runs whose path is under test, not what the model learns;
+    a step takes milliseconds where the embedded model's takes seconds and writes 0.5 GB of weights."""
+    from tests.support.trainer_support import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), layers=2)
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     """A fresh real Redis-compatible server (AOF on) for one test; `.url`, `.stop()`, `.start()`."""

@@ -446,9 +446,12 @@ def running_control_plane(keep: bool = False, *, controllers: bool = True) -> It
             shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session", name="control_plane")
+@pytest.fixture(scope="module", name="control_plane")
 def control_plane_fixture() -> Iterator[ControlPlane]:
-    """One control plane for the whole session (~5 s to start); tests isolate by namespace."""
+    """One control plane for the tests of a module (~5 s to start), stopped after them; tests isolate by
+    namespace. (Module scope, not session: each module registers this fixture by importing it, and a
+    session fixture registered by N modules is N control planes, every one idling on until the session
+    ends: nine of them took a fifth of the CPU of a 2-core CI machine.)"""
     with running_control_plane() as cp:
         yield cp
 

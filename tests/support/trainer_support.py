@@ -142,8 +142,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def tiny_model() -> Any:
-    """A one-layer model of SmolLM2's architecture and vocabulary (seeded): a trainer step in
+def tiny_model(layers: int = 1) -> Any:
+    """A `layers`-layer model of SmolLM2's architecture and vocabulary (seeded): a trainer step in
     milliseconds, for tests of what happens around the step (commit window, evaluation)."""
     import copy
 
@@ -151,7 +151,7 @@ def tiny_model() -> Any:
 
     base, _ = model_and_tokenizer()
     cfg = copy.deepcopy(base.config)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 32, 64, 1
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = 32, 64, layers
     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 2, 1, 16
     torch.manual_seed(0)
     model = type(base)(cfg)
@@ -159,11 +159,11 @@ def tiny_model() -> Any:
     return model
 
 
-def write_tiny_model(path: Path) -> Path:
-    """`tiny_model()` with the real tokenizer as an HF directory at `path`, for what loads a model by
-    path (`asyncrl run`, `asyncrl engine`, the benchmarks' `--model`)."""
+def write_tiny_model(path: Path, layers: int = 1) -> Path:
+    """`tiny_model(layers)` with the real tokenizer as an HF directory at `path`, for what loads a model
+    by path (`asyncrl run`, `asyncrl engine`, torchrun trainers, the benchmarks' `--model`)."""
     _, tok = model_and_tokenizer()
-    tiny_model().save_pretrained(path)
+    tiny_model(layers).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

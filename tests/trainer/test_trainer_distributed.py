@@ -1,5 +1,7 @@
 """torchrun with 2 gloo processes trains exactly like 1 process on the same data, with FSDP2
-(the default) and with DDP, and a sharded checkpoint resumes at another world size.
+(the default) and with DDP, and a sharded checkpoint resumes at another world size. The trainer
+runs train the two-layer model of SmolLM2's architecture (the `tiny_model_dir` fixture): what is
+compared is the wrapping, sharding and reduction, the same code at any size.
 
 This file is also the script of the wrapper check (`_wrapper_worker`, run under torchrun).
 """
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,13 +34,14 @@ def _trainer(tmp: Path, redis_url: str, world: int, job: Path, *extra: str) -> N
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _run(tmp: Path, groups: list, *lives: tuple[int, int], trainer: dict[str, Any] | None = None,
+def _run(tmp: Path, groups: list, model_dir: Path, *lives: tuple[int, int], trainer: dict[str, Any] | None = None,
          model: dict[str, Any] | None = None) -> list[dict]:
-    """One job on `groups`, trained by one trainer life per (world size, max steps), each resuming
-    from the last one's checkpoint; its metrics.jsonl."""
+    """One job on `groups` with the model at `model_dir`, trained by one trainer life per (world size,
+    max steps), each resuming from the last one's checkpoint; its metrics.jsonl."""
     tmp.mkdir()
     job = JobBuilder.small(name=JOB, batch_size=2, max_steps=2, minibatches=2, micro_batch_tokens=60, lr=1e-5,
-                           checkpoint_interval=5, trainer=trainer, model=model).write(tmp / "job.yaml")
+                           checkpoint_interval=5, trainer=trainer,
+                           model={"path": str(model_dir), **(model or {})}).write(tmp / "job.yaml")
     with LocalRedis(tmp / "redis") as redis:
         publish(redis.url, JOB, groups)
         for world, steps in lives:
@@ -60,27 +62,16 @@ def _forget_outcome(tmp: Path, redis_url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(module_dir: Path) -> dict[str, Path]:
+def runs(module_dir: Path, tiny_model_dir: Path) -> dict[str, Path]:
     """The same 2 steps (2 updates each) on the same 4 groups: one process; 2 ranks with DDP; step 1
     on 2 ranks with FSDP (activation checkpointing on), step 2 on 1 process resumed from its
     sharded checkpoint (so FSDP's updates and its checkpoint are both compared with one process)."""
     groups = make_groups(JOB, 4, version=0, max_len=8)
-    _run(module_dir / "world1", groups, (1, 2))
-    _drop_unread(module_dir / "world1", checkpoints=True)
-    _run(module_dir / "ddp2", groups, (2, 2), trainer={"parallelism": "ddp"})
-    _drop_unread(module_dir / "ddp2", checkpoints=True)
-    _run(module_dir / "fsdp2-then-1", groups, (2, 1), (1, 2), trainer={"parallelism": "fsdp"},
+    _run(module_dir / "world1", groups, tiny_model_dir, (1, 2))
+    _run(module_dir / "ddp2", groups, tiny_model_dir, (2, 2), trainer={"parallelism": "ddp"})
+    _run(module_dir / "fsdp2-then-1", groups, tiny_model_dir, (2, 1), (1, 2), trainer={"parallelism": "fsdp"},
          model={"gradientCheckpointing": True})
-    _drop_unread(module_dir / "fsdp2-then-1", checkpoints=False)
     return {name: module_dir / name for name in ("world1", "ddp2", "fsdp2-then-1")}
-
-
-def _drop_unread(run: Path, *, checkpoints: bool) -> None:
-    """Remove the big files no test here reads (v1's weights; the optimizer checkpoints of runs
-    whose checkpoints are not inspected): 2.2 GB a run, and the next run writes as much."""
-    shutil.rmtree(run / "weights" / "v1")
-    if checkpoints:
-        shutil.rmtree(run / "checkpoints")
 
 
 def _weights(run: Path, version: int) -> dict[str, Any]:
@@ -91,7 +82,7 @@ def _weights(run: Path, version: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("other", ["ddp2", "fsdp2-then-1"])
-def test_two_gloo_processes_match_one_process(runs: dict[str, Path], other: str) -> None:
+def test_two_gloo_processes_match_one_process(runs: dict[str, Path], tiny_model_dir: Path, other: str) -> None:
     one, two = read_jsonl(runs["world1"] / "metrics.jsonl"), read_jsonl(runs[other] / "metrics.jsonl")
     assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2]
     for a, b in zip(one, two):
@@ -101,10 +92,8 @@ def test_two_gloo_processes_match_one_process(runs: dict[str, Path], other: str)
     # The trajectory moves (the comparison is not between two constant losses).
     assert one[0]["loss"] != pytest.approx(one[1]["loss"], rel=1e-3)
 
-    from asyncrl.infra.hf_models import resolve_model_path
-
     w1, w2 = _weights(runs["world1"], 2), _weights(runs[other], 2)
-    w0 = _load_base(Path(resolve_model_path("embedded:SmolLM2-135M-Instruct")))
+    w0 = _load_base(tiny_model_dir)
     assert w1.keys() == w2.keys() == w0.keys()
     # Both moved from the initial weights, and by far more than they differ from each other
     # (AdamW's per-parameter normalisation turns float rounding on near-zero gradients into
@@ -143,7 +132,8 @@ this many rows; the full-logits fallback calls it once on all [N, L] positions."
 
 
 @pytest.mark.slow
-def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_path: Path) -> None:
+def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_path: Path,
+                                                                           tiny_model_dir: Path) -> None:
     """Under DDP and FSDP the LM head runs in chunks (no [N, L, V] logits), with and without the
     head's activation checkpointing, and each rank's log-probs and its (reduced) gradient equal the
     unwrapped model's on the same data. FSDP with a bfloat16 model dtype keeps float32 shards and
@@ -153,7 +143,7 @@ def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_p
     # (this file run as a script: the repository root on the path, for its `tests.support` imports)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    cmd = [torchrun, "--nproc-per-node=2", f"--master-port={free_port()}", __file__, str(tmp_path)]
+    cmd = [torchrun, "--nproc-per-node=2", f"--master-port={free_port()}", __file__, str(tmp_path), str(tiny_model_dir)]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
@@ -174,22 +164,22 @@ def test_wrapped_models_take_the_chunked_head_with_the_unwrapped_gradients(tmp_p
                           "generation_config": True, "attention": True, "checkpointing": True}, (rank, loaded)
 
 
-def _wrapper_worker(out: Path) -> None:
-    """One torchrun rank: rank r scores group r. Reference first (the bare model, both groups, the
-    mean of their gradients: what the wrappers' reduction gives), then each wrapper on a copy."""
+def _wrapper_worker(out: Path, model_dir: Path) -> None:
+    """One torchrun rank: rank r scores group r. Reference first (the bare model at `model_dir`, both
+    groups, the mean of their gradients: what the wrappers' reduction gives), then each wrapper on a copy."""
     import copy
 
     import torch
 
+    from asyncrl.infra.hf_models import load_causal_lm
     from asyncrl.trainer import distributed as D
     from asyncrl.trainer.step.batch import build_batch
     from asyncrl.trainer.step.logprobs import token_logprobs
     from asyncrl.trainer.step.plan import sequences_with_advantages
-    from tests.support.trainer_support import model_and_tokenizer
 
     torch.set_num_threads(1)
     ctx = D.init_distributed("cpu")
-    model, _ = model_and_tokenizer()
+    model = load_causal_lm(str(model_dir), "float32", "cpu")
     groups = make_groups(JOB, ctx.world_size, version=0, max_len=8)
     algo = JobBuilder.small(name=JOB).job().spec.algorithm
     batches = []
@@ -235,20 +225,19 @@ def _wrapper_worker(out: Path) -> None:
                 "grad_scale": max(float(reference[n].abs().max()) for n in reference)})
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(results))
     _publish_bf16(model, ctx, out)
-    _sharded_load(model, ctx, out)
+    _sharded_load(model, ctx, out, model_dir)
     D.shutdown(ctx)
 
 
-def _sharded_load(model: Any, ctx: Any, out: Path) -> None:
+def _sharded_load(model: Any, ctx: Any, out: Path, model_dir: Path) -> None:
     """load_sharded_model: rank 0 loads, the other ranks build on the meta device; every rank's
     shards, buffers (the rotary frequencies a state dict leaves out), generation config and
     attention implementation then equal those of the model loaded whole."""
     import torch
 
     from asyncrl.trainer import distributed as D
-    from tests.support.jobs import MODEL
 
-    sharded = D.load_sharded_model(MODEL, ctx, gradient_checkpointing=True)
+    sharded = D.load_sharded_model(str(model_dir), ctx, gradient_checkpointing=True)
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     (out / f"sharded-load{ctx.rank}.json").write_text(json.dumps({
@@ -263,7 +252,7 @@ def _sharded_load(model: Any, ctx: Any, out: Path) -> None:
 
 def _publish_bf16(model: Any, ctx: Any, out: Path) -> None:
     """FSDP with compute in bfloat16: float32 shards, bfloat16 compute, bfloat16 weights written in
-    buckets of 64 MB (several files and the index) that transformers loads equal to the model's."""
+    buckets of 1 MB (several files and the index) that transformers loads equal to the model's."""
     import copy
 
     import torch
@@ -284,7 +273,7 @@ def _publish_bf16(model: Any, ctx: Any, out: Path) -> None:
     with torch.no_grad():
         sharded(input_ids=ids, attention_mask=torch.ones_like(ids))
     handle.remove()
-    path = write_weights(sharded, None, out / "weights", 1, dtype=torch.bfloat16, ctx=ctx, bucket_bytes=64 << 20)
+    path = write_weights(sharded, None, out / "weights", 1, dtype=torch.bfloat16, ctx=ctx, bucket_bytes=1 << 20)
     if ctx.is_main:
         assert path is not None
         loaded = AutoModelForCausalLM.from_pretrained(path)
@@ -300,22 +289,22 @@ def _publish_bf16(model: Any, ctx: Any, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    _wrapper_worker(Path(sys.argv[1]))
+    _wrapper_worker(Path(sys.argv[1]), Path(sys.argv[2]))
 
 
 LORA = {"lora": {"rank": 8, "alpha": 16}}
 
 
 @pytest.fixture(scope="module")
-def lora_runs(module_dir: Path) -> dict[str, Path]:
+def lora_runs(module_dir: Path, tiny_model_dir: Path) -> dict[str, Path]:
     """LoRA (trainer.lora) on the same 2 steps: one process; step 1 on 2 FSDP ranks (the frozen base
     sharded with the adapters, activation checkpointing on), step 2 on 1 process resumed from its
     checkpoint (the adapter and its optimizer state only); and 2 DDP ranks."""
     groups = make_groups(JOB, 4, version=0, max_len=8)
-    _run(module_dir / "lora1", groups, (1, 2), trainer=LORA)
-    _run(module_dir / "lora-fsdp2-then-1", groups, (2, 1), (1, 2), trainer={**LORA, "parallelism": "fsdp"},
-         model={"gradientCheckpointing": True})
-    _run(module_dir / "lora-ddp2", groups, (2, 2), trainer={**LORA, "parallelism": "ddp"})
+    _run(module_dir / "lora1", groups, tiny_model_dir, (1, 2), trainer=LORA)
+    _run(module_dir / "lora-fsdp2-then-1", groups, tiny_model_dir, (2, 1), (1, 2),
+         trainer={**LORA, "parallelism": "fsdp"}, model={"gradientCheckpointing": True})
+    _run(module_dir / "lora-ddp2", groups, tiny_model_dir, (2, 2), trainer={**LORA, "parallelism": "ddp"})
     return {name: module_dir / name for name in ("lora1", "lora-fsdp2-then-1", "lora-ddp2")}
 
 

@@ -174,10 +174,12 @@ async def test_a_worker_draws_both_sources_scores_each_its_way_and_resumes_each_
 
 
 @pytest.mark.slow
-def test_a_local_run_trains_a_3_to_1_mixture_and_reports_each_source(tmp_path: Path) -> None:
+def test_a_local_run_trains_a_3_to_1_mixture_and_reports_each_source(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`asyncrl run` on two sources weighted 3:1, each with its own reward: the trained groups come
-    from both in proportion (within binomial noise), and metrics.jsonl and the report count them."""
-    job = JobBuilder.small(name="t-mix", batch_size=8, group_size=2, eta=1, max_steps=4, max_new_tokens=4)
+    from both in proportion (within binomial noise), and metrics.jsonl and the report count them
+    (on the two-layer model: the mixture's path, not what the model learns, is under test)."""
+    job = JobBuilder.small(name="t-mix", batch_size=8, group_size=2, eta=1, max_steps=4, max_new_tokens=4,
+                           model={"path": str(tiny_model_dir)})
     doc = job.doc()
     doc["spec"].pop("dataset")
     doc["spec"]["datasets"] = [

@@ -287,9 +287,10 @@ def test_the_episode_api_needs_no_torch():
 # ------------------------------------------------------------------------------------------ a local run
 
 @pytest.mark.slow
-def test_a_local_run_trains_a_plugin_episode_with_tools_and_reports_its_figures(tmp_path: Path):
+def test_a_local_run_trains_a_plugin_episode_with_tools_and_reports_its_figures(tmp_path: Path, tiny_model_dir: Path):
     """`asyncrl run` with spec.rollout.episode naming a function written only against asyncrl.api.episodes:
-    the real model's turns are trained around masked context, and every step reports the episodes."""
+    the model's turns are trained around masked context, and every step reports the episodes (the
+    two-layer model: the episode's path, not what the model says, is under test)."""
     import os
     import subprocess
 
@@ -298,7 +299,8 @@ def test_a_local_run_trains_a_plugin_episode_with_tools_and_reports_its_figures(
     from tests.support.jobs import JobBuilder
     from tests.support.trainer_support import ASYNCRL, read_jsonl
 
-    doc = JobBuilder.small(name="t-episodes", batch_size=2, group_size=2, eta=1, max_steps=2, max_new_tokens=6).doc()
+    doc = JobBuilder.small(name="t-episodes", batch_size=2, group_size=2, eta=1, max_steps=2, max_new_tokens=6,
+                           model={"path": str(tiny_model_dir)}).doc()
     doc["spec"]["rollout"].update(episode="tests.support.episode_plugins:two_turns", tools=["calculator"],
                                   episodeLimits={"maxTurns": 2, "maxTokens": 400})
     path = tmp_path / "job.yaml"

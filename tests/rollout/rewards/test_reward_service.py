@@ -124,12 +124,15 @@ def test_the_service_spec_names_the_field_and_what_it_accepts() -> None:
 
 
 @pytest.mark.slow
-def test_a_local_run_trains_on_what_the_service_scores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_local_run_trains_on_what_the_service_scores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      tiny_model_dir: Path) -> None:
     """`asyncrl run` with reward.service.url: the job trains to the end on the service's rewards, and
-    every reward the service gave is the one the function gives in-process on the same completion."""
+    every reward the service gave is the one the function gives in-process on the same completion
+    (on the two-layer model: the rewards' path, not what the model learns, is under test)."""
     record = tmp_path / "scored.jsonl"
     monkeypatch.setenv(RECORD_ENV, str(record))  # (the reward server's environment)
-    job = JobBuilder.small(name="t-reward-svc", batch_size=2, group_size=4, eta=1, max_steps=3, max_new_tokens=8)
+    job = JobBuilder.small(name="t-reward-svc", batch_size=2, group_size=4, eta=1, max_steps=3, max_new_tokens=8,
+                           model={"path": str(tiny_model_dir)})
     with reward_server(f"{PLUGINS}:recorded_length_reward", log=tmp_path / "server.log") as url:
         path = job.merge(reward={"function": "exact-number", "service": {"url": url}}).write(tmp_path / "job.yaml")
         run_dir = tmp_path / "run"
