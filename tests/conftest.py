@@ -192,13 +192,13 @@ def module_dir(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixture
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model_dir() -> Path:
     """A two-layer model of SmolLM2's architecture with the real tokenizer, as an HF directory
-    (trainer_support.write_tiny_model): for runs whose path is under test, not what the model learns;
+    (trainer_support.shared_tiny_model): for runs whose path is under test, not what the model learns;
     a step takes milliseconds where the embedded model's takes seconds and writes 0.5 GB of weights."""
-    from tests.support.trainer_support import write_tiny_model
+    from tests.support.trainer_support import shared_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"), layers=2)
+    return shared_tiny_model()
 
 
 @pytest.fixture

@@ -126,7 +126,7 @@ async def test_apply_runs_to_succeeded_releases_and_ttl_deletes_on_the_real_cont
 async def test_trainer_started_after_succeeded_serves_the_outcome_and_trains_nothing(e2e: E2E) -> None:
     job, steps = "e2e-after", 2
     await e2e.start_operator(job)
-    await e2e.apply(tiny_job(job, max_steps=steps))
+    await e2e.apply(tiny_job(job, max_steps=steps, small_model=True))
     await e2e.wait_phase(job, "Succeeded")
     await e2e.wait(lambda: released(e2e, job), "trainer and rollout scaled to zero")
     shared = e2e.shared(job)

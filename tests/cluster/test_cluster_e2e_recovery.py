@@ -54,7 +54,7 @@ async def test_trainer_crashing_past_backoff_limit_fails_the_job(e2e: E2E) -> No
 
     e2e.hooks.append(crashing_trainer)
     await e2e.start_operator(job)
-    await e2e.apply(tiny_job(job, backoffLimit=1))
+    await e2e.apply(tiny_job(job, backoffLimit=1, small_model=True))
     status = await e2e.wait_phase(job, "Failed", timeout=180)
     assert status["reason"] == "BackoffLimitExceeded", status
     restarts = re.search(r"restarted (\d+) times \(backoffLimit 1\)", status["message"])

@@ -46,22 +46,27 @@ from tests.support.operator_process import OperatorProcess
 from tests.support.paths import REPO
 from tests.support.real_operator import refused_by_rbac, service_account_kubeconfig
 from tests.support.redis_image import redis_bin_dir
+from tests.support.trainer_support import shared_tiny_model
 
 NS = "rl"
 SCALE = 0.05  # every Kubernetes duration (probe periods, back-off, grace periods) runs 20x faster
 STATUS_PORT, REDIS_PORT = 8000, 6379
-MODEL = "embedded:SmolLM2-135M-Instruct"
 JOB_TIMEOUT = 420.0  # seconds for a job to finish on a busy 2-core machine (a wait, never an assertion)
 
 
 def tiny_job(name: str, *, max_steps: int = 3, checkpoint_interval: int = 2, ttl: int | None = None,
-             reward_service: bool = False, episode: bool = False, **trainer: Any) -> dict[str, Any]:
+             reward_service: bool = False, episode: bool = False, small_model: bool = False,
+             **trainer: Any) -> dict[str, Any]:
     """A tiny job: 2 prompts x 2 samples of at most 8 tokens per step (`reward_service`: scored by a
     reward service the operator runs with the job, `asyncrl reward-server` in a pod of its own;
     `episode`: each sample a two-turn episode with a calculator call, from a plug-in module the
-    rollout pods import from PYTHONPATH, as from a module baked into the worker image)."""
+    rollout pods import from PYTHONPATH, as from a module baked into the worker image). `small_model`:
+    the two-layer model of SmolLM2's architecture (trainer_support.shared_tiny_model, in the node's
+    model cache) instead of the embedded one, where no step of the test waits inside the job's run
+    (its steps take milliseconds: a kill "between step 3 and 4" would race the end)."""
+    model = {"path": str(shared_tiny_model())} if small_model else None
     job = JobBuilder.small(name, group_size=2, eta=1, max_steps=max_steps, checkpoint_interval=checkpoint_interval,
-                           micro_batch_tokens=4096, trainer=trainer).named(name, NS)
+                           micro_batch_tokens=4096, trainer=trainer, model=model).named(name, NS)
     job.merge(rollout={"maxConcurrentRequests": 8}).set(redis={"mode": "managed", "managed": {"storage": "1Gi"}},
                                                          storage={"size": "10Gi"})
     if ttl is not None:

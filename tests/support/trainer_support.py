@@ -168,6 +168,22 @@ def write_tiny_model(path: Path, layers: int = 1) -> Path:
     return path
 
 
+def shared_tiny_model(layers: int = 2) -> Path:
+    """`write_tiny_model(layers)` once per machine, under the model cache (asyncrl.infra.hf_models
+    cache_dir: outside /tmp, so a test pod, whose /tmp is its own, reads it at the same path; the name
+    carries the transformers version that wrote it); written atomically, so concurrent workers agree."""
+    import transformers
+
+    from asyncrl.infra.files import atomic_directory
+    from asyncrl.infra.hf_models import cache_dir
+
+    target = cache_dir() / "test-models" / f"tiny-smollm2-{layers}-layers-transformers-{transformers.__version__}"
+    if not (target / "config.json").is_file():
+        with atomic_directory(target, replace=False) as tmp:
+            write_tiny_model(tmp, layers)
+    return target
+
+
 def chat_groups(job: str, count: int) -> list[Any]:
     """`count` small groups (a chat prompt, 2-6 random response tokens per sample; rewards vary)."""
     from asyncrl.transport.wire import TrajectoryGroup, TrajectorySample
