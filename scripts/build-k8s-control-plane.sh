@@ -5,7 +5,8 @@
 #   release binaries: only the Go module proxy. Cold ~23 CPU-minutes; a no-op when built.
 # Output: the binaries in $ASYNCRL_K8S_BIN, by default
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/asyncrl/k8s/<version>/bin; the last line printed is that dir.
-# Usage: bash scripts/build-k8s-control-plane.sh [--force]   (--force rebuilds even when present)
+# Usage: bash scripts/build-k8s-control-plane.sh [--force | --check]   (--force rebuilds even when
+#   present; --check builds nothing and exits 0 when the binaries are there, 1 when they are not)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,11 +14,13 @@ MODULE_DIR=tools/k8s
 BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler)
 
 FORCE=0
+CHECK=0
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "build-k8s-control-plane.sh: unknown option $arg (allowed: --force, --help)" >&2; exit 2 ;;
+    --check) CHECK=1 ;;
+    -h|--help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build-k8s-control-plane.sh: unknown option $arg (allowed: --force, --check, --help)" >&2; exit 2 ;;
   esac
 done
 
@@ -41,6 +44,10 @@ built() {
   "$BIN_DIR/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes $VERSION"
 }
 
+if [ "$CHECK" = 1 ]; then
+  built
+  exit
+fi
 if [ "$FORCE" = 0 ] && built; then
   log "$VERSION already built"
   echo "$BIN_DIR"

@@ -4,11 +4,12 @@
 # `bash scripts/test.sh --fast`: the tier to run before every commit, the static checks and the unit
 # tests (about 2 minutes on 2 cores once set up; no control plane, no test tools, no vLLM).
 #
-# Without arguments every test that needs no control-plane binaries runs first (unit, integration
-# and the cluster tests that start no binaries), on two pytest-xdist workers, while the control plane
-# compiles from source at the lowest CPU priority (cold: ~23 CPU-minutes, soaked up by whatever
-# CPU those tests leave); the tests marked `control_plane` run once it is built. With arguments,
-# pytest waits for the build and runs once.
+# Without arguments, and the control plane already built (a warm machine), every test runs in one
+# pytest run on two pytest-xdist workers. On a machine without it, every test that needs no
+# control-plane binaries runs first (unit, integration and the cluster tests that start no binaries)
+# while the control plane compiles from source at the lowest CPU priority (cold: ~23 CPU-minutes,
+# soaked up by whatever CPU those tests leave); the tests marked `control_plane` run once it is
+# built. With arguments, pytest waits for the build and runs once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,10 @@ if [ "${1:-}" = "--fast" ]; then
   exit
 fi
 
+prebuilt=0
+if bash scripts/build-k8s-control-plane.sh --check; then
+  prebuilt=1
+fi
 k8s_log=$(mktemp)
 trap 'rm -f "$k8s_log"' EXIT
 nice -n 19 bash scripts/build-k8s-control-plane.sh > "$k8s_log" 2>&1 &
@@ -76,7 +81,7 @@ if [ "$free_mb" -lt 8000 ]; then
   echo "test.sh: warning: under 8 GB free in $tmp; the trainer tests write up to ~4 GB at once" >&2
 fi
 
-if [ "$#" = 0 ]; then
+if [ "$#" = 0 ] && [ "$prebuilt" = 0 ]; then
   rc=0
   run_pytest -m "not control_plane" || rc=$?
   wait_for_control_plane
