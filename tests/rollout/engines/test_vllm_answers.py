@@ -3,7 +3,7 @@ them (entrypoints/scale_out/token_in_token_out/protocol.py: GenerateTokensChoice
 logprobs.content[{token_id, logprob}], finish_reason, weight_versions [{version, start, end}];
 finish reasons from v1/engine/__init__.py's FINISH_REASON_STRINGS: stop, length, abort, error,
 repetition). A real server cannot be made to detect repetition, drop a logprob or change weights
-inside one answer on demand; tests/rollout/engines/test_rollout_vllm.py covers the rest live."""
+inside one answer on demand; tests/rollout/engines/test_vllm_server.py covers the rest live."""
 
 from __future__ import annotations
 

