@@ -149,13 +149,15 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(impl: str, monkeypa
         assert float((grad - grad0).abs().max()) <= 1e-4 * float(grad0.abs().max())
 
 
-def _trainer(job: Any) -> Any:
-    """A single-process Trainer on a fresh copy of the model; SGD at lr 0 keeps the weights."""
+def _trainer(job: Any, base: Any = None) -> Any:
+    """A single-process Trainer on a fresh copy of `base` (default: the embedded model); SGD at lr 0
+    keeps the weights."""
     from asyncrl.trainer.distributed import DistContext
     from asyncrl.trainer.loop import Trainer
     from asyncrl.trainer.run_config import RunConfig
 
-    base, tok = model_and_tokenizer()
+    embedded, tok = model_and_tokenizer()
+    base = embedded if base is None else base
     model = type(base)(base.config)
     model.load_state_dict(base.state_dict())
     return Trainer(job, RunConfig(engine_kind="hf"), DistContext(), model, torch.optim.SGD(model.parameters(), lr=0.0),
@@ -169,14 +171,18 @@ def _trainer(job: Any) -> Any:
     {"objective": "gspo", "aggregation": "seq-mean-token-mean", "behaviourCap": {"level": "sequence"}},
 ])
 def test_a_packed_train_step_equals_the_padded_one(algorithm: dict[str, Any]) -> None:
+    """On the two-layer model of SmolLM2's architecture: the step around the forward, not the model's
+    size, is under test (the embedded model's packed forward and gradients: the test above)."""
     from asyncrl.trainer.report.metrics_file import metrics_line
+    from tests.support.trainer_support import tiny_model
 
     groups = make_groups(JOB, 2, group_size=4, version=0, seed=2, max_len=150)  # (rows share: 64 + 48 < 119)
     records, layouts = {}, {}
+    base = tiny_model(layers=2)
     for pack, layout in ((False, "padded"), (True, "rows"), (True, "one-row")):
         job = JobBuilder.small(name=JOB, batch_size=2, micro_batch_tokens=600, grad_clip=1e9,
                                algorithm={**algorithm, "packSequences": pack}).job()
-        trainer = _trainer(job)
+        trainer = _trainer(job, base)
         layouts[layout] = trainer.layout
         trainer.layout = layout  # (SmolLM2 on sdpa packs in "rows"; "one-row" is flash attention's)
         records[layout] = trainer.train_step(groups)
