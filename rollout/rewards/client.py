@@ -1,11 +1,14 @@
 """Scoring over HTTP: the rollout worker's client of a reward service (spec.reward.service).
 
-One POST per group (rollout/rewards/protocol.py), at most `max_concurrent_requests` in flight. A
-request that fails as a whole (unreachable, a timeout, 408/429/5xx) is sent again after a back-off
-(0.5 s doubling, at most 8 s) up to `retries` times; any other refusal (401, 422, ...) and a reply
-that breaks the protocol are not retried (the same request would fail again). An item the service
-answers with `error` failed: it is not retried either (the service already decided). What a failed
-reward becomes is `on_error` (rollout/rewards/functions.py `give_up`): RewardFailed, or 0.0.
+One POST per group (rollout/rewards/protocol.py), at most `max_concurrent_requests` in flight. The
+worker owns the job's `reward.retries` for a service: a request that fails as a whole (unreachable, a
+timeout, 408/429/5xx), and the items a reply answers with `error` (a flaky verifier, a sandbox that
+timed out), are sent again after a back-off (0.5 s doubling, at most 8 s), up to `retries` more times
+in all (a retry re-sends only the items still without a score); any other refusal (401, 422, ...) and
+a reply that breaks the protocol are not retried (the same request would fail again). What a reward
+that failed on every try becomes is `on_error` (rollout/rewards/functions.py `give_up`): RewardFailed,
+or 0.0. `asyncrl reward-server --retries` retries inside the service besides (default 0: the job's
+retries happen once, here).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -39,26 +42,39 @@ BACKOFF_S, BACKOFF_CAP_S = 0.5, 8.0
 
 
 class Refused(Exception):
-    """The whole request failed; `retry`: the same request may succeed later."""
+    """The request failed, or `failures` of its items did; `retry`: sending them again may succeed."""
 
-    def __init__(self, message: str, *, retry: bool) -> None:
+    def __init__(self, message: str, *, retry: bool, failures: int = 1) -> None:
         super().__init__(message)
         self.retry = retry
+        self.failures = failures
+
+
+class UnscoredItems(Refused):
+    """The reply answered `failures` items with an error (the others have their score)."""
+
+
+class FailureCounts(Protocol):
+    errors: int
+    """Failures seen (each try counts)."""
+    retried: int
+    """Tries again (a request or an item sent again)."""
 
 
 async def with_retries(send: Callable[[], Awaitable[T]], *, retries: int, slots: asyncio.Semaphore, what: str,
-                       failed: Callable[[], None]) -> T:
+                       counts: FailureCounts) -> T:
     """`send()` within `slots`, again after a back-off (0.5 s doubling, at most 8 s) while it raises
-    a retryable Refused, at most `retries` more times; `failed` is called for each Refused."""
+    a retryable Refused, at most `retries` more times; each Refused's failures and retries counted."""
     delay = BACKOFF_S
     for attempt in range(retries + 1):
         try:
             async with slots:
                 return await send()
         except Refused as exc:
-            failed()
+            counts.errors += exc.failures
             if not exc.retry or attempt == retries:
                 raise
+            counts.retried += exc.failures
             log.warning("%s: %s; trying again in %.1fs", what, exc, delay)
         await asyncio.sleep(delay)
         delay = min(delay * 2, BACKOFF_CAP_S)
@@ -98,7 +114,9 @@ class HttpRewardScorer:
     api_key: str | None = field(default_factory=lambda: secret_env(ENV_REWARD_API_KEY), repr=False)
     name: str = ""
     errors: int = 0
-    """Requests that failed as a whole (each retry counts)."""
+    """Requests that failed as a whole, and items the service answered with an error (each try counts)."""
+    retried: int = 0
+    """Requests and items sent again."""
     failed: int = 0
     """Completions whose reward failed (raised RewardFailed, or scored 0 under "zero")."""
     scored: int = 0
@@ -117,15 +135,32 @@ class HttpRewardScorer:
     async def score_all(self, completions: Sequence[str], answer: str, prompt: str = "", *,
                         metadata: Metadata | None = None) -> list[float | RewardFailed]:
         self.scored += len(completions)
-        request = ScoreRequest(items=[ScoreItem(completion=c, answer=answer, prompt=prompt, metadata=metadata)
-                                      for c in completions])
+        items = [ScoreItem(completion=c, answer=answer, prompt=prompt, metadata=metadata) for c in completions]
+        scores: dict[int, float] = {}
+        errors: dict[int, str] = {}
+
+        async def send_unscored() -> None:
+            pending = [i for i in range(len(items)) if i not in scores]
+            answers = await self._post_once(ScoreRequest(items=[items[i] for i in pending]))
+            for i, a in zip(pending, answers.scores, strict=True):
+                if a.score is None:
+                    errors[i] = str(a.error)
+                else:
+                    scores[i] = a.score
+            unscored = [i for i in pending if i not in scores]
+            if unscored:
+                raise UnscoredItems(f"{len(unscored)} of {len(pending)} items answered with an error: "
+                                    f"{errors[unscored[0]]}", retry=True, failures=len(unscored))
+
         try:
-            answers = await self._post(request)
+            await with_retries(send_unscored, retries=self.retries, slots=self._slots,
+                               what=f"reward service {self.url}", counts=self)
         except Refused as exc:
-            return [self._give_up(f"reward service {self.url} failed ({tries(self.retries)}): {exc}")
-                    for _ in completions]
-        return [self._give_up(f"reward service {self.url}: {a.error}") if a.score is None else a.score
-                for a in answers.scores]
+            whole = None if isinstance(exc, UnscoredItems) else str(exc)  # (else each item's own error)
+            return [scores[i] if i in scores else
+                    self._give_up(f"reward service {self.url} failed ({tries(self.retries)}): {whole or errors[i]}")
+                    for i in range(len(items))]
+        return [scores[i] for i in range(len(items))]
 
     def _give_up(self, message: str) -> float | RewardFailed:
         self.failed += 1
@@ -133,13 +168,6 @@ class HttpRewardScorer:
             return give_up(self.on_error, message)
         except RewardFailed as exc:
             return exc
-
-    async def _post(self, request: ScoreRequest) -> ScoreResponse:
-        return await with_retries(lambda: self._post_once(request), retries=self.retries, slots=self._slots,
-                                  what=f"reward service {self.url}", failed=self._count_error)
-
-    def _count_error(self) -> None:
-        self.errors += 1
 
     async def _post_once(self, request: ScoreRequest) -> ScoreResponse:
         body = request.model_dump(mode="json", exclude_none=True)  # (no `metadata` key when there is none)

@@ -154,6 +154,9 @@ class Scorer(Protocol):
 
     name: str
     errors: int
+    """Failures seen, each try counted (a call that raised, a request or an item that failed)."""
+    retried: int
+    """Tries again after a failure (the job's reward.retries)."""
 
     async def score(self, completion: str, answer: str, prompt: str = "", *, metadata: Metadata | None = None) -> float:
         """One completion's reward (raises RewardFailed, or 0.0 under on_error "zero"); `metadata`:
@@ -184,6 +187,8 @@ class RewardScorer:
     on_error: OnError = "zero"
     errors: int = 0
     """Calls that failed (each retry counts)."""
+    retried: int = 0
+    """Calls made again after a failure."""
     timeouts: int = 0
     """Of `errors`: calls that timed out."""
     failed: int = 0
@@ -209,7 +214,9 @@ class RewardScorer:
         self.scored += 1
         problem = ""
         call = partial(self.fn, completion, answer, **({"metadata": metadata} if self._takes_metadata else {}))
-        for _ in range(self.retries + 1):
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self.retried += 1
             try:
                 return await self._call(call)
             except asyncio.TimeoutError:

@@ -80,6 +80,8 @@ class JudgeScorer:
     name: str = ""
     errors: int = 0
     """Requests that failed as a whole, or whose reply held no score (each retry counts)."""
+    retried: int = 0
+    """Requests sent again."""
     failed: int = 0
     """Answers whose reward failed (raised RewardFailed, or scored 0 under "zero")."""
     scored: int = 0
@@ -96,7 +98,7 @@ class JudgeScorer:
         body = judge_request(self.judge, completion=completion, answer=answer, prompt=prompt)
         try:
             return await with_retries(lambda: self._ask(body), retries=self.retries, slots=self._slots,
-                                      what=self.name, failed=self._count_error)
+                                      what=self.name, counts=self)
         except Refused as exc:
             self.failed += 1
             return give_up(self.on_error, f"{self.name} failed ({tries(self.retries)}): {exc}")
@@ -104,9 +106,6 @@ class JudgeScorer:
     async def score_all(self, completions: Sequence[str], answer: str, prompt: str = "", *,
                         metadata: Metadata | None = None) -> list[float | RewardFailed]:
         return await settled([self.score(c, answer, prompt, metadata=metadata) for c in completions])
-
-    def _count_error(self) -> None:
-        self.errors += 1
 
     async def _ask(self, body: dict[str, Any]) -> float:
         resp = await post_json(self.judge.url + "/chat/completions", body, timeout_s=self.judge.timeout_seconds,

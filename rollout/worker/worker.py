@@ -331,14 +331,15 @@ class RolloutWorker:
 
     def summary(self) -> str:
         s, v = self.stats, self.view
-        reward_errors = sum(scorer.errors for scorer in self.prompts.scorers())
+        scorers = self.prompts.scorers()
+        reward_errors, reward_retries = sum(s.errors for s in scorers), sum(s.retried for s in scorers)
         evals = "" if self.evaluator is None else self.evaluator.summary()
         return (f"groups={s.groups_published} dropped={s.groups_dropped} invalid={s.groups_invalid} "
                 f"unscored={s.groups_unscored} failed={s.groups_failed} tokens={s.tokens} "
                 f"tok/s={s.tokens_per_second():.1f} version={v.version} engine_version={v.engine_version} "
                 f"interrupted={s.interrupted} held={s.held} discarded={s.discarded} requeued={s.requeued} "
-                f"weight_waits={s.weight_waits} restarts={s.restarts_seen} "
-                f"errors={s.request_errors} reward_errors={reward_errors} in_flight={len(self._groups)} "
+                f"weight_waits={s.weight_waits} restarts={s.restarts_seen} errors={s.request_errors} "
+                f"reward_errors={reward_errors} reward_retries={reward_retries} in_flight={len(self._groups)} "
                 f"{evals}degraded={self.health.summary()}")
 
     async def _log_progress(self) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +50,28 @@ def down_for_even_answers(completion: str, answer: str) -> float:
     return digit_sum_reward(completion, answer)
 
 
+_calls = itertools.count(1)
+_calls_lock = threading.Lock()
+
+
+def flaky_every_fourth(completion: str, answer: str) -> float:
+    """A flaky verifier (a sandbox that times out now and then): every fourth call in the process raises."""
+    with _calls_lock:
+        call = next(_calls)
+    if call % 4 == 0:
+        raise RuntimeError(f"flaky verifier (call {call})")
+    return length_reward(completion, answer)
+
+
+def recorded_flaky_length_reward(completion: str, answer: str) -> float:
+    """`flaky_every_fourth`, each score it gives appended to $ASYNCRL_TEST_REWARD_RECORD (as
+    `recorded_length_reward`)."""
+    score = flaky_every_fourth(completion, answer)
+    with open(os.environ[RECORD_ENV], "a") as fh:
+        fh.write(json.dumps({"completion": completion, "answer": answer, "score": score}) + "\n")
+    return score
+
+
 def bonus_reward(completion: str, answer: str, metadata: dict | None = None) -> float:
     """The prompt's `bonus` column (dataset.metadataFields) whatever the completion: shows which
     row's metadata reached the reward."""
@@ -57,11 +81,12 @@ def bonus_reward(completion: str, answer: str, metadata: dict | None = None) -> 
 
 
 @contextlib.contextmanager
-def reward_server(function: str, *, api_key: str | None = None, log: Path, timeout: float = 5.0) -> Iterator[str]:
+def reward_server(function: str, *, api_key: str | None = None, log: Path, timeout: float = 5.0,
+                  retries: int = 0) -> Iterator[str]:
     """`asyncrl reward-server FUNCTION` on a free port until the block ends; yields its base URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "asyncrl.cli", "reward-server", function, "--port", str(port),
-           "--timeout", str(timeout), *(["--api-key", api_key] if api_key else [])]
+           "--timeout", str(timeout), "--retries", str(retries), *(["--api-key", api_key] if api_key else [])]
     url = f"http://127.0.0.1:{port}"
     with served(cmd, url + "/health", log=log, what="reward-server", cwd=REPO, grace=10):
         yield url

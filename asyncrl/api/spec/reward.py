@@ -138,7 +138,9 @@ class RewardSpec(SpecModel):
     timeout_seconds: float = Field(default=5.0, gt=0)
     """Per-sample timeout of one call of the function."""
     retries: int = Field(default=1, ge=0, le=10)
-    """Calls tried again after one that raised, timed out or returned a non-finite number."""
+    """Tries again after a failure: a call of the function that raised, timed out or returned a
+    non-finite number; with `service`, a request that failed or an item the service answered with an
+    error (the rollout worker sends it again); with `judge`, a request."""
     on_error: Literal["drop", "zero"] = "drop"
     """A sample whose reward still failed after `retries`: `drop` its group (never trained: its
     admission slot goes back, it is dead-lettered with the reason and counted as `reward_failures`),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -55,11 +56,38 @@ async def test_items_the_service_cannot_score_fail_alone_and_are_never_a_zero_un
         assert await drop.score_all(COMPLETIONS[:2], "3") == [digit_sum_reward(c, "3") for c in COMPLETIONS[:2]]
         failed = await drop.score_all(COMPLETIONS[:2], "4")
         assert all(isinstance(f, RewardFailed) and "RuntimeError: verifier down" in str(f) for f in failed)
-        with pytest.raises(RewardFailed, match="verifier down"):
+        with pytest.raises(RewardFailed, match=r"failed \(2 tries\): .*verifier down"):
             await drop.score("1", "4")
-        assert (drop.errors, drop.failed) == (0, 3)  # the requests worked: the items failed
+        # the requests worked: the items failed, each sent again once (reward.retries, default 1) and failed again
+        assert (drop.errors, drop.retried, drop.failed) == (6, 3, 3)
         zero = HttpRewardScorer(url, on_error="zero")
         assert await zero.score_all(COMPLETIONS[:2], "4") == [0.0, 0.0] and zero.failed == 2
+
+
+async def test_items_a_flaky_verifier_fails_are_sent_again_and_counted(tmp_path: Path) -> None:
+    """The worker owns reward.retries for a service: an item answered with `error` is sent again (alone:
+    the others keep their scores); `asyncrl reward-server --retries` retries inside the service instead."""
+    with reward_server(f"{PLUGINS}:flaky_every_fourth", log=tmp_path / "server.log") as url:
+        scorer = HttpRewardScorer(url)  # (retries 1, the spec's default)
+        for _ in range(3):  # 4 items a request: the fourth call of each fails, and is sent again
+            got = await scorer.score_all(COMPLETIONS, "1")
+            assert got == [length_reward(c, "1") for c in COMPLETIONS]
+        assert (scorer.errors, scorer.retried, scorer.failed) == (3, 3, 0)
+        once = HttpRewardScorer(url, retries=0)
+        results = await once.score_all(COMPLETIONS[:1] * 4, "1")  # (the server's 16th call fails, one of these)
+        [failed] = [r for r in results if isinstance(r, RewardFailed)]
+        assert re.search(r"failed \(1 try\): reward .*flaky_every_fourth.* failed \(1 try\): RuntimeError: "
+                         r"flaky verifier \(call 16\)", str(failed)), str(failed)
+        async with httpx.AsyncClient() as http:
+            health = (await http.get(url + "/health")).json()
+        assert (health["scored"], health["errors"], health["retried"], health["failed"]) == (19, 4, 0, 4)
+    with reward_server(f"{PLUGINS}:flaky_every_fourth", log=tmp_path / "inside.log", retries=1) as url:
+        scorer = HttpRewardScorer(url, retries=0)
+        assert await scorer.score_all(COMPLETIONS, "1") == [length_reward(c, "1") for c in COMPLETIONS]
+        assert (scorer.errors, scorer.retried) == (0, 0)
+        async with httpx.AsyncClient() as http:
+            health = (await http.get(url + "/health")).json()
+        assert (health["errors"], health["retried"], health["failed"]) == (1, 1, 0)
 
 
 async def test_an_unreachable_service_is_tried_again_after_a_back_off_then_fails() -> None:
@@ -69,7 +97,7 @@ async def test_an_unreachable_service_is_tried_again_after_a_back_off_then_fails
     started = time.monotonic()
     results = await scorer.score_all(["1", "2"], "1")
     assert time.monotonic() - started >= 0.5 + 1.0  # two back-offs: 0.5 s, then 1 s
-    assert scorer.errors == 3 and all(isinstance(r, RewardFailed) for r in results)
+    assert (scorer.errors, scorer.retried) == (3, 2) and all(isinstance(r, RewardFailed) for r in results)
     assert str(results[0]).startswith(f"reward service {url} failed (3 tries): ConnectError")
 
 
@@ -126,18 +154,21 @@ def test_the_service_spec_names_the_field_and_what_it_accepts() -> None:
 @pytest.mark.slow
 def test_a_local_run_trains_on_what_the_service_scores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       tiny_model_dir: Path) -> None:
-    """`asyncrl run` with reward.service.url: the job trains to the end on the service's rewards, and
-    every reward the service gave is the one the function gives in-process on the same completion
-    (on the two-layer model: the rewards' path, not what the model learns, is under test)."""
+    """`asyncrl run` with reward.service.url and a flaky verifier (every fourth call raises, groups of
+    4): with the default reward.retries the job trains to the end on the service's rewards, the items
+    that failed sent again and counted, and every reward the service gave is the one the function gives
+    in-process on the same completion (on the two-layer model: the rewards' path, not what the model
+    learns, is under test)."""
     record = tmp_path / "scored.jsonl"
     monkeypatch.setenv(RECORD_ENV, str(record))  # (the reward server's environment)
     job = JobBuilder.small(name="t-reward-svc", batch_size=2, group_size=4, eta=1, max_steps=3, max_new_tokens=8,
                            model={"path": str(tiny_model_dir)})
-    with reward_server(f"{PLUGINS}:recorded_length_reward", log=tmp_path / "server.log") as url:
+    with reward_server(f"{PLUGINS}:recorded_flaky_length_reward", log=tmp_path / "server.log") as url:
         path = job.merge(reward={"function": "exact-number", "service": {"url": url}}).write(tmp_path / "job.yaml")
         run_dir = tmp_path / "run"
         proc = subprocess.run(ASYNCRL + ["run", str(path), "--max-steps", "3", "--run-dir", str(run_dir),
                                          "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        health = httpx.get(url + "/health").json()
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     lines = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in lines] == [1, 2, 3]
@@ -148,3 +179,9 @@ def test_a_local_run_trains_on_what_the_service_scores(tmp_path: Path, monkeypat
     assert len(given) > 1  # (varied rewards, not the exact-number function's 0s)
     # each step's mean reward is a mean of 8 of the service's rewards (multiples of 1/4)
     assert all(abs(m["reward_mean"] * 32 - round(m["reward_mean"] * 32)) < 1e-6 for m in lines)
+    # the rollout worker's last summary counts the items it sent again: those the service failed
+    # (on a second failure an item is not sent again: its group is dropped)
+    worker_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    retries = [int(n) for n in re.findall(r"reward_retries=(\d+)", worker_log)]
+    assert health["failed"] >= len(scored) // 4 > 0 and health["retried"] == 0, health
+    assert retries and 0 < retries[-1] <= health["failed"], (health, worker_log[-2000:])
