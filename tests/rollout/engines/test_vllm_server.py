@@ -52,12 +52,11 @@ async def test_generate_reload_generate(vllm, tmp_path: Path):
 
     url, model_dir = vllm
     engine = make_engine("vllm", url)
-    prompt = PROMPT
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     try:
         assert await engine.ready()
         assert (await engine.model_info())["weight_version"] == "default"  # vLLM's label at launch
-        before = await engine.generate(prompt, greedy)
+        before = await engine.generate(PROMPT, greedy)
         assert len(before.output_ids) == len(before.logprobs) == 6
         assert before.weight_version == 0 and engine.reports_weight_version  # the server's "default" label
         assert all(lp <= 0 for lp in before.logprobs)
@@ -74,7 +73,7 @@ async def test_generate_reload_generate(vllm, tmp_path: Path):
         await engine.pause("abort")
         await engine.update_weights(str(v1), 1)
         await engine.resume()
-        after = await engine.generate(prompt, greedy)
+        after = await engine.generate(PROMPT, greedy)
         # the server labels the tokens with the version update_weights set, not the client
         assert after.weight_version == 1 and after.meta["weight_versions"] == [{"version": "1", "start": 0, "end": 6}]
         assert (after.output_ids, after.logprobs) != (before.output_ids, before.logprobs)
@@ -96,15 +95,12 @@ async def test_an_episode_on_vllm_keeps_the_stop_token_and_its_turns_as_sampled(
     from asyncrl.rollout.evaluation.run_pass import EvalSettings, EvalTurns
     from asyncrl.rollout.rewards.functions import RewardScorer, exact_number_reward
 
-    url, model_dir = vllm
+    url, _ = vllm
     tokenizer = load_tokenizer("embedded:SmolLM2-135M-Instruct")
     renderer = PromptRenderer(tokenizer)
     chat = ChatTurns(tokenizer, renderer.stop_token_ids())
     runner = EpisodeRunner(resolve_episode("retry"), EpisodeLimits(max_turns=2), chat, renderer.decode, name="retry")
-    engine = make_engine("vllm", url)
-    await engine.pause("abort")  # (the base weights again: test_generate_reload_generate perturbs them)
-    await engine.update_weights(model_dir, 2)
-    await engine.resume()
+    engine = make_engine("vllm", url)  # (on the base weights: the `vllm` fixture put them back)
     settings = EvalSettings(1, SamplingParams(max_new_tokens=48, temperature=0.0,
                                               stop_token_ids=renderer.stop_token_ids()))
     turns = EvalTurns(engine, settings, asyncio.Semaphore(4), lambda r: asyncio.sleep(0, r.weight_version))
