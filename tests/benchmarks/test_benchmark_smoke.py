@@ -241,6 +241,8 @@ def test_benchmark_runs_and_prints_its_figures(smoke: Smoke, smoke_files: dict[s
     except json.JSONDecodeError as exc:
         raise AssertionError(f"{smoke.script} did not print one JSON object ({exc}):\n{proc.stdout[-3000:]}") from exc
     assert isinstance(figures, dict)
+    # a benchmark that goes on past a failed run lists it with its error: none may fail here
+    assert not figures.get("failed"), f"{smoke.script}: runs failed: {json.dumps(figures['failed'])[-5000:]}"
     assert smoke.keys - set(figures) == set(), f"{smoke.script} no longer prints these figures"
     for path, expected in smoke.nested.items():
         assert expected - set(at(figures, path)) == set(), f"{smoke.script}: figures missing under {path}"

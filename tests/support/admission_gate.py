@@ -17,7 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.support.control_plane import ControlPlane, free_port
+from asyncrl.infra.net import free_port
+from tests.support.control_plane import ControlPlane
 from tests.support.polling import poll
 
 TIMEOUT_S = 30  # the longest the apiserver lets a webhook take

@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -40,6 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncrl.infra.net import free_port
 from tests.support.paths import REPO
 from tests.support.tools import find_tool, unavailable
 
@@ -168,13 +168,6 @@ def _cert_kubeconfig(root: Path, server: str, name: str) -> Path:
 
 
 # ----------------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A loopback port free right now (the kernel's pick; each process gets its own)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.infra.net import free_port
 from tests.support.kube_cluster.objects import (
     LOCAL_IP,
     LOOPBACK_HOSTS,
@@ -33,17 +33,11 @@ class PortRegistry:
     def get(self, key: tuple) -> int:
         if key not in self._ports:
             taken = set(self._ports.values())
-            port = self._free_port()
+            port = free_port(LOCAL_IP)
             while port in taken:
-                port = self._free_port()
+                port = free_port(LOCAL_IP)
             self._ports[key] = port
         return self._ports[key]
-
-    @staticmethod
-    def _free_port() -> int:
-        with socket.socket() as sock:
-            sock.bind((LOCAL_IP, 0))
-            return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
