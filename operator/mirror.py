@@ -172,6 +172,12 @@ RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
     ("leasesReturned", "Normal", "LeasesReturned", "admission lease(s) of killed rollout workers returned"),
     ("rewardFailures", "Warning", "RewardsFailed",
      "trajectory group(s) dropped, never trained: a reward could not be computed (`asyncrl dead-letters` says why)"),
+    ("episodeFailures", "Warning", "EpisodesFailed",
+     "trajectory group(s) dropped, never trained: an episode function failed past its retries"),
+    ("generationFailures", "Warning", "GenerationFailed",
+     "trajectory group(s) dropped, never trained: a sample kept failing on its engine"),
+    ("engineRequeues", "Warning", "GroupsRequeued",
+     "trajectory group(s) interrupted by an engine that went away, their prompts queued again"),
     ("reclaimedEntries", "Normal", "EntriesReclaimed", "stream entries taken over from a dead trainer consumer"),
     ("fencedEngines", "Warning", "EngineFenced",
      "rollout engine(s) fenced after failed weight updates (retried in the background)"),
@@ -183,6 +189,8 @@ RECOVERY_EVENTS: tuple[tuple[str, str, str, str], ...] = (
     ("ghostGroupsDropped", "Warning", "GhostGroupsDropped",
      "trajectory group(s) dropped: generated on weights a trainer restart threw away, never trained"),
 )
+QUIET_RECOVERY = ("recoveredEntries",)
+"""status.recovery figures that send no Event: a lost read reply re-read is routine, nothing to act on."""
 
 
 def recovery_events(old: dict[str, Any] | None, new: dict[str, Any] | None) -> list[tuple[str, str, str]]:

@@ -278,7 +278,8 @@ class Readiness:
     weights: Check
     degraded: Check
     outage: Check | None = None
-    """The trainer is waiting out an outage (`dependency_outage`); also in `degraded`."""
+    """Why the trainer does not train though every pod is up: an outage it waits out
+    (`dependency_outage`), else a stall (`stall`); also in `degraded`."""
 
     @property
     def all_ready(self) -> bool:
@@ -371,14 +372,27 @@ def dependency_outage(report: TrainerReport | None) -> Check | None:
     return Check("True", reason, "the trainer is waiting: " + "; ".join(parts))
 
 
+def stall(report: TrainerReport | None) -> Check | None:
+    """The trainer accepts no group and says why (its report's `stalled`: RewardFailures,
+    EpisodeFailures, GenerationFailures, EngineUnreachable, TooStale, NoGroupsProduced), with the
+    counts and the last error; since when is a time, so the message stays the same from one pass to
+    the next while the cause and its count do. None: not stalled, or no report."""
+    stalled = report.stalled if report is not None else None
+    if stalled is None or not stalled.reason:
+        return None
+    return Check("True", stalled.reason, f"no group accepted for training since {_epoch(stalled.since)}: "
+                                         f"{stalled.message}")
+
+
 def degraded(containers: list[ContainerRun], report: TrainerReport | None = None) -> Check:
-    """`Degraded`: the job goes on but something is wrong: a container crash-loops (`crash_loop`)
-    or the trainer waits out an outage (`dependency_outage`). Both at once: the crash loop's reason
-    (the pod's own, the more specific), and both in the message."""
-    looping, outage = crash_loop(containers), dependency_outage(report)
-    if looping is not None and outage is not None:
-        return Check("True", looping.reason, f"{looping.message}; {outage.message}")
-    return looping or outage or NOT_DEGRADED
+    """`Degraded`: the job goes on but something is wrong: a container crash-loops (`crash_loop`),
+    the trainer waits out an outage (`dependency_outage`) or accepts no group (`stall`). Several at
+    once: the first one's reason (a crash loop's is the pod's own, the most specific), and every
+    message."""
+    found = [c for c in (crash_loop(containers), dependency_outage(report), stall(report)) if c is not None]
+    if not found:
+        return NOT_DEGRADED
+    return Check("True", found[0].reason, "; ".join(c.message for c in found))
 
 
 def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
@@ -391,7 +405,7 @@ def _readiness(spec: AsyncRLJobSpec | None, obs: Observed) -> Readiness:
         stream=_ready(obs.redis_ready, 1) if managed_redis else EXTERNAL_REDIS,
         weights=_weights(obs.report, obs.report_error, obs.outcome_error),
         degraded=degraded(obs.containers, obs.report),
-        outage=dependency_outage(obs.report),
+        outage=dependency_outage(obs.report) or stall(obs.report),
     )
 
 
@@ -543,8 +557,8 @@ def _rollout(ref: JobRef, spec: AsyncRLJobSpec | None, obs: Observed) -> Rollout
 
 def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: TrainerReport | None,
              spec: AsyncRLJobSpec | None, outcome: TrainerOutcome | None = None) -> None:
-    """trainer, staleness, progress, rollout.minWeightVersion and evaluation: from this pass's
-    report, else the last ones written; the outcome record has the final step. trainer and progress
+    """trainer, staleness, progress, rollout.minWeightVersion, evaluation and recovery: from this
+    pass's report, else the last ones written; the outcome record has the final step. trainer and progress
     stay absent until the trainer has reported, evaluation until its first held-out evaluation."""
     kept = before.model_fields_set
     if "trainer" in kept:
@@ -557,6 +571,8 @@ def _figures(status: AsyncRLJobStatus, before: AsyncRLJobStatus, report: Trainer
         status.progress = before.progress
     if before.rollout.min_weight_version is not None:
         status.rollout.min_weight_version = before.rollout.min_weight_version
+    if before.recovery is not None:  # (a finished job's pods are gone: its totals stay)
+        status.recovery = before.recovery
     if report is not None and spec is not None:
         mirror_report(status, report, spec)
     if outcome is not None and spec is not None:

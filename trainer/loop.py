@@ -6,7 +6,10 @@ One step:
      (admission frees their capacity) and acknowledged (inbox.py); with `dynamicSampling` (DAPO)
      groups whose rewards are all equal are skipped the same way and reading goes on until B
      groups with signal are buffered, or `dynamicSampling.maxDraws` were drawn (then the step
-     trains on the fewer it has, with a warning: `next_batch`);
+     trains on the fewer it has, with a warning: `next_batch`); while it waits it checks every
+     ENGINE_REFRESH_S that groups are still accepted: if none was for trainer.stallAfterSeconds
+     the report names why (`stalled`: reward failures, too stale, no worker generating, ...), and
+     past trainer.progressDeadlineSeconds without a step the run fails (trainer/report/stall.py);
   2. the batch is broadcast, so every rank computes the same advantages and token counts;
   3-4. the step (trainer/step/update.py, the objective from trainer/step/objectives/):
   3. proximal log-probs: `recompute` runs a no-grad forward over the batch (timed), `loglinear`
@@ -56,6 +59,7 @@ from asyncrl.trainer.evaluation import ENGINE_REFRESH_S, Evaluations
 from asyncrl.trainer.inbox import EvalInbox, GroupInbox, StepDraw, StreamIO, eval_key, labels_of
 from asyncrl.trainer.report.metrics_file import append_metrics_line, written_evaluations
 from asyncrl.trainer.report.reporter import Reporter, TrackerSink
+from asyncrl.trainer.report.stall import ProgressDeadlineExceeded, ProgressWatch, pipeline_counts
 from asyncrl.trainer.report.step_report import report_step
 from asyncrl.trainer.run_config import RunConfig
 from asyncrl.trainer.state.checkpoint import (
@@ -79,6 +83,7 @@ from asyncrl.trainer.weights.files import (
 )
 from asyncrl.trainer.weights.publisher import Publisher, on_every_rank, refuse_non_finite_weights
 from asyncrl.trainer.weights.watch import EngineWatch
+from asyncrl.transport.admission import AdmissionSnapshot
 
 log = logging.getLogger("asyncrl.trainer")
 
@@ -131,6 +136,10 @@ class Trainer:
             self._eval_inbox(io, cfg, report) if ctx.is_main else None, self.spec.evaluation, max_steps=max_steps,
             reporter=self.reporter, metrics_path=cfg.metrics_path, trackers=self.trackers)
         self.stop_requested = False
+        self.progress = ProgressWatch(stall_after_s=self.spec.trainer.stall_after_seconds,
+                                      deadline_s=self.spec.trainer.progress_deadline_seconds)
+        """Rank 0: when a group was last accepted, and why none is (trainer/report/stall.py)."""
+        self._stale_error = ""  # rank 0: the newest too-stale drop, in words (a stall quotes it)
         self._all_skipped_steps = 0  # steps in a row whose every update was skipped (a restart starts over)
         self._draw = StepDraw()  # rank 0: what it drew for this step's batch (dynamic sampling's figures)
         self._committed_step = self.state.step
@@ -227,9 +236,16 @@ class Trainer:
         await self.startup_sync()
         await self.evaluations.request(self.state.version)  # the version this run starts from
         while self.state.step < max_steps:
-            # 1-2. Batch: rank 0 reads B fresh groups, every rank gets the same list.
-            groups = await self.next_batch() if self.ctx.is_main else None
-            groups = D.broadcast_object(groups, self.ctx)
+            # 1-2. Batch: rank 0 reads B fresh groups, every rank gets the same list (or rank 0's
+            # ProgressDeadlineExceeded, which fails every rank).
+            drawn: list[Any] | ProgressDeadlineExceeded | None
+            try:
+                drawn = await self.next_batch() if self.ctx.is_main else None
+            except ProgressDeadlineExceeded as exc:
+                drawn = exc
+            groups = D.broadcast_object(drawn, self.ctx)
+            if isinstance(groups, ProgressDeadlineExceeded):
+                raise groups
             if groups is None:  # rank 0 was asked to stop
                 break
             # (algorithm.replay: objective tb, one process)
@@ -321,6 +337,7 @@ class Trainer:
             self._count_ghosts(await self.inbox.drop_ghosts())
             self._count_dropped(await self.inbox.drop_stale(self.state.version))
             self._count_zero_signal(await self.inbox.skip_zero_signal())
+            self.progress.kept(self.state.groups_trained + len(self.inbox.buffer))
             starved = self.inbox.starved()
             batch = self.inbox.take_batch(fresh)
             if batch is not None:
@@ -333,6 +350,7 @@ class Trainer:
             if time.monotonic() - last_refresh > ENGINE_REFRESH_S:
                 await self.refresh_engines()
                 await self.evaluations.poll(self.state.step)
+                await self.watch_progress()
                 last_refresh = time.monotonic()
             if time.monotonic() - last_check >= self.cfg.pending_check_s:
                 await self.check_admission()
@@ -344,16 +362,35 @@ class Trainer:
         and show the job's admission state in the report."""
         assert self.inbox is not None and self.io is not None
         check = await self.inbox.reconcile()
-        snap = await self.io.admission.snapshot()
+        self._show_admission(await self.io.admission.snapshot(), drift=check.drift - check.repaired)
+
+    def _show_admission(self, snap: AdmissionSnapshot, drift: int | None = None) -> None:
+        """The job's admission state and recovery totals into the report (`drift` None: the last check's)."""
+        assert self.inbox is not None
         stats = self.inbox.consumer.stats
         with self.reporter.edit() as report:
             report.admission = AdmissionReport(accepted=snap.accepted, running=snap.running, capacity=snap.capacity,
-                                               drift=check.drift - check.repaired)
+                                               drift=report.admission.drift if drift is None else drift)
             # admission's job totals (RecoveryReport's fields among the snapshot's), this consumer's own
             report.recovery = RecoveryReport.model_validate({
                 **report.recovery.model_dump(), **dataclasses.asdict(snap),
                 "dead_lettered": max(snap.dead_lettered, self.inbox.dead_lettered),
                 "recovered_entries": stats.recovered, "reclaimed_entries": stats.reclaimed})
+
+    async def watch_progress(self) -> None:
+        """Rank 0, while it waits: report a stall with its cause (`report.stalled`), and fail with
+        ProgressDeadlineExceeded past spec.trainer.progressDeadlineSeconds without a step."""
+        assert self.io is not None
+        snap = await self.io.admission.snapshot()
+        self._show_admission(snap)
+        counts = pipeline_counts(snap, too_stale=self.state.dropped, stale_error=self._stale_error)
+        with self.reporter.edit() as report:
+            rollout = {"running": snap.running, "engines": len(report.rollout),
+                       "ready": sum(e.ready for e in report.rollout)}
+            report.stalled = self.progress.observe(counts, **rollout)
+        overdue = self.progress.overdue(**rollout)
+        if overdue is not None:
+            raise overdue
 
     def _count_dropped(self, count: int) -> None:
         if not count:
@@ -362,7 +399,9 @@ class Trainer:
         self._draw.dropped += count
         with self.reporter.edit() as report:
             report.staleness.dropped = self.state.dropped
-        log.info("dropped %d over-stale group(s) (%s)", count, self.spec.staleness.as_policy().describe())
+        policy = self.spec.staleness.as_policy().describe()
+        self._stale_error = f"{count} group(s) past the bound ({policy}) at policy version {self.state.version}"
+        log.info("dropped %d over-stale group(s) (%s)", count, policy)
 
     def _count_ghosts(self, count: int) -> None:
         if not count:
@@ -463,8 +502,10 @@ class Trainer:
         m.step_seconds, m.tokens_per_second = wall, m.tokens / wall
         m.weight_sync_seconds = self.publisher.last_seconds
         self._record_zero_signal(m)
+        self.progress.stepped()
         with self.reporter.edit() as r:
             m.episodes_failed = r.recovery.episode_failures
+            r.stalled = None
             report_step(r, st, m, dead_lettered=self.inbox.dead_lettered if self.inbox is not None else 0)
         if self.ctx.is_main and self.cfg.metrics_path is not None:
             append_metrics_line(self.cfg.metrics_path, m)

@@ -31,6 +31,8 @@ PRINTER_COLUMNS = [
     {"name": "Eval", "type": "string", "jsonPath": ".status.evaluation.summary",
      "description": "held-out pass@1 and the policy version it was measured on"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1,
+     "description": "Why the job is in its phase (a stall's cause while Running); shown by -o wide"},
 ]
 
 

@@ -77,6 +77,32 @@ class DegradedReport(_Report):
     """Oldest first."""
 
 
+class StallReport(_Report):
+    """Training stands still and the pipeline says why: no group was accepted for training for
+    `spec.trainer.stallAfterSeconds` while groups were being dropped, or while no rollout worker
+    generated any (trainer/report/stall.py decides). Set on the report only while the stall lasts;
+    the operator turns it into the job's `Degraded` condition and its reason."""
+
+    reason: str = ""
+    """The dominant cause, CamelCase: RewardFailures, EpisodeFailures, GenerationFailures,
+    EngineUnreachable, TooStale, or NoGroupsProduced (nothing generated, nothing dropped). A plain
+    string, not a Literal: an operator older than the trainer must still read a new cause."""
+    message: str = ""
+    """The cause in words, with its count, the last error and the other causes seen (how long it
+    has lasted is `seconds`)."""
+    count: int = 0
+    """Groups the dominant cause dropped (or interrupted) since the last accepted group."""
+    last_error: str = ""
+    """The newest error text of the dominant cause (a verifier's exception, an engine's answer)."""
+    since: float = 0.0
+    """Unix time of the last accepted group (or of the trainer's start of waiting)."""
+    seconds: Annotated[float, gauge("stalled_seconds", "How long no group has been accepted for training while "
+                                    "groups were dropped or none generated (0: not stalled).")] = 0.0
+    """How long no group has been accepted, when the report was made."""
+    dropped: dict[str, int] = Field(default_factory=dict)
+    """Every cause seen since `since` (its counter's name, as in `recovery`) -> groups."""
+
+
 class ReplayReport(_Report):
     """TBA's replay buffer (algorithm.replay): what it holds and what it has given."""
 
@@ -333,6 +359,12 @@ class RecoveryReport(_Report):
     episode_failures: Annotated[int, counter("episode_failed_groups")] = 0
     """Groups dropped unpublished because an episode function (spec.rollout.episode) failed past
     episodeLimits.retries: never trained with a made-up reward; `asyncrl dead-letters` lists them."""
+    generation_failures: Annotated[int, counter("generation_failed_groups")] = 0
+    """Groups dropped unpublished because a sample kept failing on its engine (past
+    spec.rollout's request retries) or the group could not be trained."""
+    engine_requeues: Annotated[int, counter("engine_requeued_groups")] = 0
+    """Groups interrupted because their engine went away (unreachable past the worker's outage
+    window, or aborting again and again): their prompts were queued again, nothing was lost."""
     recovered_entries: Annotated[int, counter("recovered_entries")] = 0
     """Stream entries the current trainer re-read after a lost read reply."""
     reclaimed_entries: Annotated[int, counter("reclaimed_entries")] = 0
@@ -421,6 +453,9 @@ class TrainerReport(_Report):
     """Set while the trainer waits out an outage of a dependency; None (absent from /status) when
     nothing is down. Typed here, not bolted onto the JSON, so the operator's mirror, which reads
     /status into this model, carries it to the job's status."""
+    stalled: StallReport | None = None
+    """Set while no group has been accepted for training for `spec.trainer.stallAfterSeconds` and
+    the pipeline says why (groups dropped, or none generated); None (absent) otherwise."""
     last_step: StepMetrics | None = None
     """Every figure of the last step (None before the first): the newest line of metrics.jsonl.
     Last, so that a figure the report exports itself (the counters) is not exported twice."""

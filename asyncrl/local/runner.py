@@ -309,9 +309,12 @@ def eval_summary(record: dict[str, Any]) -> str:
 class Progress:
     """The live line: step, version, reward, staleness, tokens/s (rich when a terminal, else plain),
     `eval 0.42@v14` (pass@1 of the newest held-out evaluation, on policy version 14) once there is
-    one, and `DEGRADED <reason>: <message>` while the trainer waits out an outage (its /status
-    `degraded`): training standing still must not look like a slow step. A plain line is printed
-    again when that changes or a new evaluation arrives, not only when the step or phase does."""
+    one, `DEGRADED <reason>: <message>` while the trainer waits out an outage (its /status
+    `degraded`) and `STALLED <reason> (<seconds>s): <message>` while it accepts no group and says why
+    (its /status `stalled`: the dominant cause, its count, the last error): training standing still
+    must not look like a slow step. A plain line is printed again when either changes or a new
+    evaluation arrives, not only when the step or phase does. `stalled` is the stall of the last
+    status read (the run's terminal line quotes it)."""
 
     def __init__(self, max_steps: int, plain: bool):
         from rich.console import Console
@@ -319,7 +322,9 @@ class Progress:
         self.console = Console(stderr=False)
         self.plain = plain or not self.console.is_terminal
         self.max_steps = max_steps
-        self._last: tuple[int, str, str, str] | None = None
+        self._last: tuple[int, str, str, str, str] | None = None
+        self.stalled = ""
+        """The stall in the trainer's last status read ("" none): its reason, duration and message."""
         self._seen_status = False
         self._progress = None
         if not self.plain:
@@ -337,7 +342,7 @@ class Progress:
         if status is None:
             if self._seen_status:
                 return  # the trainer just exited (or is busy): keep the last line
-            line, step, phase, degraded, evaluated = phase_hint, 0, phase_hint, "", ""
+            line, step, phase, degraded, evaluated, stalled = phase_hint, 0, phase_hint, "", "", ""
         else:
             st, last = status.get("staleness", {}), status.get("last_step") or {}
             reward = last.get("reward_mean")
@@ -354,11 +359,16 @@ class Progress:
             degraded = (f"DEGRADED {outage.get('reason') or 'DependencyUnavailable'}: {outage.get('message', '')}"
                         if outage.get("status") else "")
             line += f"  {degraded}" if degraded else ""
+            stall = status.get("stalled") or {}
+            stalled = (f"{stall['reason']} ({float(stall.get('seconds', 0)):.0f}s): {stall.get('message', '')}"
+                       if stall.get("reason") else "")
+            line += f"  STALLED {stalled}" if stalled else ""
+            self.stalled = stalled
             self._seen_status = True
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=phase or "starting", info=line)
-        elif (step, phase, degraded.split(":")[0], evaluated) != self._last:
-            self._last = (step, phase, degraded.split(":")[0], evaluated)
+        elif (step, phase, degraded.split(":")[0], evaluated, stalled.split(" ")[0]) != self._last:
+            self._last = (step, phase, degraded.split(":")[0], evaluated, stalled.split(" ")[0])
             print(f"[{phase}] step {step}/{self.max_steps}  {line}", flush=True)
 
     def stop(self) -> None:
@@ -453,10 +463,10 @@ def main(args: argparse.Namespace) -> int:
         status_port=status_port, engine_threads=args.engine_threads or max(len(engine_cpus) // replicas, 1),
         trainer_threads=args.trainer_threads or len(trainer_cpus), engine_cpus=set(engine_cpus) if args.pin else None,
         trainer_cpus=set(trainer_cpus) if args.pin else None, logs=logs)
-    failed, outcome, interrupted = _run(plan, args, kind, run_dir, redis, runtime, status_url,
-                                        max_steps=spec.trainer.max_steps, names=names)
+    failed, outcome, interrupted, stalled = _run(plan, args, kind, run_dir, redis, runtime, status_url,
+                                                 max_steps=spec.trainer.max_steps, names=names)
     _report_failure(plan.trainer, failed, outcome)
-    return _finish(run_dir, failed, outcome, status_url, interrupted)
+    return _finish(run_dir, failed, outcome, status_url, interrupted, stalled)
 
 
 def _interrupt(signum: int, _frame: Any) -> None:
@@ -468,10 +478,10 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 def _run(plan: ProcessPlan, args: argparse.Namespace, kind: str, run_dir: Path, redis: LocalRedis,
          runtime: Runtime, status_url: str, *, max_steps: int,
-         names: StreamNames) -> tuple[Child | None, TrainerOutcome | None, bool]:
+         names: StreamNames) -> tuple[Child | None, TrainerOutcome | None, bool, str]:
     """Start the engines and the trainer, the rollouts once the engines answer, and supervise them
     until the trainer records its outcome, a process fails or the run is interrupted; then stop all.
-    Returns (the process that failed, the outcome, whether interrupted)."""
+    Returns (the process that failed, the outcome, whether interrupted, the stall last reported)."""
     signal.signal(signal.SIGINT, _interrupt)  # (also when started in the background, where SIGINT is ignored)
     signal.signal(signal.SIGTERM, _interrupt)
     trainer, children = plan.trainer, plan.children
@@ -511,7 +521,7 @@ def _run(plan: ProcessPlan, args: argparse.Namespace, kind: str, run_dir: Path, 
                   flush=True)
         _stop_all(trainer, children)
         redis.stop()
-    return failed, outcome, interrupted
+    return failed, outcome, interrupted, progress.stalled if progress is not None else ""
 
 
 def _report_failure(trainer: Child, failed: Child | None, outcome: TrainerOutcome | None) -> None:
@@ -528,8 +538,9 @@ def _report_failure(trainer: Child, failed: Child | None, outcome: TrainerOutcom
 
 
 def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None, status_url: str,
-            interrupted: bool) -> int:
-    """run.json and the last line; the exit code: 0 Succeeded, 1 Failed or a child died, 130 interrupted."""
+            interrupted: bool, stalled: str = "") -> int:
+    """run.json and the last line (with the stall the trainer last reported, unless it succeeded); the
+    exit code: 0 Succeeded, 1 Failed or a child died, 130 interrupted."""
     metrics = read_metrics(run_dir)
     rewards = [m["reward_mean"] for m in metrics]
     if failed is not None:
@@ -544,7 +555,8 @@ def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None,
         "final_policy_version": metrics[-1]["policy_version"] if metrics else 0,
         "run_dir": str(run_dir), "status_url": status_url,
         "final_weights": (outcome.weights_path if outcome and outcome.weights_path else None)
-        or _final_weights(run_dir), "failed_process": failed.name if failed else None}
+        or _final_weights(run_dir), "failed_process": failed.name if failed else None,
+        "stalled": stalled if stalled and verdict != "succeeded" else None}
     qm = quarter_means(rewards)
     if qm:
         summary["reward_first_quarter"], summary["reward_last_quarter"] = qm
@@ -556,6 +568,7 @@ def _finish(run_dir: Path, failed: Child | None, outcome: TrainerOutcome | None,
           + (f" ({outcome.reason})" if outcome else "")
           + (f"; reward first quarter {qm[0]:.3f} -> last quarter {qm[1]:.3f}" if qm else "")
           + (f"; held-out pass@1 {' -> '.join(f'{p:.2f}@{v}' for v, p in evaluated.items())}" if evaluated else "")
+          + (f"; stalled: {summary['stalled']}" if summary["stalled"] else "")
           + f"; final weights {summary['final_weights']}; run directory {run_dir}", flush=True)
     if verdict == "succeeded":
         return 0

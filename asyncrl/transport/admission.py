@@ -40,8 +40,10 @@ at eta = 0 deadlocks the job; groups published but never counted (a release lost
 loosen the bound. A drift seen by two checks in a row is repaired (counted in `drift_lost` /
 `drift_found`); a one-off (a release landing between the two reads) never is.
 
-A producer that drops a group because its reward or its episodes failed releases its lease unaccepted and counts it
-(`record_refusal`: `reward_failures`, `episode_failures`): job-wide, so the trainer's /status shows it.
+A producer that drops a group (its reward or its episodes failed, or its generation kept failing) or
+queues its prompt again (its engine went away) releases its lease unaccepted and counts it with the
+error's text (`record_failure`, FAILURE_CAUSES): job-wide, so the trainer's /status shows the counts and,
+when training stands still, names the dominant cause with its last error (trainer/report/stall.py).
 
 A restarted rollout worker keeps its name (the pod's), so `release_holder` at its start returns
 the leases its dead predecessor held at once; their expiry stays the backstop.
@@ -52,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import redis.asyncio as aioredis
@@ -160,13 +162,29 @@ end
 return {drift, applied}
 """
 
+FailureCause = Literal["reward_failures", "episode_failures", "generation_failures", "engine_requeues"]
+"""What a producer counts when a group is not published (`record_failure`)."""
+FAILURE_CAUSES: tuple[FailureCause, ...] = ("reward_failures", "episode_failures", "generation_failures",
+                                            "engine_requeues")
+LAST_ERROR_CHARS = 500
+"""How much of a failure's text is kept (the newest per cause)."""
+
+
+def last_error_field(cause: str) -> str:
+    """The admission hash field holding the newest error text of `cause`."""
+    return f"last_error:{cause}"
+
+
 # -> {version, accepted, running, dropped, dead_lettered, drift_lost, drift_found, leases_returned,
-#     reward_failures, episode_failures}
+#     *FAILURE_CAUSES, *their last errors}
 _SNAPSHOT_LUA = _PROLOGUE + """
 local out = {version, accepted, redis.call('ZCARD', leases)}
 for _, field in ipairs({'dropped', 'dead_lettered', 'drift_lost', 'drift_found', 'leases_returned',
-                        'reward_failures', 'episode_failures'}) do
+                        """ + ", ".join(f"'{c}'" for c in FAILURE_CAUSES) + """}) do
   table.insert(out, tonumber(redis.call('HGET', state, field) or '0'))
+end
+for _, field in ipairs({""" + ", ".join(f"'{last_error_field(c)}'" for c in FAILURE_CAUSES) + """}) do
+  table.insert(out, redis.call('HGET', state, field) or '')
 end
 return out
 """
@@ -196,9 +214,17 @@ class AdmissionSnapshot:
     leases_returned: int = 0
     """Leases of dead workers returned by their replacement (`release_holder`)."""
     reward_failures: int = 0
-    """Groups producers dropped because a reward could not be computed (`record_refusal`)."""
+    """Groups producers dropped because a reward could not be computed (`record_failure`)."""
     episode_failures: int = 0
-    """Groups producers dropped because an episode function failed past its retries (`record_refusal`)."""
+    """Groups producers dropped because an episode function failed past its retries (`record_failure`)."""
+    generation_failures: int = 0
+    """Groups producers dropped because a sample kept failing on the engine or the group could not
+    be trained (`record_failure`)."""
+    engine_requeues: int = 0
+    """Groups interrupted because their engine went away (unreachable, or aborting again and again),
+    their prompts queued again (`record_failure`)."""
+    last_errors: dict[str, str] = field(default_factory=dict)
+    """Failure cause (FAILURE_CAUSES) -> the newest error text recorded for it (absent: none yet)."""
 
 
 @dataclass
@@ -291,11 +317,16 @@ class Admission:
         slots for one: the bound is loosened by one group, never tightened."""
         return await self._give_back(n, "dead_lettered")
 
-    async def record_refusal(self, counter: Literal["reward_failures", "episode_failures"]) -> None:
-        """Producer: a group was dropped unpublished because its reward (`reward_failures`) or its
-        episode function (`episode_failures`) failed. Its lease is released unaccepted, so no capacity
-        is held: this only counts it, job-wide."""
-        await self.redis.hincrby(self.names.admission, counter, 1)
+    async def record_failure(self, cause: FailureCause, error: str) -> None:
+        """Producer: a group was not published, for `cause` (FAILURE_CAUSES), with `error`'s text.
+        Its lease is released unaccepted, so no capacity is held: this only counts it, job-wide, and
+        keeps the newest error of each cause (what a stalled job's report quotes)."""
+        if cause not in FAILURE_CAUSES:
+            raise ValueError(f"unknown failure cause {cause!r}; one of {', '.join(FAILURE_CAUSES)}")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(self.names.admission, cause, 1)
+            pipe.hset(self.names.admission, last_error_field(cause), error[:LAST_ERROR_CHARS])
+            await pipe.execute()
 
     async def _give_back(self, n: int, counter: str) -> int:
         if n < 0:
@@ -312,11 +343,14 @@ class Admission:
 
     async def snapshot(self) -> AdmissionSnapshot:
         """Current version, accepted, running (expired leases excluded) and free capacity."""
-        version, accepted, running, dropped, dead, lost, found, returned, reward_failures, episode_failures = (
-            int(x) for x in await self._snapshot(keys=self._keys, args=[]))
+        raw = await self._snapshot(keys=self._keys, args=[])
+        counts, errors = raw[:-len(FAILURE_CAUSES)], raw[-len(FAILURE_CAUSES):]
+        version, accepted, running, dropped, dead, lost, found, returned, *failures = (int(x) for x in counts)
         cap = admission_capacity(version, accepted, running, batch_size=self.batch_size, staleness=self.staleness,
                                  max_concurrent=self.max_concurrent)
+        last: dict[str, str] = {cause: text.decode() if isinstance(text, bytes) else str(text)
+                for cause, text in zip(FAILURE_CAUSES, errors, strict=True) if text}
         return AdmissionSnapshot(version=version, accepted=accepted, running=running, capacity=max(cap, 0),
                                  dropped=dropped, dead_lettered=dead, drift_lost=lost, drift_found=found,
-                                 leases_returned=returned, reward_failures=reward_failures,
-                                 episode_failures=episode_failures)
+                                 leases_returned=returned, last_errors=last,
+                                 **dict(zip(FAILURE_CAUSES, failures, strict=True)))

@@ -14,15 +14,18 @@ What it owns itself:
                   line and (with `evaluation`) the evaluator run beside it.
   _run_group()    the group, published with one XADD, the lease released as accepted. A
                   group whose sample keeps failing, or that check_group refuses, is dropped (lease
-                  released unaccepted, counted, logged with the reason; its prompt is not retried),
-                  never published: a poison group would only be dead-lettered by the trainer. A
+                  released unaccepted, counted job-wide as `generation_failures` with its error,
+                  logged with the reason; its prompt is not retried), never published: a poison
+                  group would only be dead-lettered by the trainer. A
                   group whose reward failed (spec.reward.onError drop) is dropped the same way, and
                   dead-lettered and counted job-wide (`reward_failures` in the trainer's /status);
                   so is a group whose episode function failed past its retries (`episode_failures`,
                   rollout/episodes/runner.py). A
                   group interrupted by its engine going away (unreachable past `engine_outage_s`,
                   or aborted again and again) is not the prompt's fault: its prompt is queued again
-                  and generated anew (counted as `requeued`), never marked done unanswered.
+                  and generated anew (counted as `requeued`, and job-wide as `engine_requeues`),
+                  never marked done unanswered. The job-wide counts keep each cause's newest error:
+                  a job that stands still names its cause (trainer/report/stall.py).
 The worker never pauses, updates or resumes its engine: the trainer alone does that, for every
 engine (trainer/weights/engine_update.py).
 Shutdown (SIGTERM/stop()): stop taking leases, cancel in-flight groups, release their leases
@@ -55,7 +58,7 @@ from asyncrl.rollout.generation.engine_view import Dropped, EngineView
 from asyncrl.rollout.generation.groups import GroupGenerator, InvalidGroup, RefusedGroup, UnscoredGroup
 from asyncrl.rollout.generation.producer import GroupProducer, SingleTurn
 from asyncrl.rollout.worker.prompt_cursor import PromptCursor
-from asyncrl.transport.admission import Admission
+from asyncrl.transport.admission import Admission, FailureCause
 from asyncrl.transport.connection import reraise_if_cancelled
 from asyncrl.transport.streams import TrajectoryProducer
 from asyncrl.transport.versions import EngineRegistry, VersionChannel
@@ -272,14 +275,17 @@ class RolloutWorker:
                     self.stats.requeued += 1
                     self.cursor.requeue(local, position)
                     log.warning("group for prompt %s interrupted, its prompt is queued again: %s", item.prompt_id, exc)
+                    await self._record_failure("engine_requeues", item.prompt_id, exc)
                     return
                 self.stats.groups_dropped += 1
                 log.warning("dropped group for prompt %s: %s", item.prompt_id, exc)
+                await self._record_failure("generation_failures", item.prompt_id, exc)
                 return
             except InvalidGroup as exc:  # dropped like a failed generation: the trainer could not train it
                 self.stats.groups_dropped += 1
                 self.stats.groups_invalid += 1
                 log.warning("dropped group for prompt %s (not published): %s", item.prompt_id, exc)
+                await self._record_failure("generation_failures", item.prompt_id, exc)
                 return
             except RefusedGroup as exc:
                 await self._drop_refused(item.prompt_id, exc)
@@ -312,10 +318,19 @@ class RolloutWorker:
         log.warning("dropped group for prompt %s (not published): %s", prompt_id, exc)
         try:
             await self.trajectories.dead_letter_refused(exc.group, exc.kind, str(exc), self.cfg.engine_id)
-            await self.admission.record_refusal("reward_failures" if unscored else "episode_failures")
         except Exception as err:  # Redis gone past its outage window: the drop stands, only its record is lost
             reraise_if_cancelled(err)
-            log.warning("could not record the dropped group for prompt %s: %s", prompt_id, err)
+            log.warning("could not dead-letter the dropped group for prompt %s: %s", prompt_id, err)
+        await self._record_failure("reward_failures" if unscored else "episode_failures", prompt_id, exc)
+
+    async def _record_failure(self, cause: FailureCause, prompt_id: str, exc: BaseException) -> None:
+        """Count a group that was not published, job-wide, with its error (what a stalled job's
+        report quotes: asyncrl/transport/admission.py)."""
+        try:
+            await self.admission.record_failure(cause, f"prompt {prompt_id}: {exc}")
+        except Exception as err:  # Redis gone past its outage window: the drop stands, only its count is lost
+            reraise_if_cancelled(err)
+            log.warning("could not count the group for prompt %s in %s: %s", prompt_id, cause, err)
 
     async def _renew(self, lease: str) -> None:
         period = max(self.admission.lease_ms / 3000.0, 0.05)

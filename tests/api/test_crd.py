@@ -61,7 +61,7 @@ def test_every_rule_and_immutable_field_is_attached():
 def test_printer_columns_and_subresources():
     version = build_crd()["spec"]["versions"][0]
     assert [c["name"] for c in version["additionalPrinterColumns"]] == \
-        ["Phase", "Step", "Version", "Staleness", "Rollout", "Reward", "Eval", "Age"]
+        ["Phase", "Step", "Version", "Staleness", "Rollout", "Reward", "Eval", "Age", "Reason"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.rollout.replicas"
     assert "status" in version["subresources"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]

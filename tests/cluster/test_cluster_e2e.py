@@ -189,6 +189,41 @@ async def test_trainer_started_after_succeeded_serves_the_outcome_and_trains_not
     await e2e.wait(lambda: not e2e.get("pods", pod_name), "the extra trainer pod gone")
 
 
+# ----------------------------------------------------------------------------------- a stall
+
+
+async def test_a_job_whose_verifier_always_fails_says_why_and_fails_at_its_progress_deadline(e2e: E2E) -> None:
+    """Every group's reward fails (a plug-in verifier that always raises, imported by the rollout
+    worker from PYTHONPATH): within stallAfterSeconds the job's Degraded condition and its reason
+    (`kubectl get -o wide`'s REASON column) say RewardFailures, with the count and the verifier's
+    error; at progressDeadlineSeconds the operator ends the job Failed with ProgressDeadlineExceeded."""
+    job, deadline = "e2e-stall", 60
+    await e2e.start_operator(job)
+    doc = tiny_job(job, small_model=True, stallAfterSeconds=5, progressDeadlineSeconds=deadline)
+    doc["spec"]["reward"]["function"] = "tests.support.reward_services:always_failing"
+    doc["spec"]["rollout"]["podTemplate"] = {"env": [{"name": "PYTHONPATH", "value": str(REPO)}]}
+    await e2e.apply(doc)
+
+    def stalled() -> dict[str, Any] | None:
+        status = e2e.status(job)
+        degraded = {c["type"]: c for c in status.get("conditions", [])}.get("Degraded") or {}
+        return status if degraded.get("reason") == "RewardFailures" and status.get("phase") == "Running" else None
+
+    status = await e2e.wait(stalled, "Degraded RewardFailures while Running", timeout=deadline + 60)
+    degraded = {c["type"]: c for c in status["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and status["reason"] == "RewardFailures", status
+    assert re.search(r"^no group accepted for training since \S+Z: \d+ groups dropped because their reward could "
+                     r"not be computed \(last error: prompt .*RuntimeError: verifier sandbox unreachable",
+                     degraded["message"]), degraded
+    wide = (await e2e.kubectl("get", "asyncrljobs", job, "-n", NS, "-o", "wide")).splitlines()
+    assert wide[0].split()[-1] == "REASON" and wide[1].split()[-1] in ("RewardFailures", "ProgressDeadlineExceeded")
+    failed = await e2e.wait_phase(job, "Failed", timeout=deadline + 120)
+    assert failed["reason"] == "ProgressDeadlineExceeded", failed
+    assert re.search(rf"^no training step for \d+s \(progressDeadlineSeconds={deadline}\), no group accepted for "
+                     r"\d+s: \d+ groups dropped because their reward could not be computed", failed["message"]), failed
+    assert failed["trainer"]["step"] == 0 and failed["recovery"]["rewardFailures"] > 0, failed
+
+
 # ----------------------------------------------------------------------------------- LoRA
 
 

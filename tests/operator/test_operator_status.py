@@ -5,9 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from asyncrl.api.outcome import TrainerOutcome, new_outcome
-from asyncrl.api.spec import AsyncRLJobSpec
-from asyncrl.api.status_report import TrainerReport
+from asyncrl.api.spec import AsyncRLJobSpec, RecoveryStatus
+from asyncrl.api.status_report import RecoveryReport, TrainerReport
 from asyncrl.operator import status as S
+from asyncrl.operator.mirror import QUIET_RECOVERY, RECOVERY_EVENTS, recovery_events
 from asyncrl.operator.status import JobRef, Observed, pod_problem, ttl_expired
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -361,6 +362,53 @@ def test_engine_outages_and_a_crash_loop_at_once():
     assert "j-rollout-x" in both.message and "Redis r:6379/0 unreachable since" in both.message
     # No report (the trainer's endpoint did not answer) or a healthy one: not degraded by an outage.
     assert S.degraded([], None) == S.degraded([], TrainerReport()) == S.NOT_DEGRADED
+
+
+def stalled_report(count: int, since: float) -> TrainerReport:
+    """The trainer's /status while every group's reward fails, parsed as the operator's mirror parses it."""
+    return TrainerReport.model_validate({
+        "job": "j", "phase": "Waiting", "step": 0,
+        "stalled": {"reason": "RewardFailures", "count": count, "since": since, "seconds": 75.0,
+                    "last_error": "prompt p3: RuntimeError: verifier down",
+                    "message": f"{count} groups dropped because their reward could not be computed (last error: "
+                               "prompt p3: RuntimeError: verifier down)", "dropped": {"reward_failures": count}}})
+
+
+def test_a_stall_the_trainer_reports_is_the_degraded_condition_and_the_running_jobs_reason():
+    """/status `stalled` becomes Degraded=True with the cause as its reason, the job's reason while
+    Running (`kubectl get -o wide` shows it), the count and the last error in the message; an outage
+    the trainer waits out comes first; the first step clears it."""
+    since = (T0 + timedelta(seconds=5)).timestamp()
+    s1 = compute_status(view(), {}, running(stalled_report(12, since)), T0 + timedelta(seconds=80))
+    d = conds(s1)["Degraded"]
+    assert (d["status"], d["reason"]) == ("True", "RewardFailures")
+    assert d["message"] == ("no group accepted for training since 2026-01-01T00:00:05Z: 12 groups dropped because "
+                            "their reward could not be computed (last error: prompt p3: RuntimeError: verifier down)")
+    assert (s1["phase"], s1["reason"], s1["message"]) == ("Running", "RewardFailures", d["message"])
+    outage = outage_report(("redis", "r:6379/0", since)).degraded
+    both = stalled_report(12, since).model_copy(update={"degraded": outage})
+    s2 = compute_status(view(), s1, running(both), T0 + timedelta(seconds=90))
+    assert (s2["reason"], conds(s2)["Degraded"]["reason"]) == ("RedisUnavailable", "RedisUnavailable")
+    assert "12 groups dropped" in conds(s2)["Degraded"]["message"]
+    s3 = compute_status(view(), s2, running(TrainerReport(phase="Training", step=1)), T0 + timedelta(seconds=99))
+    assert (s3["reason"], conds(s3)["Degraded"]["reason"]) == ("Running", "Healthy")
+
+
+def test_recovery_totals_outlive_the_trainers_report_and_each_one_that_grows_sends_an_event():
+    """A finished job's pods are gone, so no report is read: status.recovery keeps the last totals.
+    Every recovery figure but the quiet ones has an Event, sent when it grows."""
+    s1 = compute_status(view(), {}, running(TrainerReport(phase="Waiting", recovery=RecoveryReport(
+        reward_failures=7, engine_requeues=2))), T0)
+    assert (s1["recovery"]["rewardFailures"], s1["recovery"]["engineRequeues"]) == (7, 2)
+    s2 = compute_status(view(), s1, Observed(), T0 + timedelta(seconds=5))
+    assert s2["recovery"] == s1["recovery"]
+    fields = {f.serialization_alias or f.alias or name for name, f in RecoveryStatus.model_fields.items()}
+    assert {key for key, *_ in RECOVERY_EVENTS} | set(QUIET_RECOVERY) == fields
+    events = recovery_events({"rewardFailures": 1, "generationFailures": 0},
+                             {"rewardFailures": 4, "generationFailures": 2})
+    assert [(kind, reason) for kind, reason, _ in events] == [("Warning", "RewardsFailed"),
+                                                              ("Warning", "GenerationFailed")]
+    assert events[0][2].startswith("3 more trajectory group(s) dropped") and events[0][2].endswith("(4 now)")
 
 
 def eval_record(version: int, pass_at_1: float, **extra: object) -> dict[str, object]:

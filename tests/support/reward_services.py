@@ -55,6 +55,13 @@ def flaky_every_fourth(completion: str, answer: str) -> float:
     return length_reward(completion, answer)
 
 
+def always_failing(completion: str, answer: str) -> float:
+    """A verifier that is down for good (a sandbox that never answers): every call raises."""
+    with _calls_lock:
+        call = next(_calls)
+    raise RuntimeError(f"verifier sandbox unreachable (call {call})")
+
+
 def recorded_flaky_length_reward(completion: str, answer: str) -> float:
     """`flaky_every_fourth`, each score it gives appended to the JSON lines file $ASYNCRL_TEST_REWARD_RECORD."""
     score = flaky_every_fourth(completion, answer)

@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.api.staleness import StalenessPolicy
 from asyncrl.api.stream_names import StreamNames
-from asyncrl.transport.admission import Admission, admission_capacity
+from asyncrl.transport.admission import LAST_ERROR_CHARS, Admission, admission_capacity
 from asyncrl.transport.streams import TrajectoryConsumer
 from tests.support.paths import REPO
 from tests.support.polling import poll
@@ -100,16 +100,23 @@ async def test_release_is_idempotent_and_dropped_gives_capacity_back(transport_r
     assert await adm.try_acquire("p") and await adm.try_acquire("p") is None
 
 
-async def test_a_reward_or_episode_failure_is_counted_and_its_unaccepted_lease_gives_the_slot_back(transport_redis):
+async def test_a_group_not_published_is_counted_with_its_newest_error_and_gives_its_slot_back(transport_redis):
     adm = Admission(transport_redis, NAMES, batch_size=1, staleness=StalenessPolicy.global_budget(0), max_concurrent=10)
-    for counter in ("reward_failures", "episode_failures", "episode_failures"):
+    assert (await adm.snapshot()).last_errors == {}
+    for i, cause in enumerate(("reward_failures", "episode_failures", "episode_failures", "engine_requeues")):
         lease = await adm.try_acquire("p")
         assert await adm.try_acquire("p") is None  # eta 0, B 1: one group per version
-        await adm.record_refusal(counter)
+        await adm.record_failure(cause, f"error {i}" + "x" * 1000)
         await adm.release(lease, accepted=False)
     snap = await adm.snapshot()
-    assert (snap.accepted, snap.running, snap.capacity, snap.reward_failures, snap.episode_failures) == (0, 0, 1, 1, 2)
+    assert (snap.accepted, snap.running, snap.capacity) == (0, 0, 1)
+    assert (snap.reward_failures, snap.episode_failures, snap.generation_failures, snap.engine_requeues) == (1, 2, 0, 1)
+    assert {c: e[:7] for c, e in snap.last_errors.items()} == \
+        {"reward_failures": "error 0", "episode_failures": "error 2", "engine_requeues": "error 3"}
+    assert all(len(e) == LAST_ERROR_CHARS for e in snap.last_errors.values())
     assert await adm.try_acquire("p")
+    with pytest.raises(ValueError, match="unknown failure cause 'rewards'; one of reward_failures, "):
+        await adm.record_failure("rewards", "x")  # type: ignore[arg-type]
 
 
 async def test_a_group_dropped_before_its_lease_is_released_is_not_counted_twice(transport_redis):

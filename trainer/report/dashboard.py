@@ -8,6 +8,9 @@ page is behind the job's token, its polls carry the session cookie the login for
 While the trainer waits out an outage (the report's `degraded`), an amber banner under the header
 says Degraded, why (RedisUnavailable, EngineUnavailable), since when and the trainer's own words:
 the charts alone would only show training standing still, which looks the same as a slow step.
+While no group is accepted for training and the trainer says why (the report's `stalled`), a
+second banner says Stalled, the cause (RewardFailures, TooStale, ...), for how long, the count and
+the last error.
 
 Held-out evaluations (the report's `evaluations`, spec.evaluation) get their own chart against
 policy version, not step: an evaluation is of a version, and lands a few steps after it was
@@ -114,6 +117,9 @@ DASHBOARD_HTML = r"""<!doctype html>
   <div id="message"></div>
   <div class="degraded" id="degraded" data-testid="degraded" role="alert" hidden>
     <strong>Degraded</strong><span class="why" id="degraded-reason"></span><span class="what" id="degraded-text"></span>
+  </div>
+  <div class="degraded" id="stalled" data-testid="stalled" role="alert" hidden>
+    <strong>Stalled</strong><span class="why" id="stalled-reason"></span><span class="what" id="stalled-text"></span>
   </div>
   <section class="kpis">
     <div class="card kpi"><div class="label">Step</div><div class="value" id="k-step">–</div><div class="sub" id="k-step-sub">&nbsp;</div></div>
@@ -303,6 +309,7 @@ function render(r) {
   setText("message", r.message || (r.phase === "Failed" ? "trainer failed" : ""));
   $("message").className = r.phase === "Failed" ? "failed" : "";
   renderDegraded(r.degraded);
+  renderStalled(r.stalled);
   $("progress").style.width = r.max_steps > 0 ? Math.min(100, 100 * r.step / r.max_steps) + "%" : "0";
   setHTML("k-step", String(r.step), r.max_steps > 0 ? ` / ${r.max_steps}` : "");
   setText("k-step-sub", r.max_steps > 0 ? `${(100 * r.step / r.max_steps).toFixed(0)}% done` : "no step limit");
@@ -469,6 +476,16 @@ function renderDegraded(d) {
   const since = d.since ? ` since ${new Date(d.since * 1000).toLocaleTimeString()}` : "";
   setText("degraded-text", `training waits${since}: ${d.message || "a dependency is unreachable"}`);
   document.body.dataset.degraded = d.reason || "true";
+}
+
+// Absent while groups are accepted (or nothing says why not): the banner hides again.
+function renderStalled(s) {
+  const banner = $("stalled");
+  if (!s || !s.reason) { banner.hidden = true; delete document.body.dataset.stalled; return; }
+  banner.hidden = false;
+  setText("stalled-reason", s.reason);
+  setText("stalled-text", `no group accepted for training for ${secs(s.seconds)}: ${s.message}`);
+  document.body.dataset.stalled = s.reason;
 }
 
 function setConn(ok, text) { $("conn-dot").className = "dot " + (ok ? "ok" : "bad"); setText("conn-text", text); }

@@ -112,6 +112,17 @@ class TrainerSpec(SpecModel):
     """Steps in a row whose every update had a non-finite gradient norm before the job fails
     (NonFiniteGradients). Such an update is skipped (weights and optimizer state unchanged); the
     step still consumes its groups and publishes the next policy version."""
+    stall_after_seconds: int = Field(default=60, ge=5)
+    """How long no group may be accepted for training, while groups are being dropped (reward,
+    episode or generation failures, too stale, an engine gone) or none are generated, before the
+    trainer reports a stall: its /status `stalled`, `asyncrl run`'s progress line, the dashboard and
+    the job's Degraded condition name the dominant cause with its count and last error. Reporting
+    only; the job goes on (see progressDeadlineSeconds)."""
+    progress_deadline_seconds: int | None = Field(default=None, ge=10)
+    """Fail the job (ProgressDeadlineExceeded, the stall's cause in the message) when no training step
+    finished this long (counted from the last step, or from the start of training). Unset = off: a
+    step's time depends on the model, the batch and the episodes (minutes for a large model or long
+    agent episodes), so no default fits every job; set it to a few times your step time."""
     weight_sync_lag: int = Field(default=0, ge=0)
     """Experiment knob for staleness studies (0 in production): when version v is published the
     engines are told to load version max(v - lag, 0), so every trained batch is at least `lag`

@@ -116,7 +116,9 @@ async def test_engine_errors_are_retried_then_the_group_is_dropped(rollout_env):
     assert stats.groups_published == 0 and stats.groups_dropped == 1
     assert 3 <= stats.request_errors <= 6  # each sample: 1 try + 2 retries (the other may be cut short)
     snap = await worker.admission.snapshot()
-    assert snap.running == 0 and snap.accepted == 0
+    assert snap.running == 0 and snap.accepted == 0 and snap.generation_failures == 1
+    assert snap.last_errors["generation_failures"].startswith("prompt ")  # (what a stalled job quotes)
+    assert "engine failed 3 time(s)" in snap.last_errors["generation_failures"]
     assert await redis.xlen(names.trajectories) == 0
 
 
@@ -140,7 +142,8 @@ async def test_untrainable_groups_are_dropped_not_published(rollout_env, caplog)
     assert stats.groups_published == 0 and stats.groups_dropped == stats.groups_invalid == 2
     assert await redis.xlen(names.trajectories) == 0
     snap = await worker.admission.snapshot()
-    assert snap.running == 0 and snap.accepted == 0
+    assert snap.running == 0 and snap.accepted == 0 and snap.generation_failures == 2
+    assert "behav_logprobs[5] is NaN" in snap.last_errors["generation_failures"]
     assert await redis.get(cursor_key(names, 0, 1)) == b"2"
     assert "not published" in caplog.text and "behav_logprobs[5] is NaN" in caplog.text
     assert "invalid=2" in worker.summary()
@@ -180,6 +183,7 @@ async def test_a_group_whose_reward_fails_is_dead_lettered_never_published(rollo
         assert all(math.isnan(s.reward) for s in decode_group(letter.payload).samples)
     snap = await worker.admission.snapshot()
     assert (snap.running, snap.accepted, snap.reward_failures) == (0, 6 - len(failing), len(failing))
+    assert snap.last_errors["reward_failures"].endswith("RuntimeError: verifier down")
     assert await redis.get(cursor_key(names, 0, 1)) == b"6"
     assert f"unscored={len(failing)}" in worker.summary() and "verifier down" in caplog.text
 

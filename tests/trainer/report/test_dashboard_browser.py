@@ -25,6 +25,7 @@ from asyncrl.api.status_report import (
     RecoveryReport,
     ReplayReport,
     StalenessReport,
+    StallReport,
     StepMetrics,
     StepRecord,
     TrainerReport,
@@ -244,7 +245,8 @@ async def test_dashboard_draws_reward_and_staleness_charts(live: str, page, box:
                 for row in await page.locator("#recovery tr").all()]
     assert recovery == [["admission accepted / running / free", "248 / 6 / 2"], ["stale groups dropped", "3"],
                         ["dead_lettered", "1"], ["drift_lost", "1"], ["drift_found", "0"], ["leases_returned", "3"],
-                        ["reward_failures", "6"], ["episode_failures", "0"], ["recovered_entries", "2"],
+                        ["reward_failures", "6"], ["episode_failures", "0"], ["generation_failures", "0"],
+                        ["engine_requeues", "0"], ["recovered_entries", "2"],
                         ["reclaimed_entries", "5"],
                         ["fenced_engines", "0"],
                         ["trainer_restarts", "1"], ["engine_restarts", "2"], ["engine_resyncs", "3"],
@@ -425,6 +427,30 @@ async def test_dashboard_shows_a_degraded_banner_while_an_outage_lasts(live: str
     board.recovered("redis", "j-redis.ns.svc:6379/0")
     await page.wait_for_selector("#degraded", state="hidden", timeout=20_000)
     await page.wait_for_function("document.body.dataset.degraded === undefined", timeout=20_000)
+
+
+async def test_dashboard_shows_a_stalled_banner_with_the_cause_while_it_lasts(live: str, page, box: Box) -> None:
+    """The report's `stalled` shows as a banner with the cause, how long, the count and the last
+    error; a step clears it, without a reload."""
+    await sign_in(page, live)
+    await page.wait_for_selector("body[data-loaded=true]", timeout=20_000)
+    assert not await page.locator("#stalled").is_visible()
+    healthy = box.report
+    box.report = healthy.model_copy(update={"phase": "Waiting", "stalled": StallReport(
+        reason="RewardFailures", count=12, seconds=75.0, since=1_700_000_000.0, dropped={"reward_failures": 12},
+        last_error="prompt p3: RuntimeError: verifier down",
+        message="12 groups dropped because their reward could not be computed (last error: prompt p3: "
+                "RuntimeError: verifier down)")})
+    await page.wait_for_selector("#stalled", state="visible", timeout=20_000)
+    assert (await page.text_content("#stalled-reason")) == "RewardFailures"
+    text = await page.text_content("#stalled-text")
+    assert text == ("no group accepted for training for 75.0 s: 12 groups dropped because their reward could not be "
+                    "computed (last error: prompt p3: RuntimeError: verifier down)")
+    box_ = await page.locator("#stalled").bounding_box()
+    assert box_ is not None and box_["width"] > 600 and box_["height"] > 20, box_
+    box.report = healthy
+    await page.wait_for_selector("#stalled", state="hidden", timeout=20_000)
+    await page.wait_for_function("document.body.dataset.stalled === undefined", timeout=20_000)
 
 
 async def test_dashboard_without_token_is_refused_and_says_how(live: str, page) -> None:

@@ -177,6 +177,9 @@ async def test_a_group_its_engine_interrupted_is_generated_again(env):
     prompts = sorted(decode_group(f[b"data"]).prompt_id for _, f in await redis.xrange(names.trajectories))
     assert prompts == [f"arith-0-1-{i}" for i in range(3)]
     assert stats.groups_dropped == 0 and stats.groups_published == 3
+    snap = await worker.admission.snapshot()  # counted job-wide, with why (what a stalled job quotes)
+    assert snap.engine_requeues == stats.requeued >= 1
+    assert "engine unreachable for" in snap.last_errors["engine_requeues"]
 
 
 async def _registered(registry: EngineRegistry) -> bool:
