@@ -627,7 +627,7 @@ def engine_container(job: AsyncRLJob, ctx: BuildContext) -> Obj:
     # SGLang's (and our hf server's) GET /health then answers without generating a token: the proxy's
     # readiness reads it, and it must not wait behind a pause for a weight update.
     light_health = {"name": R.HEALTH_GENERATION_ENV, "value": "false"}
-    image = ro.image
+    image = ro.engine_image()
     if ro.engine == "sglang":
         command = ["python3", "-m", "sglang.launch_server", "--model-path", model.path, "--host", "127.0.0.1",
                    "--port", port, "--tp-size", tp, "--dtype", model.dtype]

@@ -8,7 +8,8 @@
 # (`pip download --no-deps`) and unzip a few source files; sglang is never installed.
 #
 # Usage: scripts/fetch-sglang-source.sh [PYTHON]   (PYTHON defaults to $REPO/.venv/bin/python)
-# Result: $REPO/.tools/sglang-<version>/sglang/srt/{entrypoints/http_server.py,
+# Result: $REPO/.tools/sglang-<version>/sglang/launch_server.py (the module the operator's engine
+#         command runs: tests/rollout/engines/test_engine_images.py) and sglang/srt/{entrypoints/http_server.py,
 #         entrypoints/v1_loads.py, managers/io_struct.py, sampling/sampling_params.py, server_args.py,
 #         utils/common.py (SUPPORTED_LORA_TARGET_MODULES)}
 set -euo pipefail
@@ -20,7 +21,7 @@ PY="${1:-$REPO/.venv/bin/python}"
 VERSION="$("$PY" -c 'import re, sys; print(re.search(r"^PINNED_VERSION = \"([^\"]+)\"", open(sys.argv[1]).read(), re.M).group(1))' \
   "$REPO/rollout/engines/sglang.py")"
 DEST="$REPO/.tools/sglang-$VERSION"
-FILES=(sglang/srt/entrypoints/http_server.py sglang/srt/entrypoints/v1_loads.py
+FILES=(sglang/launch_server.py sglang/srt/entrypoints/http_server.py sglang/srt/entrypoints/v1_loads.py
        sglang/srt/managers/io_struct.py sglang/srt/sampling/sampling_params.py
        sglang/srt/server_args.py sglang/srt/utils/common.py)
 

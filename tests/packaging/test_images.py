@@ -298,7 +298,8 @@ def test_entrypoint_is_an_asyncrl_subcommand(name):
 def test_rollout_image_is_based_on_the_pinned_sglang_default():
     """Every stage, and the spec's default engine image, is the same SGLang image (a digest, where one
     is given, must agree too)."""
-    default = RolloutSpec().image
+    default = RolloutSpec().engine_image()
+    assert default is not None
     for base in bases("rollout"):
         assert base.split("@")[0] == default.split("@")[0], "the rollout image and the spec's default engine agree"
         if "@" in base and "@" in default:

@@ -98,7 +98,7 @@ from asyncrl.api.spec.reward import (
     RewardServiceSpec,
     RewardSpec,
 )
-from asyncrl.api.spec.rollout import ENGINES, EPISODES, TOOLS, EpisodeLimits, RolloutSpec
+from asyncrl.api.spec.rollout import ENGINE_IMAGES, ENGINES, EPISODES, TOOLS, EpisodeLimits, RolloutSpec
 from asyncrl.api.spec.status import (
     CONDITION_TYPES,
     PHASES,
@@ -119,7 +119,8 @@ from asyncrl.api.spec.trainer import NCCL_DEBUG_LEVELS, NcclSettings, RdmaSettin
 
 __all__ = [
     "ALL_LINEAR", "ALL_LINEAR_ALONE", "API_VERSION", "BUILTIN_SPLITS", "COLLECTIVE_ENGINES", "CONDITION_TYPES",
-    "DEFAULT_JUDGE_TEMPLATE", "ENGINES", "EPISODES", "GROUP", "IMMUTABLE_FIELDS", "JOB_NAME_MAX", "JOB_NAME_PATTERN",
+    "DEFAULT_JUDGE_TEMPLATE", "ENGINES", "ENGINE_IMAGES", "EPISODES",
+    "GROUP", "IMMUTABLE_FIELDS", "JOB_NAME_MAX", "JOB_NAME_PATTERN",
     "JUDGE_FIELDS", "KIND", "LORA_SGLANG_MODULES_MESSAGE", "LORA_TRANSPORT_MESSAGE", "LORA_VLLM_RANK_MESSAGE",
     "MOVED_FIELDS", "NCCL_DEBUG_LEVELS", "OPOB_AGGREGATIONS", "PHASES", "PLURAL", "RETYPED_FIELDS", "REWARDS",
     "SGLANG_TARGET_MODULES", "SHORT_NAMES", "SINGULAR", "SOURCE_NAME_PATTERN", "TB_ONLY", "TB_UNUSED",

@@ -12,6 +12,12 @@ from asyncrl.api.spec.infra import Resources
 from asyncrl.api.spec.pod_template import RolloutPodTemplate
 
 ENGINES = ("sglang", "vllm", "hf")
+ENGINE_IMAGES: dict[str, str] = {
+    "sglang": "lmsysorg/sglang:v0.5.10.post1-cu126",
+    "vllm": "vllm/vllm-openai:v0.32.0",
+}
+"""Each engine's default server image: its pinned release's own published image (SGLang 0.5.10.post1,
+rollout/engines/sglang.py; vLLM 0.32.0, scripts/install-vllm.sh). hf runs in the asyncrl rollout image."""
 EPISODES = ("single-turn", "retry", "tool-calling")
 """spec.rollout.episode's builtins (rollout/episodes/builtin.py)."""
 TOOLS = ("calculator",)
@@ -40,8 +46,10 @@ class RolloutSpec(SpecModel):
     """Rollout pods (each: one engine server + one worker)."""
     engine: Literal["sglang", "vllm", "hf"] = "sglang"
     """Inference engine: sglang | vllm | hf (in-process transformers)."""
-    image: ImageRef = "lmsysorg/sglang:v0.5.10.post1-cu126"
-    """Engine server image: [registry/]name[:tag][@sha256:<digest>] (a digest pins it; kept as given)."""
+    image: ImageRef | None = None
+    """Engine server image: [registry/]name[:tag][@sha256:<digest>] (a digest pins it; kept as given).
+    Default: the engine's own image at the pinned release (sglang: lmsysorg/sglang:v0.5.10.post1-cu126,
+    vllm: vllm/vllm-openai:v0.32.0); an hf engine runs in the worker's image (workerImage)."""
     worker_image: ImageRef | None = None
     """Rollout worker image (a digest pins it); default: the asyncrl rollout image of the operator's version."""
     gpus_per_replica: int = Field(default=1, ge=0)
@@ -100,3 +108,8 @@ class RolloutSpec(SpecModel):
 
     def multi_turn(self) -> bool:
         return self.episode != "single-turn"
+
+    def engine_image(self) -> str | None:
+        """The engine server's image: `image`, else the engine's default (ENGINE_IMAGES); None for
+        an hf engine without one (it runs in the worker's image)."""
+        return self.image or ENGINE_IMAGES.get(self.engine)
