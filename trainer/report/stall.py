@@ -15,6 +15,8 @@ clock of the last progress (`ProgressWatch`):
   only the deadline below ends that;
 - past `spec.trainer.progressDeadlineSeconds` without a step the job fails (ProgressDeadlineExceeded),
   with the verdict in its message.
+Both clocks start when the first rollout engine registers: before it, nothing can be generated, and
+the job's start-up has its own deadline (spec.startupDeadlineSeconds).
 
 The counts: the rollout workers' job-wide ones in the admission hash (asyncrl/transport/admission.py,
 `record_failure`, each with its newest error), and the trainer's own too-stale drops."""
@@ -105,10 +107,13 @@ class ProgressWatch:
         self.stall_after_s = stall_after_s
         self.deadline_s = deadline_s
         self.clock = clock
+        self.started = False
+        """Whether a rollout engine has registered: until then nothing can be generated (the job's
+        RolloutReady condition and startupDeadlineSeconds say why), and neither clock runs."""
         self.last_progress = clock()
-        """Unix time of the last accepted group or step (or of the watch's start)."""
+        """Unix time of the last accepted group or step (or of the first engine's registration)."""
         self.last_step = self.last_progress
-        """Unix time of the last step (or of the watch's start): what the deadline counts from."""
+        """Unix time of the last step (or of the first engine's registration): what the deadline counts from."""
         self._kept = 0
         self._at_progress: PipelineCounts | None = None
         self._now = PipelineCounts()
@@ -131,8 +136,15 @@ class ProgressWatch:
 
     def observe(self, counts: PipelineCounts, *, running: int, engines: int, ready: int) -> StallReport | None:
         """Take the pipeline's counts now; the stall's report once it has lasted `stall_after_s`
-        (None: not stalled). The first counts seen are the baseline (what an earlier life counted)."""
+        (None: not stalled). The counts seen when the first engine registers are the baseline (what
+        an earlier life counted)."""
         self._now = counts
+        if not self.started:
+            if engines == 0:
+                return None
+            self.started = True
+            self.last_progress = self.last_step = self.clock()
+            self._at_progress = counts
         if self._at_progress is None:
             self._at_progress = counts
         report = diagnose(counts, self._at_progress, since=self.last_progress, at=self.clock(), running=running,
@@ -149,7 +161,7 @@ class ProgressWatch:
     def overdue(self, *, running: int, engines: int, ready: int) -> ProgressDeadlineExceeded | None:
         """The error that fails the job once `deadline_s` passed without a step (None: not yet, or
         no deadline), with the verdict on the counts last observed."""
-        if self.deadline_s is None:
+        if self.deadline_s is None or not self.started:
             return None
         waited = self.clock() - self.last_step
         if waited < self.deadline_s:

@@ -120,9 +120,10 @@ class TrainerSpec(SpecModel):
     only; the job goes on (see progressDeadlineSeconds)."""
     progress_deadline_seconds: int | None = Field(default=None, ge=10)
     """Fail the job (ProgressDeadlineExceeded, the stall's cause in the message) when no training step
-    finished this long (counted from the last step, or from the start of training). Unset = off: a
-    step's time depends on the model, the batch and the episodes (minutes for a large model or long
-    agent episodes), so no default fits every job; set it to a few times your step time."""
+    finished this long (counted from the last step, or from when the first rollout engine registered:
+    start-up has startupDeadlineSeconds). Unset = off: a step's time depends on the model, the batch
+    and the episodes (minutes for a large model or long agent episodes), so no default fits every
+    job; set it to a few times your step time."""
     weight_sync_lag: int = Field(default=0, ge=0)
     """Experiment knob for staleness studies (0 in production): when version v is published the
     engines are told to load version max(v - lag, 0), so every trained batch is at least `lag`

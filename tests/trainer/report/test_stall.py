@@ -115,3 +115,20 @@ def test_the_counts_are_the_workers_and_the_trainers_own():
                              "engine_requeues": 1, "too_stale": 2}
     assert found.last_errors == {"reward_failures": "prompt p1: RuntimeError: down",
                                  "too_stale": "2 group(s) past the bound"}
+
+
+def test_the_clocks_start_when_the_first_engine_registers():
+    """Before a rollout engine registers nothing can be generated (start-up has its own deadline):
+    no stall, no deadline; both count from the registration."""
+    clock = Clock()
+    watch = ProgressWatch(stall_after_s=60, deadline_s=300, clock=clock)
+    clock.now += 1000
+    assert watch.observe(counts(), running=0, engines=0, ready=0) is None
+    assert watch.overdue(running=0, engines=0, ready=0) is None
+    assert watch.observe(counts(reward_failures=2), running=1, engines=1, ready=1) is None  # registered: the baseline
+    clock.now += 299
+    stalled = watch.observe(counts(reward_failures=9), running=1, engines=1, ready=1)
+    assert stalled is not None and (stalled.count, stalled.seconds) == (7, 299.0)
+    assert watch.overdue(running=1, engines=1, ready=1) is None
+    clock.now += 1
+    assert watch.overdue(running=1, engines=1, ready=1) is not None
