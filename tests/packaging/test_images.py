@@ -27,6 +27,8 @@ IMAGES = {"operator": "operator", "trainer": "trainer", "rollout": "rollout"}
 IMAGE_LOCKS = {"operator": (("operator",), None), "trainer": (("trainer", "trackers"), "trainer-base.in"),
                "rollout": (("rollout",), "rollout-base.in")}
 DIGEST_PINNED = re.compile(r"^[a-z0-9]+(?:[._/-][a-z0-9]+)*:(?P<tag>\w[\w.-]{0,127})@sha256:[0-9a-f]{64}$")
+DEBIAN_RELEASES = {"bookworm", "trixie"}
+"""Release names a base's tag may carry instead of a version number (debian:bookworm-slim)."""
 # Bases pinned by tag only, each with why. Only where no digest could be had from a source we can
 # cite (a digest is never made up); the Dockerfile's comment above FROM says how to pin it.
 TAG_ONLY_BASES = {
@@ -45,18 +47,55 @@ def instructions(name: str) -> list[tuple[str, str]]:
     return out
 
 
+def build_args(name: str) -> dict[str, str]:
+    """The ARGs declared before the first FROM, with their defaults (what a FROM may name)."""
+    out: dict[str, str] = {}
+    for op, rest in instructions(name):
+        if op == "FROM":
+            break
+        if op == "ARG":
+            key, _, value = rest.partition("=")
+            out[key] = value
+    return out
+
+
 def stages(name: str) -> list[list[tuple[str, str]]]:
-    """The Dockerfile's stages, each starting with its FROM."""
+    """The Dockerfile's stages, each starting with its FROM (the ARGs before the first FROM left out),
+    a FROM's ${ARG} replaced by the ARG's default."""
+    defaults = build_args(name)
     out: list[list[tuple[str, str]]] = []
     for op, rest in instructions(name):
         if op == "FROM":
             out.append([])
-        out[-1].append((op, rest))
+            rest = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m[1]], rest)
+        if out:
+            out[-1].append((op, rest))
     return out
 
 
+def stage_name(stage: list[tuple[str, str]]) -> str | None:
+    words = stage[0][1].split()
+    return words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+
+
+def root_base(name: str, stage: list[tuple[str, str]]) -> str:
+    """The image a stage builds on, through the earlier stages it names."""
+    by_name = {stage_name(s): s for s in stages(name) if stage_name(s)}
+    ref = stage[0][1].split()[0]
+    return root_base(name, by_name[ref]) if ref in by_name else ref
+
+
 def bases(name: str) -> list[str]:
-    return [rest.split()[0] for op, rest in instructions(name) if op == "FROM"]
+    """The images the Dockerfile's stages build on (a FROM naming an earlier stage is not one)."""
+    named: set[str] = set()
+    out = []
+    for stage in stages(name):
+        ref = stage[0][1].split()[0]
+        if ref not in named:
+            out.append(ref)
+        if stage_name(stage):
+            named.add(stage_name(stage))  # type: ignore[arg-type]
+    return out
 
 
 def commands(run: str) -> list[list[str]]:
@@ -148,7 +187,9 @@ def test_base_is_pinned_by_digest(name):
             continue
         match = DIGEST_PINNED.match(ref)
         assert match, f"{ref}: pin the base as image:tag@sha256:<64 hex> (or list it in TAG_ONLY_BASES, with why)"
-        assert match["tag"] != "latest" and re.search(r"\d", match["tag"]), ref
+        # a release in the tag: a version number, or a Debian release's name (bookworm-slim)
+        assert match["tag"] != "latest" and (re.search(r"\d", match["tag"]) or
+                                             match["tag"].split("-")[0] in DEBIAN_RELEASES), ref
 
 
 def test_tag_only_exceptions_are_still_needed():
@@ -158,16 +199,27 @@ def test_tag_only_exceptions_are_still_needed():
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
 def test_multi_stage_final_stage_only_copies_the_built_venv(name):
-    """A build stage installs; the final stage, on the same base (the venv links to its interpreter),
-    copies the venv and adds the user: no pip, apt or compiler runs there, no sources or caches land."""
-    build, *middle, final = stages(name)
-    assert not middle and build[0][1].split()[-2:] == ["AS", "build"], "two stages: `build`, then the image"
-    assert final[0][1] == build[0][1].split()[0], "the final stage uses the build stage's base"
+    """A `build` stage installs; the final stage, on the same base (the venv links to its interpreter),
+    copies the venv and adds the user: no pip, apt or compiler runs there, no sources or caches land.
+    A stage both build on (the base plus its Python, from Debian) only installs Debian packages."""
+    *earlier, final = stages(name)
+    [build] = [s for s in earlier if stage_name(s) == "build"]
+    assert root_base(name, final) == root_base(name, build), "the final stage uses the build stage's base"
+    assert final[0][1].split()[0] in (build[0][1].split()[0], root_base(name, build))
     copies = [rest for op, rest in final if op in ("COPY", "ADD")]
     assert copies == ["--from=build /opt/asyncrl /opt/asyncrl"]
     for op, rest in final:
         if op == "RUN":
             assert [argv[0] for argv in commands(rest)] in (["useradd"], ["useradd", "true"]), rest
+    for stage in earlier:
+        if stage is build:
+            continue
+        assert not [op for op, _ in stage if op in ("COPY", "ADD")], f"{stage_name(stage)} copies nothing"
+        for op, rest in stage:
+            if op == "RUN":
+                for argv in commands(rest):
+                    assert argv[:2] in (["apt-get", "update"], ["apt-get", "install"], ["rm", "-rf"]), argv
+                    assert argv[:2] != ["apt-get", "install"] or "--no-install-recommends" in argv, argv
 
 
 @pytest.mark.parametrize("name", sorted(IMAGES))
