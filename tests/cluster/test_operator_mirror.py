@@ -58,7 +58,8 @@ async def test_trainer_status_is_mirrored_into_job_status(api: BareApiserver, tm
             conds = {c["type"]: c for c in s["conditions"]}
             assert conds["WeightsSynced"]["status"] == "False" and conds["WeightsSynced"]["reason"] == "Lagging"
             assert s["recovery"] == {"deadLettered": 0, "driftLost": 0, "driftFound": 0, "leasesReturned": 0,
-                                     "rewardFailures": 0, "episodeFailures": 0, "recoveredEntries": 0,
+                                     "rewardFailures": 0, "episodeFailures": 0, "generationFailures": 0,
+                                     "engineRequeues": 0, "recoveredEntries": 0,
                                      "reclaimedEntries": 0,
                                      "fencedEngines": 0, "trainerRestarts": 0, "engineRestarts": 0, "engineResyncs": 0,
                                      "ghostGroupsDropped": 0}
@@ -74,7 +75,8 @@ async def test_trainer_status_is_mirrored_into_job_status(api: BareApiserver, tm
             await poll(lambda: status().get("recovery", {}).get("deadLettered") == 2, what="recovery mirrored",
                            log=op.log)
             assert status()["recovery"] == {"deadLettered": 2, "driftLost": 1, "driftFound": 0, "leasesReturned": 3,
-                                            "rewardFailures": 4, "episodeFailures": 0, "recoveredEntries": 0,
+                                            "rewardFailures": 4, "episodeFailures": 0, "generationFailures": 0,
+                                            "engineRequeues": 0, "recoveredEntries": 0,
                                             "reclaimedEntries": 0,
                                             "fencedEngines": 1, "trainerRestarts": 1, "engineRestarts": 0,
                                             "engineResyncs": 2, "ghostGroupsDropped": 3}
