@@ -385,10 +385,9 @@ class Trainer:
         self._show_admission(snap)
         counts = pipeline_counts(snap, too_stale=self.state.dropped, stale_error=self._stale_error)
         with self.reporter.edit() as report:
-            rollout = {"running": snap.running, "engines": len(report.rollout),
-                       "ready": sum(e.ready for e in report.rollout)}
-            report.stalled = self.progress.observe(counts, **rollout)
-        overdue = self.progress.overdue(**rollout)
+            report.stalled = self.progress.observe(counts, running=snap.running, engines=len(report.rollout),
+                                                   ready=sum(e.ready for e in report.rollout))
+        overdue = self.progress.overdue()
         if overdue is not None:
             raise overdue
 

@@ -95,7 +95,7 @@ class StallReport(_Report):
     last_error: str = ""
     """The newest error text of the dominant cause (a verifier's exception, an engine's answer)."""
     since: float = 0.0
-    """Unix time of the last accepted group (or of the trainer's start of waiting)."""
+    """Unix time of the last accepted group or step (or of the first rollout engine's registration)."""
     seconds: Annotated[float, gauge("stalled_seconds", "How long no group has been accepted for training while "
                                     "groups were dropped or none generated (0: not stalled).")] = 0.0
     """How long no group has been accepted, when the report was made."""

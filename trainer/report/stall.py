@@ -117,6 +117,8 @@ class ProgressWatch:
         self._kept = 0
         self._at_progress: PipelineCounts | None = None
         self._now = PipelineCounts()
+        self._verdict: StallReport | None = None  # diagnose() on the counts last observed (the deadline quotes it)
+        self._running = 0  # leases held at the last observation
         self._reported = ""  # the stall reason last reported ("" none): logged when it changes
 
     def kept(self, groups: int) -> None:
@@ -149,6 +151,7 @@ class ProgressWatch:
             self._at_progress = counts
         report = diagnose(counts, self._at_progress, since=self.last_progress, at=self.clock(), running=running,
                           engines=engines, ready=ready)
+        self._verdict, self._running = report, running
         stalled = report if report.reason and report.seconds >= self.stall_after_s else None
         if (stalled.reason if stalled else "") != self._reported:
             if stalled is not None:
@@ -158,16 +161,15 @@ class ProgressWatch:
             self._reported = stalled.reason if stalled else ""
         return stalled
 
-    def overdue(self, *, running: int, engines: int, ready: int) -> ProgressDeadlineExceeded | None:
+    def overdue(self) -> ProgressDeadlineExceeded | None:
         """The error that fails the job once `deadline_s` passed without a step (None: not yet, or
-        no deadline), with the verdict on the counts last observed."""
-        if self.deadline_s is None or not self.started:
+        no deadline), with the verdict `observe` drew last."""
+        if self.deadline_s is None or not self.started or self._verdict is None:
             return None
         waited = self.clock() - self.last_step
         if waited < self.deadline_s:
             return None
-        verdict = diagnose(self._now, self._at_progress or self._now, since=self.last_progress, at=self.clock(),
-                           running=running, engines=engines, ready=ready)
+        verdict, running = self._verdict, self._running
         why = verdict.message or (f"{running} group(s) still being generated" if running else "nothing generated")
         return ProgressDeadlineExceeded(f"no training step for {waited:.0f}s (progressDeadlineSeconds="
                                         f"{self.deadline_s:.0f}), no group accepted for {verdict.seconds:.0f}s: "

@@ -91,20 +91,21 @@ def test_the_deadline_counts_from_the_last_step_and_says_why():
     clock.now += 200
     watch.kept(2)  # accepted groups are not a step
     clock.now += 99
-    assert watch.overdue(running=1, engines=1, ready=1) is None
+    assert watch.overdue() is None
     clock.now += 1
     watch.observe(counts(reward_failures=3), running=1, engines=1, ready=1)
-    error = watch.overdue(running=1, engines=1, ready=1)
+    error = watch.overdue()
     assert isinstance(error, ProgressDeadlineExceeded) and error.reason == "ProgressDeadlineExceeded"
     assert str(error).startswith("no training step for 300s (progressDeadlineSeconds=300), no group accepted "
                                  "for 100s: 3 groups dropped because their reward")
     # it is sent from rank 0 to every rank
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
     watch.stepped()
-    assert watch.overdue(running=1, engines=1, ready=1) is None
+    assert watch.overdue() is None
     clock.now += 300
-    assert "1 group(s) still being generated" in str(watch.overdue(running=1, engines=1, ready=1))
-    assert ProgressWatch(stall_after_s=60, deadline_s=None, clock=clock).overdue(running=0, engines=1, ready=1) is None
+    watch.observe(counts(reward_failures=3), running=1, engines=1, ready=1)  # (the loop observes, then asks)
+    assert "1 group(s) still being generated" in str(watch.overdue())
+    assert ProgressWatch(stall_after_s=60, deadline_s=None, clock=clock).overdue() is None
 
 
 def test_the_counts_are_the_workers_and_the_trainers_own():
@@ -124,11 +125,11 @@ def test_the_clocks_start_when_the_first_engine_registers():
     watch = ProgressWatch(stall_after_s=60, deadline_s=300, clock=clock)
     clock.now += 1000
     assert watch.observe(counts(), running=0, engines=0, ready=0) is None
-    assert watch.overdue(running=0, engines=0, ready=0) is None
+    assert watch.overdue() is None
     assert watch.observe(counts(reward_failures=2), running=1, engines=1, ready=1) is None  # registered: the baseline
     clock.now += 299
     stalled = watch.observe(counts(reward_failures=9), running=1, engines=1, ready=1)
     assert stalled is not None and (stalled.count, stalled.seconds) == (7, 299.0)
-    assert watch.overdue(running=1, engines=1, ready=1) is None
+    assert watch.overdue() is None
     clock.now += 1
-    assert watch.overdue(running=1, engines=1, ready=1) is not None
+    assert watch.overdue() is not None
